@@ -1,0 +1,141 @@
+"""Loading a checkpoint directory laid out as the official `fishaudio/s2-pro` release.
+
+    config.json  tokenizer.json  model.safetensors.index.json
+    model-0000N-of-0000M.safetensors  codec.pth
+
+Every tensor the model needs is checked (name, shape); a missing or misshaped one
+stops loading with an error naming it. Tensors the model does not use are named in
+one log line and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from .config import CheckpointError, S2Config
+from .model import S2Model
+
+log = logging.getLogger("s2tts")
+
+INDEX_FILE = "model.safetensors.index.json"
+CODEC_FILE = "codec.pth"
+_PREFIX = {"slow": "text_model.model.", "fast": "audio_decoder."}
+
+
+def checkpoint_name(param_name: str) -> str:
+    """Our parameter name -> the checkpoint's tensor name (`slow.stack.layers.0...` -> `text_model.model.layers.0...`)."""
+    top, rest = param_name.split(".", 1)
+    if rest.startswith("stack."):
+        rest = rest[len("stack.") :]
+    return _PREFIX[top] + rest
+
+
+def expected_tensors(s2: S2Config) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape, for every tensor S2 Pro inference needs."""
+    with torch.device("meta"):
+        model = S2Model(s2)
+    return {checkpoint_name(n): tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+             "fp32": torch.float32, "float32": torch.float32}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}: use one of {sorted(table)}")
+    return table[name]
+
+
+def resolve_device(name: str | torch.device | None) -> torch.device:
+    """'auto' (or None) picks cuda when available; anything else is passed to torch.device."""
+    if name in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device: use device=cpu (or auto)")
+    return dev
+
+
+def _shard_map(path: Path) -> dict[str, str]:
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no `weight_map`")
+        return weight_map
+    single = path / "model.safetensors"
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), "pt") as f:
+            return {k: single.name for k in f.keys()}
+    raise CheckpointError(f"{path}: neither {INDEX_FILE} nor model.safetensors found")
+
+
+def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16") -> S2Model:
+    """Build S2Model from a checkpoint directory, strictly checked, on `device` in `dtype`."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    device, dtype = resolve_device(device), parse_dtype(dtype)
+    s2 = S2Config.from_dir(path)
+    if not s2.text.tie_word_embeddings:
+        raise CheckpointError("text_config.tie_word_embeddings is false: S2 Pro's slow AR ties its output head to the embeddings")
+    expected = expected_tensors(s2)
+    weight_map = _shard_map(path)
+
+    missing = [n for n in expected if n not in weight_map]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]}" + (f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""))
+    unused = sorted(n for n in weight_map if n not in expected)
+    if unused:
+        log.info("checkpoint %s: ignoring %d tensors the model does not use: %s", path, len(unused), ", ".join(unused))
+
+    by_file: dict[str, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(weight_map[name], []).append(name)
+    tensors = {}
+    for fname, names in by_file.items():
+        fpath = path / fname
+        if not fpath.is_file():
+            raise CheckpointError(f"{INDEX_FILE} names shard {fname}, which is not in {path}")
+        with safe_open(str(fpath), "pt", device="cpu") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"tensor {name} is listed in {INDEX_FILE} but missing from {fname}")
+                t = f.get_tensor(name)
+                if tuple(t.shape) != expected[name]:
+                    raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected {expected[name]} from config.json")
+                tensors[name] = t.to(device=device, dtype=dtype)
+
+    with torch.device("meta"):
+        model = S2Model(s2)
+    state = {n: tensors[checkpoint_name(n)] for n, _ in model.named_parameters()}
+    model.load_state_dict(state, assign=True, strict=True)
+    _materialize_buffers(model, device)
+    model.slow.build_head()
+    return model.eval().requires_grad_(False)
+
+
+def _materialize_buffers(model: S2Model, device) -> None:
+    """Non-persistent buffers (RoPE tables) are computed, not loaded."""
+    from .model import Stack, rope_table
+
+    for m in model.modules():
+        if isinstance(m, Stack):
+            m.rope = rope_table(m.rope.shape[0], m.cfg.head_dim, m.cfg.rope_base).to(device)
+
+
+def load_codec_from_dir(path: str | Path, device="cpu", dtype: str | torch.dtype = "fp32"):
+    from .codec import load_codec
+
+    f = Path(path) / CODEC_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{f} not found: the checkpoint directory needs the DAC codec weights {CODEC_FILE}")
+    return load_codec(str(f), device=resolve_device(device), dtype=parse_dtype(dtype))

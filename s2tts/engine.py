@@ -1,0 +1,259 @@
+"""Continuous-batching generation engine for S2 Pro (slow AR + fast AR).
+
+Each live request owns a slot of the static KV cache and its own sampling state
+(seed, temperature, ... in per-slot device tensors). `step()` admits waiting requests
+(batched prefill, which also yields their first frame), then runs one batched decode
+step for every other live request, and returns what each request produced. A frame is
+one slow-AR token plus the fast AR's residual codes: `[num_codebooks]` codes.
+
+Thread-safety: `submit` and `cancel` may be called from any thread; `step` from one.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .model import S2Model
+from .prompt import Prompt
+from .sampling import RAS_WINDOW, SamplingParams, sample, sample_semantic
+
+FINISH_END, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "end", "length", "cancelled", "error"
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: Prompt
+    params: SamplingParams
+    # engine-owned state
+    slot: int = -1
+    length: int = 0  # tokens in this request's KV cache
+    generated: int = 0  # frames produced
+    max_new: int = 0
+    seed: int = 0
+    submitted_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Output:
+    """What one request produced in one `step()`."""
+
+    request_id: str
+    codes: np.ndarray  # [n, num_codebooks] int32 new frames (n may be 0)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class InProcessFastAR:
+    """Runs the fast AR in the engine's process: (hidden, code0, sampling tensors) -> residual codes."""
+
+    def __init__(self, model: S2Model, residual_size: int):
+        self.model = model
+        self.residual_size = residual_size
+
+    def __call__(self, hidden, code0, temperature, top_p, top_k, seed, step):
+        def sample_fn(logits, k):
+            return sample(logits, temperature, top_p, top_k, seed, step, stream=1 + k)
+
+        return self.model.fast.generate(hidden, code0, sample_fn, self.residual_size)
+
+
+class Engine:
+    def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
+                 fast_ar=None, max_prefill_tokens: int = 8192):
+        s2 = model.s2
+        self.model, self.s2 = model, s2
+        self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
+        self.max_prefill_tokens = max_prefill_tokens
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        model.slow.stack.setup_caches(max_batch, self.max_seq_len, self.dtype, self.device)
+        model.fast.setup_caches(max_batch, self.dtype, self.device)
+        self.fast_ar = fast_ar or InProcessFastAR(model, residual_size)
+        self.logits_hook = None  # optional observer: fn(request_ids, logits [B, V]) (tests, debugging)
+
+        dev, C = self.device, s2.num_codebooks
+        # per-slot device state
+        self.last_codes = torch.zeros(max_batch, C, dtype=torch.int64, device=dev)
+        self.recent = torch.full((max_batch, RAS_WINDOW), -1, dtype=torch.int64, device=dev)
+        self.temperature = torch.zeros(max_batch, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.seed = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._waiting: deque[Request] = deque()
+        self._cancel: set[str] = set()
+        self.live: dict[int, Request] = {}  # slot -> request
+        self._free = list(range(max_batch - 1, -1, -1))
+
+    # ---- API used from other threads -------------------------------------------------
+    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        """Queue a request. Raises ValueError (with what to change) if it can never run."""
+        params.validate()
+        n = len(prompt)
+        if n + 1 >= self.max_seq_len:
+            raise ValueError(f"prompt is {n} tokens, over this server's limit of {self.max_seq_len - 2}: shorten the text or the reference")
+        req = Request(request_id, prompt, params)
+        req.max_new = min(params.max_new_tokens, self.max_seq_len - n - 1)
+        req.seed = params.seed if params.seed is not None else random.getrandbits(63)
+        with self._work:
+            if any(r.id == request_id for r in self._all()):
+                raise ValueError(f"request id {request_id!r} is already live")
+            self._waiting.append(req)
+            self._work.notify()
+        return req
+
+    def cancel(self, request_id: str) -> None:
+        with self._work:
+            self._cancel.add(request_id)
+            self._work.notify()
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        with self._work:
+            if not self.has_work():
+                self._work.wait(timeout)
+            return self.has_work()
+
+    def wake(self) -> None:
+        with self._work:
+            self._work.notify_all()
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self.live or self._cancel)
+
+    def _all(self):
+        return list(self._waiting) + list(self.live.values())
+
+    # ---- the loop ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[Output]:
+        outputs: list[Output] = []
+        with self._lock:
+            cancels, self._cancel = self._cancel, set()
+            if cancels:
+                kept = deque()
+                for r in self._waiting:
+                    (outputs.append(Output(r.id, self._empty(), True, FINISH_CANCELLED)) if r.id in cancels else kept.append(r))
+                self._waiting = kept
+            admitted = []
+            budget = self.max_prefill_tokens
+            while self._waiting and self._free and (not admitted or len(self._waiting[0].prompt) <= budget):
+                r = self._waiting.popleft()
+                budget -= len(r.prompt)
+                r.slot = self._free.pop()
+                admitted.append(r)
+        for slot, r in list(self.live.items()):
+            if r.id in cancels:
+                outputs.append(Output(r.id, self._empty(), True, FINISH_CANCELLED))
+                self._release(r)
+        decoding = sorted(self.live)
+        if decoding:
+            outputs += self._decode(decoding)
+        if admitted:
+            for r in admitted:
+                self.live[r.slot] = r
+            outputs += self._prefill(admitted)
+        return outputs
+
+    def _empty(self):
+        return np.zeros((0, self.s2.num_codebooks), dtype=np.int32)
+
+    def _release(self, r: Request) -> None:
+        self.live.pop(r.slot, None)
+        self._free.append(r.slot)
+
+    def _set_slot_params(self, reqs: list[Request]) -> torch.Tensor:
+        dev = self.device
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        self.temperature[slots] = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
+        self.top_p[slots] = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
+        self.top_k[slots] = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64, device=dev)
+        self.seed[slots] = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)
+        self.recent[slots] = -1
+        return slots
+
+    def _prefill(self, reqs: list[Request]) -> list[Output]:
+        dev, C = self.device, self.s2.num_codebooks
+        slots = self._set_slot_params(reqs)
+        lens = [len(r.prompt) for r in reqs]
+        T = max(lens)
+        tokens = torch.zeros(len(reqs), T, dtype=torch.int64)
+        codes = torch.zeros(len(reqs), T, C, dtype=torch.int64)
+        semantic = torch.zeros(len(reqs), T, dtype=torch.bool)
+        for i, r in enumerate(reqs):
+            n = lens[i]
+            tokens[i, :n], codes[i, :n], semantic[i, :n] = r.prompt.tokens, r.prompt.codes, r.prompt.semantic
+        x = self.model.embed(tokens.to(dev), codes.to(dev), semantic.to(dev))
+        pos = torch.arange(T, device=dev).expand(len(reqs), T)
+        hidden, logits = self.model.slow(x, pos, slots, kv_len_max=T)
+        last = torch.tensor([n - 1 for n in lens], device=dev)
+        rows = torch.arange(len(reqs), device=dev)
+        for r, n in zip(reqs, lens):
+            r.length = n
+        return self._finish_step(reqs, slots, hidden[rows, last], logits[rows, last])
+
+    def _decode(self, slot_list: list[int]) -> list[Output]:
+        dev = self.device
+        reqs = [self.live[s] for s in slot_list]
+        slots = torch.tensor(slot_list, device=dev)
+        frame = self.last_codes[slots]  # [B, C]
+        tokens = frame[:, :1] + self.s2.semantic_start_id
+        semantic = torch.ones_like(tokens, dtype=torch.bool)
+        x = self.model.embed(tokens, frame[:, None, :], semantic)
+        pos = torch.tensor([[r.length] for r in reqs], device=dev)
+        hidden, logits = self.model.slow(x, pos, slots, kv_len_max=max(r.length for r in reqs) + 1)
+        for r in reqs:
+            r.length += 1
+        return self._finish_step(reqs, slots, hidden[:, -1], logits[:, -1])
+
+    def _finish_step(self, reqs, slots, hidden, logits) -> list[Output]:
+        """Sample code 0 (or the end token), run the fast AR, update slot state, hand frames to the host."""
+        dev = self.device
+        if self.logits_hook is not None:
+            self.logits_hook([r.id for r in reqs], logits)
+        step = torch.tensor([r.generated for r in reqs], dtype=torch.int64, device=dev)
+        temp, top_p, top_k, seed = self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seed[slots]
+        idx = sample_semantic(logits, self.recent[slots], temp, top_p, top_k, seed, step)
+        end = idx == self.model.slow.end_index
+        code0 = idx.clamp(max=self.s2.num_semantic - 1)
+        residual = self.fast_ar(hidden, code0, temp, top_p, top_k, seed, step)
+        frame = torch.cat([code0[:, None], residual.to(code0.dtype)], dim=1)
+        self.last_codes[slots] = frame
+        self.recent[slots] = torch.cat([self.recent[slots][:, 1:], code0[:, None]], dim=1)
+        host = torch.cat([frame, end[:, None].to(frame.dtype)], dim=1).to("cpu").numpy()  # the step's one sync
+
+        outputs = []
+        for i, r in enumerate(reqs):
+            if host[i, -1]:
+                outputs.append(Output(r.id, self._empty(), True, FINISH_END))
+                self._release(r)
+                continue
+            r.generated += 1
+            done = r.generated >= r.max_new
+            outputs.append(Output(r.id, host[i : i + 1, :-1].astype(np.int32), done, FINISH_LENGTH if done else None))
+            if done:
+                self._release(r)
+        return outputs
+
+    # ---- convenience for offline use ----------------------------------------------------
+    def generate(self, prompt: Prompt, params: SamplingParams, request_id: str = "offline") -> tuple[np.ndarray, str]:
+        """Run one request to completion (others submitted meanwhile run beside it): codes [C, frames]."""
+        self.submit(request_id, prompt, params)
+        frames, reason = [], None
+        while reason is None:
+            for o in self.step():
+                if o.request_id == request_id:
+                    frames.append(o.codes)
+                    if o.finished:
+                        reason = o.finish_reason
+        return np.concatenate(frames, axis=0).T, reason

@@ -1,0 +1,263 @@
+"""The S2 Pro dual-AR transformer: a Qwen3-shaped slow AR and a 4-layer fast AR.
+
+Plain PyTorch, gpt-fast style: static KV caches allocated once (`setup_caches`),
+positions passed as tensors, so the decode step has fixed shapes. Nothing here
+knows about serving.
+
+Shapes: B batch, S tokens, H query heads, K kv heads, D head dim, C codebooks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ARConfig, S2Config
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_table(seq_len: int, head_dim: int, base: float) -> torch.Tensor:
+    """[seq_len, head_dim/2, 2] (cos, sin), rounded through bf16 as the reference stores it."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    table = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return table.to(torch.bfloat16).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Interleaved (GPT-J) rotation of pairs (2i, 2i+1). x: [B, S, H, D]; rope: [B, S, D/2, 2]."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope = rope.unsqueeze(2)  # broadcast over heads
+    cos, sin = rope[..., 0], rope[..., 1]
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Per-layer static cache: [slots, K, max_seq, D]. A slot belongs to one request."""
+
+    def __init__(self, slots: int, n_kv: int, max_seq: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (slots, n_kv, max_seq, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # slots [B], pos [B, S], k/v [B, S, K, D]
+        b_idx = slots[:, None].expand_as(pos)
+        self.k[b_idx, :, pos] = k
+        self.v[b_idx, :, pos] = v
+
+
+def attend(q, k, v, q_pos, kv_len_max: int):
+    """Causal attention of q [B, H, S, D] over k/v [B, K, kv_len_max, D].
+
+    Key j is visible to the query at position p when j <= p; this also hides cache
+    rows beyond a request's length, whatever garbage they hold.
+    """
+    key_pos = torch.arange(kv_len_max, device=q.device)
+    mask = key_pos[None, None, None, :] <= q_pos[:, None, :, None]  # [B, 1, S, L]
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ARConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wqkv = nn.Linear(cfg.dim, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        self.wo = nn.Linear(cfg.q_size, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+        self.cache: KVCache | None = None
+
+    def forward(self, x, rope, pos, slots, kv_len_max: int | None):
+        """x [B, S, dim]; rope [B, S, D/2, 2]; pos [B, S]; slots [B] or None (no cache: plain causal)."""
+        c = self.cfg
+        B, S, _ = x.shape
+        q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(B, S, c.n_head, c.head_dim)
+        k = k.view(B, S, c.n_local_heads, c.head_dim)
+        v = v.view(B, S, c.n_local_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if slots is None:
+            out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, S)
+        else:
+            self.cache.write(slots, pos, k, v)
+            kc, vc = self.cache.k[slots, :, :kv_len_max], self.cache.v[slots, :, :kv_len_max]
+            out = attend(q.transpose(1, 2), kc, vc, pos, kv_len_max)
+        return self.wo(out.transpose(1, 2).reshape(B, S, c.q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ARConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
+        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ARConfig):
+        super().__init__()
+        self.attention = Attention(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, x, rope, pos, slots, kv_len_max):
+        h = x + self.attention(self.attention_norm(x), rope, pos, slots, kv_len_max)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Stack(nn.Module):
+    """Shared by both ARs: layers + final norm + rope table + caches."""
+
+    def __init__(self, cfg: ARConfig, rope_len: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.register_buffer("rope", rope_table(rope_len, cfg.head_dim, cfg.rope_base), persistent=False)
+
+    def setup_caches(self, slots: int, max_seq: int, dtype, device) -> None:
+        c = self.cfg
+        for layer in self.layers:
+            layer.attention.cache = KVCache(slots, c.n_local_heads, max_seq, c.head_dim, dtype, device)
+
+    def run(self, x, pos, slots=None, kv_len_max=None):
+        """x [B, S, dim] -> final-normed hidden [B, S, dim]."""
+        rope = self.rope[pos]
+        for layer in self.layers:
+            x = layer(x, rope, pos, slots, kv_len_max)
+        return self.norm(x)
+
+
+class SlowAR(nn.Module):
+    """The Qwen3-shaped decoder. Parameter names follow `text_model.model.*` of the checkpoint."""
+
+    def __init__(self, s2: S2Config):
+        super().__init__()
+        self.s2 = s2
+        cfg = s2.text
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.stack = Stack(cfg, cfg.max_seq_len)
+        # Output head restricted to the semantic tokens + <|im_end|> (tied to the embeddings);
+        # built by `build_head()` after the weights are loaded.
+        self.register_buffer("head", torch.empty(0), persistent=False)
+
+    @property
+    def layers(self):
+        return self.stack.layers
+
+    @property
+    def norm(self):
+        return self.stack.norm
+
+    def build_head(self) -> None:
+        s2, w = self.s2, self.embeddings.weight
+        self.head = torch.cat([w[s2.semantic_start_id : s2.semantic_end_id + 1], w[s2.im_end_id : s2.im_end_id + 1]]).detach()
+
+    @property
+    def end_index(self) -> int:
+        """Index of <|im_end|> in the restricted logits (the semantic codes come first)."""
+        return self.s2.num_semantic
+
+    def embed(self, tokens, codes, semantic, codebook_embeddings: nn.Embedding):
+        """Input embeddings. tokens [B, S]; codes [B, S, C]; semantic [B, S] bool.
+
+        Semantic positions: (emb(token) + sum_i codebook_emb(code_i + i*codebook_size)) / sqrt(C+1).
+        """
+        s2 = self.s2
+        x = self.embeddings(tokens)
+        offsets = torch.arange(s2.num_codebooks, device=codes.device) * s2.codebook_size
+        cb = codebook_embeddings(codes.clamp(0, s2.codebook_size - 1) + offsets).sum(dim=-2)
+        sem = ((x + cb) * s2.embed_scale).to(x.dtype)
+        return torch.where(semantic[..., None], sem, x)
+
+    def forward(self, x, pos, slots=None, kv_len_max=None):
+        """x [B, S, dim] embeddings -> (hidden [B, S, dim] final-normed, logits [B, S, num_semantic+1])."""
+        h = self.stack.run(x, pos, slots, kv_len_max)
+        return h, F.linear(h, self.head).float()
+
+
+class FastAR(nn.Module):
+    """Predicts codes 1..C-1 of a frame from the slow AR's final-normed hidden and code 0.
+
+    Parameter names follow `audio_decoder.*` of the checkpoint (`codebook_embeddings` lives here too,
+    although it feeds the slow AR's input).
+    """
+
+    def __init__(self, s2: S2Config):
+        super().__init__()
+        self.s2 = s2
+        cfg = s2.audio
+        self.codebook_embeddings = nn.Embedding(s2.num_codebooks * s2.codebook_size, s2.text.dim)
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.stack = Stack(cfg, s2.num_codebooks + 1)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    @property
+    def layers(self):
+        return self.stack.layers
+
+    @property
+    def norm(self):
+        return self.stack.norm
+
+    def setup_caches(self, batch: int, dtype, device) -> None:
+        self.stack.setup_caches(batch, self.s2.num_codebooks + 1, dtype, device)
+
+    def generate(self, hidden, code0, sample_fn, residual_size: int):
+        """hidden [B, dim], code0 [B] -> codes [B, C-1].
+
+        `sample_fn(logits [B, V], k)` samples codebook k (1-based) from logits restricted to the
+        `residual_size` valid residual codes. Position 0 takes the hidden, position k takes the embedding
+        of code k-1 and predicts code k; the first call processes positions 0 and 1 together.
+        """
+        B = hidden.shape[0]
+        dev = hidden.device
+        slots = torch.arange(B, device=dev)
+        x = torch.stack([hidden, self.embeddings(code0)], dim=1)
+        pos = torch.arange(2, device=dev).expand(B, 2)
+        codes = []
+        for k in range(1, self.s2.num_codebooks):
+            h = self.stack.run(x, pos, slots, kv_len_max=k + 1)
+            logits = self.output(h[:, -1]).float()[:, :residual_size]
+            code = sample_fn(logits, k)
+            codes.append(code)
+            x = self.embeddings(code)[:, None]
+            pos = torch.full((B, 1), k + 1, device=dev, dtype=torch.long)
+        return torch.stack(codes, dim=1)
+
+
+class S2Model(nn.Module):
+    def __init__(self, s2: S2Config):
+        super().__init__()
+        self.s2 = s2
+        self.slow = SlowAR(s2)
+        self.fast = FastAR(s2)
+
+    def embed(self, tokens, codes, semantic):
+        return self.slow.embed(tokens, codes, semantic, self.fast.codebook_embeddings)

@@ -1,0 +1,112 @@
+"""Prompts for plain TTS and zero-shot voice cloning.
+
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{text}<|im_end|>\\n<|im_start|>assistant\\n<|voice|>
+
+For cloning, the system content is
+    convert the provided text to speech reference to the following:\\n\\nText:\\n<|speaker:0|>{ref_text}\\n\\nSpeech:\\n
+followed by one <|semantic:code0|> token per reference frame, whose input embedding also
+carries all codebooks of that frame. Each text part is tokenized on its own, so BPE merges
+never cross part boundaries.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import IM_END, IM_START, VOICE, S2Config
+
+SYSTEM_TTS = "convert the provided text to speech"
+SYSTEM_CLONE = "convert the provided text to speech reference to the following:\n\nText:\n"
+CLONE_SPEECH = "\n\nSpeech:\n"
+
+_SPEAKER = re.compile(r"<\|speaker:\d+\|>")
+_LEGACY_SPEAKER = re.compile(r"<speaker:(\d+)>")
+_SPECIAL = re.compile(r"<\|[^|<>]*\|>")
+
+
+@dataclass
+class Prompt:
+    tokens: torch.Tensor  # [T] int64
+    codes: torch.Tensor  # [T, C] int64, meaningful where `semantic`
+    semantic: torch.Tensor  # [T] bool
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def clean_text(text: str, what: str = "text") -> str:
+    """Normalise speaker tags; refuse other special-token markup (it would steer the model)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a string")
+    text = _LEGACY_SPEAKER.sub(r"<|speaker:\1|>", text).strip()
+    if not text:
+        raise ValueError(f"{what} is empty: give the words to speak")
+    bad = [m for m in _SPECIAL.findall(text) if not _SPEAKER.fullmatch(m)]
+    if bad:
+        raise ValueError(f"{what} contains the special token {bad[0]}: only <|speaker:N|> tags are allowed")
+    return text
+
+
+class PromptBuilder:
+    def __init__(self, s2: S2Config, tokenizer_path: str | Path):
+        from tokenizers import Tokenizer
+
+        self.s2 = s2
+        self.tok = Tokenizer.from_file(str(tokenizer_path))
+
+    @classmethod
+    def from_dir(cls, path: str | Path, s2: S2Config | None = None) -> "PromptBuilder":
+        return cls(s2 or S2Config.from_dir(path), Path(path) / "tokenizer.json")
+
+    def _text(self, s: str) -> list[int]:
+        return self.tok.encode(s, add_special_tokens=False).ids
+
+    def _special(self, name: str) -> list[int]:
+        i = self.tok.token_to_id(name)
+        if i is None:
+            raise ValueError(f"tokenizer.json has no {name}")
+        return [i]
+
+    def build(self, text: str, ref_codes: torch.Tensor | None = None, ref_text: str | None = None) -> Prompt:
+        """ref_codes: [C, frames] codes of the reference clip (from the DAC encoder)."""
+        s2 = self.s2
+        text = clean_text(text)
+        ids: list[int] = []
+        sem_codes = None
+        sem_at = 0
+        ids += self._special(IM_START) + self._text("system\n")
+        if ref_codes is None:
+            if ref_text:
+                raise ValueError("reference_text was given without reference audio or codes")
+            ids += self._text(SYSTEM_TTS)
+        else:
+            if not ref_text or not ref_text.strip():
+                raise ValueError("a voice reference needs its transcript: give reference_text")
+            ref_text = clean_text(ref_text, "reference_text")
+            if not _SPEAKER.match(ref_text):
+                ref_text = "<|speaker:0|>" + ref_text
+            ref_codes = torch.as_tensor(ref_codes, dtype=torch.int64)
+            if ref_codes.ndim != 2 or ref_codes.shape[0] != s2.num_codebooks or ref_codes.shape[1] == 0:
+                raise ValueError(f"reference codes must have shape [{s2.num_codebooks}, frames>0], got {list(ref_codes.shape)}")
+            if int(ref_codes.min()) < 0 or int(ref_codes[0].max()) >= s2.num_semantic or int(ref_codes.max()) >= s2.codebook_size:
+                raise ValueError(f"reference codes out of range: code 0 must be in [0, {s2.num_semantic}), the others in [0, {s2.codebook_size})")
+            ids += self._text(SYSTEM_CLONE) + self._text(ref_text) + self._text(CLONE_SPEECH)
+            sem_at = len(ids)
+            ids += (ref_codes[0] + s2.semantic_start_id).tolist()
+            sem_codes = ref_codes.T
+        ids += self._special(IM_END) + self._text("\n")
+        ids += self._special(IM_START) + self._text("user\n") + self._text(text) + self._special(IM_END) + self._text("\n")
+        ids += self._special(IM_START) + self._text("assistant\n") + self._special(VOICE)
+
+        tokens = torch.tensor(ids, dtype=torch.int64)
+        codes = torch.zeros(len(ids), s2.num_codebooks, dtype=torch.int64)
+        semantic = torch.zeros(len(ids), dtype=torch.bool)
+        if sem_codes is not None:
+            n = sem_codes.shape[0]
+            codes[sem_at : sem_at + n] = sem_codes
+            semantic[sem_at : sem_at + n] = True
+        return Prompt(tokens, codes, semantic)

@@ -1,0 +1,97 @@
+"""Sampling: temperature, top-p, top-k and repetition-aware sampling (RAS), batched.
+
+Random numbers are counter-based: uniform(seed, step, stream, index) is a hash, so a
+request's samples depend only on its own seed and step, never on what else is in the
+batch or on the device. No host synchronisation, no torch.Generator state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Streams of random numbers per step: 0 = slow AR sample, 1 = slow AR RAS resample,
+# 1 + k = fast AR codebook k.
+STREAM_SLOW, STREAM_RAS = 0, 1
+
+RAS_WINDOW = 10
+RAS_TEMPERATURE = 1.0
+RAS_TOP_P = 0.9
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3 finaliser on int64 tensors holding 32-bit values (low bits survive wrap-around)."""
+    h = h & _M32
+    h = (h ^ (h >> 16)) * 0x85EBCA6B & _M32
+    h = (h ^ (h >> 13)) * 0xC2B2AE35 & _M32
+    return h ^ (h >> 16)
+
+
+def uniform(seed: torch.Tensor, step: torch.Tensor, stream: int, n: int) -> torch.Tensor:
+    """[B, n] uniforms in (0, 1), a pure function of (seed[b], step[b], stream, index)."""
+    idx = torch.arange(n, device=seed.device, dtype=torch.int64)
+    lo, hi = seed & _M32, (seed >> 32) & _M32
+    h = _mix32(lo * 0x9E3779B1 + _mix32(hi + 0x632BE5AB))
+    h = _mix32(h + step * 0x7FEB352D + stream * 0x68E31DA4)
+    h = _mix32(h[:, None] + idx[None, :] * 0x1B873593 + 0x2545F491)
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def sample(logits, temperature, top_p, top_k, seed, step, stream: int) -> torch.Tensor:
+    """logits [B, V] float; temperature/top_p [B] float; top_k [B] int (0 = off); seed/step [B] int64 -> [B].
+
+    As the reference: sort; top-p mask from the softmax of the un-tempered logits, and rank >= top_k
+    masked; rank 0 always kept; then divide by max(T, 1e-5), softmax, exponential-race sample.
+    """
+    B, V = logits.shape
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cum = sorted_logits.softmax(-1).cumsum(-1)
+    rank = torch.arange(V, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, V)[:, None]
+    remove = (cum > top_p[:, None]) | (rank >= k)
+    remove[:, 0] = False
+    scaled = sorted_logits / temperature.clamp_min(1e-5)[:, None]
+    probs = scaled.masked_fill(remove, float("-inf")).softmax(-1)
+    q = -torch.log(uniform(seed, step, stream, V))  # Exp(1) noise per rank
+    choice = torch.argmax(probs / q, dim=-1, keepdim=True)
+    return order.gather(-1, choice).squeeze(-1)
+
+
+def sample_semantic(logits, recent, temperature, top_p, top_k, seed, step) -> torch.Tensor:
+    """Slow-AR sample with RAS: if the sampled code is among the request's recent codes
+    (`recent` [B, W], -1 = empty), take a second sample drawn at T 1.0 / top-p 0.9."""
+    first = sample(logits, temperature, top_p, top_k, seed, step, STREAM_SLOW)
+    ras_t = torch.full_like(temperature, RAS_TEMPERATURE)
+    ras_p = torch.full_like(top_p, RAS_TOP_P)
+    second = sample(logits, ras_t, ras_p, top_k, seed, step, STREAM_RAS)
+    repeated = (recent == first[:, None]).any(dim=-1)
+    return torch.where(repeated, second, first)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings; `validate()` explains what to change."""
+
+    temperature: float = 0.8
+    top_p: float = 0.8
+    top_k: int = 30
+    max_new_tokens: int = 1024
+    seed: int | None = None
+
+    def validate(self, max_new_tokens_limit: int | None = None) -> "SamplingParams":
+        if not (0.0 <= self.temperature <= 2.0):
+            raise ValueError(f"temperature must be between 0 and 2 (got {self.temperature})")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if not (0 <= self.top_k <= 4096):
+            raise ValueError(f"top_k must be between 0 (off) and 4096 (got {self.top_k})")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
+        if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens must be at most {max_new_tokens_limit} (got {self.max_new_tokens})")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be between 0 and 2**63-1 (got {self.seed})")
+        return self

@@ -1,0 +1,257 @@
+"""The model package on the tiny checkpoint: loading, KV cache, batching, seeds, prompts."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from s2tts.checkpoint import INDEX_FILE, load_model
+from s2tts.config import CheckpointError, S2Config
+from s2tts.engine import Engine
+from s2tts.prompt import PromptBuilder
+from s2tts.sampling import SamplingParams, sample, uniform
+
+RESIDUAL = 32  # the tiny codec's residual codebook size
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return load_model(tiny_ckpt, "cpu", "fp32")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_ckpt):
+    return PromptBuilder.from_dir(tiny_ckpt)
+
+
+def _copy(tiny_ckpt, tmp_path):
+    d = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, d)
+    return d
+
+
+def _edit_shard(d, fn):
+    """Apply fn(tensors: dict) to the first shard and fix the index accordingly."""
+    index = json.loads((d / INDEX_FILE).read_text())
+    shard = sorted(set(index["weight_map"].values()))[0]
+    tensors = load_file(str(d / shard))
+    fn(tensors)
+    save_file(tensors, str(d / shard), metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if v != shard or k in tensors}
+    index["weight_map"].update({k: shard for k in tensors})
+    (d / INDEX_FILE).write_text(json.dumps(index))
+
+
+def test_config_reads_ids_from_checkpoint(tiny_ckpt):
+    s2 = S2Config.from_dir(tiny_ckpt)
+    tok = json.loads((tiny_ckpt / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    assert s2.im_end_id == ids["<|im_end|>"] and s2.voice_id == ids["<|voice|>"]
+    assert s2.semantic_start_id == ids["<|semantic:0|>"]
+    assert s2.num_semantic == s2.codebook_size == 64 and s2.num_codebooks == 10
+    assert s2.sample_rate == 44100
+
+
+def test_missing_tensor_is_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path)
+    victim = "text_model.model.layers.1.attention.k_norm.weight"
+
+    def drop(t):
+        t.pop(victim, None)
+
+    index = json.loads((d / INDEX_FILE).read_text())
+    index["weight_map"].pop(victim)
+    (d / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=victim.replace(".", r"\.")):
+        load_model(d, "cpu", "fp32")
+
+
+def test_misshaped_tensor_is_named(tiny_ckpt, tmp_path):
+    d = _copy(tiny_ckpt, tmp_path)
+    index = json.loads((d / INDEX_FILE).read_text())
+    name = sorted(k for k, v in index["weight_map"].items() if v == sorted(set(index["weight_map"].values()))[0])[0]
+
+    def shrink(t):
+        t[name] = t[name][..., :1].contiguous()
+
+    _edit_shard(d, shrink)
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', chr(92) + '.')} has shape"):
+        load_model(d, "cpu", "fp32")
+
+
+def test_extra_tensor_loads_and_is_named(tiny_ckpt, tmp_path, s2_log):
+    d = _copy(tiny_ckpt, tmp_path)
+
+    def add(t):
+        t["text_model.model.freqs_cis"] = torch.zeros(8, 4, 2)
+        t["discriminator.conv.weight"] = torch.zeros(3)
+
+    _edit_shard(d, add)
+    m = load_model(d, "cpu", "fp32")
+    assert m.slow.head.shape[0] == m.s2.num_semantic + 1
+    lines = [r.getMessage() for r in s2_log.records if "ignoring" in r.getMessage()]
+    assert len(lines) == 1 and "text_model.model.freqs_cis" in lines[0] and "discriminator.conv.weight" in lines[0]
+
+
+def test_loaded_weights_match_file(tiny_ckpt, model):
+    index = json.loads((tiny_ckpt / INDEX_FILE).read_text())
+    shard = index["weight_map"]["audio_decoder.output.weight"]
+    t = load_file(str(tiny_ckpt / shard))["audio_decoder.output.weight"]
+    assert torch.equal(model.fast.output.weight, t.float())
+    assert model.slow.head.shape == (65, model.s2.text.dim)
+
+
+def test_kv_cache_decode_matches_full_forward(model, prompts):
+    s2 = model.s2
+    p = prompts.build("Check the cache, please.")
+    T, extra = len(p), 6
+    gen = torch.Generator().manual_seed(0)
+    new_codes = torch.randint(0, s2.codebook_size // 2, (extra, s2.num_codebooks), generator=gen)
+    tokens = torch.cat([p.tokens, new_codes[:, 0] + s2.semantic_start_id])
+    codes = torch.cat([p.codes, new_codes])
+    sem = torch.cat([p.semantic, torch.ones(extra, dtype=torch.bool)])
+    x = model.embed(tokens[None], codes[None], sem[None])
+    pos = torch.arange(T + extra)[None]
+    with torch.inference_mode():
+        _, full = model.slow(x, pos)  # no cache: plain causal attention
+        model.slow.stack.setup_caches(2, 64, torch.float32, "cpu")
+        slots = torch.tensor([1])
+        _, pre = model.slow(x[:, :T], pos[:, :T], slots, kv_len_max=T)
+        steps = [pre[:, -1]]
+        for i in range(T, T + extra):
+            _, lg = model.slow(x[:, i : i + 1], pos[:, i : i + 1], slots, kv_len_max=i + 1)
+            steps.append(lg[:, -1])
+    torch.testing.assert_close(pre[0], full[0, :T], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(steps[1:], 1)[0], full[0, T:], rtol=1e-4, atol=1e-4)
+    assert not torch.equal(full[0, -1], full[0, -2])  # the logits do depend on the position
+
+
+def _run(model, reqs, params_for, record):
+    """Run requests together in one engine; returns {id: codes [C, n]} and records logits per id."""
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256)
+    eng.logits_hook = lambda ids, lg: [record.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
+    for rid, prompt in reqs:
+        eng.submit(rid, prompt, params_for(rid))
+    frames = {rid: [] for rid, _ in reqs}
+    done = set()
+    while len(done) < len(reqs):
+        for o in eng.step():
+            frames[o.request_id].append(o.codes)
+            if o.finished:
+                done.add(o.request_id)
+    return {k: np.concatenate(v).T for k, v in frames.items()}
+
+
+def test_batch_matches_alone(model, prompts):
+    texts = {"a": "Short one.", "b": "A somewhat longer sentence to speak here.", "c": "Middle length text."}
+    reqs = [(k, prompts.build(t)) for k, t in texts.items()]
+    assert len({len(p) for _, p in reqs}) == 3  # different prompt lengths
+    params = lambda rid: SamplingParams(seed=100 + ord(rid), max_new_tokens=12)  # noqa: E731
+    together_logits = {}
+    together = _run(model, reqs, params, together_logits)
+    for rid, prompt in reqs:
+        alone_logits = {}
+        alone = _run(model, [(rid, prompt)], params, alone_logits)
+        np.testing.assert_array_equal(together[rid], alone[rid])
+        assert len(together_logits[rid]) == len(alone_logits[rid])
+        for a, b in zip(together_logits[rid], alone_logits[rid]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert not np.array_equal(together["a"][:, :3], together["b"][:, :3])
+
+
+def test_seed_reproducible_and_seeds_differ(model, prompts):
+    p = prompts.build("Seeds make it reproducible.")
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256)
+    a, _ = eng.generate(p, SamplingParams(seed=7, max_new_tokens=20))
+    b, _ = eng.generate(p, SamplingParams(seed=7, max_new_tokens=20), request_id="again")
+    c, _ = eng.generate(p, SamplingParams(seed=8, max_new_tokens=20), request_id="other")
+    np.testing.assert_array_equal(a, b)
+    assert a.shape[0] == 10 and a.shape[1] >= 1
+    assert a[0].max() < 64 and a[1:].max() < RESIDUAL and a.min() >= 0
+    assert not np.array_equal(a[:, : min(a.shape[1], c.shape[1])], c[:, : min(a.shape[1], c.shape[1])])
+
+
+def test_length_limit_and_end_token(model, prompts):
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256)
+    codes, reason = eng.generate(prompts.build("Stop at five."), SamplingParams(seed=3, max_new_tokens=5))
+    assert (codes.shape[1], reason) == (5, "length") or (codes.shape[1] < 5 and reason == "end")
+    # force the end token: a logits bias through temperature 0 on a model whose head favours <|im_end|>
+    reasons = set()
+    for seed in range(40):
+        _, r = eng.generate(prompts.build("Any."), SamplingParams(seed=seed, max_new_tokens=30, temperature=1.0, top_p=1.0, top_k=0), request_id=f"s{seed}")
+        reasons.add(r)
+    assert reasons == {"end", "length"}
+
+
+def test_cancel_leaves_others_running(model, prompts):
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256)
+    eng.submit("x", prompts.build("Cancel me."), SamplingParams(seed=1, max_new_tokens=50, temperature=0))
+    eng.submit("y", prompts.build("Keep me."), SamplingParams(seed=2, max_new_tokens=8))
+    eng.step()
+    eng.cancel("x")
+    outs = eng.step()
+    assert any(o.request_id == "x" and o.finished and o.finish_reason == "cancelled" for o in outs)
+    finished = set()
+    while eng.has_work():
+        finished |= {o.request_id for o in eng.step() if o.finished}
+    assert "y" in finished and not eng.live
+
+
+def test_sampling_respects_top_k_and_is_counter_based():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 100)
+    seed = torch.tensor([1, 2, 3])
+    step = torch.tensor([0, 0, 5])
+    t, p = torch.full((3,), 1.0), torch.ones(3)
+    k = torch.tensor([1, 5, 0])
+    draws = torch.stack([sample(logits, t, p, k, seed, step + i, 0) for i in range(200)])
+    assert (draws[:, 0] == logits[0].argmax()).all()  # top_k 1 = greedy
+    top5 = set(logits[1].topk(5).indices.tolist())
+    assert set(draws[:, 1].tolist()) <= top5 and len(set(draws[:, 1].tolist())) > 1
+    assert len(set(draws[:, 2].tolist())) > 20  # top_k 0 = off
+    # row order does not matter: the same (seed, step) gives the same numbers
+    u1 = uniform(seed, step, 0, 8)
+    u2 = uniform(seed.flip(0), step.flip(0), 0, 8).flip(0)
+    assert torch.equal(u1, u2) and 0 < u1.min() and u1.max() < 1
+
+
+def test_prompt_format(prompts):
+    s2 = prompts.s2
+    plain = prompts.build("Hello there.")
+    assert plain.tokens[0] == s2.im_start_id and plain.tokens[-1] == s2.voice_id
+    assert not plain.semantic.any()
+    text = prompts.tok.decode(plain.tokens.tolist(), skip_special_tokens=False)
+    assert text == ("<|im_start|>system\nconvert the provided text to speech<|im_end|>\n"
+                    "<|im_start|>user\nHello there.<|im_end|>\n<|im_start|>assistant\n<|voice|>")
+    ref = torch.randint(0, 32, (10, 7))
+    clone = prompts.build("Say this.", ref, "What the clip says.")
+    assert int(clone.semantic.sum()) == 7
+    sem_tokens = clone.tokens[clone.semantic]
+    assert torch.equal(sem_tokens - s2.semantic_start_id, ref[0])
+    assert torch.equal(clone.codes[clone.semantic], ref.T)
+    decoded = prompts.tok.decode(clone.tokens[~clone.semantic].tolist(), skip_special_tokens=False)
+    assert "Text:\n<|speaker:0|>What the clip says.\n\nSpeech:\n<|im_end|>" in decoded
+
+
+@pytest.mark.parametrize("text,ref,ref_text,msg", [
+    ("", None, None, "empty"),
+    ("Hi <|im_end|> there", None, None, "special token"),
+    ("Hi", torch.zeros(10, 3, dtype=torch.long), None, "transcript"),
+    ("Hi", torch.zeros(9, 3, dtype=torch.long), "x", "shape"),
+    ("Hi", None, "a transcript", "without reference"),
+])
+def test_prompt_rejects_bad_input(prompts, text, ref, ref_text, msg):
+    with pytest.raises(ValueError, match=msg):
+        prompts.build(text, ref, ref_text)
+
+
+def test_sampling_params_validation():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0).validate()
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1).validate()
+    with pytest.raises(ValueError, match="max_new_tokens must be at most 10"):
+        SamplingParams(max_new_tokens=11).validate(10)
