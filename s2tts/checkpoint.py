@@ -64,7 +64,7 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
 def _shard_map(path: Path) -> dict[str, str]:
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no `weight_map`")
         return weight_map
@@ -77,8 +77,11 @@ def _shard_map(path: Path) -> dict[str, str]:
     raise CheckpointError(f"{path}: neither {INDEX_FILE} nor model.safetensors found")
 
 
-def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16") -> S2Model:
-    """Build S2Model from a checkpoint directory, strictly checked, on `device` in `dtype`."""
+def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16", parts=("slow", "fast")) -> S2Model:
+    """Build S2Model from a checkpoint directory, strictly checked, on `device` in `dtype`.
+
+    `parts=("fast",)` loads only the fast AR (the `fast_ar` model); the rest stays on the meta device.
+    """
     from safetensors import safe_open
 
     path = Path(path)
@@ -86,13 +89,15 @@ def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16"
     s2 = S2Config.from_dir(path)
     if not s2.text.tie_word_embeddings:
         raise CheckpointError("text_config.tie_word_embeddings is false: S2 Pro's slow AR ties its output head to the embeddings")
-    expected = expected_tensors(s2)
+    prefixes = tuple(_PREFIX[p] for p in parts)
+    all_expected = expected_tensors(s2)
+    expected = {n: s for n, s in all_expected.items() if n.startswith(prefixes)}
     weight_map = _shard_map(path)
 
     missing = [n for n in expected if n not in weight_map]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks tensor {missing[0]}" + (f" (and {len(missing) - 1} more: {missing[1:6]})" if len(missing) > 1 else ""))
-    unused = sorted(n for n in weight_map if n not in expected)
+    unused = sorted(n for n in weight_map if n not in all_expected)
     if unused:
         log.info("checkpoint %s: ignoring %d tensors the model does not use: %s", path, len(unused), ", ".join(unused))
 
@@ -116,10 +121,11 @@ def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16"
 
     with torch.device("meta"):
         model = S2Model(s2)
-    state = {n: tensors[checkpoint_name(n)] for n, _ in model.named_parameters()}
-    model.load_state_dict(state, assign=True, strict=True)
+    state = {n: tensors[checkpoint_name(n)] for n, _ in model.named_parameters() if checkpoint_name(n) in expected}
+    model.load_state_dict(state, assign=True, strict=len(parts) == 2)
     _materialize_buffers(model, device)
-    model.slow.build_head()
+    if "slow" in parts:
+        model.slow.build_head()
     return model.eval().requires_grad_(False)
 
 
@@ -139,3 +145,21 @@ def load_codec_from_dir(path: str | Path, device="cpu", dtype: str | torch.dtype
     if not f.is_file():
         raise CheckpointError(f"{f} not found: the checkpoint directory needs the DAC codec weights {CODEC_FILE}")
     return load_codec(str(f), device=resolve_device(device), dtype=parse_dtype(dtype))
+
+
+def codec_codebook_sizes(path: str | Path) -> tuple[int, int]:
+    """(semantic, residual) codebook sizes of the checkpoint's codec.pth, read from tensor shapes
+    without building the codec (the file is memory-mapped)."""
+    f = Path(path) / CODEC_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{f} not found: the checkpoint directory needs the DAC codec weights {CODEC_FILE}")
+    sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
+    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
+        sd = sd["state_dict"]
+    sizes = []
+    for suffix in ("quantizer.semantic_quantizer.quantizers.0.codebook.weight", "quantizer.quantizer.quantizers.0.codebook.weight"):
+        hits = [v for k, v in sd.items() if k.endswith(suffix)]
+        if not hits:
+            raise CheckpointError(f"{f}: tensor {suffix} is missing")
+        sizes.append(int(hits[0].shape[0]))
+    return sizes[0], sizes[1]

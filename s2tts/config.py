@@ -111,11 +111,11 @@ class S2Config:
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             raise CheckpointError(f"{cfg_path} not found: pass the S2 Pro checkpoint directory (the one holding config.json)")
-        cfg = json.loads(cfg_path.read_text())
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
         tok_path = path / "tokenizer.json"
         if not tok_path.is_file():
             raise CheckpointError(f"{tok_path} not found: the checkpoint directory needs the tokenizer.json of S2 Pro")
-        vocab = _special_token_ids(json.loads(tok_path.read_text()))
+        vocab = _special_token_ids(json.loads(tok_path.read_text(encoding="utf-8")))
         return cls.from_dicts(cfg, vocab)
 
     @classmethod

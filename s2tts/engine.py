@@ -245,6 +245,16 @@ class Engine:
                 self._release(r)
         return outputs
 
+    def fail_all(self, message: str) -> list[Output]:
+        """After an engine error: end every request with an error, free every slot."""
+        with self._lock:
+            reqs = list(self._waiting) + list(self.live.values())
+            self._waiting.clear()
+        for r in reqs:
+            if r.slot >= 0:
+                self._release(r)
+        return [Output(r.id, self._empty(), True, FINISH_ERROR, error=message) for r in reqs]
+
     # ---- convenience for offline use ----------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str = "offline") -> tuple[np.ndarray, str]:
         """Run one request to completion (others submitted meanwhile run beside it): codes [C, frames]."""

@@ -109,16 +109,16 @@ def write_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, device:
     spec = SIZES[size]
 
     tok_json = make_tokenizer(spec["base_vocab"], spec["semantic"])
-    (out / "tokenizer.json").write_text(tok_json)
+    (out / "tokenizer.json").write_text(tok_json, encoding="utf-8")
     special_ids = _special_token_ids(json.loads(tok_json))
     cfg = make_config(size, special_ids)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": IM_END, "pad_token": "<|pad|>", "model_max_length": cfg["text_config"]["max_seq_len"],
-         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+         "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2), encoding="utf-8")
     (out / "chat_template.jinja").write_text(
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n<|voice|>{% endif %}")
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<|voice|>{% endif %}", encoding="utf-8")
 
     s2 = S2Config.from_dicts(cfg, special_ids)
     shapes = expected_tensors(s2)
@@ -134,7 +134,7 @@ def write_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, device:
         save_file(tensors, str(out / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in group})
         del tensors
-    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2), encoding="utf-8")
 
     codec_cfg = tiny_codec_config() if size == "tiny" else full_codec_config()
     assert codec_cfg.semantic_codebook_size == spec["semantic"] and codec_cfg.codebook_size == spec["residual"]

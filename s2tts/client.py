@@ -1,0 +1,178 @@
+"""Streaming gRPC client for the `s2pro` model (used by client/, perf/ and tests).
+
+    with S2ProClient("localhost:8001") as c:
+        for event in c.stream(TTSInput(text="Hello.", seed=1)):
+            ...   # AudioChunk(seq, audio) ... then Final(stats)
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MODEL = "s2pro"
+
+
+@dataclass
+class TTSInput:
+    text: str
+    reference_audio: np.ndarray | None = None  # float32 mono samples
+    reference_sample_rate: int | None = None
+    reference_text: str | None = None
+    reference_codes: np.ndarray | None = None  # [num_codebooks, frames]
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    first_chunk_frames: int | None = None
+    chunk_frames: int | None = None
+
+    def to_inputs(self):
+        import tritonclient.grpc as g
+
+        def add(name, arr, dtype):
+            t = g.InferInput(name, list(arr.shape), dtype)
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
+
+        inputs = []
+        add("text", np.array([self.text.encode("utf-8")], dtype=object), "BYTES")
+        if self.reference_audio is not None:
+            add("reference_audio", np.asarray(self.reference_audio, dtype=np.float32).reshape(-1), "FP32")
+        if self.reference_sample_rate is not None:
+            add("reference_sample_rate", np.array([self.reference_sample_rate], np.int32), "INT32")
+        if self.reference_text is not None:
+            add("reference_text", np.array([self.reference_text.encode("utf-8")], dtype=object), "BYTES")
+        if self.reference_codes is not None:
+            add("reference_codes", np.asarray(self.reference_codes, dtype=np.int32), "INT32")
+        for name, dtype, np_t in (("seed", "INT64", np.int64), ("temperature", "FP32", np.float32), ("top_p", "FP32", np.float32),
+                                  ("top_k", "INT32", np.int32), ("max_new_tokens", "INT32", np.int32),
+                                  ("first_chunk_frames", "INT32", np.int32), ("chunk_frames", "INT32", np.int32)):
+            v = getattr(self, name)
+            if v is not None:
+                add(name, np.array([v], np_t), dtype)
+        return inputs
+
+
+@dataclass
+class AudioChunk:
+    sequence: int
+    audio: np.ndarray  # float32
+    sample_rate: int
+    t: float  # seconds since the request was sent
+    codes: np.ndarray | None = None  # [frames, num_codebooks] behind this chunk
+
+
+@dataclass
+class Final:
+    stats: dict
+    t: float
+
+
+class TTSError(RuntimeError):
+    pass
+
+
+@dataclass
+class Result:
+    audio: np.ndarray
+    sample_rate: int
+    stats: dict
+    chunks: list[AudioChunk] = field(default_factory=list)
+    ttfa_s: float | None = None
+    total_s: float = 0.0
+
+    @property
+    def codes(self) -> np.ndarray:
+        """[num_codebooks, frames] of the whole request."""
+        return np.concatenate([c.codes for c in self.chunks]).T if self.chunks else np.zeros((0, 0), np.int32)
+
+
+class S2ProClient:
+    """One gRPC stream; requests on it are sent one after another by `stream()`."""
+
+    def __init__(self, url: str, model: str = MODEL):
+        import tritonclient.grpc as g
+
+        self.url, self.model = url, model
+        self.client = g.InferenceServerClient(url)
+        self._q: queue.Queue = queue.Queue()
+        self._open = False
+        self._lock = threading.Lock()
+
+    def _callback(self, result, error):
+        self._q.put((result, error))
+
+    def _ensure_stream(self):
+        if not self._open:
+            self.client.start_stream(callback=self._callback)
+            self._open = True
+
+    def stream(self, req: TTSInput, timeout: float = 300.0, cancel_after_chunks: int | None = None):
+        """Yield AudioChunk events, then one Final. Raises TTSError for an error response.
+
+        `cancel_after_chunks`: close the stream (cancelling the request) after that many chunks.
+        """
+        with self._lock:
+            self._ensure_stream()
+            rid = uuid.uuid4().hex
+            t0 = time.perf_counter()
+            self.client.async_stream_infer(self.model, req.to_inputs(), request_id=rid, enable_empty_final_response=True)
+            n = 0
+            while True:
+                try:
+                    result, error = self._q.get(timeout=timeout)
+                except queue.Empty:
+                    raise TTSError(f"no response within {timeout} s") from None
+                t = time.perf_counter() - t0
+                if error is not None:
+                    raise TTSError(str(error))
+                resp = result.get_response()
+                final = resp.parameters.get("triton_final_response")
+                is_final = bool(final and final.bool_param)
+                audio = result.as_numpy("audio")
+                stats = result.as_numpy("stats")
+                stats_s = stats.reshape(-1)[0].decode() if stats is not None and stats.size else ""
+                if audio is not None and audio.size:
+                    sr = int(result.as_numpy("sample_rate").reshape(-1)[0])
+                    yield AudioChunk(int(result.as_numpy("sequence").reshape(-1)[0]), audio.astype(np.float32), sr, t,
+                                     result.as_numpy("codes"))
+                    n += 1
+                    if cancel_after_chunks is not None and n >= cancel_after_chunks:
+                        self.close(cancel=True)
+                        return
+                if stats_s:
+                    yield Final(json.loads(stats_s), t)
+                if is_final:
+                    return
+
+    def synthesize(self, req: TTSInput, timeout: float = 300.0) -> Result:
+        chunks, stats, sr, t_end = [], {}, 0, 0.0
+        for ev in self.stream(req, timeout):
+            if isinstance(ev, AudioChunk):
+                chunks.append(ev)
+                sr = ev.sample_rate
+            else:
+                stats, t_end = ev.stats, ev.t
+        audio = np.concatenate([c.audio for c in chunks]) if chunks else np.zeros(0, np.float32)
+        return Result(audio, sr, stats, chunks, chunks[0].t if chunks else None, t_end)
+
+    def close(self, cancel: bool = False):
+        if self._open:
+            self.client.stop_stream(cancel_requests=cancel)
+            self._open = False
+            self._q = queue.Queue()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        self.client.close()

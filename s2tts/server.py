@@ -1,0 +1,228 @@
+"""Start `tritonserver` on this project's model repository and wait until it is ready.
+
+    python -m s2tts.server --checkpoint checkpoints/tiny            # CPU or GPU, chosen by --device
+    python -m s2tts.server --checkpoint /models/s2-pro --device cuda --set max_batch=64
+
+The model repository's `config.pbtxt` files hold `${name}` placeholders for their
+settings; this fills the ones given (the rest keep the defaults in the models' code)
+into a copy of the repository and serves that copy. The server binary is the one of
+the official container (`/opt/tritonserver`) when present, else the one in the
+`nvidia-pytriton` wheel from PyPI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+MODELS = ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder")
+_PLACEHOLDER = re.compile(r"\$\{([a-z_]+)\}")
+
+
+def placeholders(repo: Path = MODEL_REPOSITORY) -> set[str]:
+    names = set()
+    for cfg in repo.glob("*/config.pbtxt"):
+        names |= set(_PLACEHOLDER.findall(cfg.read_text(encoding="utf-8")))
+    return names
+
+
+def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REPOSITORY, models=MODELS) -> Path:
+    """Copy the model repository to `dst`, filling `${key}` with settings[key]. Unknown keys are an error."""
+    known = placeholders(src)
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown}: the model repository takes {sorted(known)}")
+    for k, v in settings.items():
+        if v is None or any(c in str(v) for c in '"\n\\'):
+            raise ValueError(f"setting {k}={v!r} must be a plain value")
+    if dst.exists():
+        shutil.rmtree(dst)
+    for name in models:
+        shutil.copytree(src / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+        cfg = dst / name / "config.pbtxt"
+        cfg.write_text(_PLACEHOLDER.sub(lambda m: str(settings.get(m.group(1), m.group(0))), cfg.read_text(encoding="utf-8")), encoding="utf-8")
+    return dst
+
+
+def find_server() -> tuple[Path, Path, Path | None]:
+    """(tritonserver binary, directory with the python backend files, extra library dir or None)."""
+    container = Path("/opt/tritonserver")
+    if (container / "bin" / "tritonserver").is_file():
+        return container / "bin" / "tritonserver", container / "backends" / "python", None
+    try:
+        import pytriton
+    except ImportError:
+        raise RuntimeError("no tritonserver found: install the `server` extra (pip install 'nvidia-pytriton==0.7.0') "
+                           "or run inside the nvcr.io/nvidia/tritonserver container") from None
+    base = Path(pytriton.__file__).parent / "tritonserver"
+    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    return base / "bin" / "tritonserver", base, libs if libs.is_dir() else None
+
+
+def backend_dir(work: Path) -> Path:
+    """A --backend-directory holding the python backend for this interpreter's version."""
+    binary, src, _ = find_server()
+    if src.name == "python" and (src / "triton_python_backend_stub").is_file():
+        return src.parent  # the container's own backends directory
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = src / "python_backend_stubs" / ver / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise RuntimeError(f"the tritonserver wheel has no python backend stub for Python {ver}")
+    dst = work / "backends" / "python"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in (src / "backends" / "python" / "libtriton_python.so", src / "backends" / "python" / "triton_python_backend_utils.py", stub):
+        target = dst / f.name
+        if not target.exists():
+            shutil.copy2(f, target)
+    return dst.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class TritonServer:
+    """A running tritonserver process on a rendered copy of the model repository."""
+
+    def __init__(self, checkpoint: str | Path, settings: dict[str, str] | None = None, http_port: int | None = None,
+                 grpc_port: int | None = None, metrics_port: int | None = None, workdir: str | Path | None = None,
+                 log_path: str | Path | None = None, models=MODELS, verbose: bool = False):
+        self.settings = {"checkpoint": str(Path(checkpoint).resolve()), **(settings or {})}
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="s2tts-triton-"))
+        self.log_path = Path(log_path) if log_path else self.workdir / "tritonserver.log"
+        self.models = models
+        self.verbose = verbose
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        repo = render_repository(self.workdir / "model_repository", self.settings, models=self.models)
+        binary, _, libs = find_server()
+        env = dict(os.environ)
+        env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub finds this venv's packages
+        env["PYTHONPATH"] = f"{REPO_ROOT}:{env.get('PYTHONPATH', '')}"
+        env.setdefault("PYTHONUTF8", "1")
+        if libs:
+            env["LD_LIBRARY_PATH"] = f"{libs}:{env.get('LD_LIBRARY_PATH', '')}"
+        cmd = [str(binary), f"--model-repository={repo}", f"--backend-directory={backend_dir(self.workdir)}",
+               f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+               "--allow-metrics=true", "--log-verbose=1" if self.verbose else "--log-verbose=0",
+               "--exit-on-error=true", "--strict-readiness=true"]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready(timeout)
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.proc.returncode}; log:\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"tritonserver not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def parse_settings(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        if "=" not in item:
+            raise ValueError(f"--set {item!r}: use key=value")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m s2tts.server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True, help="S2 Pro checkpoint directory")
+    ap.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help=f"a model repository setting; one of: {', '.join(sorted(placeholders()))}")
+    ap.add_argument("--http-port", type=int, default=8000)
+    ap.add_argument("--grpc-port", type=int, default=8001)
+    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--workdir", help="where the rendered repository and the log go (default: a temp dir)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
+    args = ap.parse_args(argv)
+    try:
+        settings = parse_settings(args.set)
+        if args.device:
+            settings["device"] = args.device
+        server = TritonServer(args.checkpoint, settings, args.http_port, args.grpc_port, args.metrics_port, args.workdir)
+        t0 = time.monotonic()
+        server.start(args.timeout)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: gRPC {server.grpc_url}, HTTP {server.http_url}, "
+          f"log {server.log_path}", flush=True)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"] and server.proc.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    server.stop()
+    return 0 if server.proc.returncode in (0, -signal.SIGTERM, None) else server.proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

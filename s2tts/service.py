@@ -1,0 +1,141 @@
+"""Transport-free logic of the `s2pro` model: request validation, chunk planning, stats.
+
+The Triton adapter (`model_repository/s2pro/1/model.py`) moves tensors; this module
+decides what is valid and when a chunk of frames is decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .prompt import clean_text
+from .sampling import SamplingParams
+
+
+@dataclass
+class Limits:
+    max_text_chars: int = 2000
+    max_reference_seconds: float = 30.0
+    max_new_tokens: int = 2048
+    default_max_new_tokens: int = 1024
+    default_first_chunk_frames: int = 4
+    default_chunk_frames: int = 16
+    max_chunk_frames: int = 256
+
+
+@dataclass
+class TTSRequest:
+    text: str
+    params: SamplingParams
+    first_chunk_frames: int
+    chunk_frames: int
+    reference_audio: np.ndarray | None = None
+    reference_sample_rate: int | None = None
+    reference_text: str | None = None
+    reference_codes: np.ndarray | None = None
+
+    def validate(self, limits: Limits, num_codebooks: int) -> "TTSRequest":
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise ValueError("text is empty: give the words to speak")
+        if len(self.text) > limits.max_text_chars:
+            raise ValueError(f"text is {len(self.text)} characters, over the limit of {limits.max_text_chars}: split it into several requests")
+        self.text = clean_text(self.text)
+        self.params.validate(limits.max_new_tokens)
+        for name in ("first_chunk_frames", "chunk_frames"):
+            v = getattr(self, name)
+            if not (1 <= v <= limits.max_chunk_frames):
+                raise ValueError(f"{name} must be between 1 and {limits.max_chunk_frames} (got {v})")
+        has_audio = self.reference_audio is not None
+        has_codes = self.reference_codes is not None
+        if has_audio and has_codes:
+            raise ValueError("give either reference_audio or reference_codes, not both")
+        if has_audio or has_codes:
+            if not self.reference_text or not self.reference_text.strip():
+                raise ValueError("a voice reference needs its transcript: give reference_text")
+        elif self.reference_text:
+            raise ValueError("reference_text was given without reference_audio or reference_codes")
+        if has_audio:
+            a = self.reference_audio
+            if self.reference_sample_rate is None:
+                raise ValueError("reference_audio needs reference_sample_rate")
+            if not (8000 <= self.reference_sample_rate <= 192000):
+                raise ValueError(f"reference_sample_rate must be between 8000 and 192000 Hz (got {self.reference_sample_rate})")
+            if a.size == 0:
+                raise ValueError("reference_audio is empty: send the samples of the reference clip")
+            if not np.all(np.isfinite(a)):
+                raise ValueError("reference_audio holds NaN or infinite samples: send float PCM in [-1, 1]")
+            seconds = a.shape[-1] / self.reference_sample_rate
+            if seconds > limits.max_reference_seconds:
+                raise ValueError(f"reference_audio is {seconds:.1f} s long, over the limit of {limits.max_reference_seconds:g} s: trim it")
+            if seconds < 0.1:
+                raise ValueError(f"reference_audio is only {seconds * 1000:.0f} ms long: send at least a second of speech")
+        if has_codes:
+            c = self.reference_codes
+            if c.ndim != 2 or c.shape[0] != num_codebooks or c.shape[1] == 0:
+                raise ValueError(f"reference_codes must have shape [{num_codebooks}, frames>0], got {list(c.shape)}")
+        return self
+
+
+class Chunker:
+    """Groups streamed frames into decode chunks: the first after `first` frames, then every `size`."""
+
+    def __init__(self, first: int, size: int):
+        self.first, self.size = first, size
+        self.pending: list[np.ndarray] = []
+        self.n_pending = 0
+        self.emitted = 0  # chunks handed out
+
+    def add(self, frames: np.ndarray) -> list[np.ndarray]:
+        """frames [n, C] -> zero or more chunks [C, k] ready to decode."""
+        if frames.shape[0]:
+            self.pending.append(frames)
+            self.n_pending += frames.shape[0]
+        out = []
+        while self.n_pending >= (self.first if self.emitted == 0 else self.size):
+            k = self.first if self.emitted == 0 else self.size
+            allf = np.concatenate(self.pending, axis=0)
+            out.append(allf[:k].T)
+            self.pending = [allf[k:]] if allf.shape[0] > k else []
+            self.n_pending -= k
+            self.emitted += 1
+        return out
+
+    def flush(self) -> np.ndarray | None:
+        if not self.n_pending:
+            return None
+        allf = np.concatenate(self.pending, axis=0)
+        self.pending, self.n_pending = [], 0
+        self.emitted += 1
+        return allf.T
+
+
+@dataclass
+class Stats:
+    started: float = field(default_factory=time.monotonic)
+    first_audio: float | None = None
+    frames: int = 0
+    samples: int = 0
+    prompt_tokens: int = 0
+    finish_reason: str = ""
+    seed: int | None = None
+
+    def audio_sent(self, n_samples: int) -> None:
+        if self.first_audio is None and n_samples:
+            self.first_audio = time.monotonic()
+        self.samples += n_samples
+
+    def to_json(self, sample_rate: int) -> str:
+        now = time.monotonic()
+        return json.dumps({
+            "frames": self.frames,
+            "audio_seconds": round(self.samples / sample_rate, 4),
+            "ttfa_s": None if self.first_audio is None else round(self.first_audio - self.started, 4),
+            "total_s": round(now - self.started, 4),
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "seed": self.seed,
+        })

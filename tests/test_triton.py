@@ -1,0 +1,150 @@
+"""End to end against a real tritonserver process (tiny checkpoint, CPU)."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from s2tts.client import AudioChunk, Final, S2ProClient, TTSError, TTSInput
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAME = 2048
+
+
+def synth(server, **kw):
+    with S2ProClient(server.grpc_url) as c:
+        return c.synthesize(TTSInput(**kw))
+
+
+def test_stream_in_order_with_final_stats(triton_server):
+    with S2ProClient(triton_server.grpc_url) as c:
+        events = list(c.stream(TTSInput(text="Streaming works in order.", seed=11, max_new_tokens=30, first_chunk_frames=3, chunk_frames=5)))
+    chunks = [e for e in events if isinstance(e, AudioChunk)]
+    finals = [e for e in events if isinstance(e, Final)]
+    assert len(finals) == 1 and events[-1] is finals[0]
+    stats = finals[0].stats
+    assert [c.sequence for c in chunks] == list(range(len(chunks)))
+    assert chunks and all(c.audio.size > 0 and c.sample_rate == 44100 for c in chunks)
+    assert chunks[0].codes.shape[0] == 3 and chunks[0].audio.size == 3 * FRAME  # the first chunk is small
+    assert all(c.codes.shape[0] == 5 for c in chunks[1:-1])
+    total = sum(c.audio.size for c in chunks)
+    assert stats["frames"] * FRAME == total and stats["finish_reason"] in ("end", "length")
+    assert stats["audio_seconds"] == pytest.approx(total / 44100, abs=1e-3)
+    assert 0 < stats["ttfa_s"] <= stats["total_s"]
+    assert np.abs(np.concatenate([c.audio for c in chunks])).max() > 1e-4  # not silent
+
+
+def test_stream_equals_offline_cli(triton_server, tiny_ckpt, tmp_path):
+    kw = dict(text="The same seed gives the same audio.", seed=1234, max_new_tokens=24, temperature=0.9, top_p=0.9, top_k=20)
+    res = synth(triton_server, **kw)
+    out = tmp_path / "cli.wav"
+    cmd = [sys.executable, "-m", "s2tts.cli", "--checkpoint", str(tiny_ckpt), "--text", kw["text"], "--out", str(out),
+           "--seed", "1234", "--max-new-tokens", "24", "--temperature", "0.9", "--top-p", "0.9", "--top-k", "20", "--device", "cpu", "--dtype", "fp32"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    offline, sr = sf.read(out, dtype="float32")
+    assert sr == 44100
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info["frames"] == res.stats["frames"] and len(res.chunks) > 2
+    assert offline.shape == res.audio.shape
+    np.testing.assert_allclose(res.audio, offline, atol=2e-4, rtol=0)
+
+
+def test_concurrent_streams_match_alone(triton_server):
+    seeds = [5, 6, 7, 8]
+    texts = ["First voice.", "Second, longer sentence here.", "Third one.", "Fourth request, also fine."]
+    alone = [synth(triton_server, text=t, seed=s, max_new_tokens=20) for t, s in zip(texts, seeds)]
+    together = [None] * 4
+
+    def run(i):
+        together[i] = synth(triton_server, text=texts[i], seed=seeds[i], max_new_tokens=20)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_allclose(a.audio, b.audio, atol=2e-4, rtol=0)
+    assert not np.array_equal(alone[0].codes[:, :3], alone[1].codes[:, :3])
+
+
+def test_cancel_mid_stream(triton_server):
+    with S2ProClient(triton_server.grpc_url) as c:
+        got = list(c.stream(TTSInput(text="Cancel me part way through.", seed=3, max_new_tokens=400, temperature=0.0,
+                                     first_chunk_frames=2, chunk_frames=2), cancel_after_chunks=2))
+    assert len(got) == 2
+    deadline = time.time() + 30
+    while time.time() < deadline and "finish reason cancelled" not in triton_server.log_tail(400):
+        time.sleep(0.2)
+    log = triton_server.log_tail(400)
+    assert "s2pro: request cancelled by the client" in log
+    assert "slow_ar: request" in log and "finish reason cancelled" in log
+    res = synth(triton_server, text="A following request completes.", seed=4, max_new_tokens=10)
+    assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * FRAME
+
+
+BAD = [
+    (dict(text=""), "text is empty"),
+    (dict(text="x" * 2001), "over the limit of 2000"),
+    (dict(text="hi", temperature=5.0), "temperature must be"),
+    (dict(text="hi", top_p=0.0), "top_p must be"),
+    (dict(text="hi", max_new_tokens=0), "max_new_tokens must be"),
+    (dict(text="hi", chunk_frames=0), "chunk_frames must be"),
+    (dict(text="hi", reference_audio=np.zeros(0, np.float32), reference_sample_rate=16000, reference_text="x"), "reference_audio is empty"),
+    (dict(text="hi", reference_audio=np.full(1000, np.nan, np.float32), reference_sample_rate=16000, reference_text="x"), "NaN"),
+    (dict(text="hi", reference_audio=np.zeros(16000 * 31, np.float32), reference_sample_rate=16000, reference_text="x"), "over the limit of 30"),
+    (dict(text="hi", reference_audio=np.zeros(16000, np.float32), reference_sample_rate=16000), "needs its transcript"),
+    (dict(text="hi", reference_audio=np.zeros(16000, np.float32), reference_text="x"), "needs reference_sample_rate"),
+    (dict(text="hi", reference_codes=np.zeros((3, 4), np.int32), reference_text="x"), "reference_codes must have shape"),
+    (dict(text="hi <|im_end|>"), "special token"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD, ids=[m for _, m in BAD])
+def test_bad_input_gets_clear_error(triton_server, kw, msg):
+    with pytest.raises(TTSError, match=msg.replace("|", r"\|")):
+        synth(triton_server, **kw)
+    assert triton_server.is_ready()
+
+
+def test_voice_clone_with_reference_audio_and_codes(triton_server, tiny_ckpt):
+    t = np.arange(int(44100 * 1.5)) / 44100
+    ref = (0.3 * np.sin(2 * np.pi * 220 * t) * (1 + np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+    a = synth(triton_server, text="Cloned voice.", reference_audio=ref, reference_sample_rate=44100,
+              reference_text="A humming tone.", seed=9, max_new_tokens=12)
+    assert a.stats["prompt_tokens"] > synth(triton_server, text="Cloned voice.", seed=9, max_new_tokens=2).stats["prompt_tokens"] + 30
+    import tritonclient.grpc as g
+
+    cl = g.InferenceServerClient(triton_server.grpc_url)
+    w = g.InferInput("waveform", [ref.size], "FP32")
+    w.set_data_from_numpy(ref)
+    r = g.InferInput("sample_rate", [1], "INT32")
+    r.set_data_from_numpy(np.array([44100], np.int32))
+    codes = cl.infer("dac_encoder", [w, r]).as_numpy("codes")
+    assert codes.shape == (10, int(np.ceil(ref.size / FRAME)))
+    b = synth(triton_server, text="Cloned voice.", reference_codes=codes, reference_text="A humming tone.", seed=9, max_new_tokens=12)
+    np.testing.assert_array_equal(a.codes, b.codes)
+    np.testing.assert_allclose(a.audio, b.audio, atol=2e-4, rtol=0)
+
+
+def test_perf_analyzer_streaming(triton_server, tmp_path):
+    from s2tts.perf_tools import perf_analyzer_env, perf_analyzer_path
+
+    pa = perf_analyzer_path()
+    assert pa, "perf_analyzer (from the tritonclient==2.51.0 wheel) not found: run .ci/run's install step"
+    data = tmp_path / "input.json"
+    data.write_text(json.dumps({"data": [{"text": ["Benchmark this sentence."], "max_new_tokens": [6], "seed": [1]}]}))
+    cmd = [str(pa), "-m", "s2pro", "-i", "grpc", "-u", triton_server.grpc_url, "--streaming", "--input-data", str(data),
+           "--concurrency-range", "1:2:1", "--measurement-mode", "count_windows", "--measurement-request-count", "3",
+           "--max-trials", "3", "--stability-percentage", "999"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=perf_analyzer_env())
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "Concurrency: 2" in p.stdout and "throughput" in p.stdout.lower()
