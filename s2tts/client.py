@@ -33,6 +33,7 @@ class TTSInput:
     max_new_tokens: int | None = None
     first_chunk_frames: int | None = None
     chunk_frames: int | None = None
+    ignore_eos: bool | None = None  # benchmarks: generate exactly max_new_tokens frames
 
     def to_inputs(self):
         import tritonclient.grpc as g
@@ -58,6 +59,8 @@ class TTSInput:
             v = getattr(self, name)
             if v is not None:
                 add(name, np.array([v], np_t), dtype)
+        if self.ignore_eos is not None:
+            add("ignore_eos", np.array([self.ignore_eos]), "BOOL")
         return inputs
 
 

@@ -66,28 +66,61 @@ class InProcessFastAR:
         return self.model.fast.generate(hidden, code0, sample_fn, self.residual_size)
 
 
+class HostFastAR:
+    """Marker base for fast-AR runners that leave the device (e.g. BLS): no CUDA graphs around them."""
+
+
 class Engine:
+    GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+
     def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
-                 fast_ar=None, max_prefill_tokens: int = 8192):
+                 fast_ar=None, max_prefill_tokens: int = 8192, cuda_graphs: bool | None = None,
+                 decode_kernel: bool | None = None, fused_kernels: bool | None = None):
+        """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
+        None = on when the model is on a CUDA device."""
         s2 = model.s2
         self.model, self.s2 = model, s2
         self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
         self.max_prefill_tokens = max_prefill_tokens
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        model.slow.stack.setup_caches(max_batch, self.max_seq_len, self.dtype, self.device)
-        model.fast.setup_caches(max_batch, self.dtype, self.device)
+        on_cuda = self.device.type == "cuda"
+        # one extra slot: padded rows of a CUDA-graph bucket read and write it, never a live request's
+        self.scratch = max_batch
+        model.slow.stack.setup_caches(max_batch + 1, self.max_seq_len, self.dtype, self.device)
+        model.fast.setup_caches(max_batch + 1, self.dtype, self.device)
         self.fast_ar = fast_ar or InProcessFastAR(model, residual_size)
+        if decode_kernel is None:
+            from . import kernels
+
+            decode_kernel = on_cuda and kernels.available()
+        for stack in (model.slow.stack, model.fast.stack):
+            for layer in stack.layers:
+                layer.attention.decode_kernel = decode_kernel
+        if fused_kernels is None:
+            fused_kernels = decode_kernel
+        from .model import use_triton_kernels
+
+        use_triton_kernels(model, bool(fused_kernels))
         self.logits_hook = None  # optional observer: fn(request_ids, logits [B, V]) (tests, debugging)
 
-        dev, C = self.device, s2.num_codebooks
+        dev, C, n = self.device, s2.num_codebooks, max_batch + 1
         # per-slot device state
-        self.last_codes = torch.zeros(max_batch, C, dtype=torch.int64, device=dev)
-        self.recent = torch.full((max_batch, RAS_WINDOW), -1, dtype=torch.int64, device=dev)
-        self.temperature = torch.zeros(max_batch, dtype=torch.float32, device=dev)
-        self.top_p = torch.ones(max_batch, dtype=torch.float32, device=dev)
-        self.top_k = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.seed = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.last_codes = torch.zeros(n, C, dtype=torch.int64, device=dev)
+        self.recent = torch.full((n, RAS_WINDOW), -1, dtype=torch.int64, device=dev)
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=dev)
+        self.top_k = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.seed = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.allow_end = torch.ones(n, dtype=torch.bool, device=dev)
+
+        self.graphs: dict[int, tuple] = {}
+        if cuda_graphs is None:
+            cuda_graphs = on_cuda and decode_kernel and not isinstance(self.fast_ar, HostFastAR)
+        if cuda_graphs:
+            if not decode_kernel:
+                raise ValueError("cuda_graphs needs decode_kernel (attention over a length held on the device)")
+            self._capture_graphs()
 
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -179,6 +212,7 @@ class Engine:
         self.top_p[slots] = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
         self.top_k[slots] = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64, device=dev)
         self.seed[slots] = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)
+        self.allow_end[slots] = torch.tensor([not r.params.ignore_end for r in reqs], dtype=torch.bool, device=dev)
         self.recent[slots] = -1
         return slots
 
@@ -200,29 +234,47 @@ class Engine:
         rows = torch.arange(len(reqs), device=dev)
         for r, n in zip(reqs, lens):
             r.length = n
-        return self._finish_step(reqs, slots, hidden[rows, last], logits[rows, last])
+        if self.logits_hook is not None:
+            self.logits_hook([r.id for r in reqs], logits[rows, last])
+        step = torch.zeros(len(reqs), dtype=torch.int64, device=dev)
+        frame, end = self._sample_frame(slots, hidden[rows, last], logits[rows, last], step)
+        return self._emit(reqs, frame, end)
 
     def _decode(self, slot_list: list[int]) -> list[Output]:
-        dev = self.device
         reqs = [self.live[s] for s in slot_list]
-        slots = torch.tensor(slot_list, device=dev)
-        frame = self.last_codes[slots]  # [B, C]
-        tokens = frame[:, :1] + self.s2.semantic_start_id
-        semantic = torch.ones_like(tokens, dtype=torch.bool)
-        x = self.model.embed(tokens, frame[:, None, :], semantic)
-        pos = torch.tensor([[r.length] for r in reqs], device=dev)
-        hidden, logits = self.model.slow(x, pos, slots, kv_len_max=max(r.length for r in reqs) + 1)
+        B = len(reqs)
+        host = [slot_list, [r.length for r in reqs], [r.generated for r in reqs]]
+        bucket = next((b for b in sorted(self.graphs) if b >= B), None)
+        if bucket is not None:
+            graph, io, out = self.graphs[bucket]
+            pad = bucket - B
+            rows = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
+            io.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+            graph.replay()
+            frame, end = out[0][:B], out[1][:B]
+        else:
+            io = torch.tensor(host, dtype=torch.int64, device=self.device)
+            frame, end = self._decode_core(io[0], io[1][:, None], io[2], kv_len_max=max(host[1]) + 1,
+                                           hook_ids=[r.id for r in reqs])
         for r in reqs:
             r.length += 1
-        return self._finish_step(reqs, slots, hidden[:, -1], logits[:, -1])
+        return self._emit(reqs, frame, end)
 
-    def _finish_step(self, reqs, slots, hidden, logits) -> list[Output]:
-        """Sample code 0 (or the end token), run the fast AR, update slot state, hand frames to the host."""
-        dev = self.device
-        if self.logits_hook is not None:
-            self.logits_hook([r.id for r in reqs], logits)
-        step = torch.tensor([r.generated for r in reqs], dtype=torch.int64, device=dev)
+    def _decode_core(self, slots, pos, step, kv_len_max, hook_ids=None):
+        """One batched decode step on the device (what the CUDA graphs capture): slots [B], pos [B, 1], step [B]."""
+        frame = self.last_codes[slots]  # [B, C]: the previous frame is this step's input
+        tokens = frame[:, :1] + self.s2.semantic_start_id
+        x = self.model.embed(tokens, frame[:, None, :], torch.ones_like(tokens, dtype=torch.bool))
+        hidden, logits = self.model.slow(x, pos, slots, kv_len_max=kv_len_max)
+        if hook_ids is not None and self.logits_hook is not None:
+            self.logits_hook(hook_ids, logits[:, -1])
+        return self._sample_frame(slots, hidden[:, -1], logits[:, -1], step)
+
+    def _sample_frame(self, slots, hidden, logits, step):
+        """Sample code 0 (or the end token) with RAS, run the fast AR, update slot state -> (frame [B, C], end [B])."""
         temp, top_p, top_k, seed = self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seed[slots]
+        end_col = torch.arange(logits.shape[-1], device=logits.device) == self.model.slow.end_index
+        logits = logits.masked_fill(end_col[None, :] & ~self.allow_end[slots][:, None], float("-inf"))
         idx = sample_semantic(logits, self.recent[slots], temp, top_p, top_k, seed, step)
         end = idx == self.model.slow.end_index
         code0 = idx.clamp(max=self.s2.num_semantic - 1)
@@ -230,8 +282,31 @@ class Engine:
         frame = torch.cat([code0[:, None], residual.to(code0.dtype)], dim=1)
         self.last_codes[slots] = frame
         self.recent[slots] = torch.cat([self.recent[slots][:, 1:], code0[:, None]], dim=1)
-        host = torch.cat([frame, end[:, None].to(frame.dtype)], dim=1).to("cpu").numpy()  # the step's one sync
+        return frame, end
 
+    def _capture_graphs(self) -> None:
+        """Capture `_decode_core` once per batch bucket, on the scratch slot, sharing one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        dev = self.device
+        for bucket in sorted((b for b in self.GRAPH_BUCKETS if b <= self.max_batch), reverse=True):
+            io = torch.zeros(3, bucket, dtype=torch.int64, device=dev)
+            io[0] = self.scratch
+            args = (io[0], io[1][:, None], io[2], None)
+            stream = torch.cuda.Stream(dev)
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):
+                    self._decode_core(*args)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                out = self._decode_core(*args)
+            self.graphs[bucket] = (graph, io, out)
+        torch.cuda.synchronize(dev)
+
+    def _emit(self, reqs, frame, end) -> list[Output]:
+        """Hand the step's frames to the host (the step's one synchronisation) and update request state."""
+        host = torch.cat([frame, end[:, None].to(frame.dtype)], dim=1).to("cpu").numpy()
         outputs = []
         for i, r in enumerate(reqs):
             if host[i, -1]:

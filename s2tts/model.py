@@ -21,8 +21,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # Triton kernel (see use_triton_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from .kernels import rms_norm
+
+            return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
@@ -86,11 +91,29 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.cache: KVCache | None = None
+        self.decode_kernel = False  # use the Triton decode-attention kernel for one-token steps (set by the engine)
+        self.fused = False  # fused q/k norm + RoPE + cache write kernel (see use_triton_kernels)
+        self.rope: torch.Tensor | None = None  # the stack's table, set by use_triton_kernels
+
+    def _fused_decode(self, x, pos, slots):
+        from .kernels import decode_attention, qk_rope_cache
+
+        c = self.cfg
+        B = x.shape[0]
+        qkv = self.wqkv(x).reshape(B, -1)
+        p = pos[:, 0]
+        q = qk_rope_cache(qkv, self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
+                          self.rope, p, slots, self.cache.k, self.cache.v, c.n_head, c.n_local_heads, c.head_dim,
+                          c.norm_eps, c.qk_norm)
+        out = decode_attention(q, self.cache.k, self.cache.v, slots, p + 1)
+        return self.wo(out.reshape(B, 1, c.q_size))
 
     def forward(self, x, rope, pos, slots, kv_len_max: int | None):
         """x [B, S, dim]; rope [B, S, D/2, 2]; pos [B, S]; slots [B] or None (no cache: plain causal)."""
         c = self.cfg
         B, S, _ = x.shape
+        if S == 1 and self.decode_kernel and self.fused and slots is not None:
+            return self._fused_decode(x, pos, slots)
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(B, S, c.n_head, c.head_dim)
         k = k.view(B, S, c.n_local_heads, c.head_dim)
@@ -100,6 +123,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         if slots is None:
             out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, S)
+        elif S == 1 and self.decode_kernel:
+            from .kernels import decode_attention
+
+            self.cache.write(slots, pos, k, v)
+            out = decode_attention(q[:, 0], self.cache.k, self.cache.v, slots, pos[:, 0] + 1)
+            return self.wo(out.reshape(B, 1, c.q_size))
         else:
             self.cache.write(slots, pos, k, v)
             kc, vc = self.cache.k[slots, :, :kv_len_max], self.cache.v[slots, :, :kv_len_max]
@@ -113,9 +142,27 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.w3 = nn.Linear(cfg.dim, cfg.intermediate_size, bias=False)
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.fused = False
+
+    def fuse_weights(self) -> None:
+        """Replace w1 and w3 by one [2I, dim] projection (one GEMM instead of two)."""
+        if hasattr(self, "w13"):
+            return
+        w = torch.cat([self.w1.weight, self.w3.weight])
+        self.w13 = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
+        self.w13.weight = nn.Parameter(w, requires_grad=False)
+        del self.w1, self.w3
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        if not hasattr(self, "w13"):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gu = self.w13(x)
+        if self.fused:
+            from .kernels import silu_mul
+
+            return self.w2(silu_mul(gu))
+        g, u = gu.chunk(2, dim=-1)
+        return self.w2(F.silu(g) * u)
 
 
 class Block(nn.Module):
@@ -125,8 +172,15 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.fused = False
 
     def forward(self, x, rope, pos, slots, kv_len_max):
+        if self.fused:
+            from .kernels import rms_norm
+
+            a = self.attention(self.attention_norm(x), rope, pos, slots, kv_len_max)
+            h, f = rms_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=x)
+            return h + self.feed_forward(f)
         h = x + self.attention(self.attention_norm(x), rope, pos, slots, kv_len_max)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -250,6 +304,21 @@ class FastAR(nn.Module):
             x = self.embeddings(code)[:, None]
             pos = torch.full((B, 1), k + 1, device=dev, dtype=torch.long)
         return torch.stack(codes, dim=1)
+
+
+def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
+    """Switch the decode path to the fused Triton kernels (GPU; or the Triton interpreter in tests).
+
+    Fuses w1/w3 into one projection (kept afterwards: it computes the same function either way).
+    """
+    for m in model.modules():
+        if isinstance(m, FeedForward):
+            m.fuse_weights()
+        if isinstance(m, Stack):
+            for layer in m.layers:
+                layer.attention.rope = m.rope
+        if isinstance(m, (RMSNorm, Attention, FeedForward, Block)):
+            m.fused = on
 
 
 class S2Model(nn.Module):

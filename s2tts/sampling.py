@@ -80,6 +80,7 @@ class SamplingParams:
     top_k: int = 30
     max_new_tokens: int = 1024
     seed: int | None = None
+    ignore_end: bool = False  # never sample the end token (benchmarks with random weights)
 
     def validate(self, max_new_tokens_limit: int | None = None) -> "SamplingParams":
         if not (0.0 <= self.temperature <= 2.0):

@@ -57,18 +57,29 @@ def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REP
 
 
 def find_server() -> tuple[Path, Path, Path | None]:
-    """(tritonserver binary, directory with the python backend files, extra library dir or None)."""
+    """(tritonserver binary, directory with the python backend files, extra library dir or None).
+
+    Looked for in $S2TTS_TRITON_HOME (bin/, backends/python/, python_backend_stubs/, lib/), then the
+    official container's /opt/tritonserver, then the `nvidia-pytriton` wheel.
+    """
+    home = os.environ.get("S2TTS_TRITON_HOME")
+    if home:
+        h = Path(home)
+        if not (h / "bin" / "tritonserver").is_file():
+            raise RuntimeError(f"S2TTS_TRITON_HOME={home} has no bin/tritonserver")
+        return h / "bin" / "tritonserver", h, h / "lib" if (h / "lib").is_dir() else None
     container = Path("/opt/tritonserver")
     if (container / "bin" / "tritonserver").is_file():
         return container / "bin" / "tritonserver", container / "backends" / "python", None
-    try:
-        import pytriton
-    except ImportError:
+    import importlib.util
+
+    spec = importlib.util.find_spec("pytriton")  # located, not imported: its client needs more packages
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("no tritonserver found: install the `server` extra (pip install 'nvidia-pytriton==0.7.0') "
-                           "or run inside the nvcr.io/nvidia/tritonserver container") from None
-    base = Path(pytriton.__file__).parent / "tritonserver"
-    libs = Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
-    return base / "bin" / "tritonserver", base, libs if libs.is_dir() else None
+                           "or run inside the nvcr.io/nvidia/tritonserver container")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    libs = pkg.parent / "nvidia_pytriton.libs"
+    return pkg / "tritonserver" / "bin" / "tritonserver", pkg / "tritonserver", libs if libs.is_dir() else None
 
 
 def backend_dir(work: Path) -> Path:

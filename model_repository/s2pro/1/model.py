@@ -76,6 +76,7 @@ class TritonPythonModel:
                 top_k=tu.scalar(request, "top_k", int, 30),
                 max_new_tokens=tu.scalar(request, "max_new_tokens", int, L.default_max_new_tokens),
                 seed=random.getrandbits(63) if seed < 0 else seed,
+                ignore_end=tu.scalar(request, "ignore_eos", bool, False),
             ),
             first_chunk_frames=tu.scalar(request, "first_chunk_frames", int, L.default_first_chunk_frames),
             chunk_frames=tu.scalar(request, "chunk_frames", int, L.default_chunk_frames),
@@ -163,6 +164,7 @@ class TritonPythonModel:
             tu.tensor("top_p", np.array([params.top_p], np.float32)),
             tu.tensor("top_k", np.array([params.top_k], np.int32)),
             tu.tensor("max_new_tokens", np.array([params.max_new_tokens], np.int32)),
+            tu.tensor("ignore_eos", np.array([params.ignore_end])),
         ]
         req = pb_utils.InferenceRequest(model_name="slow_ar", inputs=inputs, requested_output_names=["codes", "finish_reason"])
         for resp in req.exec(decoupled=True):

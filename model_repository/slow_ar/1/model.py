@@ -15,14 +15,14 @@ import triton_python_backend_utils as pb_utils
 
 from s2tts import triton_utils as tu
 from s2tts.checkpoint import codec_codebook_sizes, load_model
-from s2tts.engine import Engine, FINISH_ERROR
+from s2tts.engine import Engine, FINISH_ERROR, HostFastAR
 from s2tts.prompt import Prompt
 from s2tts.sampling import SamplingParams
 
 CANCEL_POLL_S = 0.02
 
 
-class BLSFastAR:
+class BLSFastAR(HostFastAR):
     """Calls the `fast_ar` model through BLS instead of running the module in this process."""
 
     def __call__(self, hidden, code0, temperature, top_p, top_k, seed, step):
@@ -117,6 +117,7 @@ class TritonPythonModel:
             top_k=tu.scalar(request, "top_k", int, 30),
             max_new_tokens=tu.scalar(request, "max_new_tokens", int, 1024),
             seed=None if seed < 0 else seed,
+            ignore_end=tu.scalar(request, "ignore_eos", bool, False),
         )
         return prompt, params
 

@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Engine-level speed of S2 Pro on one GPU (no Triton): decode-step time per batch size,
+eager PyTorch against CUDA graphs + the Triton decode-attention kernel, with a profile
+of the slow AR, the fast AR and the rest of the step.
+
+    python perf/bench_engine.py --checkpoint /tmp/s2-full --make-full --batches 1,8,64 --frames 100
+
+Random weights never choose to stop: every request generates exactly --frames frames.
+Prints a markdown table; --json writes the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+FPS = 44100 / 2048  # frames per second of audio
+
+
+def graph_time_ms(fn, iters=50) -> float:
+    """Median time of fn captured in a CUDA graph (fn must be capturable)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, prompts):
+    from s2tts.engine import Engine
+    from s2tts.sampling import SamplingParams
+
+    t0 = time.perf_counter()
+    eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs)
+    init_s = time.perf_counter() - t0
+    for i in range(batch):
+        eng.submit(f"r{i}", prompts[i % len(prompts)], SamplingParams(seed=i, max_new_tokens=frames, ignore_end=True))
+    torch.cuda.synchronize()
+    t_first = time.perf_counter()
+    eng.step()  # prefill of all requests (+ their first frame)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t_first
+    steps = []
+    while eng.has_work():
+        t = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t)
+    steps.sort()
+    med = steps[len(steps) // 2]
+    return {"batch": batch, "graphs": graphs, "init_s": round(init_s, 2), "prefill_ms": round(prefill_s * 1e3, 1),
+            "step_ms_p50": round(med * 1e3, 3), "step_ms_p90": round(steps[int(len(steps) * 0.9)] * 1e3, 3),
+            "frames_per_s": round(batch / med, 1), "stream_rtf": round(med * FPS, 4),
+            "audio_s_per_s": round(batch / med / FPS, 1)}, eng
+
+
+def profile(eng, batch):
+    """Graph-timed pieces of one decode step at this batch size (slots 0..batch-1 after a run)."""
+    model = eng.model
+    dev = eng.device
+    slots = torch.arange(batch, device=dev)
+    pos = torch.full((batch, 1), 200, device=dev)
+    step = torch.zeros(batch, dtype=torch.int64, device=dev)
+    x = torch.randn(batch, 1, model.s2.text.dim, device=dev, dtype=eng.dtype)
+    hidden = torch.randn(batch, model.s2.text.dim, device=dev, dtype=eng.dtype)
+    code0 = torch.zeros(batch, dtype=torch.int64, device=dev)
+    t, p, k, sd = eng.temperature[slots], eng.top_p[slots], eng.top_k[slots], eng.seed[slots]
+    return {
+        "slow_ar_ms": round(graph_time_ms(lambda: model.slow(x, pos, slots)), 3),
+        "fast_ar_ms": round(graph_time_ms(lambda: eng.fast_ar(hidden, code0, t, p, k, sd, step)), 3),
+        "full_step_ms": round(graph_time_ms(lambda: eng._decode_core(slots, pos, step, None)), 3),
+    }
+
+
+def check_parity(ck, prompts, steps=6):
+    """Teacher-forced logits of prefill + `steps` decode steps, against a float32 reference:
+    bf16 plain PyTorch and bf16 with the fused Triton kernels (relative error, argmax agreement)."""
+    from s2tts.checkpoint import load_model
+    from s2tts.model import use_triton_kernels
+
+    p = prompts[0]
+    s2 = None
+    results = {}
+    for name, dtype, fused in (("fp32", "fp32", False), ("bf16", "bf16", False), ("bf16_fused", "bf16", True)):
+        model = load_model(ck, "cuda", dtype)
+        s2 = model.s2
+        use_triton_kernels(model, fused)
+        for layer in model.slow.layers:
+            layer.attention.decode_kernel = fused
+        model.slow.stack.setup_caches(2, 256, next(model.parameters()).dtype, "cuda")
+        gen = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 1000, (steps, s2.num_codebooks), generator=gen)
+        tokens = torch.cat([p.tokens, codes[:, 0] + s2.semantic_start_id]).cuda()
+        allc = torch.cat([p.codes, codes]).cuda()
+        sem = torch.cat([p.semantic, torch.ones(steps, dtype=torch.bool)]).cuda()
+        T = len(p)
+        slots = torch.tensor([1], device="cuda")
+        out = []
+        with torch.inference_mode():
+            x = model.embed(tokens[None], allc[None], sem[None])
+            pos = torch.arange(T + steps, device="cuda")[None]
+            _, lg = model.slow(x[:, :T], pos[:, :T], slots, kv_len_max=T)
+            out.append(lg[0, -1].float())
+            for i in range(T, T + steps):
+                _, lg = model.slow(x[:, i:i + 1], pos[:, i:i + 1], slots, kv_len_max=i + 1)
+                out.append(lg[0, -1].float())
+        results[name] = torch.stack(out)
+        del model
+        torch.cuda.empty_cache()
+    ref = results["fp32"]
+    rep = {}
+    for name in ("bf16", "bf16_fused"):
+        err = ((results[name] - ref).norm(dim=-1) / ref.norm(dim=-1))
+        rep[name] = {"rel_err_prefill": round(float(err[0]), 5), "rel_err_decode_max": round(float(err[1:].max()), 5),
+                     "argmax_agree": round(float((results[name].argmax(-1) == ref.argmax(-1)).float().mean()), 3)}
+    return rep
+
+
+def kernel_profile(eng, batch, path):
+    """CUDA kernel time by kernel name for one decode step (eager launch of the captured function)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    dev = eng.device
+    slots = torch.arange(batch, device=dev)
+    pos = torch.full((batch, 1), 200, device=dev)
+    step = torch.zeros(batch, dtype=torch.int64, device=dev)
+    with torch.inference_mode():
+        for _ in range(3):
+            eng._decode_core(slots, pos, step, None)
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+            eng._decode_core(slots, pos, step, None)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    Path(path).write_text(table)
+    n = sum(e.count for e in prof.key_averages())
+    return n, table
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--make-full", action="store_true", help="write a full-size random checkpoint there first if missing")
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--frames", type=int, default=100)
+    ap.add_argument("--max-seq", type=int, default=512)
+    ap.add_argument("--eager", action="store_true", help="also time the eager baseline")
+    ap.add_argument("--parity", action="store_true", help="first compare fused kernels against plain PyTorch")
+    ap.add_argument("--kernel-profile", help="directory for per-kernel CUDA time tables")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    from s2tts.checkpoint import codec_codebook_sizes, load_model
+    from s2tts.prompt import PromptBuilder
+
+    ck = Path(args.checkpoint)
+    if args.make_full and not (ck / "config.json").is_file():
+        from s2tts.tiny import write_checkpoint
+
+        t = time.perf_counter()
+        write_checkpoint(ck, "full", seed=0, device="cuda")
+        print(f"wrote full-size checkpoint in {time.perf_counter() - t:.1f} s", flush=True)
+    t = time.perf_counter()
+    model = load_model(ck, "cuda", "bf16")
+    torch.cuda.synchronize()
+    print(f"loaded in {time.perf_counter() - t:.1f} s; weights {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
+    residual = codec_codebook_sizes(ck)[1]
+    pb = PromptBuilder.from_dir(ck, model.s2)
+    prompts = [pb.build(f"This is benchmark prompt number {i}, with a few more words to make it realistic.") for i in range(16)]
+
+    if args.parity:
+        print("parity (fused kernels vs plain PyTorch):", json.dumps(check_parity(ck, prompts)), flush=True)
+        model = load_model(ck, "cuda", "bf16")
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        for graphs in ([False, True] if args.eager else [True]):
+            torch.cuda.reset_peak_memory_stats()
+            r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts)
+            r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if graphs:
+                with torch.inference_mode():
+                    r.update(profile(eng, b))
+                if args.kernel_profile:
+                    n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_b{b}.txt")
+                    r["kernels_per_step"] = n
+                    print(table, flush=True)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+            del eng
+            torch.cuda.empty_cache()
+    cols = ["batch", "graphs", "step_ms_p50", "step_ms_p90", "frames_per_s", "audio_s_per_s", "stream_rtf", "slow_ar_ms",
+            "fast_ar_ms", "full_step_ms", "prefill_ms", "init_s", "peak_gib"]
+    print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""GPU kernels written in Triton.
+
+`decode_attention`: one query token per request against that request's slot of the
+static KV cache, reading only the request's own keys (its length comes from a device
+tensor, so the kernel runs inside a CUDA graph whose lengths change every step). One
+program per (request, KV head) serves the query heads of that GQA group together, with
+an online softmax over key tiles.
+
+Runs on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without the triton package
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_attention_kernel(
+        Q, K, V, O, Slots, Lens, scale,
+        stride_qb, stride_qh,
+        stride_ks, stride_kh, stride_kl,
+        stride_vs, stride_vh, stride_vl,
+        stride_ob, stride_oh,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        slot = tl.load(Slots + b).to(tl.int64)
+        length = tl.load(Lens + b)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D)
+        gmask = g < GROUP
+        heads = kvh * GROUP + g
+        q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+        k_base = K + slot * stride_ks + kvh * stride_kh
+        v_base = V + slot * stride_vs + kvh * stride_vh
+        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_sum = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        for start in range(0, length, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nmask = n < length
+            k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=nmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=nmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m = m_new
+        out = acc / l_sum[:, None]
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=gmask[:, None])
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                     lengths: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """q [B, H, D]; k/v_cache [slots, K, L, D]; slots [B]; lengths [B] (keys 0..len-1 are visible) -> [B, H, D]."""
+    if triton is None:
+        raise RuntimeError("decode_attention needs the `triton` package")
+    B, H, D = q.shape
+    n_kv = k_cache.shape[1]
+    group = H // n_kv
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _decode_attention_kernel[(B, n_kv)](
+        q, k_cache, v_cache, out, slots, lengths, D ** -0.5,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n,
+        num_warps=4,
+    )
+    return out
+
+
+# ---- fused elementwise kernels of the decode step -------------------------------------------
+# Each reproduces the rounding of the plain PyTorch code it replaces (s2tts/model.py): norms in
+# float32, cast to the activation dtype, then multiplied by the weight in that dtype.
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, Y, R, W, O, H, stride_x, stride_y, stride_o, stride_h, eps, N: tl.constexpr,
+                         BLOCK: tl.constexpr, ADD: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if ADD:  # h = x + y (rounded to the activation dtype), written out as the new residual
+            x = (x.to(tl.float32) + tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(H + row * stride_h + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        normed = (xf * inv).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(O + row * stride_o + cols, (normed * w).to(O.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(GU, O, stride_gu, stride_o, I: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < I
+        g = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(O.dtype.element_ty).to(tl.float32)
+        tl.store(O + row * stride_o + cols, (s * u).to(O.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qk_rope_cache_kernel(QKV, QW, KW, ROPE, Pos, Slots, QO, KC, VC, stride_qkv, stride_qo_b, stride_qo_h,
+                              stride_cs, stride_ch, stride_cl, eps,
+                              H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
+        """One program per (row, head): heads < H are query heads (-> QO); the rest are KV heads
+        (k normed + rotated, and v, written into the cache at the row's slot and position)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        half = tl.arange(0, D // 2)
+        pos = tl.load(Pos + b).to(tl.int64)
+        is_q = h < H
+        col = h * D  # q heads first, then k heads in the fused qkv projection
+        base = QKV + b * stride_qkv + col
+        xe = tl.load(base + 2 * half).to(tl.float32)
+        xo = tl.load(base + 2 * half + 1).to(tl.float32)
+        if QK_NORM:
+            inv = 1.0 / tl.sqrt((tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)) / D + eps)
+            if is_q:
+                we = tl.load(QW + 2 * half).to(tl.float32)
+                wo = tl.load(QW + 2 * half + 1).to(tl.float32)
+            else:
+                we = tl.load(KW + 2 * half).to(tl.float32)
+                wo = tl.load(KW + 2 * half + 1).to(tl.float32)
+            dt = QO.dtype.element_ty
+            xe = ((xe * inv).to(dt).to(tl.float32) * we).to(dt).to(tl.float32)
+            xo = ((xo * inv).to(dt).to(tl.float32) * wo).to(dt).to(tl.float32)
+        cos = tl.load(ROPE + pos * D + 2 * half)
+        sin = tl.load(ROPE + pos * D + 2 * half + 1)
+        re = xe * cos - xo * sin
+        ro = xo * cos + xe * sin
+        if is_q:
+            out = QO + b * stride_qo_b + h * stride_qo_h
+            tl.store(out + 2 * half, re.to(QO.dtype.element_ty))
+            tl.store(out + 2 * half + 1, ro.to(QO.dtype.element_ty))
+        else:
+            kvh = h - H
+            slot = tl.load(Slots + b).to(tl.int64)
+            dst = slot * stride_cs + kvh * stride_ch + pos * stride_cl
+            tl.store(KC + dst + 2 * half, re.to(KC.dtype.element_ty))
+            tl.store(KC + dst + 2 * half + 1, ro.to(KC.dtype.element_ty))
+            d = tl.arange(0, D)
+            v = tl.load(QKV + b * stride_qkv + (H + KVH) * D + kvh * D + d)
+            tl.store(VC + dst + d, v)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """rms_norm(x) (or, with `residual`, h = residual + x and rms_norm(h), returning (h, normed)). x: [..., N]."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    N = shape[-1]
+    out = torch.empty_like(x2)
+    if residual is not None:
+        r2 = residual.reshape(-1, N)
+        h = torch.empty_like(x2)
+        _rms_norm_kernel[(x2.shape[0],)](r2, x2, h, weight, out, h, r2.stride(0), x2.stride(0), out.stride(0), h.stride(0),
+                                         eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=True, num_warps=8)
+        return h.reshape(shape), out.reshape(shape)
+    _rms_norm_kernel[(x2.shape[0],)](x2, x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
+                                     eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=False, num_warps=8)
+    return out.reshape(shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate | up) -> silu(gate) * up, [..., I]."""
+    shape = gate_up.shape
+    I = shape[-1] // 2
+    g2 = gate_up.reshape(-1, 2 * I)
+    out = torch.empty(g2.shape[0], I, dtype=gate_up.dtype, device=gate_up.device)
+    BLOCK = 1024
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I, BLOCK=BLOCK, num_warps=4)
+    return out.reshape(*shape[:-1], I)
+
+
+def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, k_cache, v_cache, n_head: int, n_kv: int, head_dim: int, eps: float,
+                  qk_norm: bool) -> torch.Tensor:
+    """One decode token per row. qkv [B, (H+2K)*D]; rope [L, D/2, 2] float32; pos/slots [B].
+    Returns q [B, H, D] (normed, rotated); writes rotated k and v into the caches at (slot, pos)."""
+    B = qkv.shape[0]
+    q = torch.empty(B, n_head, head_dim, dtype=qkv.dtype, device=qkv.device)
+    dummy = q if q_w is None else q_w
+    _qk_rope_cache_kernel[(B, n_head + n_kv)](
+        qkv, q_w if q_w is not None else dummy, k_w if k_w is not None else dummy, rope, pos, slots, q, k_cache, v_cache,
+        qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+        H=n_head, KVH=n_kv, D=head_dim, QK_NORM=qk_norm, num_warps=1)
+    return q
