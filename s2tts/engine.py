@@ -55,13 +55,14 @@ class Output:
 class InProcessFastAR:
     """Runs the fast AR in the engine's process: (hidden, code0, sampling tensors) -> residual codes."""
 
-    def __init__(self, model: S2Model, residual_size: int):
+    def __init__(self, model: S2Model, residual_size: int, kernel: bool = False):
         self.model = model
         self.residual_size = residual_size
+        self.kernel = kernel  # Triton sampling kernel (set by the engine on GPU)
 
     def __call__(self, hidden, code0, temperature, top_p, top_k, seed, step):
         def sample_fn(logits, k):
-            return sample(logits, temperature, top_p, top_k, seed, step, stream=1 + k)
+            return sample(logits, temperature, top_p, top_k, seed, step, stream=1 + k, kernel=self.kernel)
 
         return self.model.fast.generate(hidden, code0, sample_fn, self.residual_size)
 
@@ -102,6 +103,9 @@ class Engine:
         from .model import use_triton_kernels
 
         use_triton_kernels(model, bool(fused_kernels))
+        self.sample_kernel = bool(fused_kernels)
+        if isinstance(self.fast_ar, InProcessFastAR):
+            self.fast_ar.kernel = self.sample_kernel
         self.logits_hook = None  # optional observer: fn(request_ids, logits [B, V]) (tests, debugging)
 
         dev, C, n = self.device, s2.num_codebooks, max_batch + 1
@@ -275,7 +279,7 @@ class Engine:
         temp, top_p, top_k, seed = self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seed[slots]
         end_col = torch.arange(logits.shape[-1], device=logits.device) == self.model.slow.end_index
         logits = logits.masked_fill(end_col[None, :] & ~self.allow_end[slots][:, None], float("-inf"))
-        idx = sample_semantic(logits, self.recent[slots], temp, top_p, top_k, seed, step)
+        idx = sample_semantic(logits, self.recent[slots], temp, top_p, top_k, seed, step, kernel=self.sample_kernel)
         end = idx == self.model.slow.end_index
         code0 = idx.clamp(max=self.s2.num_semantic - 1)
         residual = self.fast_ar(hidden, code0, temp, top_p, top_k, seed, step)

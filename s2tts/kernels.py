@@ -205,3 +205,58 @@ def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, k_cache, v_cache, n_head: int
         qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
         H=n_head, KVH=n_kv, D=head_dim, QK_NORM=qk_norm, num_warps=1)
     return q
+
+
+# ---- sampling -----------------------------------------------------------------------------
+# The same function as s2tts.sampling._choose (top-p from the un-tempered softmax, rank >= top_k
+# masked, rank 0 kept, tempered softmax, exponential race with counter-based noise), one program
+# per row instead of ~40 small kernels. The integer hash is the same, so are the random numbers.
+
+if triton is not None:
+
+    @triton.jit
+    def _mix32(h):
+        h = h ^ (h >> 16)
+        h = h * 0x85EBCA6B
+        h = h ^ (h >> 13)
+        h = h * 0xC2B2AE35
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _choose_kernel(SL, T, P, K, Seed, Step, Out, stride, V, STREAM_MIX: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        valid = r < V
+        x = tl.load(SL + row * stride + r, mask=valid, other=float("-inf")).to(tl.float32)
+        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        cum = tl.cumsum(e / tl.sum(e, axis=0), axis=0)
+        top_p = tl.load(P + row)
+        top_k = tl.load(K + row).to(tl.int32)
+        k = tl.where(top_k > 0, top_k, V)
+        remove = ((cum > top_p) | (r >= k)) & (r != 0)
+        remove = remove | (r >= V)
+        t = tl.maximum(tl.load(T + row), 1e-5)
+        s = tl.where(remove, float("-inf"), x / t)
+        e2 = tl.exp(s - tl.max(s, axis=0))
+        probs = e2 / tl.sum(e2, axis=0)
+        seed = tl.load(Seed + row)
+        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        step = (tl.load(Step + row) & 0xFFFFFFFF).to(tl.uint32)
+        h = _mix32(lo * 0x9E3779B1 + _mix32(hi + 0x632BE5AB))
+        h = _mix32(h + step * 0x7FEB352D + STREAM_MIX)
+        h = _mix32(h + r.to(tl.uint32) * 0x1B873593 + 0x2545F491)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        score = tl.where(remove, -1.0, probs / (-tl.log(u)))
+        tl.store(Out + row, tl.argmax(score, axis=0).to(tl.int64))
+
+
+def choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int) -> torch.Tensor:
+    """Rank index sampled from each row of descending-sorted logits [B, V] -> [B] int64."""
+    B, V = sorted_logits.shape
+    sl = sorted_logits.contiguous()
+    out = torch.empty(B, dtype=torch.int64, device=sl.device)
+    _choose_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
+                         seed.contiguous(), step.contiguous(), out, sl.stride(0), V, (stream * 0x68E31DA4) & 0xFFFFFFFF,
+                         BLOCK=triton.next_power_of_2(V), num_warps=8 if V > 2048 else 4)
+    return out

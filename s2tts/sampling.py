@@ -40,33 +40,44 @@ def uniform(seed: torch.Tensor, step: torch.Tensor, stream: int, n: int) -> torc
     return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def sample(logits, temperature, top_p, top_k, seed, step, stream: int) -> torch.Tensor:
-    """logits [B, V] float; temperature/top_p [B] float; top_k [B] int (0 = off); seed/step [B] int64 -> [B].
+def _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int, kernel: bool) -> torch.Tensor:
+    """Rank sampled from descending-sorted logits [B, V] (see `sample`)."""
+    if kernel:
+        from .kernels import choose
 
-    As the reference: sort; top-p mask from the softmax of the un-tempered logits, and rank >= top_k
-    masked; rank 0 always kept; then divide by max(T, 1e-5), softmax, exponential-race sample.
-    """
-    B, V = logits.shape
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+        return choose(sorted_logits, temperature, top_p, top_k, seed, step, stream)
+    B, V = sorted_logits.shape
     cum = sorted_logits.softmax(-1).cumsum(-1)
-    rank = torch.arange(V, device=logits.device)[None, :]
+    rank = torch.arange(V, device=sorted_logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, V)[:, None]
     remove = (cum > top_p[:, None]) | (rank >= k)
     remove[:, 0] = False
     scaled = sorted_logits / temperature.clamp_min(1e-5)[:, None]
     probs = scaled.masked_fill(remove, float("-inf")).softmax(-1)
     q = -torch.log(uniform(seed, step, stream, V))  # Exp(1) noise per rank
-    choice = torch.argmax(probs / q, dim=-1, keepdim=True)
-    return order.gather(-1, choice).squeeze(-1)
+    return torch.argmax(probs / q, dim=-1)
 
 
-def sample_semantic(logits, recent, temperature, top_p, top_k, seed, step) -> torch.Tensor:
+def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: bool = False) -> torch.Tensor:
+    """logits [B, V] float; temperature/top_p [B] float; top_k [B] int (0 = off); seed/step [B] int64 -> [B].
+
+    As the reference: sort; top-p mask from the softmax of the un-tempered logits, and rank >= top_k
+    masked; rank 0 always kept; then divide by max(T, 1e-5), softmax, exponential-race sample.
+    `kernel`: the same function as one Triton kernel per row (GPU).
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    choice = _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream, kernel)
+    return order.gather(-1, choice[:, None]).squeeze(-1)
+
+
+def sample_semantic(logits, recent, temperature, top_p, top_k, seed, step, kernel: bool = False) -> torch.Tensor:
     """Slow-AR sample with RAS: if the sampled code is among the request's recent codes
-    (`recent` [B, W], -1 = empty), take a second sample drawn at T 1.0 / top-p 0.9."""
-    first = sample(logits, temperature, top_p, top_k, seed, step, STREAM_SLOW)
+    (`recent` [B, W], -1 = empty), take a second sample drawn at T 1.0 / top-p 0.9 (one sort for both)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    first = order.gather(-1, _choose(sorted_logits, temperature, top_p, top_k, seed, step, STREAM_SLOW, kernel)[:, None])[:, 0]
     ras_t = torch.full_like(temperature, RAS_TEMPERATURE)
     ras_p = torch.full_like(top_p, RAS_TOP_P)
-    second = sample(logits, ras_t, ras_p, top_k, seed, step, STREAM_RAS)
+    second = order.gather(-1, _choose(sorted_logits, ras_t, ras_p, top_k, seed, step, STREAM_RAS, kernel)[:, None])[:, 0]
     repeated = (recent == first[:, None]).any(dim=-1)
     return torch.where(repeated, second, first)
 
