@@ -7,6 +7,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
+from .codec import StreamState
+
 
 class StreamDecoder:
     def __init__(self, codec, idle_timeout_s: float = 600.0):
@@ -15,7 +17,6 @@ class StreamDecoder:
         self.states: dict[str, tuple[object, float]] = {}  # stream id -> (decoder state, last used)
         self.device = next(codec.parameters()).device
         self.C = codec.config.num_codebooks
-        self.can_stack = hasattr(codec, "stack_states") and hasattr(codec, "split_states")
 
     @torch.inference_mode()
     def decode_many(self, jobs, now: float) -> dict:
@@ -38,16 +39,12 @@ class StreamDecoder:
         for n, group in groups.items():
             codes = torch.as_tensor(np.stack([g[2] for g in group]), dtype=torch.int64, device=self.device)
             states = [self._state(sid) for _, sid, _ in group]
-            if len(group) > 1 and self.can_stack:
-                audio, state = self.codec.decode_stream(codes, self.codec.stack_states(states))
-                new_states = self.codec.split_states(state)
+            if len(group) > 1:
+                audio, state = self.codec.decode_stream(codes, StreamState.stack(states))
+                new_states = state.split()
             else:
-                pieces, new_states = [], []
-                for b, st in enumerate(states):
-                    a, st = self.codec.decode_stream(codes[b : b + 1], st)
-                    pieces.append(a)
-                    new_states.append(st)
-                audio = torch.cat(pieces)
+                audio, state = self.codec.decode_stream(codes, states[0])
+                new_states = [state]
             audio = audio[:, 0].float().cpu().numpy()
             for b, (key, sid, _) in enumerate(group):
                 out[key] = audio[b]

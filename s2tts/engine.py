@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .model import S2Model
+from .prefix_cache import PrefixCache
 from .prompt import Prompt
 from .sampling import RAS_WINDOW, SamplingParams, sample, sample_semantic
 
@@ -76,13 +77,14 @@ class Engine:
 
     def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
                  fast_ar=None, max_prefill_tokens: int = 8192, cuda_graphs: bool | None = None,
-                 decode_kernel: bool | None = None, fused_kernels: bool | None = None):
+                 decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0):
         """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
         None = on when the model is on a CUDA device."""
         s2 = model.s2
         self.model, self.s2 = model, s2
         self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         on_cuda = self.device.type == "cuda"
@@ -221,23 +223,38 @@ class Engine:
         return slots
 
     def _prefill(self, reqs: list[Request]) -> list[Output]:
+        """Batched prefill (right-padded) of the new requests; a cached voice prefix is copied, not recomputed."""
         dev, C = self.device, self.s2.num_codebooks
         slots = self._set_slot_params(reqs)
-        lens = [len(r.prompt) for r in reqs]
+        layers = self.model.slow.layers
+        keys = [self.prefix_cache.key(r.prompt) for r in reqs]
+        starts = []
+        for r, key in zip(reqs, keys):
+            hit = self.prefix_cache.get(key)
+            if hit is not None:
+                for li, layer in enumerate(layers):
+                    layer.attention.cache.k[r.slot, :, : hit.length] = hit.k[li]
+                    layer.attention.cache.v[r.slot, :, : hit.length] = hit.v[li]
+            starts.append(hit.length if hit is not None else 0)
+        lens = [len(r.prompt) - s for r, s in zip(reqs, starts)]
         T = max(lens)
         tokens = torch.zeros(len(reqs), T, dtype=torch.int64)
         codes = torch.zeros(len(reqs), T, C, dtype=torch.int64)
         semantic = torch.zeros(len(reqs), T, dtype=torch.bool)
         for i, r in enumerate(reqs):
-            n = lens[i]
-            tokens[i, :n], codes[i, :n], semantic[i, :n] = r.prompt.tokens, r.prompt.codes, r.prompt.semantic
+            s0, n = starts[i], lens[i]
+            tokens[i, :n], codes[i, :n], semantic[i, :n] = r.prompt.tokens[s0:], r.prompt.codes[s0:], r.prompt.semantic[s0:]
         x = self.model.embed(tokens.to(dev), codes.to(dev), semantic.to(dev))
-        pos = torch.arange(T, device=dev).expand(len(reqs), T)
-        hidden, logits = self.model.slow(x, pos, slots, kv_len_max=T)
+        pos_host = (torch.tensor(starts)[:, None] + torch.arange(T)[None, :]).clamp(max=self.max_seq_len - 1)
+        hidden, logits = self.model.slow(x, pos_host.to(dev), slots, kv_len_max=int(pos_host.max()) + 1)
         last = torch.tensor([n - 1 for n in lens], device=dev)
         rows = torch.arange(len(reqs), device=dev)
-        for r, n in zip(reqs, lens):
-            r.length = n
+        for r, key, s0 in zip(reqs, keys, starts):
+            r.length = len(r.prompt)
+            if key is not None and s0 == 0:
+                P = r.prompt.prefix_len
+                self.prefix_cache.put(key, torch.stack([la.attention.cache.k[r.slot, :, :P] for la in layers]),
+                                      torch.stack([la.attention.cache.v[r.slot, :, :P] for la in layers]))
         if self.logits_hook is not None:
             self.logits_hook([r.id for r in reqs], logits[rows, last])
         step = torch.zeros(len(reqs), dtype=torch.int64, device=dev)

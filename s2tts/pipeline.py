@@ -28,6 +28,9 @@ class S2Pipeline:
         self.device = resolve_device(device)
         self.model = load_model(checkpoint, self.device, dtype)
         self.s2 = self.model.s2
+        from .triton_utils import exact_fp32_on_gpu
+
+        exact_fp32_on_gpu(codec_dtype)
         self.codec = load_codec_from_dir(checkpoint, self.device, codec_dtype)
         if self.codec.config.semantic_codebook_size != self.s2.num_semantic:
             raise ValueError(

@@ -33,6 +33,7 @@ class Prompt:
     tokens: torch.Tensor  # [T] int64
     codes: torch.Tensor  # [T, C] int64, meaningful where `semantic`
     semantic: torch.Tensor  # [T] bool
+    prefix_len: int = 0  # tokens of the system turn (with the voice reference): shared by requests of one voice
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -99,6 +100,7 @@ class PromptBuilder:
             ids += (ref_codes[0] + s2.semantic_start_id).tolist()
             sem_codes = ref_codes.T
         ids += self._special(IM_END) + self._text("\n")
+        prefix_len = len(ids)
         ids += self._special(IM_START) + self._text("user\n") + self._text(text) + self._special(IM_END) + self._text("\n")
         ids += self._special(IM_START) + self._text("assistant\n") + self._special(VOICE)
 
@@ -109,4 +111,4 @@ class PromptBuilder:
             n = sem_codes.shape[0]
             codes[sem_at : sem_at + n] = sem_codes
             semantic[sem_at : sem_at + n] = True
-        return Prompt(tokens, codes, semantic)
+        return Prompt(tokens, codes, semantic, prefix_len)

@@ -40,6 +40,17 @@ def get_param(model_config: dict | str, key: str, kind=str, default=None):
         raise ValueError(f"config.pbtxt parameter {key}={raw!r} is not a valid {kind.__name__}") from None
 
 
+def exact_fp32_on_gpu(dtype: str) -> None:
+    """In a codec process that runs fp32: no TF32 in cuDNN convolutions or matmuls (TF32 moved the
+    decoded waveform by ~6e-3 relative on an H200; without it, ~2e-5). Process-wide, so only the
+    codec models call it."""
+    if dtype in ("fp32", "float32"):
+        import torch
+
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def setup_logging(name: str) -> logging.Logger:
     """Log lines from a model process go to stderr with the model's name, which Triton passes through."""
     log = logging.getLogger("s2tts")

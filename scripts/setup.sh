@@ -23,6 +23,7 @@ if ! ldconfig -p | grep -q libb64.so.0d; then
 fi
 # The reference DAC of fish-speech 0.1.0, only for the codec parity test.
 if ! python -c "import fish_speech" 2>/dev/null; then
-  python -m pip install -q --no-deps -r tests/requirements-parity.txt
+  python -m pip install -q --no-deps fish-speech==0.1.0 descript-audio-codec descript-audiotools
+  python -m pip install -q -r tests/requirements-parity.txt
 fi
 echo "setup done: $(python -c 'import torch, sys; print(f"python {sys.version.split()[0]}, torch {torch.__version__}")')"

@@ -255,3 +255,31 @@ def test_sampling_params_validation():
         SamplingParams(temperature=-1).validate()
     with pytest.raises(ValueError, match="max_new_tokens must be at most 10"):
         SamplingParams(max_new_tokens=11).validate(10)
+
+
+def test_prefix_cache_reuses_voice_prefix(model, prompts):
+    """A second request with the same voice reference copies the cached prefix KV and still produces
+    the logits and codes of a full prefill."""
+    gen = torch.Generator().manual_seed(5)
+    ref = torch.randint(0, 32, (10, 40), generator=gen)
+    first = prompts.build("First sentence for this voice.", ref, "The reference transcript.")
+    second = prompts.build("Another sentence, same voice.", ref, "The reference transcript.")
+    assert first.prefix_len == second.prefix_len > 40
+    assert torch.equal(first.tokens[: first.prefix_len], second.tokens[: second.prefix_len])
+    params = SamplingParams(seed=21, max_new_tokens=10)
+
+    def run(cache_bytes):
+        eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256, prefix_cache_bytes=cache_bytes)
+        logits = {}
+        eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
+        eng.generate(first, params, request_id="a")
+        codes, _ = eng.generate(second, params, request_id="b")
+        return eng, codes, logits["b"]
+
+    cached, codes_c, logits_c = run(64 << 20)
+    plain, codes_p, logits_p = run(0)
+    assert (cached.prefix_cache.hits, cached.prefix_cache.misses) == (1, 1) and len(cached.prefix_cache.entries) == 1
+    assert plain.prefix_cache.hits == 0
+    np.testing.assert_array_equal(codes_c, codes_p)
+    for a, b in zip(logits_c, logits_p):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -159,6 +159,7 @@ class TritonPythonModel:
             tu.tensor("input_ids", prompt.tokens.numpy().astype(np.int32)),
             tu.tensor("input_codes", prompt.codes.numpy().T.astype(np.int32)),
             tu.tensor("semantic_mask", prompt.semantic.numpy()),
+            tu.tensor("prefix_len", np.array([prompt.prefix_len], np.int32)),
             tu.tensor("seed", np.array([params.seed], np.int64)),
             tu.tensor("temperature", np.array([params.temperature], np.float32)),
             tu.tensor("top_p", np.array([params.top_p], np.float32)),

@@ -57,6 +57,9 @@ class TritonPythonModel:
             max_batch=tu.get_param(cfg, "max_batch", int, 8),
             max_seq_len=tu.get_param(cfg, "max_seq_len", int, 4096),
             fast_ar=BLSFastAR() if mode == "bls" else None,
+            prefix_cache_bytes=tu.get_param(cfg, "prefix_cache_mb", int, 512) << 20,
+            max_prefill_tokens=tu.get_param(cfg, "max_prefill_tokens", int, 4096),
+            cuda_graphs=tu.get_param(cfg, "cuda_graphs", bool, None),
         )
         self.C = model.s2.num_codebooks
         self.torch = torch
@@ -65,8 +68,9 @@ class TritonPythonModel:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="s2tts-engine", daemon=True)
         self.thread.start()
-        self.log.info("slow_ar ready: device=%s dtype=%s max_batch=%d max_seq_len=%d", self.engine.device,
-                      self.engine.dtype, self.engine.max_batch, self.engine.max_seq_len)
+        self.log.info("slow_ar ready: device=%s dtype=%s max_batch=%d max_seq_len=%d cuda_graphs=%s prefix_cache=%d MiB",
+                      self.engine.device, self.engine.dtype, self.engine.max_batch, self.engine.max_seq_len,
+                      sorted(self.engine.graphs), self.engine.prefix_cache.max_bytes >> 20)
 
     def execute(self, requests):
         for request in requests:
@@ -108,8 +112,11 @@ class TritonPythonModel:
             mask = np.zeros(T, dtype=bool)
         if codes.shape != (self.C, T) or mask.reshape(-1).shape != (T,):
             raise tu.BadInput(f"input_codes must be [{self.C}, {T}] and semantic_mask [{T}]")
+        prefix_len = tu.scalar(request, "prefix_len", int, 0)
+        if not (0 <= prefix_len <= T):
+            raise tu.BadInput(f"prefix_len must be between 0 and {T}")
         prompt = Prompt(torch.from_numpy(ids), torch.from_numpy(codes.astype(np.int64).T.copy()),
-                        torch.from_numpy(mask.reshape(-1).astype(bool)))
+                        torch.from_numpy(mask.reshape(-1).astype(bool)), prefix_len)
         seed = tu.scalar(request, "seed", int, -1)
         params = SamplingParams(
             temperature=tu.scalar(request, "temperature", float, 0.8),

@@ -1,0 +1,1043 @@
+"""The modded DAC codec of S2 Pro: 44.1 kHz mono audio <-> 10 codebooks at 21.5 Hz.
+
+Plain PyTorch, gpt-fast style. Our own implementation of the architecture described
+in the reference (`fish_speech/models/dac/modded_dac.py` + `rvq.py`, `dac.nn`);
+module and parameter names reproduce the reference state-dict keys so an official
+`codec.pth` loads (weight norm is folded into plain weights at load time).
+
+    audio [B, 1, T] --encoder (causal convs, strides 2,4,8,8, window-512 transformer)-->
+    z [B, D, T/512] --downsample x4 (causal conv + ConvNeXt)--> pre_module (window-128 transformer)
+    --> semantic VQ (1 x 4096) + residual VQ (9 x 1024) --> codes [B, 10, T/2048]
+
+    codes --embed--> post_module (window-128 transformer) --upsample x4--> decoder
+    (causal transposed convs, strides 8,8,4,2) --> audio [B, 1, F*2048]
+
+Every convolution is causal and both transformers are windowed-causal, so decoding
+can stream exactly: each stateful module (a conv with left context, a transposed conv,
+a transformer with its KV window) keeps its own left context in a `StreamState` that the
+caller owns. `decode()` is `decode_stream()` of one chunk from a fresh (all-zero) state.
+
+Shapes: B batch, C channels, T samples or frames, F codec frames, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+log = logging.getLogger("s2tts")
+
+RESIDUAL_DILATIONS = (1, 3, 9)
+RESIDUAL_KERNEL = 7
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Hyper-parameters of the modded DAC. Defaults are the official `modded_dac_vq.yaml`.
+
+    Everything but sample_rate, head_dim, windows, rope_base and norm_eps can be read from
+    a state dict (`CodecConfig.from_state_dict`).
+    """
+
+    sample_rate: int = 44100
+    # encoder: conv k7 1->encoder_dim, then one block per rate doubling the channels
+    encoder_dim: int = 64
+    encoder_rates: tuple[int, ...] = (2, 4, 8, 8)
+    encoder_transformer_layers: tuple[int, ...] = (0, 0, 0, 4)  # per encoder block
+    encoder_transformer_ffn_mult: int = 3  # intermediate = mult * block dim
+    encoder_window: int = 512
+    latent_dim: int = 1024
+    # decoder: conv k7 latent->decoder_dim, then one block per rate halving the channels
+    decoder_dim: int = 1536
+    decoder_rates: tuple[int, ...] = (8, 8, 4, 2)
+    # quantizer
+    n_codebooks: int = 9  # residual codebooks
+    codebook_size: int = 1024
+    semantic_codebook_size: int = 4096
+    codebook_dim: int = 8
+    downsample_factor: tuple[int, ...] = (2, 2)
+    convnext_mult: int = 4
+    convnext_kernel: int = 7
+    quantizer_pre_layers: int = 8
+    quantizer_post_layers: int = 8
+    quantizer_intermediate_size: int = 3072
+    quantizer_window: int = 128
+    # shared by all transformers (not derivable from tensor shapes)
+    head_dim: int = 64
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("encoder_rates", "encoder_transformer_layers", "decoder_rates", "downsample_factor"):
+            object.__setattr__(self, name, tuple(int(v) for v in getattr(self, name)))
+        if len(self.encoder_transformer_layers) != len(self.encoder_rates):
+            raise ValueError("encoder_transformer_layers needs one entry per encoder rate")
+        if math.prod(self.decoder_rates) != self.hop_length:
+            raise ValueError(
+                f"decoder rates {self.decoder_rates} upsample x{math.prod(self.decoder_rates)}, "
+                f"but the encoder hop is {self.hop_length}"
+            )
+
+    @property
+    def hop_length(self) -> int:
+        return math.prod(self.encoder_rates)  # 512 samples per latent frame
+
+    @property
+    def frame_length(self) -> int:
+        return self.hop_length * math.prod(self.downsample_factor)  # 2048 samples per codec frame
+
+    @property
+    def num_codebooks(self) -> int:
+        return 1 + self.n_codebooks
+
+    def encoder_block_dim(self, i: int) -> int:
+        """Output channels of encoder block i (its residual units run at half of it)."""
+        return self.encoder_dim * 2 ** (i + 1)
+
+    def decoder_block_dims(self, i: int) -> tuple[int, int]:
+        return self.decoder_dim // 2**i, self.decoder_dim // 2 ** (i + 1)
+
+    @classmethod
+    def from_state_dict(cls, state_dict: dict[str, Tensor], **overrides) -> "CodecConfig":
+        """Infer the config from tensor shapes (any key style `load_codec` accepts);
+        `overrides` set the fields shapes cannot tell."""
+        return _infer_config(_normalise(state_dict, fold=False)[0], overrides)
+
+
+def full_codec_config() -> CodecConfig:
+    """The official `modded_dac_vq.yaml` values."""
+    return CodecConfig()
+
+
+def tiny_codec_config() -> CodecConfig:
+    """Same topology and strides (frame_length 2048), tiny widths, for tests."""
+    return CodecConfig(
+        encoder_dim=8,  # residual units at 8..64 channels, transformer at 128 (2 heads)
+        encoder_transformer_layers=(0, 0, 0, 1),
+        latent_dim=64,
+        decoder_dim=64,  # 64 -> 32, 16, 8, 4
+        codebook_size=32,
+        semantic_codebook_size=64,
+        quantizer_pre_layers=1,
+        quantizer_post_layers=2,
+        quantizer_intermediate_size=192,
+    )
+
+
+# --------------------------------------------------------------------------- streaming state
+
+
+@dataclass
+class StreamState:
+    """Left context of every stateful decoder module, batch-first tensors keyed by module.
+
+    Owned by the caller (one per request). `decode_stream` never modifies it in place;
+    it returns a new state. States of equal keys can be stacked into a batch and split back.
+    """
+
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.tensors.values())).shape[0]
+
+    @staticmethod
+    def stack(states: list["StreamState"]) -> "StreamState":
+        keys = states[0].tensors.keys()
+        if any(s.tensors.keys() != keys for s in states):
+            raise ValueError("cannot stack stream states of different codecs")
+        return StreamState({k: torch.cat([s.tensors[k] for s in states]) for k in keys})
+
+    def split(self) -> list["StreamState"]:
+        # clones: a request's state must not keep the whole batch's tensors alive
+        return [StreamState({k: t[b : b + 1].clone() for k, t in self.tensors.items()}) for b in range(self.batch_size)]
+
+    def to(self, device) -> "StreamState":
+        return StreamState({k: t.to(device) for k, t in self.tensors.items()})
+
+
+class _Step:
+    """One call's view of a StreamState: reads the old contexts, collects the new ones."""
+
+    def __init__(self, state: StreamState):
+        self.old = state.tensors
+        self.new: dict[str, Tensor] = {}
+
+    def left_context(self, key: str, x: Tensor, keep: int) -> Tensor:
+        # x [B, C, T] -> [B, C, ctx + T]; remembers the last `keep` steps for the next call
+        full = torch.cat([self.old[key], x], dim=-1)
+        self.new[key] = full[..., full.shape[-1] - keep :].clone()
+        return full
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class Snake(nn.Module):
+    """x + sin^2(alpha x) / alpha, per channel."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, C, T]
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class CausalConv1d(nn.Module):
+    """Conv1d padded on the left by (kernel-1)*dilation+1-stride, and on the right so the
+    last frame is complete. `weight_norm` only says how the reference stores the weight."""
+
+    def __init__(self, c_in, c_out, kernel, stride=1, dilation=1, groups=1, weight_norm=True):
+        super().__init__()
+        self.conv = nn.Conv1d(c_in, c_out, kernel, stride=stride, dilation=dilation, groups=groups)
+        self.stride = stride
+        self.context = (kernel - 1) * dilation + 1 - stride
+        self.weight_norm = weight_norm
+        self.state_key = ""
+
+    def init_state(self, batch, device, dtype) -> dict[str, Tensor]:
+        if self.context == 0:
+            return {}
+        assert self.stride == 1, "only stride-1 convolutions can stream"
+        return {self.state_key: torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)}
+
+    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:
+        # x [B, C_in, T] -> [B, C_out, ceil(T / stride)]
+        if step is None:
+            right = -x.shape[-1] % self.stride
+            x = F.pad(x, (self.context, right))
+        elif self.context:
+            x = step.left_context(self.state_key, x, self.context)
+        return self.conv(x)
+
+
+class CausalConvTranspose1d(nn.Module):
+    """ConvTranspose1d keeping the first T*stride outputs (the tail k-stride is dropped)."""
+
+    def __init__(self, c_in, c_out, kernel, stride, weight_norm=True):
+        super().__init__()
+        self.conv = nn.ConvTranspose1d(c_in, c_out, kernel, stride=stride)
+        self.stride = stride
+        self.context = math.ceil(kernel / stride) - 1  # input frames that reach into a new frame
+        self.weight_norm = weight_norm
+        self.state_key = ""
+
+    def init_state(self, batch, device, dtype) -> dict[str, Tensor]:
+        if self.context == 0:
+            return {}
+        return {self.state_key: torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)}
+
+    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:
+        # x [B, C_in, T] -> [B, C_out, T * stride]
+        n_out = x.shape[-1] * self.stride
+        if step is None or self.context == 0:
+            return self.conv(x)[..., :n_out]
+        x = step.left_context(self.state_key, x, self.context)
+        skip = self.context * self.stride
+        return self.conv(x)[..., skip : skip + n_out]
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int):
+        super().__init__()
+        self.block = nn.ModuleList(
+            [
+                Snake(dim),
+                CausalConv1d(dim, dim, RESIDUAL_KERNEL, dilation=dilation),
+                Snake(dim),
+                CausalConv1d(dim, dim, 1),
+            ]
+        )
+
+    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, C, T]
+        snake1, conv1, snake2, conv2 = self.block
+        return x + conv2(snake2(conv1(snake1(x), step)), step)
+
+
+class ConvNeXtBlock(nn.Module):
+    """Causal depthwise conv -> LayerNorm -> MLP (GELU) -> gamma, residual."""
+
+    def __init__(self, dim: int, mult: int, kernel: int):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, kernel, groups=dim, weight_norm=False)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, mult * dim)
+        self.pwconv2 = nn.Linear(mult * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
+
+    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, C, T]
+        h = self.dwconv(x, step).transpose(1, 2)  # [B, T, C]
+        h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
+        return x + (self.gamma * h).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------- transformer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((dim,), 1e-2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+def rope_cos_sin(pos: Tensor, head_dim: int, base: float) -> Tensor:
+    """pos [B, T] -> [B, T, D/2, 2] (cos, sin) rounded through bf16 as the reference's table is."""
+    exponents = torch.arange(0, head_dim, 2, device=pos.device)[: head_dim // 2].float() / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    angles = pos.float()[..., None] * inv_freq  # [B, T, D/2]
+    # torch.polar reproduces the reference's table bit for bit (cos()/sin() differ in rare bf16 roundings)
+    rot = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([rot.real, rot.imag], dim=-1).to(torch.bfloat16).float()
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Interleaved pairs (2i, 2i+1). x [B, T, H, D], rope [B, T, D/2, 2]."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_head: int, head_dim: int):
+        super().__init__()
+        self.n_head, self.head_dim = n_head, head_dim
+        self.wqkv = nn.Linear(dim, 3 * n_head * head_dim, bias=False)
+        self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
+
+    def forward(self, x, rope, mask, k_cache, v_cache):
+        # x [B, T, dim]; rope [B, T, D/2, 2]; mask [B, 1, T, W-1+T]; caches [B, H, W-1, D]
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        k = torch.cat([k_cache, k], dim=2)  # [B, H, W-1+T, D]
+        v = torch.cat([v_cache, v], dim=2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        keep = k_cache.shape[2]
+        return self.wo(y), k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim, n_head, head_dim, hidden, eps):
+        super().__init__()
+        self.attention = Attention(dim, n_head, head_dim)
+        self.feed_forward = FeedForward(dim, hidden)
+        self.ffn_norm = RMSNorm(dim, eps)
+        self.attention_norm = RMSNorm(dim, eps)
+        self.attention_layer_scale = LayerScale(dim)
+        self.ffn_layer_scale = LayerScale(dim)
+
+    def forward(self, x, rope, mask, k_cache, v_cache):  # x [B, T, dim]
+        a, k_cache, v_cache = self.attention(self.attention_norm(x), rope, mask, k_cache, v_cache)
+        h = x + self.attention_layer_scale(a)
+        out = h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
+        return out, k_cache, v_cache
+
+
+class WindowTransformer(nn.Module):
+    """Causal transformer where position t attends to positions (t-window, t], channels-first.
+
+    Its state per stream: the absolute position `pos` [B] (RoPE is absolute, in bf16) and the
+    keys/values of the last window-1 positions per layer. A fresh state has zero keys that the
+    mask hides (they sit at negative positions). Long inputs run in chunks of `window` frames,
+    so attention memory stays O(T * window).
+    """
+
+    def __init__(self, dim, n_layer, n_head, head_dim, hidden, window, rope_base, eps):
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerBlock(dim, n_head, head_dim, hidden, eps) for _ in range(n_layer))
+        self.norm = RMSNorm(dim, eps)
+        self.n_head, self.head_dim, self.window, self.rope_base = n_head, head_dim, window, rope_base
+        self.state_key = ""
+
+    def init_state(self, batch, device, dtype) -> dict[str, Tensor]:
+        kv = (batch, self.n_head, self.window - 1, self.head_dim)
+        state = {f"{self.state_key}.pos": torch.zeros(batch, dtype=torch.long, device=device)}
+        for i in range(len(self.layers)):
+            state[f"{self.state_key}.k{i}"] = torch.zeros(kv, device=device, dtype=dtype)
+            state[f"{self.state_key}.v{i}"] = torch.zeros(kv, device=device, dtype=dtype)
+        return state
+
+    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:
+        # x [B, C, T] -> [B, C, T]
+        old = step.old if step is not None else self.init_state(x.shape[0], x.device, x.dtype)
+        key = self.state_key
+        pos = old[f"{key}.pos"]
+        ks = [old[f"{key}.k{i}"] for i in range(len(self.layers))]
+        vs = [old[f"{key}.v{i}"] for i in range(len(self.layers))]
+        x = x.transpose(1, 2)  # [B, T, C]
+        outs = []
+        for chunk in x.split(self.window, dim=1):
+            y, ks, vs = self._chunk(chunk, pos, ks, vs)
+            pos = pos + chunk.shape[1]
+            outs.append(y)
+        if step is not None:
+            step.new[f"{key}.pos"] = pos
+            for i in range(len(self.layers)):  # clone: do not keep the chunk's full K/V alive
+                step.new[f"{key}.k{i}"], step.new[f"{key}.v{i}"] = ks[i].clone(), vs[i].clone()
+        return torch.cat(outs, dim=1).transpose(1, 2)
+
+    def _chunk(self, x, pos, ks, vs):
+        # x [B, T, C]; pos [B] absolute position of x[:, 0]
+        T, W = x.shape[1], self.window
+        q_pos = pos[:, None] + torch.arange(T, device=x.device)  # [B, T]
+        k_pos = pos[:, None] + torch.arange(-(W - 1), T, device=x.device)  # [B, W-1+T]
+        qp, kp = q_pos[:, :, None], k_pos[:, None, :]
+        mask = (kp <= qp) & (kp > qp - W) & (kp >= 0)  # [B, T, W-1+T]
+        mask = mask[:, None]  # [B, 1, T, W-1+T], broadcast over heads
+        rope = rope_cos_sin(q_pos, self.head_dim, self.rope_base)
+        new_ks, new_vs = [], []
+        for layer, k_cache, v_cache in zip(self.layers, ks, vs):
+            x, k_cache, v_cache = layer(x, rope, mask, k_cache, v_cache)
+            new_ks.append(k_cache)
+            new_vs.append(v_cache)
+        return self.norm(x), new_ks, new_vs
+
+
+# --------------------------------------------------------------------------- encoder / decoder
+
+
+class EncoderBlock(nn.Module):
+    def __init__(self, dim: int, stride: int, cfg: CodecConfig, n_layer: int):
+        super().__init__()
+        half = dim // 2
+        blocks: list[nn.Module] = [ResidualUnit(half, d) for d in RESIDUAL_DILATIONS]
+        blocks += [Snake(half), CausalConv1d(half, dim, 2 * stride, stride=stride)]
+        if n_layer:
+            blocks.append(
+                WindowTransformer(
+                    dim,
+                    n_layer,
+                    dim // cfg.head_dim,
+                    cfg.head_dim,
+                    cfg.encoder_transformer_ffn_mult * dim,
+                    cfg.encoder_window,
+                    cfg.rope_base,
+                    cfg.norm_eps,
+                )
+            )
+        self.block = nn.ModuleList(blocks)
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, dim/2, T] -> [B, dim, T/stride]
+        for m in self.block:
+            x = m(x)
+        return x
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        blocks: list[nn.Module] = [CausalConv1d(1, cfg.encoder_dim, 7)]
+        for i, (stride, n_layer) in enumerate(zip(cfg.encoder_rates, cfg.encoder_transformer_layers)):
+            blocks.append(EncoderBlock(cfg.encoder_block_dim(i), stride, cfg, n_layer))
+        top = cfg.encoder_block_dim(len(cfg.encoder_rates) - 1)
+        blocks += [Snake(top), CausalConv1d(top, cfg.latent_dim, 3)]
+        self.block = nn.ModuleList(blocks)
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, 1, T] -> [B, latent, T/hop]
+        for m in self.block:
+            x = m(x)
+        return x
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.block = nn.ModuleList(
+            [Snake(c_in), CausalConvTranspose1d(c_in, c_out, 2 * stride, stride)]
+            + [ResidualUnit(c_out, d) for d in RESIDUAL_DILATIONS]
+        )
+
+    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, c_in, T] -> [B, c_out, T*stride]
+        snake, up, *units = self.block
+        x = up(snake(x), step)
+        for unit in units:
+            x = unit(x, step)
+        return x
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        layers: list[nn.Module] = [CausalConv1d(cfg.latent_dim, cfg.decoder_dim, 7)]
+        for i, stride in enumerate(cfg.decoder_rates):
+            layers.append(DecoderBlock(*cfg.decoder_block_dims(i), stride))
+        last = cfg.decoder_block_dims(len(cfg.decoder_rates) - 1)[1]
+        layers += [Snake(last), CausalConv1d(last, 1, 7)]  # (index n+3 is a parameter-free tanh)
+        self.model = nn.ModuleList(layers)
+
+    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, latent, T] -> [B, 1, T*hop]
+        conv_in, *blocks, snake, conv_out = self.model
+        x = conv_in(x, step)
+        for block in blocks:
+            x = block(x, step)
+        return torch.tanh(conv_out(snake(x), step))
+
+
+# --------------------------------------------------------------------------- quantizer
+
+
+class VectorQuantize(nn.Module):
+    """Factorised VQ: 1x1 in_proj to codebook_dim, cosine nearest neighbour, 1x1 out_proj."""
+
+    def __init__(self, dim: int, size: int, codebook_dim: int):
+        super().__init__()
+        self.in_proj = nn.Conv1d(dim, codebook_dim, 1)  # weight-normed in the reference (weight_g/_v)
+        self.out_proj = nn.Conv1d(codebook_dim, dim, 1)
+        self.codebook = nn.Embedding(size, codebook_dim)
+
+    def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        # z [B, dim, T] -> codes [B, T], z_q [B, dim, T]
+        e = self.in_proj(z)
+        B, D, T = e.shape
+        e = F.normalize(e.transpose(1, 2).reshape(B * T, D), dim=1)  # [BT, d]
+        c = F.normalize(self.codebook.weight, dim=1)  # [N, d]
+        dist = e.pow(2).sum(1, keepdim=True) - 2 * e @ c.t() + c.pow(2).sum(1, keepdim=True).t()
+        codes = dist.neg().argmax(1).view(B, T)
+        return codes, self.embed(codes)
+
+    def embed(self, codes: Tensor) -> Tensor:  # [B, T] -> [B, dim, T]
+        return self.out_proj(self.codebook(codes).transpose(1, 2))
+
+
+class ResidualVQ(nn.Module):
+    def __init__(self, dim: int, n: int, size: int, codebook_dim: int):
+        super().__init__()
+        self.size = size
+        self.quantizers = nn.ModuleList(VectorQuantize(dim, size, codebook_dim) for _ in range(n))
+
+    def quantize(self, z: Tensor) -> tuple[Tensor, Tensor]:
+        # z [B, dim, T] -> codes [B, n, T], z_q [B, dim, T]
+        codes, z_q, residual = [], torch.zeros_like(z), z
+        for q in self.quantizers:
+            c, z_i = q.quantize(residual)
+            codes.append(c)
+            z_q = z_q + z_i
+            residual = residual - z_i
+        return torch.stack(codes, dim=1), z_q
+
+    def embed(self, codes: Tensor) -> Tensor:  # [B, n, T] -> [B, dim, T]
+        z = self.quantizers[0].embed(codes[:, 0])
+        for i in range(1, len(self.quantizers)):
+            z = z + self.quantizers[i].embed(codes[:, i])
+        return z
+
+
+class Quantizer(nn.Module):
+    """x4 causal downsample, window transformer, semantic VQ + residual VQ on what it misses."""
+
+    def __init__(self, cfg: CodecConfig):
+        super().__init__()
+        dim = cfg.latent_dim
+
+        def transformer(n_layer):
+            return WindowTransformer(
+                dim,
+                n_layer,
+                dim // cfg.head_dim,
+                cfg.head_dim,
+                cfg.quantizer_intermediate_size,
+                cfg.quantizer_window,
+                cfg.rope_base,
+                cfg.norm_eps,
+            )
+
+        self.semantic_quantizer = ResidualVQ(dim, 1, cfg.semantic_codebook_size, cfg.codebook_dim)
+        self.quantizer = ResidualVQ(dim, cfg.n_codebooks, cfg.codebook_size, cfg.codebook_dim)
+        convnext = lambda: ConvNeXtBlock(dim, cfg.convnext_mult, cfg.convnext_kernel)  # noqa: E731
+        self.downsample = nn.ModuleList(
+            nn.ModuleList([CausalConv1d(dim, dim, f, stride=f, weight_norm=False), convnext()])
+            for f in cfg.downsample_factor
+        )
+        self.upsample = nn.ModuleList(
+            nn.ModuleList([CausalConvTranspose1d(dim, dim, f, f, weight_norm=False), convnext()])
+            for f in reversed(cfg.downsample_factor)
+        )
+        self.pre_module = transformer(cfg.quantizer_pre_layers)
+        self.post_module = transformer(cfg.quantizer_post_layers)
+
+    def encode(self, z: Tensor) -> Tensor:  # [B, dim, T] -> codes [B, 1+n, T/4]
+        for conv, block in self.downsample:
+            z = block(conv(z))
+        z = self.pre_module(z)
+        semantic_codes, z_semantic = self.semantic_quantizer.quantize(z)
+        residual_codes, _ = self.quantizer.quantize(z - z_semantic)
+        return torch.cat([semantic_codes, residual_codes], dim=1)
+
+    def decode(self, codes: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, 1+n, F] -> [B, dim, 4F]
+        semantic = codes[:, :1].clamp(0, self.semantic_quantizer.size - 1)
+        residual = codes[:, 1:].clamp(0, self.quantizer.size - 1)
+        z = self.semantic_quantizer.embed(semantic) + self.quantizer.embed(residual)
+        z = self.post_module(z, step)
+        for conv, block in self.upsample:
+            z = block(conv(z, step), step)
+        return z
+
+
+# --------------------------------------------------------------------------- the codec
+
+
+class DAC(nn.Module):
+    def __init__(self, config: CodecConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config)
+        self.quantizer = Quantizer(config)
+        self.decoder = Decoder(config)
+        for name, m in self.named_modules():
+            if hasattr(m, "state_key"):
+                m.state_key = name
+
+    @property
+    def sample_rate(self) -> int:
+        return self.config.sample_rate
+
+    @property
+    def frame_length(self) -> int:
+        return self.config.frame_length
+
+    def _decode_path(self) -> Iterable[nn.Module]:
+        for root in (self.quantizer.post_module, self.quantizer.upsample, self.decoder):
+            yield from root.modules()
+
+    @torch.no_grad()
+    def encode(self, audio: Tensor) -> Tensor:
+        """audio [B, 1, T] (44.1 kHz mono) -> codes [B, 10, ceil(T / 2048)] int64."""
+        if audio.ndim == 2:
+            audio = audio[:, None]
+        if audio.ndim != 3 or audio.shape[1] != 1:
+            raise ValueError(f"encode expects audio [B, 1, T], got {tuple(audio.shape)}")
+        p = self.decoder.model[0].conv.weight
+        audio = audio.to(device=p.device, dtype=p.dtype)
+        audio = F.pad(audio, (0, -audio.shape[-1] % self.frame_length))
+        return self.quantizer.encode(self.encoder(audio))
+
+    def new_stream_state(self, batch: int = 1) -> StreamState:
+        p = self.decoder.model[0].conv.weight
+        tensors: dict[str, Tensor] = {}
+        for m in self._decode_path():
+            if hasattr(m, "init_state"):
+                tensors.update(m.init_state(batch, p.device, p.dtype))
+        return StreamState(tensors)
+
+    @torch.no_grad()
+    def decode_stream(self, codes: Tensor, state: StreamState) -> tuple[Tensor, StreamState]:
+        """codes [B, 10, f] -> (audio [B, 1, f*2048], next state). Chunks join exactly."""
+        codes = self._check_codes(codes)
+        if codes.shape[0] != state.batch_size:
+            raise ValueError(f"codes have batch {codes.shape[0]} but the stream state has {state.batch_size}")
+        if codes.shape[-1] == 0:
+            p = self.decoder.model[0].conv.weight
+            return torch.zeros(codes.shape[0], 1, 0, device=p.device, dtype=torch.float32), state
+        step = _Step(state)
+        audio = self.decoder(self.quantizer.decode(codes, step), step)
+        assert step.new.keys() == state.tensors.keys(), "stream state keys changed"
+        return audio.float(), StreamState(step.new)
+
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes [B, 10, F] -> audio [B, 1, F*2048] float32. Out-of-range codes are clamped."""
+        codes = self._check_codes(codes)
+        return self.decode_stream(codes, self.new_stream_state(codes.shape[0]))[0]
+
+    def _check_codes(self, codes: Tensor) -> Tensor:
+        if codes.ndim == 2:
+            codes = codes[None]
+        if codes.ndim != 3 or codes.shape[1] != self.config.num_codebooks:
+            raise ValueError(f"codes must be [B, {self.config.num_codebooks}, frames], got {tuple(codes.shape)}")
+        return codes.to(device=self.decoder.model[0].conv.weight.device, dtype=torch.long)
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def _weight_norm_keys(model: DAC) -> dict[str, str]:
+    """Plain weight key -> how the reference stores it ("parametrizations" or "weight_g")."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, (CausalConv1d, CausalConvTranspose1d)) and m.weight_norm:
+            out[f"{name}.conv.weight"] = "parametrizations"
+        elif isinstance(m, VectorQuantize):
+            out[f"{name}.in_proj.weight"] = "weight_g"
+            out[f"{name}.out_proj.weight"] = "weight_g"
+    return out
+
+
+def _norm_except_dim0(v: Tensor) -> Tensor:
+    return v.norm(dim=tuple(range(1, v.ndim)), keepdim=True)
+
+
+def codec_state_dict(model: DAC, style: str = "reference") -> dict[str, Tensor]:
+    """The model's weights with official key names.
+
+    style "reference": as fish-speech 0.1.0's own `state_dict()` (causal convs as
+    `conv.parametrizations.weight.original0/1`, VQ projections as `weight_g/weight_v`);
+    "weight_g" or "parametrizations": every weight-normed tensor in that style;
+    "plain": folded weights. Persistent RoPE/mask buffers are not written (loaders ignore them).
+    """
+    if style not in ("reference", "weight_g", "parametrizations", "plain"):
+        raise ValueError(f"unknown weight-norm style {style!r}")
+    wn = _weight_norm_keys(model)
+    out: dict[str, Tensor] = {}
+    for key, t in model.state_dict().items():
+        t = t.detach().clone()
+        kind = wn.get(key) if style == "reference" else (style if key in wn else None)
+        if kind in (None, "plain"):
+            out[key] = t
+            continue
+        base = key[: -len(".weight")]
+        g = _norm_except_dim0(t.float()).to(t.dtype)
+        if kind == "weight_g":
+            out[f"{base}.weight_g"], out[f"{base}.weight_v"] = g, t
+        else:
+            out[f"{base}.parametrizations.weight.original0"] = g
+            out[f"{base}.parametrizations.weight.original1"] = t
+    return out
+
+
+_WN_SUFFIXES = {
+    ".weight_g": (".weight_v", 0),
+    ".weight_v": (".weight_g", 1),
+    ".parametrizations.weight.original0": (".parametrizations.weight.original1", 0),
+    ".parametrizations.weight.original1": (".parametrizations.weight.original0", 1),
+}
+
+
+def _normalise(raw: dict[str, Any], fold: bool = True) -> tuple[dict[str, Tensor], dict[str, list[str]], list[str]]:
+    """Strip the `state_dict` wrapper and `generator.` prefix; turn weight-norm pairs into `.weight`.
+
+    Returns (plain state dict, plain key -> keys as stored (g, v for a pair), unused keys).
+    With fold=False a weight-norm pair maps to its direction v (same shape, no arithmetic).
+    """
+    if isinstance(raw.get("state_dict"), dict):
+        raw = raw["state_dict"]
+    unused = [k for k, v in raw.items() if not isinstance(v, Tensor)]
+    raw = {k: v for k, v in raw.items() if isinstance(v, Tensor)}
+    if any(k.startswith("generator.") for k in raw):
+        unused += [k for k in raw if not k.startswith("generator.")]
+        raw = {k[len("generator.") :]: v for k, v in raw.items() if k.startswith("generator.")}
+
+    sd: dict[str, Tensor] = {}
+    source: dict[str, list[str]] = {}
+    for key, t in raw.items():
+        suffix = next((s for s in _WN_SUFFIXES if key.endswith(s)), None)
+        if suffix is None:
+            sd[key], source[key] = t, [key]
+            continue
+        partner_suffix, which = _WN_SUFFIXES[suffix]
+        base = key[: -len(suffix)]
+        partner = base + partner_suffix
+        if partner not in raw:
+            raise ValueError(f"codec checkpoint: tensor {partner!r} is missing (its weight-norm pair {key!r} is there)")
+        if which == 0:
+            continue  # g: handled with its v
+        g, v = raw[partner], t
+        if g.numel() != v.shape[0]:
+            raise ValueError(
+                f"codec checkpoint: tensor {partner!r} has shape {tuple(g.shape)}, expected [{v.shape[0]}, 1, 1]"
+            )
+        if fold:  # weight = g * v / |v|, the norm over every dim but 0 (also for transposed convs)
+            v32 = v.float()
+            v = v32 * (g.float().reshape(-1, *[1] * (v.ndim - 1)) / _norm_except_dim0(v32))
+        sd[base + ".weight"], source[base + ".weight"] = v, [partner, key]
+    return sd, source, unused
+
+
+def _missing(key: str, weight_norm: bool, why: str = "") -> ValueError:
+    also = ""
+    if weight_norm:
+        also = f", nor its weight-norm forms {key}_g/_v or {key[:-7]}.parametrizations.weight.original0/1"
+    return ValueError(f"codec checkpoint: tensor {key!r} is missing{why}{also}")
+
+
+def _shape(sd: dict[str, Tensor], key: str, ndim: int) -> tuple[int, ...]:
+    if key not in sd:
+        raise _missing(key, key.endswith("conv.weight"), " (needed to infer the codec config)")
+    if sd[key].ndim != ndim:
+        raise ValueError(f"codec checkpoint: tensor {key!r} has shape {tuple(sd[key].shape)}, expected {ndim} dims")
+    return tuple(sd[key].shape)
+
+
+def _count(sd: dict[str, Tensor], prefix: str) -> int:
+    """1 + the largest index i among keys `{prefix}{i}.*` (0 if none)."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    found = [int(m.group(1)) for k in sd if (m := pattern.match(k))]
+    return max(found) + 1 if found else 0
+
+
+def _heads(sd, key, head_dim) -> int:
+    rows = _shape(sd, key, 2)[0]
+    if rows % (3 * head_dim):
+        raise ValueError(f"codec checkpoint: tensor {key!r} has {rows} rows, not a multiple of 3 x head_dim {head_dim}")
+    return rows // (3 * head_dim)
+
+
+def _infer_config(sd: dict[str, Tensor], overrides: dict) -> CodecConfig:
+    base = replace(CodecConfig(), **overrides) if overrides else CodecConfig()
+    hd = base.head_dim
+
+    encoder_dim = _shape(sd, "encoder.block.0.conv.weight", 3)[0]
+    n_enc = _count(sd, "encoder.block.") - 3  # conv, blocks..., snake, conv
+    if n_enc < 1:
+        raise ValueError("codec checkpoint: no encoder blocks found under 'encoder.block.'")
+    enc_rates, enc_layers, ffn_mult = [], [], base.encoder_transformer_ffn_mult
+    for i in range(n_enc):
+        p = f"encoder.block.{i + 1}.block."
+        enc_rates.append(_shape(sd, p + "4.conv.weight", 3)[2] // 2)
+        n_layer = _count(sd, p + "5.layers.")
+        enc_layers.append(n_layer)
+        if n_layer:
+            dim = encoder_dim * 2 ** (i + 1)
+            wqkv = p + "5.layers.0.attention.wqkv.weight"
+            if _heads(sd, wqkv, hd) * hd != dim:
+                raise ValueError(f"codec checkpoint: tensor {wqkv!r} does not match the block's {dim} channels")
+            ffn_mult = _shape(sd, p + "5.layers.0.feed_forward.w1.weight", 2)[0] // dim
+    latent_dim = _shape(sd, f"encoder.block.{n_enc + 2}.conv.weight", 3)[0]
+
+    decoder_dim = _shape(sd, "decoder.model.0.conv.weight", 3)[0]
+    n_dec = _count(sd, "decoder.model.") - 3  # conv, blocks..., snake, conv
+    if n_dec < 1:
+        raise ValueError("codec checkpoint: no decoder blocks found under 'decoder.model.'")
+    dec_rates = [_shape(sd, f"decoder.model.{i + 1}.block.1.conv.weight", 3)[2] // 2 for i in range(n_dec)]
+
+    q = "quantizer."
+    semantic_size, codebook_dim = _shape(sd, q + "semantic_quantizer.quantizers.0.codebook.weight", 2)
+    n_codebooks = _count(sd, q + "quantizer.quantizers.")
+    codebook_size = _shape(sd, q + "quantizer.quantizers.0.codebook.weight", 2)[0]
+    n_down = _count(sd, q + "downsample.")
+    factors = [_shape(sd, f"{q}downsample.{i}.0.conv.weight", 3)[2] for i in range(n_down)]
+    convnext_hidden = _shape(sd, q + "downsample.0.1.pwconv1.weight", 2)[0]
+    convnext_kernel = _shape(sd, q + "downsample.0.1.dwconv.conv.weight", 3)[2]
+    pre_layers = _count(sd, q + "pre_module.layers.")
+    post_layers = _count(sd, q + "post_module.layers.")
+    for name in ("pre_module", "post_module"):
+        wqkv = f"{q}{name}.layers.0.attention.wqkv.weight"
+        if _heads(sd, wqkv, hd) * hd != latent_dim:
+            raise ValueError(f"codec checkpoint: tensor {wqkv!r} does not match latent_dim {latent_dim}")
+    intermediate = _shape(sd, q + "post_module.layers.0.feed_forward.w1.weight", 2)[0]
+
+    return replace(
+        base,
+        encoder_dim=encoder_dim,
+        encoder_rates=tuple(enc_rates),
+        encoder_transformer_layers=tuple(enc_layers),
+        encoder_transformer_ffn_mult=ffn_mult,
+        latent_dim=latent_dim,
+        decoder_dim=decoder_dim,
+        decoder_rates=tuple(dec_rates),
+        n_codebooks=n_codebooks,
+        codebook_size=codebook_size,
+        semantic_codebook_size=semantic_size,
+        codebook_dim=codebook_dim,
+        downsample_factor=tuple(factors),
+        convnext_mult=convnext_hidden // latent_dim,
+        convnext_kernel=convnext_kernel,
+        quantizer_pre_layers=pre_layers,
+        quantizer_post_layers=post_layers,
+        quantizer_intermediate_size=intermediate,
+    )
+
+
+def load_codec(path_or_state_dict, device="cpu", dtype=torch.float32, **config_overrides) -> DAC:
+    """Load an official `codec.pth` (or a state dict). The config is inferred from tensor shapes;
+    `config_overrides` set the fields that shapes cannot tell (sample_rate, head_dim, windows, ...)."""
+    if isinstance(path_or_state_dict, (str, Path)):
+        try:
+            raw = torch.load(path_or_state_dict, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
+            raw = torch.load(path_or_state_dict, map_location="cpu", weights_only=True)
+    else:
+        raw = path_or_state_dict
+    if not isinstance(raw, dict):
+        raise ValueError(f"codec checkpoint: expected a state dict, got {type(raw).__name__}")
+
+    sd, source, unused = _normalise(raw)
+    config = _infer_config(sd, config_overrides)
+    with torch.device("meta"):
+        model = DAC(config)
+
+    wanted = model.state_dict()
+    missing = [k for k in wanted if k not in sd]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise _missing(missing[0], missing[0] in _weight_norm_keys(model), more)
+    bad = [k for k, t in wanted.items() if sd[k].shape != t.shape]
+    if bad:
+        # a folded weight is reported under the key it is stored as (weight_v / original1)
+        msgs = [f"{source[k][-1]!r} has shape {tuple(sd[k].shape)}, expected {tuple(wanted[k].shape)}" for k in bad[:3]]
+        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise ValueError("codec checkpoint: tensor " + "; tensor ".join(msgs) + more)
+    unused += [stored for k in sd if k not in wanted for stored in source[k]]
+    if unused:
+        log.info("codec: ignoring %d unused tensors: %s", len(unused), ", ".join(sorted(unused)))
+
+    model.load_state_dict({k: sd[k] for k in wanted}, assign=True)
+    model = model.to(device=device, dtype=dtype)
+    return model.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------- random init
+
+
+def make_codec(config: CodecConfig, seed: int) -> DAC:
+    """Random weights, deterministic from `seed` (built on CPU), scaled so audio is audible."""
+    gen = torch.Generator().manual_seed(seed)
+    model = DAC(config)
+
+    def normal_(t: Tensor, std: float):
+        with torch.no_grad():
+            t.copy_(torch.randn(t.shape, generator=gen) * std)
+
+    final_conv = model.decoder.model[-1].conv
+    for name, m in model.named_modules():
+        if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+            w = m.weight
+            if isinstance(m, nn.ConvTranspose1d):  # [in, out, k]: each output sees in * k/stride taps
+                fan_in = w.shape[0] * w.shape[2] / m.stride[0]
+            else:
+                fan_in = w.shape[1] * w.shape[2]
+            gain = 0.05 if m is final_conv else (0.5 if name.endswith("block.3.conv") else 1.0)
+            normal_(w, gain / math.sqrt(fan_in))
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Linear):
+            normal_(m.weight, 1 / math.sqrt(m.weight.shape[1]))
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            normal_(m.weight, 1.0)
+        elif isinstance(m, (LayerScale, ConvNeXtBlock)):
+            nn.init.constant_(m.gamma, 0.1)
+    return model.eval().requires_grad_(False)
+
+
+# --------------------------------------------------------------------------- audio helpers
+
+
+def _kaiser(u: Tensor, beta: float) -> Tensor:
+    """Kaiser window evaluated at u in [-1, 1] (0 outside)."""
+    inside = u.abs() < 1
+    arg = beta * torch.sqrt((1 - u.pow(2)).clamp(min=0))
+    return torch.where(inside, torch.special.i0(arg) / torch.special.i0(torch.tensor(beta, dtype=u.dtype)), 0)
+
+
+def resample(
+    wav: Tensor,
+    orig_sr: int,
+    new_sr: int,
+    zero_crossings: int = 16,
+    rolloff: float = 0.945,
+    beta: float = 8.6,
+) -> Tensor:
+    """Band-limited resampling of wav [..., T] -> [..., ceil(T * new_sr / orig_sr)].
+
+    Kaiser-windowed sinc, cutoff `rolloff` x the lower Nyquist, `zero_crossings` lobes per side.
+    Output sample n sits at input time n * orig / new; its taps come from one of `new`
+    (gcd-reduced) phases, so the filter bank is computed once and gathered per block.
+    """
+    if orig_sr <= 0 or new_sr <= 0:
+        raise ValueError(f"sample rates must be positive, got {orig_sr} -> {new_sr}")
+    if not wav.is_floating_point():
+        wav = wav.float()
+    if orig_sr == new_sr:
+        return wav.clone()
+    g = math.gcd(orig_sr, new_sr)
+    orig, new = orig_sr // g, new_sr // g
+    *lead, T = wav.shape
+    x = wav.reshape(-1, T)
+    out_len = -(-T * new // orig)
+
+    cutoff = rolloff * min(1.0, new / orig)  # fraction of the input Nyquist
+    half = zero_crossings / cutoff  # filter half-width in input samples
+    taps = 2 * math.ceil(half)
+    # filter bank [new, taps]: phase p = output n mod new, fractional position (n*orig mod new)/new
+    frac = (torch.arange(new, dtype=torch.float64) * orig % new) / new
+    d = frac[:, None] + (taps // 2 - 1) - torch.arange(taps, dtype=torch.float64)  # t - tap position
+    bank = cutoff * torch.sinc(cutoff * d) * _kaiser(d / half, beta)
+    bank = bank.to(device=x.device, dtype=x.dtype)
+
+    pad = taps
+    xp = F.pad(x, (pad, pad))
+    offsets = torch.arange(taps, device=x.device)
+    out = []
+    block = max(1, 2**20 // taps)
+    for start in range(0, out_len, block):
+        n = torch.arange(start, min(out_len, start + block), device=x.device)
+        first = n * orig // new - (taps // 2 - 1) + pad  # index of the first tap in xp
+        frames = xp[:, first[:, None] + offsets]  # [N, n, taps]
+        out.append((frames * bank[n % new]).sum(-1))
+    return torch.cat(out, dim=-1).reshape(*lead, out_len)
+
+
+def prepare_audio(wav, sample_rate: int, target_sr: int) -> Tensor:
+    """Any waveform -> float32 mono [1, 1, T] at target_sr.
+
+    Accepts [T], [T, C] (soundfile layout) or [C, T] (the shorter axis is taken as channels),
+    numpy or torch, float or integer PCM (scaled to [-1, 1]).
+    """
+    if isinstance(wav, np.ndarray):
+        if wav.dtype.kind == "i":
+            scale = float(np.iinfo(wav.dtype).max) + 1
+            wav = wav.astype(np.float32) / scale
+        wav = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32))
+    elif isinstance(wav, Tensor):
+        if not wav.is_floating_point():
+            wav = wav.float() / (float(torch.iinfo(wav.dtype).max) + 1) if wav.dtype != torch.bool else wav.float()
+        wav = wav.float()
+    else:
+        raise ValueError(f"audio must be a numpy array or a torch tensor, got {type(wav).__name__}")
+    if wav.numel() == 0:
+        raise ValueError(f"audio is empty (shape {tuple(wav.shape)})")
+    while wav.ndim > 2 and wav.shape[0] == 1:
+        wav = wav[0]
+    if wav.ndim == 2:
+        channels_first = wav.shape[0] <= wav.shape[1]
+        wav = wav.mean(dim=0 if channels_first else 1)
+    if wav.ndim != 1:
+        raise ValueError(f"audio must be [samples], [samples, channels] or [channels, samples], got {tuple(wav.shape)}")
+    if not torch.isfinite(wav).all():
+        raise ValueError("audio contains NaN or infinite samples")
+    if int(sample_rate) <= 0:
+        raise ValueError(f"sample rate must be positive, got {sample_rate}")
+    wav = resample(wav, int(sample_rate), int(target_sr))
+    return wav.float()[None, None]
