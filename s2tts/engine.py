@@ -120,7 +120,8 @@ class Engine:
         self.seed = torch.zeros(n, dtype=torch.int64, device=dev)
         self.allow_end = torch.ones(n, dtype=torch.bool, device=dev)
 
-        self.graphs: dict[int, tuple] = {}
+        self.graphs: dict[int, tuple] = {}  # batch bucket -> captured decode step
+        self.frame_graphs: dict[int, tuple] = {}  # batch bucket -> captured first frame after prefill
         if cuda_graphs is None:
             cuda_graphs = on_cuda and decode_kernel and not isinstance(self.fast_ar, HostFastAR)
         if cuda_graphs:
@@ -257,9 +258,23 @@ class Engine:
                                       torch.stack([la.attention.cache.v[r.slot, :, :P] for la in layers]))
         if self.logits_hook is not None:
             self.logits_hook([r.id for r in reqs], logits[rows, last])
-        step = torch.zeros(len(reqs), dtype=torch.int64, device=dev)
-        frame, end = self._sample_frame(slots, hidden[rows, last], logits[rows, last], step)
+        frame, end = self._first_frame(slots, hidden[rows, last], logits[rows, last])
         return self._emit(reqs, frame, end)
+
+    def _first_frame(self, slots, hidden, logits):
+        """Code 0 + fast AR for the requests just prefilled (step 0), through a captured graph when there is one."""
+        B = slots.shape[0]
+        bucket = next((b for b in sorted(self.frame_graphs) if b >= B), None)
+        if bucket is None:
+            return self._sample_frame(slots, hidden, logits, torch.zeros(B, dtype=torch.int64, device=self.device))
+        graph, io, hbuf, lbuf, out = self.frame_graphs[bucket]
+        io[0].fill_(self.scratch)
+        io[0][:B] = slots
+        io[2].zero_()  # step 0
+        hbuf[:B] = hidden
+        lbuf[:B] = logits
+        graph.replay()
+        return out[0][:B], out[1][:B]
 
     def _decode(self, slot_list: list[int]) -> list[Output]:
         reqs = [self.live[s] for s in slot_list]
@@ -323,6 +338,18 @@ class Engine:
             with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
                 out = self._decode_core(*args)
             self.graphs[bucket] = (graph, io, out)
+            # the first frame of newly prefilled requests: sampling + fast AR from given hidden/logits
+            hbuf = torch.zeros(bucket, self.s2.text.dim, dtype=self.dtype, device=dev)
+            lbuf = torch.zeros(bucket, self.s2.num_semantic + 1, dtype=torch.float32, device=dev)
+            fargs = (io[0], hbuf, lbuf, io[2])
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):
+                    self._sample_frame(*fargs)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            fgraph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(fgraph, pool=pool), torch.inference_mode():
+                fout = self._sample_frame(*fargs)
+            self.frame_graphs[bucket] = (fgraph, io, hbuf, lbuf, fout)
         torch.cuda.synchronize(dev)
 
     def _emit(self, reqs, frame, end) -> list[Output]:

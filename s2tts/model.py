@@ -95,25 +95,31 @@ class Attention(nn.Module):
         self.fused = False  # fused q/k norm + RoPE + cache write kernel (see use_triton_kernels)
         self.rope: torch.Tensor | None = None  # the stack's table, set by use_triton_kernels
 
-    def _fused_decode(self, x, pos, slots):
+    def _fused(self, x, pos, slots, kv_len_max):
+        """Cached path with the fused q/k-norm + RoPE + cache-write kernel (every token is a row);
+        one-token steps then use the decode-attention kernel, prompts plain attention over the cache."""
         from .kernels import decode_attention, qk_rope_cache
 
         c = self.cfg
-        B = x.shape[0]
-        qkv = self.wqkv(x).reshape(B, -1)
-        p = pos[:, 0]
+        B, S, _ = x.shape
+        qkv = self.wqkv(x).reshape(B * S, -1)
+        rows_slot = slots if S == 1 else slots.repeat_interleave(S)
         q = qk_rope_cache(qkv, self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
-                          self.rope, p, slots, self.cache.k, self.cache.v, c.n_head, c.n_local_heads, c.head_dim,
-                          c.norm_eps, c.qk_norm)
-        out = decode_attention(q, self.cache.k, self.cache.v, slots, p + 1)
-        return self.wo(out.reshape(B, 1, c.q_size))
+                          self.rope, pos.reshape(-1), rows_slot, self.cache.k, self.cache.v, c.n_head, c.n_local_heads,
+                          c.head_dim, c.norm_eps, c.qk_norm)
+        if S == 1 and self.decode_kernel:
+            out = decode_attention(q, self.cache.k, self.cache.v, slots, pos[:, 0] + 1)
+            return self.wo(out.reshape(B, 1, c.q_size))
+        kc, vc = self.cache.k[slots, :, :kv_len_max], self.cache.v[slots, :, :kv_len_max]
+        out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)
+        return self.wo(out.transpose(1, 2).reshape(B, S, c.q_size))
 
     def forward(self, x, rope, pos, slots, kv_len_max: int | None):
         """x [B, S, dim]; rope [B, S, D/2, 2]; pos [B, S]; slots [B] or None (no cache: plain causal)."""
         c = self.cfg
         B, S, _ = x.shape
-        if S == 1 and self.decode_kernel and self.fused and slots is not None:
-            return self._fused_decode(x, pos, slots)
+        if self.fused and slots is not None and (S > 1 or self.decode_kernel):
+            return self._fused(x, pos, slots, kv_len_max)
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(B, S, c.n_head, c.head_dim)
         k = k.view(B, S, c.n_local_heads, c.head_dim)

@@ -28,9 +28,9 @@ class S2Pipeline:
         self.device = resolve_device(device)
         self.model = load_model(checkpoint, self.device, dtype)
         self.s2 = self.model.s2
-        from .triton_utils import exact_fp32_on_gpu
+        from .triton_utils import codec_precision
 
-        exact_fp32_on_gpu(codec_dtype)
+        codec_precision(codec_dtype, tf32=False)  # offline: the exact result
         self.codec = load_codec_from_dir(checkpoint, self.device, codec_dtype)
         if self.codec.config.semantic_codebook_size != self.s2.num_semantic:
             raise ValueError(

@@ -113,6 +113,8 @@ class TritonServer:
                  grpc_port: int | None = None, metrics_port: int | None = None, workdir: str | Path | None = None,
                  log_path: str | Path | None = None, models=MODELS, verbose: bool = False):
         self.settings = {"checkpoint": str(Path(checkpoint).resolve()), **(settings or {})}
+        if "device" in self.settings:  # one switch moves every model; codec_device alone splits them
+            self.settings.setdefault("codec_device", self.settings["device"])
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -131,7 +133,9 @@ class TritonServer:
         return f"http://127.0.0.1:{self.http_port}"
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
-        repo = render_repository(self.workdir / "model_repository", self.settings, models=self.models)
+        from .export import render_model_repository  # the `backend` switch: python | tensorrt | onnxruntime
+
+        repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models)
         binary, _, libs = find_server()
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub finds this venv's packages
@@ -205,7 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", required=True, help="S2 Pro checkpoint directory")
     ap.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help=f"a model repository setting; one of: {', '.join(sorted(placeholders()))}")
+                    help=f"a model repository setting; one of: {', '.join(sorted(placeholders() | {'backend', 'engine_dir'}))}")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)

@@ -40,15 +40,15 @@ def get_param(model_config: dict | str, key: str, kind=str, default=None):
         raise ValueError(f"config.pbtxt parameter {key}={raw!r} is not a valid {kind.__name__}") from None
 
 
-def exact_fp32_on_gpu(dtype: str) -> None:
-    """In a codec process that runs fp32: no TF32 in cuDNN convolutions or matmuls (TF32 moved the
-    decoded waveform by ~6e-3 relative on an H200; without it, ~2e-5). Process-wide, so only the
-    codec models call it."""
+def codec_precision(dtype: str, tf32: bool) -> None:
+    """Process-wide matmul/convolution precision for a codec process running fp32: `tf32=False` gives
+    fp32-exact convolutions (~2e-5 from the CPU result on an H200), `tf32=True` lets cuDNN use TF32
+    (about 2x faster for the decoder at batch 32-64; see perf/RESULTS.md for its deviation)."""
     if dtype in ("fp32", "float32"):
         import torch
 
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def setup_logging(name: str) -> logging.Logger:

@@ -18,7 +18,7 @@ class TritonPythonModel:
         ckpt = tu.get_param(cfg, "checkpoint")
         if not ckpt:
             raise ValueError("dac_encoder: set the `checkpoint` parameter in config.pbtxt")
-        tu.exact_fp32_on_gpu(tu.get_param(cfg, "dtype", str, "fp32"))
+        tu.codec_precision(tu.get_param(cfg, "dtype", str, "fp32"), tu.get_param(cfg, "tf32", bool, True))
         self.codec = load_codec_from_dir(ckpt, tu.get_param(cfg, "device", str, "auto"), tu.get_param(cfg, "dtype", str, "fp32"))
         self.max_seconds = tu.get_param(cfg, "max_reference_seconds", float, 30.0)
         self.device = next(self.codec.parameters()).device

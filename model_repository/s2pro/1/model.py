@@ -100,10 +100,10 @@ class TritonPythonModel:
             prompt = self.prompts.build(req.text, ref_codes, req.reference_text)
             stats.prompt_tokens = len(prompt)
             chunker = Chunker(req.first_chunk_frames, req.chunk_frames)
-            stream = self._generate(sid, prompt, req.params)
-            for frames, reason in stream:
+            responses = self._start_generation(sid, prompt, req)
+            for frames, reason in self._frames(responses):
                 if sender.is_cancelled():
-                    self._cancel_engine(sid, stream)
+                    self._cancel_engine(sid, responses)
                     raise Cancelled()
                 stats.frames += frames.shape[0]
                 if reason:
@@ -153,7 +153,9 @@ class TritonPythonModel:
             raise ValueError(f"reference_audio could not be encoded: {resp.error().message()}")
         return pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().astype(np.int64)
 
-    def _generate(self, sid, prompt, params: SamplingParams):
+    def _start_generation(self, sid, prompt, req: TTSRequest):
+        """The slow_ar stream of this request (an iterator of responses), frames grouped as our chunks."""
+        params = req.params
         inputs = [
             tu.string_tensor("request_id", sid),
             tu.tensor("input_ids", prompt.tokens.numpy().astype(np.int32)),
@@ -166,9 +168,15 @@ class TritonPythonModel:
             tu.tensor("top_k", np.array([params.top_k], np.int32)),
             tu.tensor("max_new_tokens", np.array([params.max_new_tokens], np.int32)),
             tu.tensor("ignore_eos", np.array([params.ignore_end])),
+            tu.tensor("first_chunk_frames", np.array([req.first_chunk_frames], np.int32)),
+            tu.tensor("chunk_frames", np.array([req.chunk_frames], np.int32)),
         ]
         req = pb_utils.InferenceRequest(model_name="slow_ar", inputs=inputs, requested_output_names=["codes", "finish_reason"])
-        for resp in req.exec(decoupled=True):
+        return req.exec(decoupled=True)
+
+    def _frames(self, responses):
+        """(frames [n, C], finish reason or "") per slow_ar response."""
+        for resp in responses:
             if resp.has_error():
                 msg = resp.error().message()
                 raise (ValueError if "limit" in msg or "must" in msg else RuntimeError)(msg)
@@ -179,11 +187,14 @@ class TritonPythonModel:
             reason = reason.decode() if isinstance(reason, bytes) else str(reason)
             yield codes.as_numpy().reshape(-1, self.s2.num_codebooks), reason
 
-    def _cancel_engine(self, sid, stream):
-        stream.close()
+    def _cancel_engine(self, sid, responses):
+        """Ask slow_ar to drop the request, then read its stream to the end (its final response), so
+        that no BLS stream is left open in this process."""
         req = pb_utils.InferenceRequest(model_name="slow_ar", requested_output_names=[],
                                         inputs=[tu.string_tensor("request_id", sid), tu.tensor("cancel", np.array([True]))])
         for _ in req.exec(decoupled=True):
+            pass
+        for _ in responses:
             pass
 
     def _decode(self, sid, chunk, final: bool) -> np.ndarray:

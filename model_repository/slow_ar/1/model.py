@@ -1,14 +1,18 @@
 """slow_ar: the decoupled continuous-batching AR engine (slow AR + fast AR per frame).
 
 A thin adapter over `s2tts.engine.Engine`: `execute` only parses and submits; one
-engine thread runs batched steps for all live requests and streams each request's
-frames of codes as they are made. Per-request state lives in the engine, keyed by
-the request id.
+engine thread runs batched steps for all live requests; a second thread sends each
+request's frames (grouped as the request asked: `first_chunk_frames`, then
+`chunk_frames`, so a stream costs one response per audio chunk, not one per frame)
+and polls for cancellation, so that IPC never stalls the GPU loop. Per-request state
+lives in the engine and in `self.streams`, keyed by the request id.
 """
 
 import json
+import queue
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -18,8 +22,16 @@ from s2tts.checkpoint import codec_codebook_sizes, load_model
 from s2tts.engine import Engine, FINISH_ERROR, HostFastAR
 from s2tts.prompt import Prompt
 from s2tts.sampling import SamplingParams
+from s2tts.service import Chunker
 
-CANCEL_POLL_S = 0.02
+CANCEL_POLL_S = 0.05
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+@dataclass
+class Stream:
+    sender: object
+    chunker: Chunker
 
 
 class BLSFastAR(HostFastAR):
@@ -63,11 +75,14 @@ class TritonPythonModel:
         )
         self.C = model.s2.num_codebooks
         self.torch = torch
-        self.senders = {}  # request id -> response sender
+        self.streams: dict[str, Stream] = {}  # request id -> its sender and frame grouping
         self.lock = threading.Lock()
+        self.outbox: queue.Queue = queue.Queue()  # (request id, response | None, flags)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="s2tts-engine", daemon=True)
+        self.sender_thread = threading.Thread(target=self._send_loop, name="s2tts-sender", daemon=True)
         self.thread.start()
+        self.sender_thread.start()
         self.log.info("slow_ar ready: device=%s dtype=%s max_batch=%d max_seq_len=%d cuda_graphs=%s prefix_cache=%d MiB",
                       self.engine.device, self.engine.dtype, self.engine.max_batch, self.engine.max_seq_len,
                       sorted(self.engine.graphs), self.engine.prefix_cache.max_bytes >> 20)
@@ -79,22 +94,26 @@ class TritonPythonModel:
                 rid = tu.scalar(request, "request_id", str, "") or request.request_id() or f"r{id(request)}"
                 if tu.scalar(request, "cancel", bool, False):
                     self.engine.cancel(rid)
-                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    sender.send(flags=FINAL)
                     continue
                 prompt, params = self._parse(request)
+                first = tu.scalar(request, "first_chunk_frames", int, 1)
+                size = tu.scalar(request, "chunk_frames", int, 1)
+                if first < 1 or size < 1:
+                    raise tu.BadInput("first_chunk_frames and chunk_frames must be at least 1")
                 with self.lock:
-                    self.senders[rid] = sender
+                    self.streams[rid] = Stream(sender, Chunker(first, size))
                 try:
                     self.engine.submit(rid, prompt, params)
                 except Exception:
                     with self.lock:
-                        self.senders.pop(rid, None)
+                        self.streams.pop(rid, None)
                     raise
             except (ValueError, tu.BadInput) as e:
-                sender.send(tu.error_response(str(e)), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(tu.error_response(str(e)), flags=FINAL)
             except Exception as e:  # never let one request take the server down
                 self.log.exception("slow_ar: request failed")
-                sender.send(tu.error_response(f"internal error: {e}", "INTERNAL"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                sender.send(tu.error_response(f"internal error: {e}", "INTERNAL"), flags=FINAL)
         return None
 
     def _parse(self, request):
@@ -129,54 +148,72 @@ class TritonPythonModel:
         return prompt, params
 
     def _loop(self):
-        last_poll = 0.0
+        """The GPU loop: engine steps, outputs grouped and queued for the sender thread."""
         while not self.stop.is_set():
             if not self.engine.wait_for_work(timeout=0.5):
                 continue
-            now = time.monotonic()
-            if now - last_poll > CANCEL_POLL_S:
-                last_poll = now
-                with self.lock:
-                    cancelled = [rid for rid, s in self.senders.items() if s.is_cancelled()]
-                for rid in cancelled:
-                    self.engine.cancel(rid)
             try:
                 outputs = self.engine.step()
             except Exception as e:
                 self.log.exception("slow_ar: engine step failed; failing the live requests")
                 outputs = self.engine.fail_all(str(e))
             for o in outputs:
-                self._send(o)
+                self._queue(o)
 
-    def _send(self, o):
+    def _queue(self, o):
         with self.lock:
-            sender = self.senders.get(o.request_id)
+            st = self.streams.get(o.request_id)
             if o.finished:
-                self.senders.pop(o.request_id, None)
-        if sender is None:
+                self.streams.pop(o.request_id, None)
+        if st is None:
             return
-        if o.finished:
-            self.log.info("slow_ar: request %s done, finish reason %s", o.request_id, o.finish_reason)
-        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if o.finished else 0
         if o.finish_reason == FINISH_ERROR:
-            sender.send(tu.error_response(o.error or "engine error", "INTERNAL"), flags=flags)
+            self.outbox.put((o.request_id, st.sender, tu.error_response(o.error or "engine error", "INTERNAL"), FINAL))
             return
-        tensors = [tu.tensor("codes", o.codes.astype(np.int32)),
-                   tu.string_tensor("finish_reason", o.finish_reason or "")]
-        try:
-            sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
-        except Exception:  # the client went away
-            if not o.finished:
-                self.engine.cancel(o.request_id)
+        for chunk in st.chunker.add(o.codes):
+            self.outbox.put((o.request_id, st.sender, self._response(chunk.T, ""), 0))
+        if o.finished:
+            tail = st.chunker.flush()
+            codes = tail.T if tail is not None else np.zeros((0, self.C), np.int32)
+            self.outbox.put((o.request_id, st.sender, self._response(codes, o.finish_reason), FINAL))
+            self.log.info("slow_ar: request %s done, finish reason %s", o.request_id, o.finish_reason)
+
+    @staticmethod
+    def _response(codes, reason):
+        return pb_utils.InferenceResponse(output_tensors=[tu.tensor("codes", np.ascontiguousarray(codes, dtype=np.int32)),
+                                                         tu.string_tensor("finish_reason", reason)])
+
+    def _send_loop(self):
+        """Sends queued responses in order; between them, polls the live requests for cancellation."""
+        last_poll = 0.0
+        while not self.stop.is_set():
+            try:
+                rid, sender, resp, flags = self.outbox.get(timeout=CANCEL_POLL_S)
+                try:
+                    sender.send(resp, flags=flags)
+                except Exception:  # the client went away
+                    if not flags:
+                        self.engine.cancel(rid)
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if now - last_poll > CANCEL_POLL_S:
+                last_poll = now
+                with self.lock:
+                    live = list(self.streams.items())
+                for rid, st in live:
+                    if st.sender.is_cancelled():
+                        self.engine.cancel(rid)
 
     def finalize(self):
         self.stop.set()
         self.engine.wake()
         self.thread.join(timeout=5)
+        self.sender_thread.join(timeout=5)
         with self.lock:
-            senders, self.senders = self.senders, {}
-        for s in senders.values():
+            streams, self.streams = self.streams, {}
+        for st in streams.values():
             try:
-                s.send(tu.error_response("server shutting down", "UNAVAILABLE"), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                st.sender.send(tu.error_response("server shutting down", "UNAVAILABLE"), flags=FINAL)
             except Exception:
                 pass

@@ -1,0 +1,57 @@
+"""dac_encoder (TensorRT variant): a reference waveform (any sample rate, float PCM) -> DAC codes [num_codebooks, frames].
+
+Resampled here to the codec rate and padded to whole frames; encoded by the `engine_model`
+(dac_encoder_trt, the exported encoder) through BLS.
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from s2tts import triton_utils as tu
+from s2tts.export import load_manifest, triton_bls_runner
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import torch
+
+        cfg = json.loads(args["model_config"])
+        tu.setup_logging("dac_encoder")
+        engine_dir = tu.get_param(cfg, "engine_dir")
+        if not engine_dir:
+            raise ValueError("dac_encoder: set the `engine_dir` parameter (the directory of manifest.json and the engines)")
+        manifest = load_manifest(engine_dir)
+        self.sample_rate = manifest["sample_rate"]
+        self.frame_length = manifest["frame_length"]
+        self.max_frames = manifest["graphs"]["dac_encoder"]["profile"]["sizes"]["samples"][2] // self.frame_length
+        self.max_seconds = tu.get_param(cfg, "max_reference_seconds", float, 30.0)
+        self.device = tu.get_param(cfg, "device", str, "cuda")
+        self.run = triton_bls_runner(tu.get_param(cfg, "engine_model", str, "dac_encoder_trt"), ["codes"], self.device)
+        self.torch = torch
+
+    def execute(self, requests):
+        from s2tts.codec import prepare_audio
+
+        torch = self.torch
+        out = []
+        for request in requests:
+            try:
+                wav = pb_utils.get_input_tensor_by_name(request, "waveform").as_numpy().astype(np.float32).reshape(-1)
+                sr = int(pb_utils.get_input_tensor_by_name(request, "sample_rate").as_numpy().reshape(-1)[0])
+                if not (8000 <= sr <= 192000):
+                    raise ValueError(f"sample_rate must be between 8000 and 192000 Hz (got {sr})")
+                if wav.size / sr > self.max_seconds:
+                    raise ValueError(f"waveform is {wav.size / sr:.1f} s long, over the limit of {self.max_seconds:g} s: trim it")
+                x = prepare_audio(wav, sr, self.sample_rate)
+                x = torch.nn.functional.pad(x, (0, -x.shape[-1] % self.frame_length))
+                if x.shape[-1] // self.frame_length > self.max_frames:
+                    raise ValueError(f"waveform is longer than the encoder engine's profile ({self.max_frames} frames): trim it")
+                codes = self.run({"waveform": x.to(self.device)})["codes"][0]
+                out.append(pb_utils.InferenceResponse(output_tensors=[tu.tensor("codes", codes.to(torch.int32).cpu().numpy())]))
+            except ValueError as e:
+                out.append(tu.error_response(str(e)))
+            except Exception as e:
+                out.append(tu.error_response(f"dac_encoder: {e}", "INTERNAL"))
+        return out

@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""DAC codec speed on a GPU: streaming decode of one chunk per stream for a batch of streams, whole-clip
+encode; fp32 (TF32 off / on, cuDNN autotuning on) against bf16, with the output difference to exact fp32.
+
+    python3 perf/bench_codec.py --checkpoint /tmp/s2full --chunk 16 --batches 1,8,32,64
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def timed(fn, iters=10):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec import StreamState
+
+    torch.backends.cudnn.benchmark = True
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for mode in ("fp32", "tf32", "bf16"):
+        torch.backends.cudnn.allow_tf32 = mode == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
+        codec = load_codec_from_dir(args.checkpoint, "cuda", "bf16" if mode == "bf16" else "fp32")
+        cfg = codec.config
+        for b in [int(x) for x in args.batches.split(",")]:
+            codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (b, 1, 40), generator=gen),
+                               torch.randint(0, cfg.codebook_size, (b, 9, 40), generator=gen)], 1).cuda()
+            with torch.inference_mode():
+                # a warm state (after 24 frames), then time one chunk
+                _, st = codec.decode_stream(codes[..., :24], codec.new_stream_state(b))
+                ms = timed(lambda: codec.decode_stream(codes[..., 24:24 + args.chunk], st))
+                out = codec.decode_stream(codes[..., 24:24 + args.chunk], st)[0].float()
+            audio_s = b * args.chunk * 2048 / 44100
+            rows.append({"mode": mode, "batch": b, "chunk_frames": args.chunk, "ms": round(ms, 2),
+                         "audio_s_per_s": round(audio_s / (ms / 1000), 1), "_out": out.cpu()})
+        with torch.inference_mode():
+            wav = torch.randn(1, 1, 44100 * 10, generator=gen).cuda() * 0.1
+            rows.append({"mode": mode, "encode_10s_ms": round(timed(lambda: codec.encode(wav.to(next(codec.parameters()).dtype)), 5), 1)})
+        del codec
+        torch.cuda.empty_cache()
+    ref = {r["batch"]: r["_out"] for r in rows if r.get("mode") == "fp32" and "_out" in r}
+    for r in rows:
+        if "_out" in r:
+            o = r.pop("_out")
+            r["rel_err_vs_fp32"] = round(float((o - ref[r["batch"]]).norm() / ref[r["batch"]].norm()), 5)
+        print(json.dumps(r), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,766 @@
+#!/usr/bin/env python3
+"""Load generator for the S2 Pro service: a concurrency sweep of streaming requests, client-side timing.
+
+    # gRPC straight to Triton's `s2pro` model (one S2ProClient per worker, one gRPC stream per request)
+    python perf/loadgen.py --url 127.0.0.1:8001 --concurrency 1,4,16,64 --frames 100 --json out.json
+
+    # the OpenAI-compatible gateway (POST /v1/audio/speech, stream_format=audio, response_format=pcm)
+    python perf/loadgen.py --target http://127.0.0.1:8000 --concurrency 1,4 --frames 100
+
+    # a voice-clone mix: half the requests clone a synthetic 10 s reference, encoded once via dac_encoder
+    python perf/loadgen.py --url 127.0.0.1:8001 --clone-fraction 0.5 --clone-mode codes
+
+Each level runs a fixed number of requests (--requests-per-level, default max(2*c, 8)) from c closed-loop
+workers; every request has its own prompt text (unique in the run), its own seed, and generates exactly
+--frames frames (`ignore_eos`; the gateway path cannot ask for that, see --http-ignore-eos). Before the
+sweep --warmup requests run alone; before each level every worker runs one short request (--warmup-frames).
+
+Per level (client-side; units as in /work/shared/reference/ANCHORS.md):
+  TTFA      request sent -> first non-empty audio, ms: mean / p50 / p90 / p99
+  RTF       each request's wall time / its own audio seconds, averaged (also p50, p99)
+  audio_s_per_s, req_per_s, frames_per_s   totals over the level's wall time (first send -> last end)
+  stall_fraction  share of requests whose audio would underrun if played from its first chunk's arrival
+  gpu_mem_peak_mib  peak memory.used summed over visible GPUs during the level (pynvml, else nvidia-smi;
+                    "n/a" without a GPU). It counts every process on the GPU, the server's included.
+Output: --json FILE (config, per level the numbers and the per-request records) and a markdown table, printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import math
+import os
+import platform
+import queue
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+import wave
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+
+HOP = 2048  # samples per frame of the S2 Pro codec (44100 / 2048 = 21.53 frames per second of audio)
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+_OPENINGS = [
+    "The quick brown fox jumps over the lazy dog",
+    "Hello and welcome to the evening news",
+    "Streaming speech synthesis turns text into sound as it is written",
+    "A voice reference is a short clip and its transcript",
+    "Every morning the baker opens the shop before sunrise",
+    "The train to the coast leaves from platform nine",
+    "Please remember to bring an umbrella tomorrow",
+    "Our quarterly results were better than we expected",
+    "The museum will be closed for renovation until spring",
+    "She sells sea shells by the sea shore",
+    "If you can hear this, the system is working",
+    "Turn left at the second traffic light and keep going",
+]
+_MIDDLES = [
+    "and everyone in the room seemed to agree with that",
+    "although nobody could say exactly why it happened",
+    "so we decided to take a short break and try again",
+    "while the rain kept falling softly on the roof",
+    "because the instructions were written very clearly",
+    "which surprised the engineers more than anyone else",
+    "until the music stopped and the lights came back on",
+    "and then the story took an unexpected turn",
+]
+REFERENCE_TEXT = ("This is the reference recording for the voice clone benchmark, read slowly and clearly, "
+                  "with a calm and even tone from the first word to the last.")
+
+
+def prompt_text(i: int) -> str:
+    """A unique, natural-looking sentence for request number i (~100-150 characters)."""
+    a = _OPENINGS[i % len(_OPENINGS)]
+    b = _MIDDLES[(i // len(_OPENINGS) + i) % len(_MIDDLES)]
+    return f"{a}, {b}. This is request number {i}."
+
+
+def reference_waveform(seconds: float = 10.0, sr: int = 44100, seed: int = 0) -> np.ndarray:
+    """A speech-like synthetic signal: a gliding harmonic voice with syllable envelopes and breath noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * sr)) / sr
+    f0 = 140 + 30 * np.sin(2 * np.pi * 0.7 * t) + 15 * np.sin(2 * np.pi * 2.3 * t)  # pitch contour
+    phase = 2 * np.pi * np.cumsum(f0) / sr
+    voice = sum(np.sin(k * phase) / k for k in range(1, 8))
+    syll = np.clip(np.sin(2 * np.pi * 4.0 * t + 0.5 * np.sin(2 * np.pi * 0.3 * t)), 0, None) ** 0.6  # ~4 syllables/s
+    pauses = (np.sin(2 * np.pi * 0.25 * t) > -0.8).astype(np.float64)  # short pauses
+    noise = rng.standard_normal(t.size)
+    noise = np.convolve(noise, np.ones(8) / 8, mode="same")  # low-passed breath
+    x = (0.25 * voice * syll + 0.03 * noise * (0.3 + syll)) * pauses
+    return (0.5 * x / (np.abs(x).max() + 1e-9)).astype(np.float32)
+
+
+def wav_bytes(x: np.ndarray, sr: int) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sr)
+        w.writeframes((np.clip(x, -1, 1) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+# ---------------------------------------------------------------------------------------------- GPU memory
+
+
+class GpuMonitor:
+    """Polls GPU memory (and utilization) in a thread; peak and mean since the last reset()."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.kind, self.names = None, []
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            n = pynvml.nvmlDeviceGetCount()
+            if n:
+                self._nvml = pynvml
+                self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+                self.names = [self._str(pynvml.nvmlDeviceGetName(h)) for h in self._handles]
+                self.kind = "pynvml"
+        except Exception:
+            self._nvml = None
+        if self.kind is None and shutil.which("nvidia-smi"):
+            try:
+                out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                     text=True, timeout=20)
+                if out.returncode == 0 and out.stdout.strip():
+                    self.names = [s.strip() for s in out.stdout.strip().splitlines()]
+                    self.kind = "nvidia-smi"
+                    self.interval = max(interval, 0.5)
+            except (OSError, subprocess.SubprocessError):
+                pass
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.reset()
+        self._thread = None
+        if self.kind:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="gpu-monitor")
+            self._thread.start()
+
+    @staticmethod
+    def _str(s):
+        return s.decode() if isinstance(s, bytes) else str(s)
+
+    @property
+    def available(self) -> bool:
+        return self.kind is not None
+
+    def sample(self) -> tuple[list[float], list[float]] | None:
+        """(memory.used MiB per GPU, utilization % per GPU)."""
+        try:
+            if self.kind == "pynvml":
+                nv = self._nvml
+                mem = [nv.nvmlDeviceGetMemoryInfo(h).used / 2**20 for h in self._handles]
+                util = [float(nv.nvmlDeviceGetUtilizationRates(h).gpu) for h in self._handles]
+                return mem, util
+            if self.kind == "nvidia-smi":
+                out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,utilization.gpu", "--format=csv,noheader,nounits"],
+                                     capture_output=True, text=True, timeout=10)
+                rows = [r.split(",") for r in out.stdout.strip().splitlines()]
+                return [float(r[0]) for r in rows], [float(r[1]) for r in rows]
+        except Exception:
+            return None
+        return None
+
+    def _run(self):
+        while not self._stop.is_set():
+            s = self.sample()
+            if s:
+                mem, util = s
+                with self._lock:
+                    self._peak = max(self._peak, sum(mem))
+                    self._peak_per = [max(a, b) for a, b in zip(self._peak_per, mem)] if self._peak_per else list(mem)
+                    self._util_sum += sum(util) / max(len(util), 1)
+                    self._n += 1
+            self._stop.wait(self.interval)
+
+    def reset(self):
+        with getattr(self, "_lock", threading.Lock()):
+            self._peak, self._peak_per, self._util_sum, self._n = 0.0, [], 0.0, 0
+
+    def read(self) -> dict:
+        if not self.available:
+            return {"gpu_mem_peak_mib": "n/a", "gpu_mem_peak_per_gpu_mib": "n/a", "gpu_util_mean": "n/a"}
+        s = self.sample()  # at least one reading even for a very short level
+        with self._lock:
+            if s:
+                self._peak = max(self._peak, sum(s[0]))
+            return {"gpu_mem_peak_mib": round(self._peak, 1), "gpu_mem_peak_per_gpu_mib": [round(x, 1) for x in self._peak_per],
+                    "gpu_util_mean": round(self._util_sum / self._n, 1) if self._n else "n/a"}
+
+    def close(self):
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Job:
+    idx: int
+    text: str
+    seed: int
+    frames: int
+    kind: str = "plain"  # plain | clone_codes | clone_audio
+    warmup: bool = False
+
+
+@dataclass
+class Record:
+    idx: int
+    kind: str
+    ok: bool = False
+    error: str | None = None
+    t_send: float = 0.0  # seconds since the level started
+    ttfa_s: float | None = None
+    total_s: float | None = None
+    samples: int = 0
+    sample_rate: int = 0
+    audio_s: float = 0.0
+    frames: int = 0
+    chunks: int = 0
+    stall: bool | None = None  # would playback from the first chunk underrun?
+    max_gap_s: float | None = None  # largest gap between chunk arrivals
+    server: dict = field(default_factory=dict)  # the model's final stats (gRPC only)
+
+    @property
+    def rtf(self) -> float | None:
+        return self.total_s / self.audio_s if self.ok and self.audio_s > 0 else None
+
+
+def _stall(arrivals: list[float], durations: list[float]) -> tuple[bool, float]:
+    """Playback starts at the first chunk; chunk k must arrive before the audio before it has played."""
+    stall, gap = False, 0.0
+    played_until = arrivals[0]
+    for k, (t, d) in enumerate(zip(arrivals, durations)):
+        if k:
+            gap = max(gap, t - arrivals[k - 1])
+            if t > played_until + 1e-3:
+                stall = True
+                played_until = t
+        played_until += d
+    return stall, gap
+
+
+class GrpcWorker:
+    """One worker: its own S2ProClient; each request on a new gRPC stream unless reuse_stream."""
+
+    def __init__(self, url: str, model: str, opts: "Options", refs: dict):
+        from s2tts.client import S2ProClient
+
+        self.client = S2ProClient(url, model)
+        self.opts, self.refs = opts, refs
+
+    def run(self, job: Job, level_t0: float) -> Record:
+        from s2tts.client import AudioChunk, Final, TTSInput
+
+        o = self.opts
+        rec = Record(job.idx, job.kind)
+        req = TTSInput(text=job.text, seed=job.seed, max_new_tokens=job.frames, ignore_eos=o.ignore_eos,
+                       temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                       first_chunk_frames=o.first_chunk_frames, chunk_frames=o.chunk_frames)
+        if job.kind == "clone_codes":
+            req.reference_codes, req.reference_text = self.refs["codes"], REFERENCE_TEXT
+        elif job.kind == "clone_audio":
+            req.reference_audio, req.reference_sample_rate = self.refs["audio"], self.refs["sr"]
+            req.reference_text = REFERENCE_TEXT
+        arrivals, durations = [], []
+        rec.t_send = time.perf_counter() - level_t0
+        events = self.client.stream(req, timeout=o.timeout)
+        try:
+            for ev in events:
+                if isinstance(ev, AudioChunk):
+                    if ev.audio.size:
+                        if rec.ttfa_s is None:
+                            rec.ttfa_s = ev.t
+                        rec.samples += int(ev.audio.size)
+                        rec.sample_rate = ev.sample_rate
+                        rec.chunks += 1
+                        arrivals.append(ev.t)
+                        durations.append(ev.audio.size / ev.sample_rate)
+                    rec.total_s = ev.t
+                elif isinstance(ev, Final):
+                    rec.server = ev.stats
+                    rec.total_s = ev.t
+                if rec.total_s is not None and rec.total_s > o.timeout:
+                    raise TimeoutError(f"request took over {o.timeout} s")
+            rec.ok = rec.samples > 0
+            if not rec.ok:
+                rec.error = "no audio"
+        except Exception as e:  # noqa: BLE001 - recorded and counted
+            rec.error = f"{type(e).__name__}: {e}"[:500]
+            events.close()  # releases the client's lock
+            self.client.close(cancel=True)  # drop anything still in flight on this stream
+        finally:
+            events.close()
+            if not o.reuse_stream:
+                self.client.close()
+        _finish(rec, arrivals, durations, o)
+        return rec
+
+    def close(self):
+        try:
+            self.client.__exit__(None, None, None)
+        except Exception:
+            pass
+
+
+class HttpWorker:
+    """One worker: its own httpx.Client; POST /v1/audio/speech streaming 16-bit PCM."""
+
+    def __init__(self, target: str, opts: "Options", refs: dict):
+        import httpx
+
+        self.http = httpx.Client(base_url=target.rstrip("/"), timeout=httpx.Timeout(opts.timeout, connect=30.0),
+                                 headers={"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None)
+        self.opts, self.refs = opts, refs
+
+    def run(self, job: Job, level_t0: float) -> Record:
+        o = self.opts
+        rec = Record(job.idx, job.kind)
+        body = {"model": o.http_model, "input": job.text, "response_format": "pcm", "stream_format": "audio",
+                "seed": job.seed, "max_new_tokens": job.frames}
+        for k in ("temperature", "top_p", "top_k", "first_chunk_frames", "chunk_frames"):
+            if getattr(o, k) is not None:
+                body[k] = getattr(o, k)
+        if o.http_ignore_eos and o.ignore_eos:
+            body["ignore_eos"] = True
+        if job.kind == "clone_codes":
+            body["voice"] = self.refs["voice"]
+        elif job.kind == "clone_audio":
+            body["ref_audio"], body["ref_text"] = self.refs["data_url"], REFERENCE_TEXT
+        arrivals, durations = [], []
+        t0 = time.perf_counter()
+        rec.t_send = t0 - level_t0
+        try:
+            with self.http.stream("POST", "/v1/audio/speech", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {r.read().decode(errors='replace')[:300]}")
+                sr = int(r.headers.get("x-s2-sample-rate", "44100"))
+                rec.sample_rate = sr
+                nbytes = 0
+                for chunk in r.iter_bytes():
+                    t = time.perf_counter() - t0
+                    if chunk:
+                        if rec.ttfa_s is None:
+                            rec.ttfa_s = t
+                        nbytes += len(chunk)
+                        rec.chunks += 1
+                        arrivals.append(t)
+                        durations.append(len(chunk) / 2 / sr)
+                    if t > o.timeout:
+                        raise TimeoutError(f"request took over {o.timeout} s")
+                rec.total_s = time.perf_counter() - t0
+                rec.samples = nbytes // 2
+            rec.ok = rec.samples > 0
+            if not rec.ok:
+                rec.error = "no audio"
+        except Exception as e:  # noqa: BLE001
+            rec.error = f"{type(e).__name__}: {e}"[:500]
+        _finish(rec, arrivals, durations, o)
+        return rec
+
+    def close(self):
+        self.http.close()
+
+
+def _finish(rec: Record, arrivals, durations, o) -> None:
+    if rec.sample_rate:
+        rec.audio_s = rec.samples / rec.sample_rate
+    rec.frames = int(rec.server.get("frames", round(rec.samples / HOP))) if rec.ok else 0
+    if arrivals:
+        rec.stall, rec.max_gap_s = _stall(arrivals, durations)
+
+
+# ---------------------------------------------------------------------------------------------- references
+
+
+def prepare_references(o: "Options") -> dict:
+    """The synthetic reference: its waveform, and (once) its codes from `dac_encoder` / a registered gateway voice."""
+    refs: dict = {}
+    if o.clone_fraction <= 0:
+        return refs
+    x = reference_waveform(o.ref_seconds, o.ref_sample_rate)
+    refs.update(audio=x, sr=o.ref_sample_rate)
+    modes = {"codes", "audio"} if o.clone_mode == "mixed" else {o.clone_mode}
+    if o.target:
+        import httpx
+
+        wav = wav_bytes(x, o.ref_sample_rate)
+        refs["data_url"] = "data:audio/wav;base64," + base64.b64encode(wav).decode()
+        if "codes" in modes:  # a registered voice: the gateway sends its stored codes (encoded once)
+            name = f"loadgen-{uuid.uuid4().hex[:10]}"
+            h = {"Authorization": f"Bearer {o.api_key}"} if o.api_key else {}
+            r = httpx.post(o.target.rstrip("/") + "/v1/audio/voices", headers=h, timeout=120,
+                           data={"name": name, "ref_text": REFERENCE_TEXT}, files={"audio_sample": ("ref.wav", wav, "audio/wav")})
+            if r.status_code >= 300:
+                raise RuntimeError(f"registering the reference voice failed: HTTP {r.status_code} {r.text[:300]}")
+            refs["voice"] = name
+    elif "codes" in modes:
+        import tritonclient.grpc as g
+
+        c = g.InferenceServerClient(o.url)
+        a = g.InferInput("waveform", [x.size], "FP32")
+        a.set_data_from_numpy(x)
+        b = g.InferInput("sample_rate", [1], "INT32")
+        b.set_data_from_numpy(np.array([o.ref_sample_rate], np.int32))
+        t = time.perf_counter()
+        res = c.infer(o.encoder_model, [a, b], client_timeout=o.timeout)
+        refs["encode_s"] = time.perf_counter() - t
+        refs["codes"] = res.as_numpy("codes").astype(np.int32)
+        c.close()
+    return refs
+
+
+def cleanup_references(o: "Options", refs: dict) -> None:
+    if o.target and refs.get("voice"):
+        import httpx
+
+        try:
+            h = {"Authorization": f"Bearer {o.api_key}"} if o.api_key else {}
+            httpx.delete(o.target.rstrip("/") + f"/v1/audio/voices/{refs['voice']}", headers=h, timeout=30)
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------------------------------------- the sweep
+
+
+@dataclass
+class Options:
+    url: str = "127.0.0.1:8001"
+    model: str = "s2pro"
+    encoder_model: str = "dac_encoder"
+    target: str | None = None
+    http_model: str = "s2-pro"
+    api_key: str | None = None
+    http_ignore_eos: bool = False
+    concurrency: tuple = (1, 4, 16, 64)
+    requests_per_level: int | None = None
+    frames: int = 100
+    ignore_eos: bool = True
+    warmup: int = 2
+    warmup_frames: int = 16
+    level_warmup: bool = True
+    clone_fraction: float = 0.0
+    clone_mode: str = "codes"  # codes | audio | mixed
+    ref_seconds: float = 10.0
+    ref_sample_rate: int = 44100
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    first_chunk_frames: int | None = None
+    chunk_frames: int | None = None
+    timeout: float = 300.0
+    level_timeout: float = 1800.0
+    reuse_stream: bool = False
+    seed: int = 0
+    gpu_poll_s: float = 0.2
+
+
+class Sweep:
+    def __init__(self, o: Options):
+        self.o = o
+        self.next_idx = 0
+        self.n_clone = 0
+        self.refs: dict = {}
+
+    def job(self, frames: int | None = None, warmup: bool = False) -> Job:
+        """The next request: unique text and seed; clone or plain by --clone-fraction (deterministic)."""
+        o, i = self.o, self.next_idx
+        self.next_idx += 1
+        kind = "plain"
+        if o.clone_fraction > 0 and math.floor((i + 1) * o.clone_fraction) > math.floor(i * o.clone_fraction):
+            if o.clone_mode == "mixed":
+                kind = "clone_codes" if self.n_clone % 2 == 0 else "clone_audio"
+            else:
+                kind = f"clone_{o.clone_mode}"
+            self.n_clone += 1
+        return Job(i, prompt_text(i), o.seed + i, frames or o.frames, kind, warmup)
+
+    def worker(self):
+        if self.o.target:
+            return HttpWorker(self.o.target, self.o, self.refs)
+        return GrpcWorker(self.o.url, self.o.model, self.o, self.refs)
+
+    def level(self, c: int, gpu: GpuMonitor) -> dict:
+        o = self.o
+        n = o.requests_per_level or max(2 * c, 8)
+        jobs: queue.Queue = queue.Queue()
+        for _ in range(n):
+            jobs.put(self.job())
+        workers = [self.worker() for _ in range(c)]
+        records: list[Record] = []
+        warm_errors: list[str] = []
+        lock = threading.Lock()
+        state = {"t0": 0.0, "deadline": 0.0}
+
+        def start_clock():  # runs once, before any worker passes the barrier
+            gpu.reset()
+            state["t0"] = time.perf_counter()
+            state["deadline"] = state["t0"] + o.level_timeout
+
+        barrier = threading.Barrier(c + 1, action=start_clock)
+        warm_jobs = [self.job(frames=o.warmup_frames, warmup=True) for _ in range(c)] if o.level_warmup else []
+
+        def loop(k: int):
+            w = workers[k]
+            if warm_jobs:
+                r = w.run(warm_jobs[k], time.perf_counter())
+                if not r.ok:
+                    with lock:
+                        warm_errors.append(r.error or "?")
+            try:
+                barrier.wait(timeout=o.timeout + 60)
+            except threading.BrokenBarrierError:
+                return
+            while time.perf_counter() < state["deadline"]:
+                try:
+                    job = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                r = w.run(job, state["t0"])
+                with lock:
+                    records.append(r)
+
+        threads = [threading.Thread(target=loop, args=(k,), daemon=True, name=f"w{k}") for k in range(c)]
+        for t in threads:
+            t.start()
+        try:
+            barrier.wait(timeout=o.timeout + 120)
+        except threading.BrokenBarrierError:
+            start_clock()
+        for t in threads:
+            t.join(timeout=max(1.0, state["deadline"] - time.perf_counter() + o.timeout + 30))
+        wall = time.perf_counter() - state["t0"]
+        gstats = gpu.read()
+        for w in workers:
+            w.close()
+        return summarize(c, n, sorted(records, key=lambda r: r.idx), wall, gstats, warm_errors, o)
+
+    def run(self, on_level=None) -> dict:
+        """on_level(result): called after each level (e.g. to save partial results)."""
+        o = self.o
+        gpu = GpuMonitor(o.gpu_poll_s)
+        result = {"config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(o).items() if k != "api_key"},
+                  "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
+                  "gpu": {"monitor": gpu.kind or "n/a", "names": gpu.names}, "levels": []}
+        result["server"] = server_info(o)
+        if gpu.available:
+            s = gpu.sample()
+            result["gpu"]["mem_used_before_mib"] = round(sum(s[0]), 1) if s else "n/a"
+        t = time.perf_counter()
+        self.refs.update(prepare_references(o))
+        if "encode_s" in self.refs:
+            result["reference"] = {"seconds": o.ref_seconds, "sample_rate": o.ref_sample_rate,
+                                   "codes_shape": list(self.refs["codes"].shape), "encode_s": round(self.refs["encode_s"], 4)}
+        try:
+            warm = []
+            if o.warmup:
+                w = self.worker()
+                for _ in range(o.warmup):
+                    warm.append(w.run(self.job(), time.perf_counter()))
+                w.close()
+            result["warmup"] = {"requests": len(warm), "ok": sum(r.ok for r in warm), "s": round(time.perf_counter() - t, 2),
+                                "errors": [r.error for r in warm if r.error][:3]}
+            if warm and not any(r.ok for r in warm):
+                raise RuntimeError(f"every warm-up request failed: {warm[0].error}")
+            for c in o.concurrency:
+                lv = self.level(c, gpu)
+                result["levels"].append(lv)
+                if on_level:
+                    on_level(result)
+                print(json.dumps({k: v for k, v in lv.items() if k not in ("records", "error_samples")}), file=sys.stderr, flush=True)
+        finally:
+            cleanup_references(o, self.refs)
+            gpu.close()
+        result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        return result
+
+
+def server_info(o: Options) -> dict:
+    """What the server runs (model configs' parameters), for the record; best-effort."""
+    if o.target:
+        try:
+            import httpx
+
+            return {"target": o.target, "health": httpx.get(o.target.rstrip("/") + "/health", timeout=10).json()}
+        except Exception as e:  # noqa: BLE001
+            return {"target": o.target, "error": str(e)[:200]}
+    try:
+        import tritonclient.grpc as g
+
+        c = g.InferenceServerClient(o.url)
+        info = {"url": o.url, "version": c.get_server_metadata(as_json=True).get("version")}
+        for m in (o.model, "slow_ar", "dac_decoder"):
+            try:
+                cfg = c.get_model_config(m, as_json=True)["config"]
+                info[m] = {k: v.get("string_value") for k, v in cfg.get("parameters", {}).items()
+                           if k != "checkpoint" and not str(v.get("string_value", "")).startswith("${")}
+            except Exception:
+                pass
+        c.close()
+        return info
+    except Exception as e:  # noqa: BLE001
+        return {"url": o.url, "error": str(e)[:200]}
+
+
+def _pct(xs, q):
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if xs else None
+
+
+def _r(x, nd=4):
+    return None if x is None else round(float(x), nd)
+
+
+def summarize(c: int, n: int, records: list[Record], wall: float, gstats: dict, warm_errors: list[str], o: Options) -> dict:
+    ok = [r for r in records if r.ok]
+    ttfa = [r.ttfa_s * 1e3 for r in ok if r.ttfa_s is not None]
+    rtf = [r.rtf for r in ok if r.rtf is not None]
+    audio = sum(r.audio_s for r in ok)
+    frames = sum(r.frames for r in ok)
+    # wall of the measured requests: from the level start to the last end
+    end = max((r.t_send + (r.total_s or 0.0) for r in records), default=wall)
+    span = max(min(wall, end) if records else wall, 1e-9)
+    stv = [r.server.get("ttfa_s") for r in ok if isinstance(r.server.get("ttfa_s"), (int, float))]
+    stalls = [r.stall for r in ok if r.stall is not None]
+    errs = [r.error for r in records if r.error]
+    lv = {
+        "concurrency": c, "requests": n, "completed": len(records), "ok": len(ok), "errors": len(records) - len(ok),
+        "not_run": n - len(records),
+        "clone_requests": sum(r.kind != "plain" for r in records),
+        "wall_s": _r(span, 3),
+        "ttfa_ms_mean": _r(np.mean(ttfa), 2) if ttfa else None, "ttfa_ms_p50": _r(_pct(ttfa, 50), 2),
+        "ttfa_ms_p90": _r(_pct(ttfa, 90), 2), "ttfa_ms_p99": _r(_pct(ttfa, 99), 2),
+        "ttfa_ms_max": _r(max(ttfa), 2) if ttfa else None,
+        "server_ttfa_ms_mean": _r(np.mean(stv) * 1e3, 2) if stv else None,
+        "rtf_mean": _r(np.mean(rtf)) if rtf else None, "rtf_p50": _r(_pct(rtf, 50)), "rtf_p99": _r(_pct(rtf, 99)),
+        "audio_s_per_s": _r(audio / span, 3), "req_per_s": _r(len(ok) / span, 3), "frames_per_s": _r(frames / span, 2),
+        "audio_s_per_request_mean": _r(audio / len(ok)) if ok else None,
+        "frames_per_request_mean": _r(frames / len(ok), 2) if ok else None,
+        "frames_short": sum(r.frames < o.frames for r in ok),
+        "chunks_per_request_mean": _r(np.mean([r.chunks for r in ok]), 2) if ok else None,
+        "max_chunk_gap_ms_p99": _r(_pct([r.max_gap_s * 1e3 for r in ok if r.max_gap_s is not None], 99), 2),
+        "stall_fraction": _r(sum(stalls) / len(stalls), 3) if stalls else None,
+        **gstats,
+        "warmup_errors": len(warm_errors),
+        "error_samples": sorted(set(errs))[:5] + sorted(set(warm_errors))[:2],
+        "records": [{**{k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(r).items()}, "rtf": _r(r.rtf, 5)}
+                     for r in records],
+    }
+    return lv
+
+
+COLUMNS = [("c", "concurrency"), ("reqs ok/n", None), ("TTFA mean ms", "ttfa_ms_mean"), ("TTFA p50 ms", "ttfa_ms_p50"),
+           ("TTFA p99 ms", "ttfa_ms_p99"), ("RTF mean", "rtf_mean"), ("audio-s/s", "audio_s_per_s"), ("req/s", "req_per_s"),
+           ("frames/s", "frames_per_s"), ("stalls", "stall_fraction"), ("peak GPU MiB", "gpu_mem_peak_mib")]
+
+
+def markdown(result: dict) -> str:
+    cfg = result["config"]
+    head = (f"S2 Pro load ({'HTTP ' + cfg['target'] if cfg.get('target') else 'gRPC ' + cfg['url']}), "
+            f"{cfg['frames']} frames/request ({cfg['frames'] * HOP / 44100:.2f} s of audio), "
+            f"clone fraction {cfg['clone_fraction']} ({cfg['clone_mode']}), GPU: {', '.join(result['gpu']['names']) or 'n/a'}")
+    lines = [head, "", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for lv in result["levels"]:
+        cells = []
+        for name, key in COLUMNS:
+            if key is None:
+                cells.append(f"{lv['ok']}/{lv['requests']}")
+            else:
+                v = lv.get(key)
+                cells.append("n/a" if v is None else str(v))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address (default %(default)s)")
+    ap.add_argument("--model", default="s2pro")
+    ap.add_argument("--encoder-model", default="dac_encoder")
+    ap.add_argument("--target", help="use the HTTP gateway at this base URL instead of gRPC (e.g. http://127.0.0.1:8000)")
+    ap.add_argument("--http-model", default="s2-pro", help="`model` field of the HTTP request")
+    ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"), help="gateway API key (default: env S2TTS_API_KEY)")
+    ap.add_argument("--http-ignore-eos", action="store_true",
+                    help="also send ignore_eos over HTTP (only for a gateway that accepts the field)")
+    ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels (default %(default)s)")
+    ap.add_argument("--requests-per-level", type=int, help="requests per level (default max(2*c, 8))")
+    ap.add_argument("--frames", type=int, default=100, help="frames per request (default %(default)s = 4.64 s of audio)")
+    ap.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at the end token")
+    ap.add_argument("--warmup", type=int, default=2, help="warm-up requests, one at a time, before the sweep")
+    ap.add_argument("--warmup-frames", type=int, default=16, help="frames of each worker's warm-up request per level")
+    ap.add_argument("--no-level-warmup", action="store_true", help="no per-worker warm-up request before each level")
+    ap.add_argument("--clone-fraction", type=float, default=0.0, help="share of voice-clone requests, 0..1")
+    ap.add_argument("--clone-mode", choices=["codes", "audio", "mixed"], default="codes",
+                    help="codes: reference encoded once via dac_encoder (HTTP: a registered voice); audio: the waveform "
+                         "sent with every request (HTTP: ref_audio); mixed: alternate")
+    ap.add_argument("--ref-seconds", type=float, default=10.0)
+    ap.add_argument("--ref-sample-rate", type=int, default=44100)
+    ap.add_argument("--temperature", type=float)
+    ap.add_argument("--top-p", type=float)
+    ap.add_argument("--top-k", type=int)
+    ap.add_argument("--first-chunk-frames", type=int)
+    ap.add_argument("--chunk-frames", type=int)
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    ap.add_argument("--level-timeout", type=float, default=1800.0, help="no new requests start after this long in a level")
+    ap.add_argument("--reuse-stream", action="store_true", help="one gRPC stream per worker instead of one per request")
+    ap.add_argument("--seed", type=int, default=0, help="request i uses seed+i")
+    ap.add_argument("--json", help="write the full result here")
+    ap.add_argument("--markdown", help="also write the table here")
+    a = ap.parse_args(argv)
+    levels = tuple(int(x) for x in a.concurrency.split(",") if x.strip())
+    if not levels or min(levels) < 1:
+        ap.error("--concurrency needs positive integers")
+    if not 0 <= a.clone_fraction <= 1:
+        ap.error("--clone-fraction must be in [0, 1]")
+    o = Options(url=a.url, model=a.model, encoder_model=a.encoder_model, target=a.target, http_model=a.http_model,
+                api_key=a.api_key, http_ignore_eos=a.http_ignore_eos, concurrency=levels,
+                requests_per_level=a.requests_per_level, frames=a.frames, ignore_eos=not a.no_ignore_eos, warmup=a.warmup,
+                warmup_frames=a.warmup_frames, level_warmup=not a.no_level_warmup, clone_fraction=a.clone_fraction,
+                clone_mode=a.clone_mode, ref_seconds=a.ref_seconds, ref_sample_rate=a.ref_sample_rate,
+                temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, first_chunk_frames=a.first_chunk_frames,
+                chunk_frames=a.chunk_frames, timeout=a.timeout, level_timeout=a.level_timeout, reuse_stream=a.reuse_stream,
+                seed=a.seed)
+    return o, a
+
+
+def main(argv=None) -> int:
+    o, a = parse_args(argv)
+
+    def save(result, partial=True):
+        if a.json:
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps({**result, "partial": partial}, indent=1))
+
+    result = Sweep(o).run(on_level=save)
+    save(result, partial=False)
+    table = markdown(result)
+    if a.markdown:
+        Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.markdown).write_text(table + "\n")
+    print(table, flush=True)
+    bad = sum(lv["ok"] == 0 for lv in result["levels"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

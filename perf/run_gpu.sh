@@ -1,0 +1,247 @@
+#!/usr/bin/env bash
+# The whole serving benchmark on a GPU machine, in one command (from the repository root):
+#
+#   bash perf/run_gpu.sh
+#
+# 1. env       records nvidia-smi, python3, torch
+# 2. setup     source scripts/gpu_env.sh if present (carried .whl/ wheels -> /tmp/site, .gpu/np numpy 1.26,
+#              .gpu/tritonserver-min.tar.xz -> /tmp/s2tts_triton = S2TTS_TRITON_HOME, perf_analyzer's libraries);
+#              else the same steps here (plus .gpu/libb64-0d_*.deb via dpkg -x if the server's lib/ has no libb64)
+# 3. ckpt      full-size random checkpoint at $CKPT if missing (scripts/make_checkpoint.py --size full --device cuda)
+# 4. server    python3 -m s2tts.server --device cuda --set max_batch=64 --set max_seq_len=512 (+ $SETTINGS)
+# 5. loadgen   perf/loadgen.py over $CONCURRENCY, $FRAMES frames/request (ignore_eos), plain prompts
+# 6. clone     perf/loadgen.py over $CLONE_CONCURRENCY, every request a voice clone (10 s reference, codes encoded once)
+# 7. pa        perf/make_pa_inputs.py + perf/run_perf_analyzer.sh (s2pro, slow_ar, fast_ar, dac_decoder), brief
+#
+# Knobs (environment):      default
+#   OUT                     perf/out                 where the results go (the device tool sets it)
+#   CKPT                    /tmp/s2-full             checkpoint directory (written if it has no config.json)
+#   MAX_BATCH, MAX_SEQ_LEN  64, 512                  model repository settings
+#   SETTINGS                ""                       more settings, "key=value key=value" (e.g. "chunk_frames=25 fast_ar=bls")
+#   CONCURRENCY             1,4,16,64                loadgen levels; "" skips the phase
+#   FRAMES                  100                      frames per request (100 = 4.64 s of audio)
+#   CLONE_CONCURRENCY       1,16                     clone levels; "" skips the phase
+#   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level 32")
+#   PA                      1                        0 skips perf_analyzer
+#   PA_CONCURRENCY          "1 16"                   perf_analyzer levels
+#   PA_FRAMES               50                       frames per s2pro/slow_ar request in perf_analyzer
+#   PA_REQUESTS             (per model)              requests per perf_analyzer run (run_perf_analyzer.sh -n)
+#   GRPC_PORT, HTTP_PORT, METRICS_PORT  8001, 8000, 8002
+#   SERVER_TIMEOUT          900                      seconds to wait for the server to be ready
+#   LEVEL_TIMEOUT           120                      loadgen: no new request starts after this long in a level
+#   BUDGET_S                570                      soft limit of the whole run: the clone and perf_analyzer phases
+#                                                    are skipped when less than 90 s of it is left
+#   DEVICE                  cuda                     server device (cpu: a smoke test of this script with a tiny CKPT)
+#   CKPT_SIZE               full                     size of a checkpoint written at $CKPT (tiny|full)
+#   USE_CARRIED             1                        0: ignore .whl/ and .gpu/ (use what $PYTHON has)
+#   PYTHON                  python3
+#
+# Results in $OUT (few files, so that all of them come back from a device run):
+#   summary.md            the tables: loadgen (plain, clone) and perf_analyzer
+#   loadgen.json          loadgen_clone.json      per level numbers + per request records
+#   run.log               everything printed, with timestamps and each phase's time
+#   tritonserver.log      the server's log
+#   details.tar.gz        perf_analyzer CSV/logs, its input meta, environment info, rendered settings
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+
+RES="${OUT:-perf/out}"
+mkdir -p "$RES"
+RES="$(cd "$RES" && pwd)"
+WORK="${WORK:-/tmp/s2tts_perf}"
+rm -rf "$WORK"
+mkdir -p "$WORK/details"
+CKPT="${CKPT:-/tmp/s2-full}"
+MAX_BATCH="${MAX_BATCH:-64}"
+MAX_SEQ_LEN="${MAX_SEQ_LEN:-512}"
+SETTINGS="${SETTINGS:-}"
+CONCURRENCY="${CONCURRENCY-1,4,16,64}"
+FRAMES="${FRAMES:-100}"
+CLONE_CONCURRENCY="${CLONE_CONCURRENCY-1,16}"
+LOADGEN_ARGS="${LOADGEN_ARGS:-}"
+PA="${PA:-1}"
+PA_CONCURRENCY="${PA_CONCURRENCY:-1 16}"
+PA_FRAMES="${PA_FRAMES:-50}"
+SERVER_TIMEOUT="${SERVER_TIMEOUT:-900}"
+LEVEL_TIMEOUT="${LEVEL_TIMEOUT:-120}"
+BUDGET_S="${BUDGET_S:-570}"
+DEVICE="${DEVICE:-cuda}"
+CKPT_SIZE="${CKPT_SIZE:-full}"
+USE_CARRIED="${USE_CARRIED:-1}"
+PY="${PYTHON:-python3}"
+GRPC_PORT="${GRPC_PORT:-8001}" HTTP_PORT="${HTTP_PORT:-8000}" METRICS_PORT="${METRICS_PORT:-8002}"
+PA_REQUESTS="${PA_REQUESTS:-}"
+
+exec > >(tee -a "$RES/run.log") 2>&1
+T_START=$SECONDS
+PHASE="" T_PHASE=$SECONDS
+ts() { date '+%Y-%m-%d %H:%M:%S'; }
+log() { echo "[$(ts) +$((SECONDS - T_START))s] $*"; }
+phase() {
+  [ -n "$PHASE" ] && log "== $PHASE done in $((SECONDS - T_PHASE)) s"
+  PHASE="$1" T_PHASE=$SECONDS
+  [ -n "$PHASE" ] && log "== $PHASE"
+  return 0
+}
+time_left() { [ $((BUDGET_S - (SECONDS - T_START))) -ge 90 ] || { log "skipping $1: only $((BUDGET_S - (SECONDS - T_START))) s of BUDGET_S=$BUDGET_S left"; echo "## $1: skipped (time budget)" >>"$RES/summary.md"; return 1; }; }
+
+SERVER_PID=""
+finish() {
+  local rc=$?
+  set +e
+  if [ $rc -ne 0 ]; then log "!! FAILED in phase '$PHASE' (exit $rc) after $((SECONDS - T_PHASE)) s"; fi
+  if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID" 2>/dev/null
+    for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
+    kill -KILL "$SERVER_PID" 2>/dev/null
+  fi
+  [ -f "$WORK/server/tritonserver.log" ] && cp "$WORK/server/tritonserver.log" "$RES/tritonserver.log"
+  [ -f "$WORK/server.out" ] && cp "$WORK/server.out" "$WORK/details/server.out"
+  if [ $rc -ne 0 ] && [ -f "$RES/tritonserver.log" ]; then
+    log "last lines of the server log ($RES/tritonserver.log):"; tail -40 "$RES/tritonserver.log"
+  fi
+  tar -czf "$RES/details.tar.gz" -C "$WORK" details 2>/dev/null
+  log "== total $((SECONDS - T_START)) s; results in $RES: $(cd "$RES" && ls | tr '\n' ' ')"
+  exit $rc
+}
+trap finish EXIT
+
+# ------------------------------------------------------------------------------------------------ 1. env
+phase env
+log "host $(hostname), repo $ROOT, results $RES, work $WORK"
+{ nvidia-smi || true; } | tee "$WORK/details/nvidia-smi.txt"
+"$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "| gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)' \
+  | tee "$WORK/details/python.txt"
+git log -1 --format='commit %H %s' 2>/dev/null | tee "$WORK/details/commit.txt" || true
+git status --short 2>/dev/null >"$WORK/details/git-status.txt" || true
+
+# ------------------------------------------------------------------------------------------------ 2. carried software
+# scripts/gpu_env.sh (when present) is the project's own setup of the GPU machine; otherwise the same steps here:
+# wheels -> /tmp/site, numpy 1.26 (.gpu/np: the 24.10 python backend stub mis-reads BYTES tensors under numpy 2)
+# -> /tmp/np1 ahead of everything, tritonserver -> /tmp/s2tts_triton, perf_analyzer's libcudart.so.12 / libb64.so.0d
+# from the tritonserver's lib/ (or .gpu/libb64-0d_*.deb, the nvidia-cuda-runtime-cu12 wheel) -> /tmp/pa_libs.
+phase setup
+PA_LIBS=""
+if [ "$USE_CARRIED" != 1 ]; then
+  log "USE_CARRIED=$USE_CARRIED: using what $PY has"
+elif [ -f scripts/gpu_env.sh ] && compgen -G ".whl/*.whl" >/dev/null; then
+  log "source scripts/gpu_env.sh"
+  # shellcheck disable=SC1091
+  source scripts/gpu_env.sh
+  set -euo pipefail  # gpu_env.sh ends with set +e
+else
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    # a libcudart.so.12 wheel stays off PYTHONPATH: torch's CUDA-library preloading scans sys.path for it
+    WHEELS=() CU12=()
+    for w in .whl/*.whl; do case $(basename "$w") in nvidia_cuda_runtime_cu12-*) CU12+=("$w") ;; *) WHEELS+=("$w") ;; esac; done
+    PIP=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade)
+    [ ${#WHEELS[@]} -gt 0 ] && "${PIP[@]}" --target /tmp/site "${WHEELS[@]}"
+    [ ${#CU12[@]} -gt 0 ] && "${PIP[@]}" --target /tmp/site_cu12 "${CU12[@]}"
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+    export PATH="/tmp/site/bin:$PATH"
+    log "installed ${#WHEELS[@]} wheels into /tmp/site (${WHEELS[*]##*/}), ${#CU12[@]} into /tmp/site_cu12"
+  fi
+  if compgen -G ".gpu/np/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/np1 .gpu/np/*.whl
+    export PYTHONPATH="/tmp/np1:${PYTHONPATH:-}"  # inherited by tritonserver's python stubs
+  fi
+  if [ -f .gpu/tritonserver-min.tar.xz ]; then
+    [ -x /tmp/s2tts_triton/bin/tritonserver ] || tar -xJf .gpu/tritonserver-min.tar.xz -C /tmp
+    export S2TTS_TRITON_HOME=/tmp/s2tts_triton
+  fi
+  mkdir -p /tmp/pa_libs
+  if [ -d /tmp/s2tts_triton/lib ]; then
+    for f in /tmp/s2tts_triton/lib/libcudart-*.so.12*; do [ -e "$f" ] && ln -sf "$f" /tmp/pa_libs/libcudart.so.12; done
+    for f in /tmp/s2tts_triton/lib/libb64-*.so.0d; do [ -e "$f" ] && ln -sf "$f" /tmp/pa_libs/libb64.so.0d; done
+  fi
+  if [ ! -e /tmp/pa_libs/libb64.so.0d ] && compgen -G ".gpu/libb64-0d_*.deb" >/dev/null; then
+    mkdir -p /tmp/b64 && dpkg -x .gpu/libb64-0d_*.deb /tmp/b64
+    ln -sf "$(find /tmp/b64 -name 'libb64.so.0d*' | head -1)" /tmp/pa_libs/libb64.so.0d
+  fi
+  if [ ! -e /tmp/pa_libs/libcudart.so.12 ] && [ -e /tmp/site_cu12/nvidia/cuda_runtime/lib/libcudart.so.12 ]; then
+    ln -sf /tmp/site_cu12/nvidia/cuda_runtime/lib/libcudart.so.12 /tmp/pa_libs/libcudart.so.12
+  fi
+  PA_LIBS=/tmp/pa_libs
+fi
+export PYTHONUNBUFFERED=1
+[ -x /tmp/site/bin/perf_analyzer ] && export PERF_ANALYZER=/tmp/site/bin/perf_analyzer
+log "S2TTS_TRITON_HOME=${S2TTS_TRITON_HOME:-(unset)} PERF_ANALYZER=${PERF_ANALYZER:-(search)} PYTHONPATH=${PYTHONPATH:-}"
+"$PY" -c 'import numpy, tritonclient.grpc, s2tts; print("client side ok: numpy", numpy.__version__)'
+
+# ------------------------------------------------------------------------------------------------ 3. ckpt
+phase checkpoint
+if [ -f "$CKPT/config.json" ]; then
+  log "checkpoint $CKPT exists"
+else
+  "$PY" scripts/make_checkpoint.py "$CKPT" --size "$CKPT_SIZE" --device "$DEVICE"
+fi
+du -sh "$CKPT" || true
+
+# ------------------------------------------------------------------------------------------------ 4. server
+phase server
+SET_ARGS=(--set "max_batch=$MAX_BATCH" --set "max_seq_len=$MAX_SEQ_LEN")
+for kv in $SETTINGS; do SET_ARGS+=(--set "$kv"); done
+log "settings: device=$DEVICE ${SET_ARGS[*]}"
+echo "device=$DEVICE ${SET_ARGS[*]}" >"$WORK/details/settings.txt"
+"$PY" -m s2tts.server --checkpoint "$CKPT" --device "$DEVICE" "${SET_ARGS[@]}" --http-port $HTTP_PORT --grpc-port $GRPC_PORT \
+  --metrics-port $METRICS_PORT --workdir "$WORK/server" --timeout "$SERVER_TIMEOUT" >"$WORK/server.out" 2>&1 &
+SERVER_PID=$!
+until grep -q "tritonserver ready" "$WORK/server.out" 2>/dev/null; do
+  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+    log "the server exited before it was ready:"; cat "$WORK/server.out"; exit 1
+  fi
+  if [ $((SECONDS - T_PHASE)) -gt $((SERVER_TIMEOUT + 30)) ]; then log "server not ready after $SERVER_TIMEOUT s"; exit 1; fi
+  sleep 2
+done
+cat "$WORK/server.out"
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv 2>/dev/null | tee "$WORK/details/gpu-mem-after-load.txt" || true
+
+# ------------------------------------------------------------------------------------------------ 5./6. loadgen
+{
+  echo "# S2 Pro serving benchmark"
+  echo
+  echo "- $(cat "$WORK/details/python.txt")"
+  echo "- GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  echo "- checkpoint $CKPT (random weights); settings: device=$DEVICE ${SET_ARGS[*]}"
+  echo "- $(cat "$WORK/details/commit.txt" 2>/dev/null)"
+  echo
+} >"$RES/summary.md"
+
+LG_FAIL=0
+if [ -n "$CONCURRENCY" ]; then
+  phase loadgen
+  # shellcheck disable=SC2086
+  "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CONCURRENCY" --frames "$FRAMES" --level-timeout "$LEVEL_TIMEOUT" \
+    --json "$RES/loadgen.json" --markdown "$WORK/loadgen.md" $LOADGEN_ARGS || LG_FAIL=1
+  { echo "## loadgen, plain prompts"; echo; cat "$WORK/loadgen.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
+fi
+if [ -n "$CLONE_CONCURRENCY" ] && time_left loadgen-clone; then
+  phase loadgen-clone
+  # shellcheck disable=SC2086
+  "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CLONE_CONCURRENCY" --frames "$FRAMES" \
+    --clone-fraction 1 --clone-mode codes --warmup 1 --level-timeout "$LEVEL_TIMEOUT" \
+    --json "$RES/loadgen_clone.json" --markdown "$WORK/loadgen_clone.md" $LOADGEN_ARGS || LG_FAIL=1
+  { echo "## loadgen, voice clone (10 s reference, codes encoded once by dac_encoder)"; echo
+    cat "$WORK/loadgen_clone.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
+fi
+
+# ------------------------------------------------------------------------------------------------ 7. perf_analyzer
+if [ "$PA" = 1 ] && time_left perf_analyzer; then
+  phase perf_analyzer
+  "$PY" perf/make_pa_inputs.py --checkpoint "$CKPT" --out "$WORK/details/pa_inputs" --frames "$PA_FRAMES" >/dev/null
+  if LD_LIBRARY_PATH="${PA_LIBS:+$PA_LIBS:}${LD_LIBRARY_PATH:-}" PYTHON="$PY" bash perf/run_perf_analyzer.sh \
+       -u "127.0.0.1:$GRPC_PORT" -i "$WORK/details/pa_inputs" -o "$WORK/details/pa" -c "$PA_CONCURRENCY" -t 240 -b "1 64" ${PA_REQUESTS:+-n "$PA_REQUESTS"}; then
+    :
+  else
+    log "some perf_analyzer runs failed (see details.tar.gz: details/pa/*.log)"
+  fi
+  # keep the tarball small: the input files of the full-size checkpoint are large and reproducible
+  find "$WORK/details/pa_inputs" -name '*.json' ! -name meta.json -delete
+  { echo "## perf_analyzer"; echo; cat "$WORK/details/pa/pa_summary.md" 2>/dev/null || echo "(no results)"; echo; } >>"$RES/summary.md"
+fi
+phase ""
+
+echo
+cat "$RES/summary.md"
+[ $LG_FAIL -eq 0 ] || { log "a loadgen phase failed"; exit 1; }

@@ -1,0 +1,54 @@
+"""`python -m s2tts.gateway --triton-url localhost:8001 --host 127.0.0.1 --port 8000 --db PATH [--api-key K] [--max-in-flight N]`"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from .config import GatewayConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = GatewayConfig()
+    ap = argparse.ArgumentParser(prog="python -m s2tts.gateway", description=__doc__.strip("`"))
+    ap.add_argument("--triton-url", default=d.triton_url, help="Triton gRPC address host:port (default %(default)s)")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--db", default=d.db_path, help="SQLite file for registered voices (default %(default)s)")
+    ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: env S2TTS_API_KEY)")
+    ap.add_argument("--max-in-flight", type=int, default=d.max_in_flight,
+                    help="speech requests served at once; more get 503 + Retry-After (default %(default)s)")
+    ap.add_argument("--retry-after", type=int, default=d.retry_after_s, help="Retry-After seconds on 503 overload")
+    ap.add_argument("--served-model-name", default=d.served_model_name, help="model id in /v1/models")
+    ap.add_argument("--triton-model", default=d.triton_model)
+    ap.add_argument("--encoder-model", default=d.encoder_model)
+    ap.add_argument("--max-input-chars", type=int, default=d.max_input_chars)
+    ap.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+    ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
+                    help="largest voice upload / inline reference file in MiB (default %(default)s)")
+    ap.add_argument("--max-reference-seconds", type=float, default=d.max_reference_seconds)
+    ap.add_argument("--log-level", default="info")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = GatewayConfig(
+        triton_url=args.triton_url, db_path=args.db, api_key=args.api_key, max_in_flight=args.max_in_flight,
+        retry_after_s=args.retry_after, served_model_name=args.served_model_name, triton_model=args.triton_model,
+        encoder_model=args.encoder_model, max_input_chars=args.max_input_chars,
+        max_new_tokens_limit=args.max_new_tokens_limit, max_upload_bytes=int(args.max_upload_mb * 2**20),
+        max_reference_seconds=args.max_reference_seconds)
+    import uvicorn  # noqa: PLC0415
+
+    from .app import create_app  # noqa: PLC0415
+
+    uvicorn.run(create_app(cfg), host=args.host, port=args.port, log_level=args.log_level.lower(),
+                timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

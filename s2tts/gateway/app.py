@@ -1,0 +1,485 @@
+"""The OpenAI-compatible HTTP gateway: FastAPI routes in front of Triton's gRPC API.
+
+It holds no model weights. Speech requests become one `s2pro` gRPC stream each;
+voices are encoded once by `dac_encoder` and kept in SQLite.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import logging
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import anyio
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .audio_io import decode_audio, decode_data_url
+from .config import GatewayConfig
+from .encoders import MEDIA_TYPES, make_encoder
+from .errors import APIError, bad_request
+from .protocol import SpeechParams, parse_speech
+from .tempo import TimeStretch
+from .triton import SynthesisRequest, TritonBackend
+from .voices import VoiceStore, validate_name
+
+log = logging.getLogger("s2tts.gateway")
+
+
+class Limiter:
+    """Counts speech requests in flight; refuses (never queues) above the limit."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight = 0
+
+    def try_acquire(self) -> bool:
+        if self.in_flight >= self.limit:
+            return False
+        self.in_flight += 1
+        return True
+
+    def release(self) -> None:
+        self.in_flight -= 1
+
+
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int):
+        self.limit = limit
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes: send a shorter or smaller audio file "
+                         f"(voice uploads are limited to {limit // (1024 * 1024)} MiB)" if limit >= 1024 * 1024
+                    else f"the request body is larger than {limit} bytes", code="payload_too_large")
+
+
+class GuardMiddleware:
+    """Pure ASGI (does not buffer streams): API key check and request body size limits."""
+
+    def __init__(self, app, cfg: GatewayConfig):
+        self.app = app
+        self.cfg = cfg
+
+    def _limit(self, scope) -> int:
+        if scope["path"].rstrip("/") == "/v1/audio/voices":
+            return self.cfg.max_form_body_bytes
+        return self.cfg.max_json_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.cfg.api_key and scope["path"] != "/health":
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
+                err = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return await err.response()(scope, receive, send)
+        limit = self._limit(scope)
+        try:
+            length = int(headers.get("content-length", "0") or 0)
+        except ValueError:
+            length = 0
+        if length > limit:
+            return await _too_large(limit).response()(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge(limit)
+            return msg
+
+        await self.app(scope, limited_receive, send)
+
+
+class AudioPipeline:
+    """float32 chunks -> (time-stretch) -> encoder -> bytes. Same bytes whatever the chunking."""
+
+    def __init__(self, fmt: str, sample_rate: int, speed: float, streaming: bool):
+        self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
+        self.encoder = make_encoder(fmt, sample_rate, streaming)
+        self.samples_out = 0
+
+    def push(self, x: np.ndarray) -> bytes:
+        if self.stretch is not None:
+            x = self.stretch.push(x)
+        self.samples_out += len(x)
+        return self.encoder.encode(x)
+
+    def finish(self) -> bytes:
+        out = b""
+        if self.stretch is not None:
+            tail = self.stretch.flush()
+            self.samples_out += len(tail)
+            out = self.encoder.encode(tail)
+        return out + self.encoder.finish()
+
+
+def _stats_headers(stats: dict | None) -> dict[str, str]:
+    out = {}
+    for k, v in (stats or {}).items():
+        if isinstance(v, (int, float, str)) and not isinstance(v, bool):
+            out[f"x-s2-{k.replace('_', '-')}"] = str(v)
+    return out
+
+
+def _sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SpeechResponse(Response):
+    """Owns one speech request from the in-flight slot to the last byte.
+
+    Everything that holds a resource (the limiter slot, the Triton stream) lives
+    inside `__call__` under try/finally, and a task watching for
+    `http.disconnect` cancels the work, so a client that goes away cancels its
+    Triton stream whether it leaves before the first byte or mid-stream.
+    """
+
+    def __init__(self, state: "GatewayState", params: SpeechParams, req: SynthesisRequest):
+        super().__init__()
+        self.state = state
+        self.params = params
+        self.req = req
+
+    async def __call__(self, scope, receive, send):
+        state, p = self.state, self.params
+        if not state.limiter.try_acquire():
+            err = APIError(503, f"the server is busy: {state.limiter.limit} requests are in flight; "
+                                f"retry after {state.cfg.retry_after_s} s",
+                           code="server_overloaded", headers={"Retry-After": str(state.cfg.retry_after_s)})
+            return await err.response()(scope, receive, send)
+        self._stream = None
+        self._started = False  # response headers sent
+        self._completed = False  # last byte handed to the server: a disconnect after it is the normal end
+        self._outcome = "cancelled"
+        t0 = time.monotonic()
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
+                await self._serve(scope, receive, send)
+                tg.cancel_scope.cancel()
+        except Exception:
+            if self._started:
+                log.exception("speech request %s failed mid-stream: cutting the connection", self.req.request_id)
+                raise
+            log.exception("speech request %s failed", self.req.request_id)
+            self._outcome = "error 500"
+            try:
+                await APIError(500, "internal error in the gateway", code="internal_error").response()(
+                    scope, receive, send)
+            except Exception:  # noqa: BLE001 - the client may be gone too
+                pass
+        finally:
+            if self._stream is not None:
+                self._stream.cancel()  # no-op after the final response
+            state.limiter.release()
+            log.info("speech %s voice=%s format=%s stream=%s: %s in %.2f s", self.req.request_id,
+                     p.voice or ("inline" if p.ref_audio else "default"), p.response_format, p.stream_format,
+                     self._outcome, time.monotonic() - t0)
+
+    async def _watch_disconnect(self, receive, cancel_scope) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                if not self._completed:
+                    log.info("client disconnected: request %s", self.req.request_id)
+                cancel_scope.cancel()
+                return
+
+    async def _send_error(self, e: APIError, scope, receive, send) -> None:
+        self._outcome = f"error {e.status}"
+        self._completed = True
+        await e.response()(scope, receive, send)
+
+    async def _start(self, send, headers: dict[str, str]) -> None:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(k.encode(), v.encode()) for k, v in headers.items()]})
+        self._started = True
+
+    async def _serve(self, scope, receive, send) -> None:
+        p = self.params
+        try:
+            self._stream = self.state.backend.open_stream(self.req)
+            first = await self._stream.next()
+        except APIError as e:  # refused before any audio: a normal HTTP error
+            return await self._send_error(e, scope, receive, send)
+        pipeline = AudioPipeline(p.response_format, first.sample_rate or 44100, p.speed, p.stream_format is not None)
+        headers = {"x-request-id": self.req.request_id, "x-s2-seed": str(self.req.seed),
+                   "x-s2-sample-rate": str(pipeline.encoder.output_sample_rate)}
+        if p.stream_format is None:
+            last = await self._send_whole(first, pipeline, headers, scope, receive, send)
+        else:
+            last = await self._send_streamed(first, pipeline, headers, send)
+        if last is not None:
+            s = last.stats or {}
+            self._outcome = (f"ok frames={s.get('frames')} finish={s.get('finish_reason')} "
+                             f"samples={pipeline.samples_out}")
+
+    async def _chunks(self, first):
+        """The chunks of the request, from the first one to the final one (APIError on a failure)."""
+        chunk = first
+        while True:
+            yield chunk
+            if chunk.final:
+                return
+            chunk = await self._stream.next()
+
+    async def _send_whole(self, first, pipeline, headers, scope, receive, send):
+        parts = []
+        try:
+            async for chunk in self._chunks(first):
+                parts.append(await anyio.to_thread.run_sync(pipeline.push, chunk.audio))
+                last = chunk
+        except APIError as e:
+            return await self._send_error(e, scope, receive, send)
+        parts.append(await anyio.to_thread.run_sync(pipeline.finish))
+        body = b"".join(parts)
+        headers.update(_stats_headers(last.stats))
+        headers["content-type"] = MEDIA_TYPES[self.params.response_format]
+        headers["content-length"] = str(len(body))
+        await self._start(send, headers)
+        self._completed = True
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+        return last
+
+    async def _send_streamed(self, first, pipeline, headers, send):
+        sse = self.params.stream_format == "sse"
+        headers["content-type"] = "text/event-stream" if sse else MEDIA_TYPES[self.params.response_format]
+        headers["cache-control"] = "no-cache"
+        await self._start(send, headers)
+
+        async def emit(data: bytes):
+            if data:
+                if sse:
+                    data = _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        try:
+            async for chunk in self._chunks(first):
+                await emit(await anyio.to_thread.run_sync(pipeline.push, chunk.audio))
+                last = chunk
+            await emit(await anyio.to_thread.run_sync(pipeline.finish))
+        except APIError as e:
+            if not sse:
+                raise  # raw audio has no way to say it: the connection is cut and the client sees it
+            self._outcome = f"error {e.status} mid-stream"
+            self._completed = True
+            await send({"type": "http.response.body", "body": _sse({"type": "error", **e.body()}), "more_body": False})
+            return None
+        tail = b""
+        if sse:
+            stats = last.stats or {}
+            inp, out = int(stats.get("prompt_tokens", 0)), int(stats.get("frames", 0))
+            tail = _sse({"type": "speech.audio.done",
+                         "usage": {"input_tokens": inp, "output_tokens": out, "total_tokens": inp + out},
+                         "stats": stats})
+        self._completed = True
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        return last
+
+
+class GatewayState:
+    def __init__(self, cfg: GatewayConfig, backend: TritonBackend, store: VoiceStore):
+        self.cfg = cfg
+        self.backend = backend
+        self.store = store
+        self.limiter = Limiter(cfg.max_in_flight)
+        self.started_at = int(time.time())
+
+
+def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: str) -> None:
+    dur = len(x) / sr
+    if dur > cfg.max_reference_seconds:
+        raise bad_request(f"the reference audio is {dur:.1f} s long; the limit is {cfg.max_reference_seconds:g} s: "
+                          "trim it (5-15 s of clean speech is best)", param, code="reference_too_long")
+    if dur < cfg.min_reference_seconds:
+        raise bad_request(f"the reference audio is {dur:.2f} s long; send at least {cfg.min_reference_seconds:g} s",
+                          param, code="reference_too_short")
+
+
+def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: VoiceStore | None = None) -> FastAPI:
+    backend = backend or TritonBackend(cfg.triton_url, cfg.triton_model, cfg.encoder_model, cfg.triton_timeout_s)
+    store = store or VoiceStore(cfg.db_path)
+    state = GatewayState(cfg, backend, store)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        log.info("gateway: Triton at %s (model %s), voices in %s, max %d in flight, API key %s",
+                 cfg.triton_url, cfg.triton_model, cfg.db_path, cfg.max_in_flight, "on" if cfg.api_key else "off")
+        yield
+        await backend.close()
+        store.close()
+
+    app = FastAPI(title="S2 Pro TTS gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = state
+    app.add_middleware(GuardMiddleware, cfg=cfg)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(request, exc: BodyTooLarge):
+        return _too_large(exc.limit).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        msg = {404: f"unknown endpoint {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        return APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        e = exc.errors()[0] if exc.errors() else {}
+        loc = [str(x) for x in e.get("loc", []) if x not in ("body", "query", "path")]
+        return bad_request(f"{'.'.join(loc) or 'request'}: {e.get('msg', 'invalid')}", ".".join(loc) or None).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return APIError(500, "internal error in the gateway", code="internal_error").response()
+
+    # ---- health and models -------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        h = await backend.health()
+        ready = h["triton"] and h["model"]
+        body = {"status": "ok" if ready else "unavailable", "triton_ready": h["triton"], "model_ready": h["model"],
+                "model": cfg.triton_model, "in_flight": state.limiter.in_flight,
+                "max_in_flight": state.limiter.limit}
+        if not ready:
+            body["error"] = h.get("error") or f"Triton is up but {cfg.triton_model} is not ready"
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    def _model_card():
+        return {"id": cfg.served_model_name, "object": "model", "created": state.started_at, "owned_by": "s2tts",
+                "root": cfg.triton_model}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str):
+        if model_id not in cfg.model_names:
+            raise APIError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        return _model_card()
+
+    # ---- speech ------------------------------------------------------------------------------
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request):
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise bad_request("the request body is not valid JSON", None, code="invalid_json") from None
+        p = parse_speech(body, cfg)
+        req = SynthesisRequest(
+            text=p.input, request_id=f"speech-{uuid.uuid4().hex[:16]}",
+            seed=p.seed if p.seed is not None else secrets.randbelow(2**63),
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
+            first_chunk_frames=p.first_chunk_frames, chunk_frames=p.chunk_frames)
+        if p.voice is not None:
+            voice = await anyio.to_thread.run_sync(store.get, p.voice)
+            if voice is None:
+                raise APIError(404, f"voice {p.voice!r} not found. S2 Pro has no built-in voices: register one with "
+                                    "POST /v1/audio/voices (GET /v1/audio/voices lists them), or leave voice out / "
+                                    "set it to \"default\" for no reference voice", param="voice", code="voice_not_found")
+            req.reference_codes = voice.codes
+            req.reference_text = voice.ref_text
+        elif p.ref_audio is not None:
+            data = decode_data_url(p.ref_audio)
+            if len(data) > cfg.max_upload_bytes:
+                raise _too_large(cfg.max_upload_bytes)
+            x, sr = await anyio.to_thread.run_sync(decode_audio, data, "ref_audio")
+            _check_reference_length(x, sr, cfg, "ref_audio")
+            req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, p.ref_text
+        return SpeechResponse(state, p, req)
+
+    # ---- voices ------------------------------------------------------------------------------
+    @app.post("/v1/audio/voices")
+    async def create_voice(request: Request):
+        ctype = request.headers.get("content-type", "")
+        if not ctype.startswith("multipart/form-data"):
+            raise bad_request("send multipart/form-data with the fields name, audio_sample (the file) and ref_text "
+                              "(its transcript)", None, code="invalid_content_type")
+        async with request.form(max_files=4, max_fields=32) as form:
+            name = form.get("name")
+            if isinstance(name, UploadFile):
+                raise bad_request("name must be a text field", "name")
+            name = validate_name(name)
+            ref_text = next((form.get(k) for k in ("ref_text", "transcript", "text") if form.get(k) is not None), None)
+            if not isinstance(ref_text, str) or not ref_text.strip():
+                raise bad_request("ref_text is required: the transcript of the uploaded audio", "ref_text",
+                                  code="missing_ref_text")
+            upload = next((form.get(k) for k in ("audio_sample", "audio", "file") if form.get(k) is not None), None)
+            if not isinstance(upload, UploadFile):
+                raise bad_request("the audio file is required as the multipart file field audio_sample",
+                                  "audio_sample", code="missing_audio")
+            consent = form.get("consent")
+            consent = consent if isinstance(consent, str) else None
+            data = await upload.read()
+            mime = upload.content_type or "application/octet-stream"
+        if len(data) > cfg.max_upload_bytes:
+            raise _too_large(cfg.max_upload_bytes)
+        if not data:
+            raise bad_request("the uploaded audio file is empty", "audio_sample", code="missing_audio")
+        if await anyio.to_thread.run_sync(store.get, name, False) is not None:
+            raise APIError(409, f"a voice named {name!r} already exists: delete it first "
+                                f"(DELETE /v1/audio/voices/{name}) or choose another name", param="name",
+                           code="voice_exists")
+        x, sr = await anyio.to_thread.run_sync(decode_audio, data, "audio_sample")
+        _check_reference_length(x, sr, cfg, "audio_sample")
+        codes = await backend.encode_reference(x, sr)
+        voice = await anyio.to_thread.run_sync(
+            lambda: store.add(name, ref_text.strip(), data, mime, sr, len(x), codes, consent))
+        log.info("voice %r registered: %.2f s at %d Hz -> codes %s", name, len(x) / sr, sr, list(codes.shape))
+        return voice.public()
+
+    @app.get("/v1/audio/voices")
+    async def list_voices():
+        voices = [v.public() for v in await anyio.to_thread.run_sync(store.list)]
+        return {"object": "list", "data": voices, "uploaded_voices": voices}
+
+    def _voice_or_404(name: str):
+        validate_name(name, "voice_id")
+        return name
+
+    @app.get("/v1/audio/voices/{name}")
+    async def get_voice(name: str):
+        v = await anyio.to_thread.run_sync(store.get, _voice_or_404(name), False)
+        if v is None:
+            raise APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+        return v.public()
+
+    @app.get("/v1/audio/voices/{name}/audio")
+    async def get_voice_audio(name: str):
+        got = await anyio.to_thread.run_sync(store.get_audio, _voice_or_404(name))
+        if got is None:
+            raise APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+        return Response(got[0], media_type=got[1])
+
+    @app.delete("/v1/audio/voices/{name}")
+    async def delete_voice(name: str):
+        if not await anyio.to_thread.run_sync(store.delete, _voice_or_404(name)):
+            raise APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+        log.info("voice %r deleted", name)
+        return {"id": name, "object": "audio.voice.deleted", "deleted": True}
+
+    return app

@@ -1,0 +1,43 @@
+"""Gateway settings (one dataclass; `__main__` fills it from the command line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GatewayConfig:
+    triton_url: str = "localhost:8001"
+    db_path: str = "voices.sqlite3"
+    api_key: str | None = None
+    max_in_flight: int = 8  # speech requests streaming at once; more are answered 503 + Retry-After
+    retry_after_s: int = 1
+    served_model_name: str = "s2-pro"
+    model_aliases: tuple[str, ...] = ("s2pro", "fishaudio/s2-pro", "fishaudio/openaudio-s2-pro")
+    triton_model: str = "s2pro"
+    encoder_model: str = "dac_encoder"
+    max_input_chars: int = 4096
+    max_new_tokens_limit: int = 4096
+    max_upload_bytes: int = 10 * 1024 * 1024  # voice uploads; inline ref_audio is limited to the same decoded size
+    max_reference_seconds: float = 60.0
+    min_reference_seconds: float = 0.2
+    triton_timeout_s: float = 600.0
+
+    def __post_init__(self):
+        if self.max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        if self.api_key == "":
+            self.api_key = None
+
+    @property
+    def model_names(self) -> set[str]:
+        return {self.served_model_name, self.triton_model, *self.model_aliases}
+
+    @property
+    def max_json_body_bytes(self) -> int:
+        # base64 grows a file by 4/3; leave room for the other fields.
+        return self.max_upload_bytes * 4 // 3 + 1024 * 1024
+
+    @property
+    def max_form_body_bytes(self) -> int:
+        return self.max_upload_bytes + 256 * 1024

@@ -1,0 +1,195 @@
+"""Audio encoders for the six OpenAI `response_format`s, fed chunk by chunk.
+
+Every encoder takes float32 mono chunks and returns the bytes that are ready.
+In streaming mode the bytes can be decoded as they arrive:
+
+- `pcm`: raw 16-bit little-endian mono samples.
+- `wav`: a RIFF header whose sizes are 0xFFFFFFFF (unknown length, as OpenAI streams WAV), then 16-bit samples.
+- `flac`: native FLAC frames after a STREAMINFO whose total length is 0 (unknown).
+- `mp3`: MPEG-1 layer III frames (LAME).
+- `aac`: AAC-LC in ADTS frames.
+- `opus`: Ogg pages (one page per 20 ms packet) at 48 kHz, Opus's own rate.
+
+In whole-file mode the same samples are written to a seekable buffer, so the
+containers carry their real lengths (WAV sizes, FLAC STREAMINFO, MP3 Xing/LAME
+header with the encoder delay).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+
+import numpy as np
+
+FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+
+MEDIA_TYPES = {
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg; codecs=opus",
+    "aac": "audio/aac",
+    "flac": "audio/flac",
+    "wav": "audio/wav",
+    "pcm": "audio/pcm",
+}
+
+# PyAV muxer, codec, output sample rate (None: the input's), bit rate.
+_AV = {
+    "mp3": ("mp3", "libmp3lame", None, 128_000),
+    "aac": ("adts", "aac", None, 128_000),
+    "opus": ("ogg", "libopus", 48_000, 64_000),
+    "flac": ("flac", "flac", None, None),
+}
+
+
+def to_int16(x: np.ndarray) -> np.ndarray:
+    """float32 [-1, 1] -> int16, rounded, clipped."""
+    return np.round(np.clip(np.asarray(x, np.float32), -1.0, 1.0) * 32767.0).astype("<i2")
+
+
+def wav_header(sample_rate: int, num_samples: int | None) -> bytes:
+    """16-bit mono PCM WAV header; `num_samples=None` writes 0xFFFFFFFF sizes (streaming)."""
+    if num_samples is None:
+        riff = data = 0xFFFFFFFF
+    else:
+        data = num_samples * 2
+        riff = 36 + data
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVE"
+            + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+            + b"data" + struct.pack("<I", data))
+
+
+class Encoder:
+    """Base: `encode(chunk) -> bytes`, `finish() -> bytes`."""
+
+    def __init__(self, fmt: str, sample_rate: int, streaming: bool):
+        self.fmt = fmt
+        self.sample_rate = sample_rate
+        self.streaming = streaming
+        self.samples_in = 0
+
+    @property
+    def output_sample_rate(self) -> int:
+        return self.sample_rate
+
+    def encode(self, x: np.ndarray) -> bytes:
+        raise NotImplementedError
+
+    def finish(self) -> bytes:
+        raise NotImplementedError
+
+
+class PcmEncoder(Encoder):
+    def __init__(self, fmt, sample_rate, streaming):
+        super().__init__(fmt, sample_rate, streaming)
+        self._parts: list[bytes] = []
+        self._header_sent = False
+
+    def encode(self, x):
+        b = to_int16(x).tobytes()
+        self.samples_in += len(b) // 2
+        if not self.streaming:
+            self._parts.append(b)
+            return b""
+        if self.fmt == "wav" and not self._header_sent:
+            self._header_sent = True
+            b = wav_header(self.sample_rate, None) + b
+        return b
+
+    def finish(self):
+        if self.streaming:
+            if self.fmt == "wav" and not self._header_sent:
+                self._header_sent = True
+                return wav_header(self.sample_rate, None)
+            return b""
+        body = b"".join(self._parts)
+        self._parts = []
+        if self.fmt == "wav":
+            return wav_header(self.sample_rate, len(body) // 2) + body
+        return body
+
+
+class _StreamSink:
+    """A write-only, non-seekable file for PyAV: collects what the muxer writes."""
+
+    def __init__(self):
+        self._parts: list[bytes] = []
+
+    def write(self, b) -> int:
+        self._parts.append(bytes(b))
+        return len(b)
+
+    def seekable(self) -> bool:
+        return False
+
+    def take(self) -> bytes:
+        out = b"".join(self._parts)
+        self._parts = []
+        return out
+
+
+class AvEncoder(Encoder):
+    """mp3 / aac / opus / flac through PyAV (FFmpeg's encoders and muxers, bundled in the wheel)."""
+
+    def __init__(self, fmt, sample_rate, streaming):
+        super().__init__(fmt, sample_rate, streaming)
+        import av  # noqa: PLC0415 - optional heavy import, only when a compressed format is asked for
+
+        self._av = av
+        muxer, codec, rate, bit_rate = _AV[fmt]
+        self._rate = rate or sample_rate
+        self._sink = _StreamSink() if streaming else io.BytesIO()
+        options = {"flush_packets": "1"}
+        if fmt == "opus":
+            options["page_duration"] = "20000"  # one Ogg page per 20 ms packet: pages leave at once
+        self._container = av.open(self._sink, "w", format=muxer, options=options)
+        self._stream = self._container.add_stream(codec, rate=self._rate, layout="mono")
+        if bit_rate:
+            self._stream.bit_rate = bit_rate
+        # FLAC gets exact 16-bit samples (lossless: decodes to the same int16 as wav/pcm).
+        self._in_format = "s16" if fmt == "flac" else "flt"
+        self._resampler = av.AudioResampler(format=self._stream.codec_context.format.name if fmt != "flac" else "s16",
+                                            layout="mono", rate=self._rate)
+        self._pts = 0
+
+    @property
+    def output_sample_rate(self) -> int:
+        return self._rate
+
+    def _mux(self, frames) -> None:
+        for f in frames:
+            for p in self._stream.encode(f):
+                self._container.mux(p)
+
+    def _take(self) -> bytes:
+        return self._sink.take() if self.streaming else b""
+
+    def encode(self, x):
+        x = np.asarray(x, np.float32).reshape(-1)
+        if len(x) == 0:
+            return self._take()
+        self.samples_in += len(x)
+        data = to_int16(x)[None, :] if self._in_format == "s16" else x[None, :]
+        frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=self._in_format, layout="mono")
+        frame.sample_rate = self.sample_rate
+        frame.pts = self._pts
+        self._pts += len(x)
+        self._mux(self._resampler.resample(frame))
+        return self._take()
+
+    def finish(self):
+        self._mux(self._resampler.resample(None))
+        for p in self._stream.encode(None):
+            self._container.mux(p)
+        self._container.close()
+        if self.streaming:
+            return self._sink.take()
+        return self._sink.getvalue()
+
+
+def make_encoder(fmt: str, sample_rate: int, streaming: bool) -> Encoder:
+    if fmt in ("pcm", "wav"):
+        return PcmEncoder(fmt, sample_rate, streaming)
+    if fmt in _AV:
+        return AvEncoder(fmt, sample_rate, streaming)
+    raise ValueError(f"unknown format {fmt!r}")

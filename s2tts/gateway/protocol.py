@@ -1,0 +1,155 @@
+"""`POST /v1/audio/speech` request fields: parsing and validation (400s that say what to change)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import GatewayConfig
+from .encoders import FORMATS
+from .errors import APIError, bad_request
+
+DEFAULT_VOICES = {"default", "none", ""}  # mean: no reference voice
+
+_FIELDS = {
+    # OpenAI
+    "model", "input", "voice", "response_format", "speed", "stream_format", "instructions",
+    # convenience (vllm-omni): stream=true is stream_format="audio"
+    "stream",
+    # S2 Pro extensions
+    "ref_audio", "ref_text", "seed", "temperature", "top_p", "top_k", "max_new_tokens",
+    "first_chunk_frames", "chunk_frames",
+}
+
+
+@dataclass
+class SpeechParams:
+    input: str
+    model: str
+    voice: str | None  # a registered voice name; None: no reference (or inline ref_audio)
+    response_format: str = "mp3"
+    speed: float = 1.0
+    stream_format: str | None = None  # None: whole file; "audio" | "sse": streamed
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    first_chunk_frames: int | None = None
+    chunk_frames: int | None = None
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v) -> bool:
+    return (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+
+
+def _num(body, key, lo, hi, *, lo_open=False, integer=False):
+    v = body.get(key)
+    if v is None:
+        return None
+    kind = "an integer" if integer else "a number"
+    if not _is_num(v) or (integer and not _is_int(v)):
+        raise bad_request(f"{key} must be {kind}, got {v!r}", key)
+    ok = (v > lo if lo_open else v >= lo) and v <= hi
+    if not ok:
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise bad_request(f"{key}={v} is out of range: use {kind} in {rng}", key)
+    return int(v) if integer else float(v)
+
+
+def parse_speech(body, cfg: GatewayConfig) -> SpeechParams:
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object", None, code="invalid_json")
+    unknown = sorted(set(body) - _FIELDS)
+    if unknown:
+        raise bad_request(f"Unrecognized request argument supplied: {', '.join(unknown)}. Known fields: "
+                          f"{', '.join(sorted(_FIELDS))}", unknown[0], code="unknown_parameter")
+
+    text = body.get("input")
+    if not isinstance(text, str) or not text.strip():
+        raise bad_request("input is required: the text to speak, a non-empty string", "input", code="missing_input")
+    if len(text) > cfg.max_input_chars:
+        raise bad_request(f"input has {len(text)} characters; the limit is {cfg.max_input_chars}: split the text "
+                          "into several requests", "input", code="input_too_long")
+
+    model = body.get("model", cfg.served_model_name)
+    if model is None:
+        model = cfg.served_model_name
+    if not isinstance(model, str):
+        raise bad_request("model must be a string", "model")
+    if model not in cfg.model_names:
+        raise APIError(404, f"The model '{model}' does not exist: use '{cfg.served_model_name}' (GET /v1/models)",
+                       param="model", code="model_not_found")
+
+    voice = body.get("voice")
+    if isinstance(voice, dict):
+        if set(voice) != {"id"} or not isinstance(voice.get("id"), str):
+            raise bad_request('voice as an object must be {"id": "<voice name>"}', "voice")
+        voice = voice["id"]
+    if voice is not None and not isinstance(voice, str):
+        raise bad_request('voice must be a string (a registered voice name or "default") or {"id": name}', "voice")
+    if voice is not None and voice.strip().lower() in DEFAULT_VOICES:
+        voice = None
+
+    fmt = body.get("response_format")
+    fmt = "mp3" if fmt is None else fmt
+    if fmt not in FORMATS:
+        raise bad_request(f"response_format {fmt!r} is not supported: use one of {', '.join(FORMATS)}",
+                          "response_format")
+
+    speed = _num(body, "speed", 0.25, 4.0)
+    speed = 1.0 if speed is None else speed
+
+    stream_format = body.get("stream_format")
+    if stream_format is not None and stream_format not in ("audio", "sse"):
+        raise bad_request(f"stream_format {stream_format!r} is not supported: use 'audio' or 'sse' "
+                          "(or leave it out for the whole file in one response)", "stream_format")
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("stream must be true or false", "stream")
+    if stream and stream_format is None:
+        stream_format = "audio"
+
+    instructions = body.get("instructions")
+    if instructions not in (None, ""):
+        raise bad_request("instructions are not supported by S2 Pro: put inline tags such as [laughing] or "
+                          "[whispering] in input instead", "instructions", code="unsupported_parameter")
+
+    ref_audio = body.get("ref_audio")
+    ref_text = body.get("ref_text")
+    if ref_audio is not None and (not isinstance(ref_audio, str) or not ref_audio.strip()):
+        raise bad_request("ref_audio must be a base64 data URL string (data:audio/wav;base64,...)", "ref_audio")
+    if ref_text is not None and not isinstance(ref_text, str):
+        raise bad_request("ref_text must be a string: the transcript of ref_audio", "ref_text")
+    if ref_audio is not None and not (ref_text or "").strip():
+        raise bad_request("ref_text is required with ref_audio: send the transcript of the reference audio",
+                          "ref_text", code="missing_ref_text")
+    if ref_audio is None and ref_text is not None:
+        raise bad_request("ref_text was given without ref_audio: send ref_audio too, or register the voice "
+                          "(POST /v1/audio/voices) and pass its name as voice", "ref_text")
+    if ref_audio is not None and voice is not None:
+        raise bad_request(f"both a registered voice ({voice!r}) and ref_audio were given: send one of them "
+                          "(with ref_audio, set voice to \"default\")", "voice")
+
+    seed = body.get("seed")
+    if seed is not None:
+        if not _is_num(seed) or not _is_int(seed) or not 0 <= seed < 2**63:
+            raise bad_request(f"seed must be an integer in [0, 2^63), got {seed!r}", "seed")
+        seed = int(seed)
+
+    return SpeechParams(
+        input=text, model=model, voice=voice, response_format=fmt, speed=speed, stream_format=stream_format,
+        ref_audio=ref_audio, ref_text=ref_text, seed=seed,
+        temperature=_num(body, "temperature", 0.0, 2.0, lo_open=True),
+        top_p=_num(body, "top_p", 0.0, 1.0, lo_open=True),
+        top_k=_num(body, "top_k", 1, 4096, integer=True),
+        max_new_tokens=_num(body, "max_new_tokens", 1, cfg.max_new_tokens_limit, integer=True),
+        first_chunk_frames=_num(body, "first_chunk_frames", 1, 1024, integer=True),
+        chunk_frames=_num(body, "chunk_frames", 1, 1024, integer=True),
+    )

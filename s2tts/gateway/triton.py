@@ -1,0 +1,250 @@
+"""The gateway's only link to the model: Triton's gRPC API (`s2pro` stream, `dac_encoder`, health)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+import tritonclient.grpc.aio as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from .errors import APIError
+
+log = logging.getLogger("s2tts.gateway")
+
+# Messages of in-stream errors that mean "the server cannot serve now", not "your input is wrong".
+_UNAVAILABLE_HINTS = ("unknown model", "is not ready", "stub process", "failed to connect", "model is unavailable")
+
+
+@dataclass
+class SynthesisRequest:
+    text: str
+    request_id: str
+    seed: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    max_new_tokens: int | None = None
+    first_chunk_frames: int | None = None
+    chunk_frames: int | None = None
+    reference_text: str | None = None
+    reference_codes: np.ndarray | None = None  # int32 [num_codebooks, frames]
+    reference_audio: np.ndarray | None = None  # float32 mono
+    reference_sample_rate: int | None = None
+
+
+@dataclass
+class Chunk:
+    audio: np.ndarray
+    sample_rate: int
+    stats: dict | None = None  # on the final response
+    final: bool = False
+
+
+def _unreachable(url: str, err: Exception) -> APIError:
+    return APIError(502, f"the inference server at {url} is unreachable ({_short(err)}); retry later",
+                    code="upstream_unreachable", type="server_error")
+
+
+def _short(err: Exception) -> str:
+    if isinstance(err, grpc.aio.AioRpcError):
+        return f"{err.code().name}: {err.details()}"
+    if isinstance(err, InferenceServerException):
+        return f"{err.status() or ''} {err.message()}".strip()
+    return str(err)
+
+
+def _rpc_error(url: str, err: Exception, what: str) -> APIError:
+    code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
+    status = str(err.status()) if isinstance(err, InferenceServerException) else ""
+    msg = (err.details() if code else err.message() if isinstance(err, InferenceServerException) else str(err)) or ""
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or "UNAVAILABLE" in status \
+            or "DEADLINE_EXCEEDED" in status:
+        return _unreachable(url, err)
+    if any(h in msg.lower() for h in _UNAVAILABLE_HINTS):
+        return APIError(503, f"{what} is not available on the inference server: {msg}",
+                        code="model_not_ready", headers={"Retry-After": "5"})
+    if code == grpc.StatusCode.INVALID_ARGUMENT or "INVALID_ARG" in status:
+        return APIError(400, msg, code="invalid_value")
+    return APIError(502, f"{what} failed on the inference server: {_short(err)}", code="upstream_error")
+
+
+def _model_error(msg: str, what: str) -> APIError:
+    low = msg.lower()
+    if any(h in low for h in _UNAVAILABLE_HINTS):
+        return APIError(503, f"{what} is not available on the inference server: {msg}",
+                        code="model_not_ready", headers={"Retry-After": "5"})
+    return APIError(400, msg, code="invalid_value")
+
+
+class SpeechStream:
+    """One `s2pro` request streamed over gRPC `ModelStreamInfer`.
+
+    `cancel()` cancels the gRPC call: Triton then marks the request cancelled and
+    the model's loop (which polls `is_cancelled()`) frees its engine slot.
+    """
+
+    def __init__(self, url: str, request_id: str):
+        self.url = url
+        self.request_id = request_id
+        self._call = None
+        self._done = asyncio.Event()  # set: the request iterator ends and the stream half-closes
+        self._finished = False  # the final response (or an error) arrived: nothing left to cancel
+        self._got_audio = False
+
+    async def next(self) -> Chunk | None:
+        """The next chunk; None after the final one. Raises APIError."""
+        if self._finished:
+            return None
+        try:
+            result, error = await self._call.__anext__()
+        except StopAsyncIteration:
+            self._finished = True
+            raise APIError(502, "the inference server closed the stream before the final response",
+                           code="upstream_error") from None
+        except (grpc.aio.AioRpcError, InferenceServerException) as e:
+            self._finished = True
+            raise _rpc_error(self.url, e, "s2pro") from None
+        if error is not None:
+            self._finished = True
+            if self._got_audio:
+                raise APIError(500, f"generation failed: {error.message()}", code="generation_failed")
+            raise _model_error(error.message(), "s2pro")
+        resp = result.get_response()
+        final = bool(resp.parameters["triton_final_response"].bool_param) if "triton_final_response" in resp.parameters else False
+        names = {o.name for o in resp.outputs}
+        audio = result.as_numpy("audio") if "audio" in names else None
+        audio = np.zeros(0, np.float32) if audio is None else audio.reshape(-1).astype(np.float32, copy=False)
+        sr = result.as_numpy("sample_rate") if "sample_rate" in names else None
+        sample_rate = int(sr.reshape(-1)[0]) if sr is not None and sr.size else 0
+        stats = None
+        if "stats" in names:
+            raw = result.as_numpy("stats")
+            if raw is not None and raw.size:
+                s = raw.reshape(-1)[0]
+                s = s.decode() if isinstance(s, bytes) else str(s)
+                if s:
+                    try:
+                        stats = json.loads(s)
+                    except ValueError:
+                        stats = {"raw": s}
+        if stats is not None:
+            final = True
+        if final:
+            self._finished = True
+            self._done.set()
+        if audio.size:
+            self._got_audio = True
+        return Chunk(audio, sample_rate, stats, final)
+
+    def cancel(self) -> None:
+        """Abandon the request unless it is complete: cancelling the gRPC call cancels the request in Triton."""
+        if self._finished or self._call is None:
+            self._done.set()  # complete: the request iterator ends and the stream half-closes normally
+            return
+        self._finished = True
+        log.info("cancelling the s2pro stream of request %s", self.request_id)
+        # No half-close first (as tritonclient's own stop_stream(cancel_requests=True)): the call's cancel also
+        # stops the task that reads our request iterator.
+        self._call.cancel()
+
+
+class TritonBackend:
+    def __init__(self, url: str, model: str = "s2pro", encoder_model: str = "dac_encoder",
+                 timeout_s: float = 600.0):
+        self.url = url
+        self.model = model
+        self.encoder_model = encoder_model
+        self.timeout_s = timeout_s
+        self._client: grpcclient.InferenceServerClient | None = None
+
+    @property
+    def client(self) -> grpcclient.InferenceServerClient:
+        if self._client is None:  # created lazily inside the running event loop
+            self._client = grpcclient.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def health(self) -> dict:
+        out = {"triton": False, "model": False}
+        try:
+            out["triton"] = bool(await asyncio.wait_for(self.client.is_server_ready(), 3.0))
+            out["model"] = bool(await asyncio.wait_for(self.client.is_model_ready(self.model), 3.0))
+        except Exception as e:  # noqa: BLE001
+            out["error"] = _short(e)
+        return out
+
+    @staticmethod
+    def _inputs(req: SynthesisRequest) -> list:
+        ins = []
+
+        def add(name, dtype, arr):
+            t = grpcclient.InferInput(name, list(arr.shape), dtype)
+            t.set_data_from_numpy(arr)
+            ins.append(t)
+
+        add("text", "BYTES", np.array([req.text.encode("utf-8")], dtype=np.object_))
+        add("seed", "INT64", np.array([req.seed], np.int64))
+        for name, value, dtype, np_dtype in (
+            ("temperature", req.temperature, "FP32", np.float32),
+            ("top_p", req.top_p, "FP32", np.float32),
+            ("top_k", req.top_k, "INT32", np.int32),
+            ("max_new_tokens", req.max_new_tokens, "INT32", np.int32),
+            ("first_chunk_frames", req.first_chunk_frames, "INT32", np.int32),
+            ("chunk_frames", req.chunk_frames, "INT32", np.int32),
+        ):
+            if value is not None:
+                add(name, dtype, np.array([value], np_dtype))
+        if req.reference_codes is not None:
+            add("reference_codes", "INT32", np.ascontiguousarray(req.reference_codes, np.int32))
+        if req.reference_audio is not None:
+            add("reference_audio", "FP32", np.ascontiguousarray(req.reference_audio, np.float32).reshape(-1))
+            add("reference_sample_rate", "INT32", np.array([req.reference_sample_rate], np.int32))
+        if req.reference_text is not None:
+            add("reference_text", "BYTES", np.array([req.reference_text.encode("utf-8")], dtype=np.object_))
+        return ins
+
+    def open_stream(self, req: SynthesisRequest) -> SpeechStream:
+        stream = SpeechStream(self.url, req.request_id)
+        done = stream._done
+        item = {
+            "model_name": self.model,
+            "inputs": self._inputs(req),
+            "request_id": req.request_id,
+            "parameters": {"triton_enable_empty_final_response": True},
+        }
+
+        async def requests():
+            yield item
+            await done.wait()  # keep the stream open until the final response (or a cancel)
+
+        try:
+            stream._call = self.client.stream_infer(requests(), stream_timeout=self.timeout_s)
+        except (grpc.aio.AioRpcError, InferenceServerException) as e:
+            raise _rpc_error(self.url, e, "s2pro") from None
+        return stream
+
+    async def encode_reference(self, waveform: np.ndarray, sample_rate: int) -> np.ndarray:
+        """`dac_encoder`: mono float32 waveform -> int32 codes [num_codebooks, frames]."""
+        w = grpcclient.InferInput("waveform", [int(waveform.size)], "FP32")
+        w.set_data_from_numpy(np.ascontiguousarray(waveform, np.float32).reshape(-1))
+        s = grpcclient.InferInput("sample_rate", [1], "INT32")
+        s.set_data_from_numpy(np.array([sample_rate], np.int32))
+        try:
+            res = await self.client.infer(self.encoder_model, [w, s],
+                                          outputs=[grpcclient.InferRequestedOutput("codes")],
+                                          client_timeout=self.timeout_s)
+        except (grpc.aio.AioRpcError, InferenceServerException) as e:
+            raise _rpc_error(self.url, e, self.encoder_model) from None
+        codes = res.as_numpy("codes")
+        if codes is None or codes.ndim != 2:
+            raise APIError(502, f"{self.encoder_model} returned no [num_codebooks, frames] codes", code="upstream_error")
+        return codes.astype(np.int32)

@@ -1,0 +1,603 @@
+"""The OpenAI-compatible gateway end to end: real tritonserver (tiny checkpoint, CPU), real gateway
+processes, the official `openai` SDK, real audio decoded back and checked."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+av = pytest.importorskip("av")
+
+ROOT = Path(__file__).resolve().parents[1]
+SR = 44100
+FRAME = 2048  # samples per codec frame at 44.1 kHz
+MODEL = "s2-pro"
+FRAMES = 12  # max_new_tokens for the format checks
+STREAM_FRAMES = 60  # frames of the streamed answers
+TEXT = "Hello from the gateway."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Gateway:
+    """`python -m s2tts.gateway` in a subprocess on a free port."""
+
+    def __init__(self, triton_url: str, db: Path, log: Path, *extra: str, wait_healthy: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        self._log = open(log, "ab")
+        cmd = [sys.executable, "-m", "s2tts.gateway", "--triton-url", triton_url, "--host", "127.0.0.1",
+               "--port", str(self.port), "--db", str(db), *extra]
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"gateway exited:\n{self.log_tail()}"
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=5)
+                if r.status_code == 200 or not wait_healthy:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"gateway not healthy after 60 s:\n{self.log_tail()}")
+
+    def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=300, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def log_tail(self, n: int = 80) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def triton(triton_server):
+    return triton_server
+
+
+@pytest.fixture(scope="module")
+def gw_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gateway")
+
+
+@pytest.fixture(scope="module")
+def gw(triton, gw_dir):
+    g = Gateway(triton.grpc_url, gw_dir / "voices.sqlite3", gw_dir / "gateway.log", "--max-upload-mb", "1")
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def client(gw):
+    return gw.client()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def decode(data: bytes, fmt: str) -> tuple[np.ndarray, int, int]:
+    """(float32 samples of channel 0, sample rate, channels) of an encoded answer."""
+    if fmt == "pcm":
+        assert len(data) % 2 == 0
+        return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0, SR, 1
+    if fmt == "wav" and data[4:8] != b"\xff\xff\xff\xff":
+        x, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        return x[:, 0], sr, x.shape[1]
+    with av.open(io.BytesIO(data)) as c:
+        s = c.streams.audio[0]
+        frames = [f.to_ndarray() for f in c.decode(audio=0)]
+        sr, channels = s.rate, s.codec_context.layout.nb_channels
+    x = np.concatenate([f.reshape(channels, -1) if f.shape[0] == channels else f.reshape(-1, channels).T
+                        for f in frames], axis=1)[0]
+    if x.dtype == np.int16:
+        x = x.astype(np.float32) / 32768.0
+    return x.astype(np.float32), sr, channels
+
+
+def decoded_prefix_samples(data: bytes) -> int:
+    """Samples an FFmpeg decoder gets from the start of a stream that was cut anywhere."""
+    n = 0
+    with av.open(io.BytesIO(data)) as c:
+        try:
+            for packet in c.demux(audio=0):
+                for frame in packet.decode():
+                    n += frame.samples
+        except av.error.FFmpegError:  # the cut packet at the end
+            pass
+    return n
+
+
+def pcm16(x: np.ndarray) -> np.ndarray:
+    return np.round(np.clip(x, -1, 1) * 32768).astype(np.int16)
+
+
+def speech_raw(client, **kw):
+    """Non-streaming call through the SDK; returns (bytes, headers)."""
+    extra = {k: kw.pop(k) for k in list(kw) if k not in ("input", "voice", "response_format", "speed", "model")}
+    kw.setdefault("model", MODEL)
+    kw.setdefault("voice", "default")
+    kw.setdefault("input", TEXT)
+    raw = client.audio.speech.with_raw_response.create(**kw, extra_body=extra or None)
+    return raw.content, raw.headers
+
+
+def assert_error(exc_info, status: int, code: str | None = None, param: str | None = None, contains: str = ""):
+    e = exc_info.value
+    assert e.status_code == status, (e.status_code, e.body)
+    body = e.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    err = body["error"]
+    if code:
+        assert err["code"] == code, err
+    if param:
+        assert err["param"] == param, err
+    assert contains.lower() in err["message"].lower(), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def reference_wav(tmp_path_factory) -> Path:
+    """1.5 s of a hummed tone at 24 kHz (the encoder resamples)."""
+    t = np.arange(int(24000 * 1.5)) / 24000
+    x = (0.3 * np.sin(2 * np.pi * 180 * t + 2 * np.sin(2 * np.pi * 4 * t)) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)))
+    p = tmp_path_factory.mktemp("ref") / "ref.wav"
+    sf.write(p, x.astype(np.float32), 24000, subtype="PCM_16")
+    return p
+
+
+REF_TEXT = "A hummed tone for the reference voice."
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# models, health
+
+
+def test_health_and_models(gw, client):
+    h = gw.health()
+    assert h["status"] == "ok" and h["triton_ready"] and h["model_ready"] and h["in_flight"] == 0
+    ids = [m.id for m in client.models.list()]
+    assert ids == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as ei:
+        client.models.retrieve("tts-1")
+    assert_error(ei, 404, "model_not_found")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# response formats (whole file)
+
+
+@pytest.fixture(scope="module")
+def long_take(client):
+    """A seed whose answer to TEXT runs all STREAM_FRAMES frames (the tiny random model may also stop early),
+    and that whole answer as pcm."""
+    for seed in (21, 7, 3, 11, 5, 13, 17, 19, 23, 29):
+        data, headers = speech_raw(client, response_format="pcm", seed=seed, max_new_tokens=STREAM_FRAMES,
+                                   first_chunk_frames=2, chunk_frames=4)
+        if int(headers["x-s2-frames"]) == STREAM_FRAMES:
+            assert headers["x-s2-finish-reason"] == "length" and len(data) == STREAM_FRAMES * FRAME * 2
+            return seed, data, headers
+    pytest.fail(f"none of 10 seeds ran {STREAM_FRAMES} frames without stopping")
+
+
+@pytest.fixture(scope="module")
+def reference_audio(client, long_take):
+    """The wav answer of FRAMES frames: what every other format must match."""
+    data, headers = speech_raw(client, response_format="wav", seed=long_take[0], max_new_tokens=FRAMES)
+    x, sr, ch = decode(data, "wav")
+    return x, headers
+
+
+EXPECT_RATE = {"mp3": SR, "aac": SR, "flac": SR, "wav": SR, "pcm": SR, "opus": 48000}
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "aac", "flac", "wav", "pcm"])
+def test_response_format(client, long_take, reference_audio, fmt):
+    seed = long_take[0]
+    ref, ref_headers = reference_audio
+    frames = int(ref_headers["x-s2-frames"])
+    assert frames == FRAMES and ref.size == frames * FRAME  # the wav itself: exactly the frames generated
+    # the plain SDK call, as an application would make it
+    res = client.audio.speech.create(model=MODEL, voice="default", input=TEXT, response_format=fmt,
+                                     extra_body={"seed": seed, "max_new_tokens": FRAMES})
+    data = res.content
+    assert res.response.headers["content-type"].startswith(
+        {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
+         "pcm": "audio/pcm"}[fmt])
+    assert int(res.response.headers["x-s2-frames"]) == frames and res.response.headers["x-s2-seed"] == str(seed)
+    x, sr, channels = decode(data, fmt)
+    assert sr == EXPECT_RATE[fmt] and channels == 1
+    assert float(np.sqrt(np.mean(x ** 2))) > 1e-3, "silent"
+    expected = frames * FRAME * sr / SR
+    if fmt in ("wav", "pcm", "flac"):
+        assert x.size == expected
+        np.testing.assert_array_equal(pcm16(x), pcm16(ref))  # lossless: the same 16-bit samples
+    else:
+        # Lossy codecs add encoder delay/padding of at most a few codec frames.
+        assert abs(x.size - expected) <= 3000, (x.size, expected)
+        assert 0.5 < np.sqrt(np.mean(x ** 2)) / np.sqrt(np.mean(ref ** 2)) < 2.0
+
+
+def test_speed_time_stretch(client, long_take, reference_audio):
+    seed = long_take[0]
+    ref, _ = reference_audio
+    fast, _ = speech_raw(client, response_format="wav", seed=seed, max_new_tokens=FRAMES, speed=2.0)
+    slow, _ = speech_raw(client, response_format="wav", seed=seed, max_new_tokens=FRAMES, speed=0.5)
+    f, _, _ = decode(fast, "wav")
+    s, _, _ = decode(slow, "wav")
+    assert f.size == round(ref.size / 2.0) and s.size == round(ref.size / 0.5)
+    for y in (f, s):
+        assert 0.5 < np.sqrt(np.mean(y ** 2)) / np.sqrt(np.mean(ref ** 2)) < 2.0
+    # streamed with a time-stretch: the same samples as the whole file
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="default", input=TEXT, response_format="pcm", speed=2.0, stream_format="audio",
+            extra_body={"seed": seed, "max_new_tokens": FRAMES}) as r:
+        streamed = b"".join(r.iter_bytes())
+    np.testing.assert_array_equal(np.frombuffer(streamed, "<i2"), pcm16(f))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# streaming
+
+
+def _stream(client, fmt, stream_format, seed, frames=STREAM_FRAMES):
+    """Streams through the SDK; returns (chunks with their arrival times, t0, t_end)."""
+    got = []
+    t0 = time.monotonic()
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="default", input=TEXT, response_format=fmt, stream_format=stream_format,
+            extra_body={"seed": seed, "max_new_tokens": frames, "first_chunk_frames": 2, "chunk_frames": 4}) as r:
+        assert r.status_code == 200
+        headers = r.headers
+        iterator = r.iter_lines() if stream_format == "sse" else r.iter_bytes()
+        for chunk in iterator:
+            if chunk:
+                got.append((time.monotonic(), chunk))
+    return got, t0, time.monotonic(), headers
+
+
+def test_stream_audio_starts_early_and_matches_whole_file(client, long_take):
+    seed, whole, headers = long_take
+    got, t0, t_end, sheaders = _stream(client, "wav", "audio", seed)
+    data = b"".join(c for _, c in got)
+    t_first = got[0][0] - t0
+    # The first bytes come long before the end: generation was still going on.
+    assert len(got) >= 3, len(got)
+    assert t_first < 0.5 * (t_end - t0), (t_first, t_end - t0)
+    assert t_first < float(headers["x-s2-total-s"])  # this request's generation takes longer than that
+    assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff"  # open-ended WAV header, as OpenAI streams it
+    x, sr, ch = decode(data, "wav")
+    assert sr == SR and ch == 1 and x.size == STREAM_FRAMES * FRAME
+    np.testing.assert_array_equal(pcm16(x), np.frombuffer(whole, "<i2"))  # the same audio as the whole file
+
+
+@pytest.mark.parametrize("fmt", ["pcm", "mp3", "opus", "aac", "flac"])
+def test_stream_audio_formats_decode_as_they_arrive(client, long_take, fmt):
+    got, t0, t_end, _ = _stream(client, fmt, "audio", long_take[0], frames=16)
+    data = b"".join(c for _, c in got)
+    assert len(got) >= 2
+    x, sr, ch = decode(data, fmt)
+    assert sr == EXPECT_RATE[fmt] and ch == 1 and float(np.sqrt(np.mean(x ** 2))) > 1e-3
+    expected = 16 * FRAME * sr / SR
+    assert abs(x.size - expected) <= (0 if fmt in ("pcm", "flac") else 3000), (x.size, expected)
+    # A decoder fed only what had arrived half-way already gets audio (no index or trailer needed).
+    if fmt != "pcm":
+        head = b"".join(c for _, c in got[: max(2, len(got) // 2)])
+        assert 0 < decoded_prefix_samples(head) < x.size
+
+
+def test_sse_events(client, long_take):
+    seed, whole, headers = long_take
+    got, t0, t_end, sheaders = _stream(client, "pcm", "sse", seed)
+    assert sheaders["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[len("data: "):]) for _, line in got if line.startswith("data: ")]
+    assert len(events) == len(got)  # every non-empty line is a data line
+    types = [e["type"] for e in events]
+    assert types[-1] == "speech.audio.done" and set(types[:-1]) == {"speech.audio.delta"} and len(types) >= 4
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert audio == whole  # the deltas concatenate to the same audio
+    usage = events[-1]["usage"]
+    assert usage["output_tokens"] == STREAM_FRAMES and usage["input_tokens"] > 0
+    assert usage["total_tokens"] == usage["input_tokens"] + STREAM_FRAMES
+    stats = events[-1]["stats"]
+    assert stats["frames"] == STREAM_FRAMES and stats["finish_reason"] == "length"
+    # Measured against the final stats: the server started after t0, so it finished generating no earlier than
+    # t0 + total_s; the first delta arrived before that.
+    t_first = got[0][0] - t0
+    assert t_first < stats["total_s"], (t_first, stats)
+    assert t_first < 0.5 * (t_end - t0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# voices
+
+
+def _upload(gw, name, path, ref_text=REF_TEXT, **kw):
+    with open(path, "rb") as f:
+        return httpx.post(f"{gw.url}/v1/audio/voices", data={"name": name, "ref_text": ref_text},
+                          files={"audio_sample": (Path(path).name, f, "audio/wav")}, timeout=120, **kw)
+
+
+def test_voices_lifecycle_and_restart(triton, gw_dir, reference_wav):
+    db = gw_dir / "voices-restart.sqlite3"
+    g = Gateway(triton.grpc_url, db, gw_dir / "gateway-restart.log")
+    try:
+        c = g.client()
+        # upload through the official SDK (audio_sample + consent; the transcript as an extra form field)
+        with open(reference_wav, "rb") as f:
+            v = c.audio.voices.create(audio_sample=("ref.wav", f, "audio/wav"), consent="cons_test", name="hummer",
+                                      extra_body={"ref_text": REF_TEXT})
+        assert v.id == "hummer" and v.name == "hummer" and v.object == "audio.voice"
+        listed = httpx.get(f"{g.url}/v1/audio/voices", timeout=10).json()
+        [entry] = [x for x in listed["data"] if x["name"] == "hummer"]
+        assert entry["ref_text"] == REF_TEXT and entry["codes_shape"][0] == 10
+        assert entry["codes_shape"][1] == int(np.ceil(1.5 * SR / FRAME))
+        assert httpx.get(f"{g.url}/v1/audio/voices/hummer/audio", timeout=10).content == reference_wav.read_bytes()
+        # the same name again: conflict
+        r = _upload(g, "hummer", reference_wav)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "voice_exists"
+
+        # using it == passing the same reference inline (same seed)
+        named, _ = speech_raw(c, voice="hummer", response_format="pcm", seed=31, max_new_tokens=10)
+        data_url = "data:audio/wav;base64," + base64.b64encode(reference_wav.read_bytes()).decode()
+        inline, _ = speech_raw(c, voice="default", response_format="pcm", seed=31, max_new_tokens=10,
+                               ref_audio=data_url, ref_text=REF_TEXT)
+        plain, _ = speech_raw(c, voice="default", response_format="pcm", seed=31, max_new_tokens=10)
+        assert named == inline
+        assert named != plain  # the reference changes the output
+        # voice as an object {"id": name} works too
+        obj, _ = speech_raw(c, voice={"id": "hummer"}, response_format="pcm", seed=31, max_new_tokens=10)
+        assert obj == named
+
+        # restart the gateway on the same database: the voice is still there, and gives the same audio
+        g.stop()
+        g = Gateway(triton.grpc_url, db, gw_dir / "gateway-restart.log")
+        c = g.client()
+        names = [x["name"] for x in httpx.get(f"{g.url}/v1/audio/voices", timeout=10).json()["data"]]
+        assert names == ["hummer"]
+        again, _ = speech_raw(c, voice="hummer", response_format="pcm", seed=31, max_new_tokens=10)
+        assert again == named
+
+        # delete (SDK), then it is gone: 404 on use and on a second delete
+        d = c.audio.voices.delete("hummer")
+        assert d.id == "hummer" and d.deleted
+        assert httpx.get(f"{g.url}/v1/audio/voices", timeout=10).json()["data"] == []
+        with pytest.raises(openai.NotFoundError) as ei:
+            speech_raw(c, voice="hummer", response_format="pcm", seed=31, max_new_tokens=10)
+        assert_error(ei, 404, "voice_not_found", "voice")
+        with pytest.raises(openai.NotFoundError) as ei:
+            c.audio.voices.delete("hummer")
+        assert_error(ei, 404, "voice_not_found")
+    finally:
+        g.stop()
+
+
+@pytest.mark.parametrize("name", ["../etc", "a/b", "..", ".hidden", "default", "x" * 65, "bad name", "a\\b", ""])
+def test_voice_names_validated(gw, reference_wav, name):
+    r = _upload(gw, name, reference_wav)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "name" and err["type"] == "invalid_request_error"
+
+
+def test_voice_upload_errors(gw, reference_wav, tmp_path):
+    r = _upload(gw, "notext", reference_wav, ref_text="")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ref_text"
+    bogus = tmp_path / "bogus.wav"
+    bogus.write_bytes(b"not audio at all" * 100)
+    r = _upload(gw, "bogus", bogus)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_audio"
+    # too large (this gateway allows 1 MiB): with a Content-Length ...
+    big = tmp_path / "big.wav"
+    t = np.arange(SR * 15) / SR
+    sf.write(big, (0.1 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), SR, subtype="PCM_16")  # ~1.3 MB
+    r = _upload(gw, "big", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "payload_too_large"
+    # ... and chunked, without one
+    boundary = "XyZbOuNdArY"
+    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"name\"\r\n\r\nbig\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"ref_text\"\r\n\r\nhi\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"audio_sample\"; filename=\"b.wav\"\r\n"
+            f"Content-Type: audio/wav\r\n\r\n").encode() + big.read_bytes() + f"\r\n--{boundary}--\r\n".encode()
+
+    def gen():
+        for i in range(0, len(body), 65536):
+            yield body[i:i + 65536]
+
+    r = httpx.post(f"{gw.url}/v1/audio/voices", content=gen(),
+                   headers={"content-type": f"multipart/form-data; boundary={boundary}"}, timeout=60)
+    assert r.status_code == 413, r.text
+    # an inline reference over the limit is refused the same way
+    data_url = "data:audio/wav;base64," + base64.b64encode(big.read_bytes()).decode()
+    r = httpx.post(f"{gw.url}/v1/audio/speech", json={"model": MODEL, "input": "hi", "voice": "default",
+                                                      "ref_audio": data_url, "ref_text": "hi"}, timeout=60)
+    assert r.status_code == 413
+    assert httpx.get(f"{gw.url}/v1/audio/voices", timeout=10).json()["data"] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# errors
+
+
+BAD_REQUESTS = [
+    (dict(input=""), "input", "input is required"),
+    (dict(response_format="ogg"), "response_format", "use one of"),
+    (dict(speed=5.0), "speed", "[0.25, 4.0]"),
+    (dict(stream_format="chunks"), "stream_format", "'audio' or 'sse'"),
+    (dict(temperature=0), "temperature", "out of range"),
+    (dict(top_p=1.5), "top_p", "out of range"),
+    (dict(top_k=0), "top_k", "out of range"),
+    (dict(max_new_tokens=0), "max_new_tokens", "out of range"),
+    (dict(seed=-1), "seed", "seed must be"),
+    (dict(sample_rate=16000), "sample_rate", "Unrecognized request argument"),
+    (dict(instructions="speak softly"), "instructions", "inline tags"),
+    (dict(ref_audio="data:audio/wav;base64,UklGRg=="), "ref_text", "ref_text is required"),
+    (dict(ref_audio="https://example.com/a.wav", ref_text="hi"), "ref_audio", "data URL"),
+    (dict(ref_audio="data:audio/wav;base64,%%%", ref_text="hi"), "ref_audio", "not valid base64"),
+    (dict(ref_audio="data:audio/wav;base64," + base64.b64encode(b"junk" * 50).decode(), ref_text="hi"),
+     "ref_audio", "could not be decoded"),
+    (dict(ref_text="hi"), "ref_text", "without ref_audio"),
+]
+
+
+@pytest.mark.parametrize("kw,param,msg", BAD_REQUESTS, ids=[f"{p}:{m}" for _, p, m in BAD_REQUESTS])
+def test_bad_request(client, kw, param, msg):
+    with pytest.raises(openai.BadRequestError) as ei:
+        speech_raw(client, **{"max_new_tokens": 4, **kw})
+    assert_error(ei, 400, param=param, contains=msg)
+
+
+def test_model_side_validation_passes_through_as_400(client):
+    # The engine refuses special tokens in the text; its message says what to change.
+    with pytest.raises(openai.BadRequestError) as ei:
+        speech_raw(client, input="hi <|im_end|>", max_new_tokens=4)
+    assert_error(ei, 400, contains="special token")
+
+
+def test_unknown_voice_is_404_not_a_default(client):
+    for voice in ("alloy", "nobody"):
+        with pytest.raises(openai.NotFoundError) as ei:
+            speech_raw(client, voice=voice, max_new_tokens=4)
+        assert_error(ei, 404, "voice_not_found", "voice", contains="POST /v1/audio/voices")
+    with pytest.raises(openai.NotFoundError) as ei:
+        speech_raw(client, model="tts-1", max_new_tokens=4)
+    assert_error(ei, 404, "model_not_found", "model")
+
+
+def test_triton_unreachable_is_502(gw_dir):
+    g = Gateway(f"127.0.0.1:{free_port()}", gw_dir / "dead.sqlite3", gw_dir / "gateway-dead.log",
+                wait_healthy=False)
+    try:
+        r = httpx.get(f"{g.url}/health", timeout=10)
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+        with pytest.raises(openai.APIStatusError) as ei:
+            speech_raw(g.client(), max_new_tokens=4)
+        assert_error(ei, 502, "upstream_unreachable", contains="unreachable")
+        with pytest.raises(openai.APIStatusError) as ei:
+            g.client().audio.speech.with_streaming_response.create(
+                model=MODEL, voice="default", input="hi", stream_format="sse").__enter__()
+        assert ei.value.status_code == 502
+    finally:
+        g.stop()
+
+
+def _cancel_counts(triton) -> tuple[int, int]:
+    """(requests s2pro saw cancelled, engine requests that ended as cancelled) in the whole Triton log."""
+    log = triton.log_tail(10 ** 7)
+    return log.count("s2pro: request cancelled by the client"), log.count("finish reason cancelled")
+
+
+def test_api_key_overload_and_disconnect(triton, gw_dir, long_take):
+    """One gateway with an API key and --max-in-flight 1: auth, the overload answer, and a client that
+    disconnects mid-stream cancelling its Triton request and freeing the slots."""
+    key = "sk-test-123"
+    g = Gateway(triton.grpc_url, gw_dir / "keyed.sqlite3", gw_dir / "gateway-keyed.log",
+                "--api-key", key, "--max-in-flight", "1", "--retry-after", "2")
+    try:
+        # auth: health is open; everything else needs the key
+        assert httpx.get(f"{g.url}/health", timeout=10).status_code == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/v1/audio/voices"), ("POST", "/v1/audio/speech"),
+                             ("DELETE", "/v1/audio/voices/x")):
+            r = httpx.request(method, f"{g.url}{path}", timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (path, r.text)
+        with pytest.raises(openai.AuthenticationError):
+            g.client(api_key="wrong").models.list()
+        c = g.client(api_key=key)
+        assert [m.id for m in c.models.list()] == [MODEL]
+
+        cancels_before = _cancel_counts(triton)
+        # a long stream holds the only slot (this seed runs at least STREAM_FRAMES frames) ...
+        seed, big = long_take[0], 2000
+        with c.audio.speech.with_streaming_response.create(
+                model=MODEL, voice="default", input=TEXT, response_format="pcm",
+                stream_format="audio", extra_body={"seed": seed, "max_new_tokens": big, "first_chunk_frames": 2,
+                                                   "chunk_frames": 2}) as r:
+            it = r.iter_bytes()
+            first = next(it)
+            assert first
+            assert g.health()["in_flight"] == 1
+            # ... so the next request is refused at once with 503 + Retry-After (the SDK would retry it)
+            t = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as ei:
+                speech_raw(c, max_new_tokens=4)
+            assert time.monotonic() - t < 5
+            err = assert_error(ei, 503, "server_overloaded", contains="busy")
+            assert ei.value.response.headers["retry-after"] == "2" and err["type"] == "server_error"
+            # the client goes away mid-stream
+        t_close = time.monotonic()
+        deadline = t_close + 30
+        while time.monotonic() < deadline and g.health()["in_flight"]:
+            time.sleep(0.1)
+        assert g.health()["in_flight"] == 0
+        # Triton saw the cancel, and the engine stopped the request long before its 2000 frames
+        while time.monotonic() < deadline and _cancel_counts(triton)[1] <= cancels_before[1]:
+            time.sleep(0.2)
+        after = _cancel_counts(triton)
+        assert after[0] == cancels_before[0] + 1 and after[1] == cancels_before[1] + 1, (cancels_before, after)
+        assert "client disconnected" in g.log_tail() and "cancelling the s2pro stream" in g.log_tail()
+        # the same while a whole file is being made (nothing sent yet): the client gives up after 0.5 s
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{g.url}/v1/audio/speech", headers={"Authorization": f"Bearer {key}"}, timeout=0.5,
+                       json={"model": MODEL, "input": TEXT, "response_format": "wav", "seed": seed,
+                             "max_new_tokens": big})
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (g.health()["in_flight"] or _cancel_counts(triton) != (
+                after[0] + 1, after[1] + 1)):
+            time.sleep(0.2)
+        assert g.health()["in_flight"] == 0 and _cancel_counts(triton) == (after[0] + 1, after[1] + 1)
+        # the slot is free again: a new request goes through
+        data, headers = speech_raw(c, response_format="pcm", seed=6, max_new_tokens=6)
+        assert len(data) == 6 * FRAME * 2 and headers["x-s2-finish-reason"] in ("end", "length")
+    finally:
+        g.stop()
+
+
+def test_concurrent_requests_under_the_limit(client):
+    """Two at once (the default limit is 8) both succeed and equal their sequential answers."""
+    seq = [speech_raw(client, response_format="pcm", seed=s, max_new_tokens=8)[0] for s in (41, 42)]
+    out = [None, None]
+
+    def run(i, s):
+        out[i] = speech_raw(client, response_format="pcm", seed=s, max_new_tokens=8)[0]
+
+    threads = [threading.Thread(target=run, args=(i, s)) for i, s in enumerate((41, 42))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert out == seq and seq[0] != seq[1]

@@ -1,0 +1,185 @@
+"""Gateway parts that need no server: time-stretch, encoders, request validation, voice names, the voice store."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from s2tts.gateway.config import GatewayConfig
+from s2tts.gateway.encoders import FORMATS, make_encoder, wav_header
+from s2tts.gateway.errors import APIError
+from s2tts.gateway.protocol import parse_speech
+from s2tts.gateway.tempo import TimeStretch, time_stretch
+from s2tts.gateway.voices import VoiceStore, validate_name
+
+av = pytest.importorskip("av")
+SR = 44100
+
+
+def tone(seconds=1.0, f=220.0, sr=SR):
+    t = np.arange(int(sr * seconds)) / sr
+    return (0.5 * np.sin(2 * np.pi * f * t) * (1 + 0.3 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
+
+
+def peak_hz(x, sr=SR):
+    spec = np.abs(np.fft.rfft(x * np.hanning(len(x))))
+    return np.argmax(spec) * sr / len(x)
+
+
+@pytest.mark.parametrize("speed", [0.25, 0.5, 0.8, 1.5, 2.0, 4.0])
+def test_time_stretch_keeps_pitch_and_scales_length(speed):
+    x = tone(2.0)
+    y = time_stretch(x, speed)
+    assert len(y) == round(len(x) / speed)
+    mid = y[len(y) // 4: 3 * len(y) // 4]
+    assert abs(peak_hz(mid) - 220.0) < max(3.0, 1.5 * SR / len(mid))  # pitch kept (within the FFT resolution)
+    assert 0.8 < np.sqrt(np.mean(mid ** 2)) / np.sqrt(np.mean(x ** 2)) < 1.25  # no fading or doubling
+    # no clicks: sample-to-sample steps stay like the input's
+    assert np.abs(np.diff(mid)).max() < 3 * np.abs(np.diff(x)).max()
+
+
+def test_time_stretch_is_chunking_invariant():
+    x = np.random.default_rng(0).standard_normal(30000).astype(np.float32) * 0.1
+    whole = time_stretch(x, 1.7)
+    ts = TimeStretch(1.7)
+    rng = np.random.default_rng(1)
+    parts, i = [], 0
+    while i < len(x):
+        n = int(rng.integers(1, 4000))
+        parts.append(ts.push(x[i:i + n]))
+        i += n
+    parts.append(ts.flush())
+    np.testing.assert_array_equal(np.concatenate(parts), whole)
+
+
+def _decode(data, fmt):
+    if fmt == "pcm":
+        return np.frombuffer(data, "<i2").astype(np.float32) / 32768, SR
+    if fmt == "wav" and data[4:8] != b"\xff\xff\xff\xff":
+        x, sr = sf.read(io.BytesIO(data), dtype="float32")
+        return x, sr
+    with av.open(io.BytesIO(data)) as c:
+        sr = c.streams.audio[0].rate
+        x = np.concatenate([f.to_ndarray().reshape(-1) for f in c.decode(audio=0)])
+    return (x.astype(np.float32) / 32768 if x.dtype == np.int16 else x.astype(np.float32)), sr
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_encoders_round_trip(fmt, streaming):
+    x = tone(1.0, 300.0)
+    enc = make_encoder(fmt, SR, streaming)
+    parts = [enc.encode(x[i:i + 4096]) for i in range(0, len(x), 4096)]
+    parts.append(enc.finish())
+    if streaming:  # bytes come out as the audio goes in, not at the end
+        assert sum(map(len, parts[:-1])) > 0.7 * sum(map(len, parts)) and sum(1 for q in parts if q) > 6
+    else:
+        assert not any(parts[:-1])
+    y, sr = _decode(b"".join(parts), fmt)
+    assert sr == (48000 if fmt == "opus" else SR)
+    expected = len(x) * sr // SR
+    if fmt in ("pcm", "wav", "flac"):
+        np.testing.assert_array_equal(np.round(y * 32768), np.round(np.clip(x, -1, 1) * 32767))  # int16 kept
+    else:
+        assert abs(len(y) - expected) <= 3000
+        assert abs(peak_hz(y[len(y) // 4: 3 * len(y) // 4], sr) - 300.0) < 5
+
+
+def test_wav_header_streaming_and_whole():
+    h = wav_header(SR, None)
+    assert h[4:8] == b"\xff\xff\xff\xff" and h[40:44] == b"\xff\xff\xff\xff" and len(h) == 44
+    x = (np.arange(100) - 50).astype("<i2")
+    y, sr = sf.read(io.BytesIO(wav_header(SR, 100) + x.tobytes()), dtype="int16")
+    assert sr == SR and np.array_equal(y, x)
+    y, sr = sf.read(io.BytesIO(h + x.tobytes()), dtype="int16")  # a reader copes with the open-ended header
+    assert np.array_equal(y, x)
+
+
+CFG = GatewayConfig()
+
+
+def test_parse_speech_defaults_and_voice_forms():
+    p = parse_speech({"model": "s2-pro", "input": "hi", "voice": "alloy"}, CFG)
+    assert p.voice == "alloy" and p.response_format == "mp3" and p.speed == 1.0 and p.stream_format is None
+    for v in (None, "default", "DEFAULT", "none", ""):
+        assert parse_speech({"input": "hi", "voice": v}, CFG).voice is None
+    assert parse_speech({"input": "hi", "voice": {"id": "bob"}}, CFG).voice == "bob"
+    assert parse_speech({"input": "hi", "stream": True}, CFG).stream_format == "audio"
+    assert parse_speech({"input": "hi", "stream_format": "sse", "stream": True}, CFG).stream_format == "sse"
+    p = parse_speech({"input": "hi", "seed": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 50.0},
+                     CFG)
+    assert (p.seed, p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (3, 0.7, 0.9, 20, 50)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ([], 400, None),
+    ({"input": "  "}, 400, "input"),
+    ({"input": "x" * 5000}, 400, "input"),
+    ({"input": "hi", "model": "tts-1"}, 404, "model"),
+    ({"input": "hi", "voice": 3}, 400, "voice"),
+    ({"input": "hi", "voice": {"name": "x"}}, 400, "voice"),
+    ({"input": "hi", "speed": "fast"}, 400, "speed"),
+    ({"input": "hi", "speed": True}, 400, "speed"),
+    ({"input": "hi", "top_k": 2.5}, 400, "top_k"),
+    ({"input": "hi", "seed": 2 ** 63}, 400, "seed"),
+    ({"input": "hi", "stream": "yes"}, 400, "stream"),
+    ({"input": "hi", "voice": "bob", "ref_audio": "data:audio/wav;base64,AAAA", "ref_text": "t"}, 400, "voice"),
+    ({"input": "hi", "extra_thing": 1}, 400, "extra_thing"),
+])
+def test_parse_speech_rejects(body, status, param):
+    with pytest.raises(APIError) as ei:
+        parse_speech(body, CFG)
+    assert ei.value.status == status and ei.value.param == param
+    b = ei.value.body()["error"]
+    assert set(b) == {"message", "type", "param", "code"} and b["message"]
+
+
+@pytest.mark.parametrize("name", ["bob", "Voice_1", "a.b-c", "x" * 64, "9lives"])
+def test_voice_names_ok(name):
+    assert validate_name(name) == name
+
+
+@pytest.mark.parametrize("name", ["", " ", "../x", "a/b", "a\\b", "..", "a..b", ".x", "-x", "x" * 65, "a b",
+                                  "default", "None", "ünï", "a\x00b", None])
+def test_voice_names_rejected(name):
+    with pytest.raises(APIError) as ei:
+        validate_name(name)
+    assert ei.value.status == 400
+
+
+def test_voice_store_persists(tmp_path):
+    db = tmp_path / "v.sqlite3"
+    s = VoiceStore(str(db))
+    codes = np.arange(30, dtype=np.int32).reshape(10, 3)
+    s.add("bob", "hello there", b"RIFFdata", "audio/wav", 24000, 36000, codes, consent="c1")
+    with pytest.raises(APIError) as ei:
+        s.add("bob", "again", b"x", "audio/wav", 24000, 1, codes)
+    assert ei.value.status == 409
+    s.close()
+    s = VoiceStore(str(db))
+    v = s.get("bob")
+    assert v.ref_text == "hello there" and v.sample_rate == 24000 and np.array_equal(v.codes, codes)
+    assert v.public()["codes_shape"] == [10, 3] and v.public()["duration_s"] == 1.5
+    assert s.get_audio("bob") == (b"RIFFdata", "audio/wav")
+    assert [x.name for x in s.list()] == ["bob"] and s.list()[0].codes is None
+    assert s.delete("bob") and not s.delete("bob") and s.get("bob") is None
+    s.close()
+
+
+def test_data_url_decoding():
+    from s2tts.gateway.audio_io import decode_audio, decode_data_url
+
+    buf = io.BytesIO()
+    sf.write(buf, tone(0.5), SR, format="WAV", subtype="PCM_16")
+    raw = buf.getvalue()
+    assert decode_data_url("data:audio/wav;base64," + base64.b64encode(raw).decode()) == raw
+    assert decode_data_url(base64.b64encode(raw).decode()) == raw  # bare base64 is accepted
+    x, sr = decode_audio(raw, "ref_audio")
+    assert sr == SR and x.dtype == np.float32 and x.ndim == 1 and len(x) == SR // 2
+    for bad in ("http://x/a.wav", "file:///etc/passwd", "data:audio/wav,notbase64", "data:audio/wav;base64,@@@"):
+        with pytest.raises(APIError):
+            decode_data_url(bad)

@@ -1,0 +1,117 @@
+"""The benchmark harness (perf/) against the real tritonserver on the tiny checkpoint (CPU).
+
+loadgen: a two-level sweep with plain and voice-clone requests, checked for complete, sane numbers.
+make_pa_inputs + run_perf_analyzer.sh: brief real perf_analyzer runs against fast_ar and dac_decoder.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAMES = 12
+HOP, SR = 2048, 44100
+
+
+def _run(cmd, timeout, env=None):
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    assert p.returncode == 0, f"{cmd[:3]} exited {p.returncode}\nstdout:\n{p.stdout[-3000:]}\nstderr:\n{p.stderr[-3000:]}"
+    return p
+
+
+def test_loadgen_sweep(triton_server, tmp_path):
+    out = tmp_path / "loadgen.json"
+    p = _run([sys.executable, "perf/loadgen.py", "--url", triton_server.grpc_url, "--concurrency", "1,2",
+              "--requests-per-level", "3", "--frames", str(FRAMES), "--warmup", "1", "--warmup-frames", "4",
+              "--clone-fraction", "0.5", "--clone-mode", "mixed", "--ref-seconds", "4", "--timeout", "120",
+              "--json", str(out)], timeout=240)
+    r = json.loads(out.read_text())
+
+    # the markdown table is printed last: header, separator, one row per level
+    tail = p.stdout.strip().splitlines()[-4:]
+    assert tail[0].startswith("| c | reqs ok/n | TTFA mean ms"), p.stdout
+    assert tail[2].startswith("| 1 | 3/3 |") and tail[3].startswith("| 2 | 3/3 |"), p.stdout
+
+    assert r["config"]["frames"] == FRAMES and r["config"]["concurrency"] == [1, 2]
+    assert r["warmup"]["ok"] == 1
+    assert r["reference"]["codes_shape"][0] == 10 and r["reference"]["codes_shape"][1] > 0  # encoded once via dac_encoder
+    assert r["gpu"]["monitor"] in ("n/a", "pynvml", "nvidia-smi")
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 2]
+    audio_s = FRAMES * HOP / SR
+    kinds = set()
+    for lv in r["levels"]:
+        assert lv["requests"] == 3 and lv["ok"] == 3 and lv["errors"] == 0 and lv["not_run"] == 0, lv["error_samples"]
+        assert lv["ttfa_ms_mean"] > 0 and 0 < lv["ttfa_ms_p50"] <= lv["ttfa_ms_p99"] <= lv["ttfa_ms_max"] + 1e-6
+        assert lv["rtf_mean"] > 0 and lv["rtf_p50"] > 0
+        assert lv["audio_s_per_s"] > 0 and lv["req_per_s"] > 0 and lv["frames_per_s"] > 0
+        assert lv["frames_per_s"] == pytest.approx(lv["audio_s_per_s"] * SR / HOP, rel=0.01)
+        assert lv["audio_s_per_s"] == pytest.approx(3 * audio_s / lv["wall_s"], rel=0.01)
+        assert lv["audio_s_per_request_mean"] == pytest.approx(audio_s, abs=1e-3)
+        assert lv["frames_per_request_mean"] == FRAMES and lv["frames_short"] == 0
+        assert lv["chunks_per_request_mean"] >= 1
+        assert 0 <= lv["stall_fraction"] <= 1
+        if r["gpu"]["monitor"] == "n/a":
+            assert lv["gpu_mem_peak_mib"] == "n/a"
+        assert len(lv["records"]) == 3
+        for q in lv["records"]:
+            kinds.add(q["kind"])
+            assert q["ok"] and q["error"] is None
+            assert q["frames"] == FRAMES and q["samples"] == FRAMES * HOP and q["sample_rate"] == SR
+            assert q["audio_s"] == pytest.approx(audio_s, abs=1e-4)
+            assert 0 < q["ttfa_s"] <= q["total_s"] and q["rtf"] == pytest.approx(q["total_s"] / q["audio_s"], rel=1e-3)
+            assert q["server"]["frames"] == FRAMES and q["server"]["finish_reason"] == "length"
+            assert 0 <= q["t_send"] <= lv["wall_s"]
+    assert kinds == {"plain", "clone_codes", "clone_audio"}, kinds
+
+
+def _perf_analyzer_runs() -> str | None:
+    """None if perf_analyzer can start here, else why not."""
+    from s2tts.perf_tools import perf_analyzer_env, perf_analyzer_path
+
+    pa = perf_analyzer_path()
+    if pa is None:
+        return "no perf_analyzer binary (tritonclient==2.51.0 wheel)"
+    p = subprocess.run([str(pa), "--help"], capture_output=True, text=True, env=perf_analyzer_env(), timeout=60)
+    if "error while loading shared libraries" in p.stderr:
+        return f"perf_analyzer cannot load its libraries: {p.stderr.strip()[:200]} (scripts/setup.sh installs them)"
+    return None
+
+
+def test_make_pa_inputs_and_perf_analyzer(triton_server, tiny_ckpt, tmp_path):
+    from s2tts.config import S2Config
+
+    inputs, out = tmp_path / "pa_inputs", tmp_path / "pa"
+    _run([sys.executable, "perf/make_pa_inputs.py", "--checkpoint", str(tiny_ckpt), "--out", str(inputs),
+          "--frames", "8", "--entries", "2", "--fast-ar-batches", "1,4", "--decode-frames", "5"], timeout=120)
+    s2 = S2Config.from_dir(tiny_ckpt)
+    meta = json.loads((inputs / "meta.json").read_text())
+    assert meta["dim"] == s2.text.dim and meta["num_codebooks"] == s2.num_codebooks == 10
+
+    fa = json.loads((inputs / "fast_ar_b4.json").read_text())["data"]
+    assert fa[0]["hidden"]["shape"] == [4, s2.text.dim] and len(fa[0]["hidden"]["content"]) == 4 * s2.text.dim
+    assert all(fa[0][k]["shape"] == [4] for k in ("code0", "temperature", "top_p", "top_k", "seed", "step"))
+    dec = json.loads((inputs / "dac_decoder.json").read_text())["data"]
+    assert dec[0]["codes"]["shape"] == [10, 5] and dec[0]["final"]["content"] == [True]
+    assert len({e["stream_id"]["content"][0] for e in dec}) == len(dec)
+    sl = json.loads((inputs / "slow_ar.json").read_text())["data"][0]
+    t = sl["input_ids"]["shape"][0]
+    assert sl["input_codes"]["shape"] == [10, t] and sl["semantic_mask"]["shape"] == [t] and t > 10
+    assert json.loads((inputs / "s2pro.json").read_text())["data"][0]["max_new_tokens"]["content"] == [8]
+
+    why = _perf_analyzer_runs()
+    if why:
+        pytest.skip(why)
+    env = dict(os.environ, PYTHON=sys.executable, PA_WARMUP="1")
+    p = _run(["bash", "perf/run_perf_analyzer.sh", "-u", triton_server.grpc_url, "-i", str(inputs), "-o", str(out),
+              "-m", "fast_ar dac_decoder", "-c", "1", "-n", "3", "-b", "4", "-t", "120"], timeout=300, env=env)
+    for name in ("fast_ar_b4", "dac_decoder"):
+        rows = list(csv.DictReader((out / f"pa_{name}_c1.csv").open()))
+        assert rows and float(rows[0]["Inferences/Second"]) > 0 and float(rows[0]["p50 latency"]) > 0, name
+    summary = (out / "pa_summary.md").read_text()
+    assert "| fast_ar_b4 | 1 |" in summary and "| dac_decoder | 1 |" in summary and "rows/s" in summary, summary
+    assert summary in p.stdout
