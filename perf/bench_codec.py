@@ -42,14 +42,18 @@ def main():
     torch.backends.cudnn.benchmark = True
     rows = []
     gen = torch.Generator().manual_seed(0)
+    batches = [int(x) for x in args.batches.split(",")]
+    all_codes, wav = {}, torch.randn(1, 1, 44100 * 10, generator=gen) * 0.1  # the same inputs for every mode
     for mode in ("fp32", "tf32", "bf16"):
         torch.backends.cudnn.allow_tf32 = mode == "tf32"
         torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
         codec = load_codec_from_dir(args.checkpoint, "cuda", "bf16" if mode == "bf16" else "fp32")
         cfg = codec.config
-        for b in [int(x) for x in args.batches.split(",")]:
-            codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (b, 1, 40), generator=gen),
-                               torch.randint(0, cfg.codebook_size, (b, 9, 40), generator=gen)], 1).cuda()
+        for b in batches:
+            if b not in all_codes:
+                all_codes[b] = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (b, 1, 40), generator=gen),
+                                          torch.randint(0, cfg.codebook_size, (b, 9, 40), generator=gen)], 1)
+            codes = all_codes[b].cuda()
             with torch.inference_mode():
                 # a warm state (after 24 frames), then time one chunk
                 _, st = codec.decode_stream(codes[..., :24], codec.new_stream_state(b))
@@ -59,15 +63,19 @@ def main():
             rows.append({"mode": mode, "batch": b, "chunk_frames": args.chunk, "ms": round(ms, 2),
                          "audio_s_per_s": round(audio_s / (ms / 1000), 1), "_out": out.cpu()})
         with torch.inference_mode():
-            wav = torch.randn(1, 1, 44100 * 10, generator=gen).cuda() * 0.1
-            rows.append({"mode": mode, "encode_10s_ms": round(timed(lambda: codec.encode(wav.to(next(codec.parameters()).dtype)), 5), 1)})
+            w = wav.cuda().to(next(codec.parameters()).dtype)
+            enc = codec.encode(w).cpu()
+            rows.append({"mode": mode, "encode_10s_ms": round(timed(lambda: codec.encode(w), 5), 1), "_codes": enc})
         del codec
         torch.cuda.empty_cache()
     ref = {r["batch"]: r["_out"] for r in rows if r.get("mode") == "fp32" and "_out" in r}
+    ref_codes = next(r["_codes"] for r in rows if r.get("mode") == "fp32" and "_codes" in r)
     for r in rows:
         if "_out" in r:
             o = r.pop("_out")
             r["rel_err_vs_fp32"] = round(float((o - ref[r["batch"]]).norm() / ref[r["batch"]].norm()), 5)
+        if "_codes" in r:
+            r["encode_codes_equal_fp32"] = round(float((r.pop("_codes") == ref_codes).float().mean()), 4)
         print(json.dumps(r), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -16,7 +16,7 @@
 # Knobs (environment):      default
 #   OUT                     perf/out                 where the results go (the device tool sets it)
 #   CKPT                    /tmp/s2-full             checkpoint directory (written if it has no config.json)
-#   MAX_BATCH, MAX_SEQ_LEN  64, 512                  model repository settings
+#   MAX_BATCH, MAX_SEQ_LEN  64, 1024                 model repository settings
 #   SETTINGS                ""                       more settings, "key=value key=value" (e.g. "chunk_frames=25 fast_ar=bls")
 #   CONCURRENCY             1,4,16,64                loadgen levels; "" skips the phase
 #   FRAMES                  100                      frames per request (100 = 4.64 s of audio)
@@ -54,7 +54,7 @@ rm -rf "$WORK"
 mkdir -p "$WORK/details"
 CKPT="${CKPT:-/tmp/s2-full}"
 MAX_BATCH="${MAX_BATCH:-64}"
-MAX_SEQ_LEN="${MAX_SEQ_LEN:-512}"
+MAX_SEQ_LEN="${MAX_SEQ_LEN:-1024}"
 SETTINGS="${SETTINGS:-}"
 CONCURRENCY="${CONCURRENCY-1,4,16,64}"
 FRAMES="${FRAMES:-100}"

@@ -74,10 +74,15 @@ class HostFastAR:
 
 class Engine:
     GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+    # prefill graphs: (batch, prompt tokens, keys) shapes; keys > tokens serve prompts after a cached voice prefix
+    PREFILL_BATCH = (1, 2, 4)
+    PREFILL_TOKENS = (32, 64, 128, 256)
+    PREFILL_KEYS = (512, 1024)
 
     def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
                  fast_ar=None, max_prefill_tokens: int = 8192, cuda_graphs: bool | None = None,
-                 decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0):
+                 decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0,
+                 prefill_buckets: bool | None = None):
         """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
         None = on when the model is on a CUDA device."""
         s2 = model.s2
@@ -122,8 +127,10 @@ class Engine:
 
         self.graphs: dict[int, tuple] = {}  # batch bucket -> captured decode step
         self.frame_graphs: dict[int, tuple] = {}  # batch bucket -> captured first frame after prefill
+        self.prefill_graphs: dict[tuple, tuple] = {}  # (batch, tokens, keys) -> captured prefill
         if cuda_graphs is None:
             cuda_graphs = on_cuda and decode_kernel and not isinstance(self.fast_ar, HostFastAR)
+        self.prefill_shapes = self._prefill_shape_list() if (cuda_graphs if prefill_buckets is None else prefill_buckets) else []
         if cuda_graphs:
             if not decode_kernel:
                 raise ValueError("cuda_graphs needs decode_kernel (attention over a length held on the device)")
@@ -224,7 +231,10 @@ class Engine:
         return slots
 
     def _prefill(self, reqs: list[Request]) -> list[Output]:
-        """Batched prefill (right-padded) of the new requests; a cached voice prefix is copied, not recomputed."""
+        """Batched prefill (right-padded) of the new requests; a cached voice prefix is copied, not recomputed.
+
+        With prefill buckets (GPU), the batch is padded to a captured (batch, tokens, keys) shape and replayed
+        as a CUDA graph; otherwise it runs eagerly at its own shape."""
         dev, C = self.device, self.s2.num_codebooks
         slots = self._set_slot_params(reqs)
         layers = self.model.slow.layers
@@ -238,18 +248,31 @@ class Engine:
                     layer.attention.cache.v[r.slot, :, : hit.length] = hit.v[li]
             starts.append(hit.length if hit is not None else 0)
         lens = [len(r.prompt) - s for r, s in zip(reqs, starts)]
-        T = max(lens)
-        tokens = torch.zeros(len(reqs), T, dtype=torch.int64)
-        codes = torch.zeros(len(reqs), T, C, dtype=torch.int64)
-        semantic = torch.zeros(len(reqs), T, dtype=torch.bool)
+        shape = self._prefill_bucket(len(reqs), max(lens), max(starts))
+        B, T, L = shape if shape else (len(reqs), max(lens), None)
+        tokens = torch.zeros(B, T, dtype=torch.int64)
+        codes = torch.zeros(B, T, C, dtype=torch.int64)
+        semantic = torch.zeros(B, T, dtype=torch.bool)
+        row_slots = torch.full((B,), self.scratch, dtype=torch.int64)
+        last = torch.zeros(B, dtype=torch.int64)
+        pos = torch.arange(T)[None, :].repeat(B, 1)
         for i, r in enumerate(reqs):
             s0, n = starts[i], lens[i]
             tokens[i, :n], codes[i, :n], semantic[i, :n] = r.prompt.tokens[s0:], r.prompt.codes[s0:], r.prompt.semantic[s0:]
-        x = self.model.embed(tokens.to(dev), codes.to(dev), semantic.to(dev))
-        pos_host = (torch.tensor(starts)[:, None] + torch.arange(T)[None, :]).clamp(max=self.max_seq_len - 1)
-        hidden, logits = self.model.slow(x, pos_host.to(dev), slots, kv_len_max=int(pos_host.max()) + 1)
-        last = torch.tensor([n - 1 for n in lens], device=dev)
-        rows = torch.arange(len(reqs), device=dev)
+            row_slots[i], last[i] = r.slot, n - 1
+            pos[i] += s0
+        pos = pos.clamp(max=self.max_seq_len - 1)
+        args = (tokens, codes, semantic, pos, row_slots, last)
+        if shape in self.prefill_graphs:
+            graph, bufs, out = self.prefill_graphs[shape]
+            for buf, a in zip(bufs, args):
+                buf.copy_(a, non_blocking=True)
+            graph.replay()
+            hidden, logits = out
+        else:
+            hidden, logits = self._prefill_core(*(a.to(dev) for a in args), kv_len_max=L or int(pos.max()) + 1)
+        n = len(reqs)
+        hidden, logits = hidden[:n], logits[:n]
         for r, key, s0 in zip(reqs, keys, starts):
             r.length = len(r.prompt)
             if key is not None and s0 == 0:
@@ -257,9 +280,32 @@ class Engine:
                 self.prefix_cache.put(key, torch.stack([la.attention.cache.k[r.slot, :, :P] for la in layers]),
                                       torch.stack([la.attention.cache.v[r.slot, :, :P] for la in layers]))
         if self.logits_hook is not None:
-            self.logits_hook([r.id for r in reqs], logits[rows, last])
-        frame, end = self._first_frame(slots, hidden[rows, last], logits[rows, last])
+            self.logits_hook([r.id for r in reqs], logits)
+        frame, end = self._first_frame(slots, hidden, logits)
         return self._emit(reqs, frame, end)
+
+    def _prefill_core(self, tokens, codes, semantic, pos, slots, last, kv_len_max):
+        """Device part of a prefill (what the prefill graphs capture) -> hidden, logits at each row's last token."""
+        x = self.model.embed(tokens, codes, semantic)
+        hidden, logits = self.model.slow(x, pos, slots, kv_len_max=kv_len_max)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        return hidden[rows, last], logits[rows, last]
+
+    def _prefill_bucket(self, B: int, T: int, max_start: int):
+        """The smallest (batch, tokens, keys) prefill shape holding B rows of T tokens placed after cached
+        prefixes of up to `max_start` tokens, or None."""
+        fits = [s for s in self.prefill_shapes if s[0] >= B and s[1] >= T and s[2] >= max_start + s[1]]
+        return min(fits, key=lambda s: (s[0] * s[1], s[2])) if fits else None
+
+    def _prefill_shape_list(self) -> list[tuple[int, int, int]]:
+        shapes = []
+        for B in self.PREFILL_BATCH:
+            for T in self.PREFILL_TOKENS:
+                if B > self.max_batch or T > self.max_seq_len:
+                    continue
+                kv = [T] + ([L for L in self.PREFILL_KEYS if T < L <= self.max_seq_len] if B == 1 else [])
+                shapes += [(B, T, L) for L in kv]
+        return shapes
 
     def _first_frame(self, slots, hidden, logits):
         """Code 0 + fast AR for the requests just prefilled (step 0), through a captured graph when there is one."""
@@ -350,6 +396,20 @@ class Engine:
             with torch.cuda.graph(fgraph, pool=pool), torch.inference_mode():
                 fout = self._sample_frame(*fargs)
             self.frame_graphs[bucket] = (fgraph, io, hbuf, lbuf, fout)
+        for shape in sorted(self.prefill_shapes, key=lambda s: -s[0] * s[1] * s[2]):
+            B, T, L = shape
+            C = self.s2.num_codebooks
+            bufs = (torch.zeros(B, T, dtype=torch.int64, device=dev), torch.zeros(B, T, C, dtype=torch.int64, device=dev),
+                    torch.zeros(B, T, dtype=torch.bool, device=dev), torch.arange(T, device=dev)[None].repeat(B, 1),
+                    torch.full((B,), self.scratch, dtype=torch.int64, device=dev), torch.zeros(B, dtype=torch.int64, device=dev))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):
+                    self._prefill_core(*bufs, kv_len_max=L)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            pgraph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(pgraph, pool=pool), torch.inference_mode():
+                pout = self._prefill_core(*bufs, kv_len_max=L)
+            self.prefill_graphs[shape] = (pgraph, bufs, pout)
         torch.cuda.synchronize(dev)
 
     def _emit(self, reqs, frame, end) -> list[Output]:

@@ -283,3 +283,32 @@ def test_prefix_cache_reuses_voice_prefix(model, prompts):
     np.testing.assert_array_equal(codes_c, codes_p)
     for a, b in zip(logits_c, logits_p):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_prefill_buckets_match_exact_shapes(model, prompts):
+    """What the GPU prefill graphs do (pad the batch, the tokens and the keys to a captured shape; padding
+    rows write only the scratch slot) gives the logits and codes of prefilling at the exact shape, with and
+    without a cached voice prefix."""
+    gen = torch.Generator().manual_seed(6)
+    ref = torch.randint(0, 32, (10, 40), generator=gen)
+    reqs = [("p", prompts.build("Plain prompt.")), ("v1", prompts.build("Voice one.", ref, "Ref text.")),
+            ("v2", prompts.build("Voice two, longer.", ref, "Ref text."))]
+    out = {}
+    for padded in (False, True):
+        eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=1024, prefix_cache_bytes=64 << 20,
+                     prefill_buckets=padded)
+        assert bool(eng.prefill_shapes) == padded
+        if padded:  # the voice prompts' remainders after the cached prefix fit a (1, 32, 512) shape
+            P = reqs[2][1].prefix_len
+            assert eng._prefill_bucket(1, len(reqs[2][1]) - P, P) == (1, 32, 512)
+        logits = {}
+        eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
+        codes = {}
+        for rid, p in reqs:  # one after another: v2 finds v1's prefix in the cache
+            codes[rid], _ = eng.generate(p, SamplingParams(seed=3, max_new_tokens=6, ignore_end=True), request_id=rid)
+        assert eng.prefix_cache.hits == 1
+        out[padded] = (codes, logits)
+    for rid, _ in reqs:
+        np.testing.assert_array_equal(out[False][0][rid], out[True][0][rid])
+        for a, b in zip(out[False][1][rid], out[True][1][rid]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -19,7 +19,7 @@ from s2tts import triton_utils as tu
 from s2tts.config import S2Config
 from s2tts.prompt import PromptBuilder
 from s2tts.sampling import SamplingParams
-from s2tts.service import Chunker, Limits, Stats, TTSRequest
+from s2tts.service import Limits, Stats, TTSRequest
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -99,7 +99,6 @@ class TritonPythonModel:
                 ref_codes = self._encode(req.reference_audio, req.reference_sample_rate)
             prompt = self.prompts.build(req.text, ref_codes, req.reference_text)
             stats.prompt_tokens = len(prompt)
-            chunker = Chunker(req.first_chunk_frames, req.chunk_frames)
             responses = self._start_generation(sid, prompt, req)
             for frames, reason in self._frames(responses):
                 if sender.is_cancelled():
@@ -108,15 +107,10 @@ class TritonPythonModel:
                 stats.frames += frames.shape[0]
                 if reason:
                     stats.finish_reason = reason
-                chunks = chunker.add(frames)
-                if reason:
-                    tail = chunker.flush()
-                    if tail is not None:
-                        chunks.append(tail)
-                for i, chunk in enumerate(chunks):
-                    last = bool(reason) and i == len(chunks) - 1
-                    audio = self._decode(sid, chunk, last)
-                    decoder_open = not last
+                if frames.shape[0]:  # slow_ar groups the frames into our chunks: one response, one chunk
+                    chunk = frames.T
+                    audio = self._decode(sid, chunk, final=bool(reason))
+                    decoder_open = not reason
                     stats.audio_sent(audio.size)
                     sender.send(self._audio_response(audio, chunk, seq))
                     seq += 1

@@ -1,0 +1,48 @@
+"""Transport-free logic of the s2pro/slow_ar models: chunk planning and request validation."""
+
+import numpy as np
+import pytest
+
+from s2tts.sampling import SamplingParams
+from s2tts.service import AlignedChunker, Chunker, Limits, TTSRequest
+
+
+def frames(n, start=0):
+    return np.arange(start, start + n)[:, None].repeat(10, 1)
+
+
+def test_chunker_first_then_fixed_sizes():
+    c = Chunker(4, 6)
+    got = [ch.shape[1] for i in range(20) for ch in c.add(frames(1, i))]
+    assert got == [4, 6, 6] and c.flush().shape[1] == 4
+
+
+def test_aligned_chunks_of_streams_started_apart_end_on_the_same_steps():
+    a, b = AlignedChunker(4, 8), AlignedChunker(4, 8)
+    ends = {"a": [], "b": []}
+    for step in range(1, 60):
+        for name, ch, start in (("a", a, 1), ("b", b, 7)):
+            if step >= start:
+                for chunk in ch.add(frames(1, step), step):
+                    ends[name].append((step, chunk.shape[1]))
+    assert ends["a"][0] == (4, 4) and ends["b"][0] == (10, 4)  # first chunks: 4 frames after each start
+    later_a = [s for s, _ in ends["a"][1:]]
+    later_b = [s for s, _ in ends["b"][1:]]
+    assert all(s % 8 == 0 for s in later_a + later_b) and set(later_b) <= set(later_a)  # one shared grid
+    assert all(n == 8 for _, n in ends["a"][2:]) and ends["b"][1][1] <= 8
+    all_frames = sum(n for _, n in ends["b"]) + (b.flush().shape[1] if b.n_pending else 0)
+    assert all_frames == 59 - 7 + 1
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(text=" "), "text is empty"),
+    (dict(first_chunk_frames=0), "first_chunk_frames must be"),
+    (dict(reference_codes=np.zeros((10, 3)), reference_audio=np.zeros(16000, np.float32), reference_sample_rate=16000,
+          reference_text="x"), "either reference_audio or reference_codes"),
+    (dict(reference_audio=np.zeros(10, np.float32), reference_sample_rate=16000, reference_text="x"), "at least a second"),
+    (dict(reference_audio=np.zeros(16000, np.float32), reference_sample_rate=4000, reference_text="x"), "between 8000"),
+])
+def test_request_validation(kw, msg):
+    base = dict(text="Hello.", params=SamplingParams(), first_chunk_frames=4, chunk_frames=16)
+    with pytest.raises(ValueError, match=msg):
+        TTSRequest(**{**base, **kw}).validate(Limits(), 10)
