@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--metrics-port", type=int, default=8002)
-    ap.add_argument("--db", default=str(REPO_ROOT / "out" / "voices.sqlite3"), help="voice database (SQLite)")
+    ap.add_argument("--out-dir", default=str(REPO_ROOT / "out"), help="logs, the rendered repository, the demo WAV")
+    ap.add_argument("--db", help="voice database (SQLite; default OUT_DIR/voices.sqlite3)")
     ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"))
     ap.add_argument("--once", action="store_true", help="stop after the demo request")
     args = ap.parse_args(argv)
@@ -90,8 +91,9 @@ def main(argv=None) -> int:
 
         print(f"no --checkpoint given: writing a tiny random S2-shaped checkpoint to {ckpt}", flush=True)
         write_checkpoint(ckpt, "tiny", seed=0)
-    logs = REPO_ROOT / "out"
-    logs.mkdir(exist_ok=True)
+    logs = Path(args.out_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    db = Path(args.db) if args.db else logs / "voices.sqlite3"
     settings = parse_settings(args.set)
     settings.setdefault("device", args.device)
     server = TritonServer(ckpt, settings, args.http_port, args.grpc_port, args.metrics_port, workdir=logs / "triton")
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         server.start(timeout=900)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s (gRPC {server.grpc_url}, log {server.log_path})", flush=True)
-        gateway = start_gateway(server.grpc_url, args.host, args.port, Path(args.db), args.api_key, log_path=logs / "gateway.log")
+        gateway = start_gateway(server.grpc_url, args.host, args.port, db, args.api_key, log_path=logs / "gateway.log")
         base = f"http://{args.host}:{args.port}"
         wait_http(f"{base}/health", 120, gateway)
         result = demo_request(base, logs / "hello.wav", args.api_key)
