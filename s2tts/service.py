@@ -113,22 +113,6 @@ class Chunker:
         return allf.T
 
 
-class AlignedChunker(Chunker):
-    """Like Chunker for the first chunk; later chunks end on a grid shared by all streams (every `size`
-    engine steps), so streams that run together hand over their chunks in the same step and the codec
-    decodes them as one batch. A stream's second chunk may therefore be shorter than `size`."""
-
-    def add(self, frames: np.ndarray, step: int) -> list[np.ndarray]:
-        if self.emitted == 0:
-            return super().add(frames)
-        if frames.shape[0]:
-            self.pending.append(frames)
-            self.n_pending += frames.shape[0]
-        if self.n_pending and (step % self.size == 0 or self.n_pending >= self.size):
-            return [self.flush()]
-        return []
-
-
 @dataclass
 class Stats:
     started: float = field(default_factory=time.monotonic)

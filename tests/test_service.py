@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from s2tts.sampling import SamplingParams
-from s2tts.service import AlignedChunker, Chunker, Limits, TTSRequest
+from s2tts.service import Chunker, Limits, TTSRequest
 
 
 def frames(n, start=0):
@@ -15,23 +15,6 @@ def test_chunker_first_then_fixed_sizes():
     c = Chunker(4, 6)
     got = [ch.shape[1] for i in range(20) for ch in c.add(frames(1, i))]
     assert got == [4, 6, 6] and c.flush().shape[1] == 4
-
-
-def test_aligned_chunks_of_streams_started_apart_end_on_the_same_steps():
-    a, b = AlignedChunker(4, 8), AlignedChunker(4, 8)
-    ends = {"a": [], "b": []}
-    for step in range(1, 60):
-        for name, ch, start in (("a", a, 1), ("b", b, 7)):
-            if step >= start:
-                for chunk in ch.add(frames(1, step), step):
-                    ends[name].append((step, chunk.shape[1]))
-    assert ends["a"][0] == (4, 4) and ends["b"][0] == (10, 4)  # first chunks: 4 frames after each start
-    later_a = [s for s, _ in ends["a"][1:]]
-    later_b = [s for s, _ in ends["b"][1:]]
-    assert all(s % 8 == 0 for s in later_a + later_b) and set(later_b) <= set(later_a)  # one shared grid
-    assert all(n == 8 for _, n in ends["a"][2:]) and ends["b"][1][1] <= 8
-    all_frames = sum(n for _, n in ends["b"]) + (b.flush().shape[1] if b.n_pending else 0)
-    assert all_frames == 59 - 7 + 1
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -2,9 +2,9 @@
 
 A thin adapter over `s2tts.engine.Engine`: `execute` only parses and submits; one
 engine thread runs batched steps for all live requests; a second thread sends each
-request's frames (grouped as the request asked: `first_chunk_frames`, then chunks
-ending every `chunk_frames` engine steps, on a grid shared by all streams so that their
-audio chunks reach the codec together; one response per chunk, not per frame)
+request's frames (grouped as the request asked: `first_chunk_frames`, then
+`chunk_frames`, so a stream costs one response per audio chunk, not one per frame; the
+split depends only on the request, so identical requests give identical audio bytes)
 and polls for cancellation, so that IPC never stalls the GPU loop. Per-request state
 lives in the engine and in `self.streams`, keyed by the request id.
 """
@@ -23,7 +23,7 @@ from s2tts.checkpoint import codec_codebook_sizes, load_model
 from s2tts.engine import Engine, FINISH_ERROR, HostFastAR
 from s2tts.prompt import Prompt
 from s2tts.sampling import SamplingParams
-from s2tts.service import AlignedChunker
+from s2tts.service import Chunker
 
 CANCEL_POLL_S = 0.05
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -32,7 +32,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 @dataclass
 class Stream:
     sender: object
-    chunker: AlignedChunker
+    chunker: Chunker
 
 
 class BLSFastAR(HostFastAR):
@@ -103,7 +103,7 @@ class TritonPythonModel:
                 if first < 1 or size < 1:
                     raise tu.BadInput("first_chunk_frames and chunk_frames must be at least 1")
                 with self.lock:
-                    self.streams[rid] = Stream(sender, AlignedChunker(first, size))
+                    self.streams[rid] = Stream(sender, Chunker(first, size))
                 try:
                     self.engine.submit(rid, prompt, params)
                 except Exception:
@@ -150,20 +150,18 @@ class TritonPythonModel:
 
     def _loop(self):
         """The GPU loop: engine steps, outputs grouped and queued for the sender thread."""
-        step = 0
         while not self.stop.is_set():
             if not self.engine.wait_for_work(timeout=0.5):
                 continue
-            step += 1
             try:
                 outputs = self.engine.step()
             except Exception as e:
                 self.log.exception("slow_ar: engine step failed; failing the live requests")
                 outputs = self.engine.fail_all(str(e))
             for o in outputs:
-                self._queue(o, step)
+                self._queue(o)
 
-    def _queue(self, o, step: int):
+    def _queue(self, o):
         with self.lock:
             st = self.streams.get(o.request_id)
             if o.finished:
@@ -173,7 +171,7 @@ class TritonPythonModel:
         if o.finish_reason == FINISH_ERROR:
             self.outbox.put((o.request_id, st.sender, tu.error_response(o.error or "engine error", "INTERNAL"), FINAL))
             return
-        for chunk in st.chunker.add(o.codes, step):
+        for chunk in st.chunker.add(o.codes):
             self.outbox.put((o.request_id, st.sender, self._response(chunk.T, ""), 0))
         if o.finished:
             tail = st.chunker.flush()
