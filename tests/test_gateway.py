@@ -296,10 +296,11 @@ def test_stream_audio_starts_early_and_matches_whole_file(client, long_take):
     got, t0, t_end, sheaders = _stream(client, "wav", "audio", seed)
     data = b"".join(c for _, c in got)
     t_first = got[0][0] - t0
-    # The first bytes come long before the end: generation was still going on.
+    # The first bytes come before the end: generation was still going on (against the request's own
+    # generation time, from the final stats), and more chunks kept arriving after them.
     assert len(got) >= 3, len(got)
-    assert t_first < 0.5 * (t_end - t0), (t_first, t_end - t0)
-    assert t_first < float(headers["x-s2-total-s"])  # this request's generation takes longer than that
+    assert t_first < float(headers["x-s2-total-s"]), (t_first, headers["x-s2-total-s"])
+    assert sum(1 for t, _ in got if t > got[0][0]) >= 2 and got[-1][0] > got[0][0]
     assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff"  # open-ended WAV header, as OpenAI streams it
     x, sr, ch = decode(data, "wav")
     assert sr == SR and ch == 1 and x.size == STREAM_FRAMES * FRAME
