@@ -106,3 +106,42 @@ def tensor(name: str, array):
 
 def string_tensor(name: str, s: str):
     return tensor(name, np.array([s.encode("utf-8")], dtype=object))
+
+
+def read_waveform(request, max_seconds: float) -> tuple[np.ndarray, int]:
+    """The `waveform` + `sample_rate` inputs of a dac_encoder request, checked (ValueError says what to change)."""
+    import triton_python_backend_utils as pb_utils
+
+    wav = pb_utils.get_input_tensor_by_name(request, "waveform").as_numpy().astype(np.float32).reshape(-1)
+    sr = int(pb_utils.get_input_tensor_by_name(request, "sample_rate").as_numpy().reshape(-1)[0])
+    if not (8000 <= sr <= 192000):
+        raise ValueError(f"sample_rate must be between 8000 and 192000 Hz (got {sr})")
+    if wav.size / sr > max_seconds:
+        raise ValueError(f"waveform is {wav.size / sr:.1f} s long, over the limit of {max_seconds:g} s: trim it")
+    return wav, sr
+
+
+def decode_chunk_requests(decoder, requests, now: float) -> list:
+    """dac_decoder's execute over a StreamDecoder: one chunk per request (`codes` [1, C, n], `stream_id`, `final`),
+    decoded together; a bad request or a failed decode gets an error response, the others their audio."""
+    import triton_python_backend_utils as pb_utils
+
+    jobs, errors = [], {}
+    for i, request in enumerate(requests):
+        try:
+            codes = pb_utils.get_input_tensor_by_name(request, "codes").as_numpy()
+            sid = pb_utils.get_input_tensor_by_name(request, "stream_id").as_numpy().reshape(-1)[0]
+            final = bool(pb_utils.get_input_tensor_by_name(request, "final").as_numpy().reshape(-1)[0])
+            sid = sid.decode() if isinstance(sid, bytes) else str(sid)
+            jobs.append((i, sid, codes.reshape(codes.shape[-2], codes.shape[-1]), final))
+        except Exception as e:
+            errors[i] = f"dac_decoder: bad request: {e}"
+    results = {}
+    try:
+        results = decoder.decode_many(jobs, now=now)
+    except ValueError as e:
+        errors.update({i: str(e) for i, *_ in jobs if i not in errors})
+    except Exception as e:
+        errors.update({i: f"dac_decoder: {e}" for i, *_ in jobs if i not in errors})
+    return [pb_utils.InferenceResponse(output_tensors=[tensor("audio", results[i][None])]) if i in results
+            else error_response(errors.get(i, "dac_decoder: no result")) for i in range(len(requests))]

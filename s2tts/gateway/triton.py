@@ -12,6 +12,7 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from ..client import TTSInput
 from .errors import APIError
 
 log = logging.getLogger("s2tts.gateway")
@@ -21,20 +22,10 @@ _UNAVAILABLE_HINTS = ("unknown model", "is not ready", "stub process", "failed t
 
 
 @dataclass
-class SynthesisRequest:
-    text: str
-    request_id: str
-    seed: int
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_new_tokens: int | None = None
-    first_chunk_frames: int | None = None
-    chunk_frames: int | None = None
-    reference_text: str | None = None
-    reference_codes: np.ndarray | None = None  # int32 [num_codebooks, frames]
-    reference_audio: np.ndarray | None = None  # float32 mono
-    reference_sample_rate: int | None = None
+class SynthesisRequest(TTSInput):
+    """The s2pro inputs (one definition: s2tts.client.TTSInput) plus the gateway's id for the request."""
+
+    request_id: str = ""
 
 
 @dataclass
@@ -182,42 +173,12 @@ class TritonBackend:
             out["error"] = _short(e)
         return out
 
-    @staticmethod
-    def _inputs(req: SynthesisRequest) -> list:
-        ins = []
-
-        def add(name, dtype, arr):
-            t = grpcclient.InferInput(name, list(arr.shape), dtype)
-            t.set_data_from_numpy(arr)
-            ins.append(t)
-
-        add("text", "BYTES", np.array([req.text.encode("utf-8")], dtype=np.object_))
-        add("seed", "INT64", np.array([req.seed], np.int64))
-        for name, value, dtype, np_dtype in (
-            ("temperature", req.temperature, "FP32", np.float32),
-            ("top_p", req.top_p, "FP32", np.float32),
-            ("top_k", req.top_k, "INT32", np.int32),
-            ("max_new_tokens", req.max_new_tokens, "INT32", np.int32),
-            ("first_chunk_frames", req.first_chunk_frames, "INT32", np.int32),
-            ("chunk_frames", req.chunk_frames, "INT32", np.int32),
-        ):
-            if value is not None:
-                add(name, dtype, np.array([value], np_dtype))
-        if req.reference_codes is not None:
-            add("reference_codes", "INT32", np.ascontiguousarray(req.reference_codes, np.int32))
-        if req.reference_audio is not None:
-            add("reference_audio", "FP32", np.ascontiguousarray(req.reference_audio, np.float32).reshape(-1))
-            add("reference_sample_rate", "INT32", np.array([req.reference_sample_rate], np.int32))
-        if req.reference_text is not None:
-            add("reference_text", "BYTES", np.array([req.reference_text.encode("utf-8")], dtype=np.object_))
-        return ins
-
     def open_stream(self, req: SynthesisRequest) -> SpeechStream:
         stream = SpeechStream(self.url, req.request_id)
         done = stream._done
         item = {
             "model_name": self.model,
-            "inputs": self._inputs(req),
+            "inputs": req.to_inputs(),
             "request_id": req.request_id,
             "parameters": {"triton_enable_empty_final_response": True},
         }

@@ -9,9 +9,6 @@ Triton's dynamic batcher hands over together are decoded as one batch per chunk 
 import json
 import time
 
-import numpy as np
-import triton_python_backend_utils as pb_utils
-
 from s2tts import triton_utils as tu
 from s2tts.checkpoint import load_codec_from_dir
 from s2tts.codec_stream import StreamDecoder
@@ -31,27 +28,4 @@ class TritonPythonModel:
         self.decoder = StreamDecoder(codec, idle_timeout_s=IDLE_TIMEOUT_S)
 
     def execute(self, requests):
-        jobs, errors = [], {}
-        for i, request in enumerate(requests):
-            try:
-                codes = pb_utils.get_input_tensor_by_name(request, "codes").as_numpy()
-                sid = pb_utils.get_input_tensor_by_name(request, "stream_id").as_numpy().reshape(-1)[0]
-                final = bool(pb_utils.get_input_tensor_by_name(request, "final").as_numpy().reshape(-1)[0])
-                sid = sid.decode() if isinstance(sid, bytes) else str(sid)
-                jobs.append((i, sid, codes.reshape(codes.shape[-2], codes.shape[-1]), final))
-            except Exception as e:
-                errors[i] = f"dac_decoder: bad request: {e}"
-        results = {}
-        try:
-            for i, audio in self.decoder.decode_many(jobs, now=time.monotonic()).items():
-                results[i] = audio
-        except ValueError as e:
-            for i, *_ in jobs:
-                errors.setdefault(i, str(e))
-        out = []
-        for i in range(len(requests)):
-            if i in results:
-                out.append(pb_utils.InferenceResponse(output_tensors=[tu.tensor("audio", results[i][None])]))
-            else:
-                out.append(tu.error_response(errors.get(i, "dac_decoder: no result")))
-        return out
+        return tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic())

@@ -2,7 +2,6 @@
 
 import json
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from s2tts import triton_utils as tu
@@ -30,12 +29,7 @@ class TritonPythonModel:
         out = []
         for request in requests:
             try:
-                wav = pb_utils.get_input_tensor_by_name(request, "waveform").as_numpy().astype(np.float32).reshape(-1)
-                sr = int(pb_utils.get_input_tensor_by_name(request, "sample_rate").as_numpy().reshape(-1)[0])
-                if not (8000 <= sr <= 192000):
-                    raise ValueError(f"sample_rate must be between 8000 and 192000 Hz (got {sr})")
-                if wav.size / sr > self.max_seconds:
-                    raise ValueError(f"waveform is {wav.size / sr:.1f} s long, over the limit of {self.max_seconds:g} s: trim it")
+                wav, sr = tu.read_waveform(request, self.max_seconds)
                 x = prepare_audio(wav, sr, self.codec.config.sample_rate).to(self.device)
                 with self.torch.inference_mode():
                     codes = self.codec.encode(x)[0].to(self.torch.int32).cpu().numpy()

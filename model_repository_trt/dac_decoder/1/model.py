@@ -8,8 +8,6 @@ the exported streaming decoder) through BLS: codes + state in, audio + new state
 import json
 import time
 
-import triton_python_backend_utils as pb_utils
-
 from s2tts import triton_utils as tu
 from s2tts.codec_stream import StreamDecoder
 from s2tts.export import GraphStreamCodec, load_manifest, triton_bls_runner
@@ -31,27 +29,4 @@ class TritonPythonModel:
         self.decoder = StreamDecoder(GraphStreamCodec(run, manifest, device=device), idle_timeout_s=IDLE_TIMEOUT_S)
 
     def execute(self, requests):
-        jobs, errors = [], {}
-        for i, request in enumerate(requests):
-            try:
-                codes = pb_utils.get_input_tensor_by_name(request, "codes").as_numpy()
-                sid = pb_utils.get_input_tensor_by_name(request, "stream_id").as_numpy().reshape(-1)[0]
-                final = bool(pb_utils.get_input_tensor_by_name(request, "final").as_numpy().reshape(-1)[0])
-                sid = sid.decode() if isinstance(sid, bytes) else str(sid)
-                jobs.append((i, sid, codes.reshape(codes.shape[-2], codes.shape[-1]), final))
-            except Exception as e:
-                errors[i] = f"dac_decoder: bad request: {e}"
-        results = {}
-        try:
-            for i, audio in self.decoder.decode_many(jobs, now=time.monotonic()).items():
-                results[i] = audio
-        except Exception as e:
-            for i, *_ in jobs:
-                errors.setdefault(i, f"dac_decoder: {e}")
-        out = []
-        for i in range(len(requests)):
-            if i in results:
-                out.append(pb_utils.InferenceResponse(output_tensors=[tu.tensor("audio", results[i][None])]))
-            else:
-                out.append(tu.error_response(errors.get(i, "dac_decoder: no result")))
-        return out
+        return tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic())

@@ -6,7 +6,6 @@ Resampled here to the codec rate and padded to whole frames; encoded by the `eng
 
 import json
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from s2tts import triton_utils as tu
@@ -38,12 +37,7 @@ class TritonPythonModel:
         out = []
         for request in requests:
             try:
-                wav = pb_utils.get_input_tensor_by_name(request, "waveform").as_numpy().astype(np.float32).reshape(-1)
-                sr = int(pb_utils.get_input_tensor_by_name(request, "sample_rate").as_numpy().reshape(-1)[0])
-                if not (8000 <= sr <= 192000):
-                    raise ValueError(f"sample_rate must be between 8000 and 192000 Hz (got {sr})")
-                if wav.size / sr > self.max_seconds:
-                    raise ValueError(f"waveform is {wav.size / sr:.1f} s long, over the limit of {self.max_seconds:g} s: trim it")
+                wav, sr = tu.read_waveform(request, self.max_seconds)
                 x = prepare_audio(wav, sr, self.sample_rate)
                 x = torch.nn.functional.pad(x, (0, -x.shape[-1] % self.frame_length))
                 if x.shape[-1] // self.frame_length > self.max_frames:
