@@ -1,10 +1,11 @@
 # Source on the lent GPU machine (python3 3.12 with torch preinstalled, nothing else fetchable):
 #   source scripts/gpu_env.sh
-# Needs, carried with the working tree (see perf/README.md): .whl/ (tritonclient, python-rapidjson,
-# soundfile, cffi, pycparser wheels for cp312), .gpu/tritonserver-min.tar.xz (tritonserver 2.51 from the
-# nvidia-pytriton wheel: bin/, backends/python, the 3.12 stub, lib/), .gpu/np/numpy-1.26.4 (the 24.10
-# python backend stub mis-reads BYTES tensors under numpy 2: "unpack_from requires a buffer of at least
-# 134744076 bytes"), and optionally .gpu/libb64-0d_*.deb for perf_analyzer.
+# Needs, carried with the working tree (see perf/README.md) and built on a development machine by
+# `bash scripts/make_gpu_bundle.sh`: .whl/ (tritonclient, python-rapidjson, soundfile, cffi, pycparser
+# wheels for cp312), .gpu/tritonserver-min.tar.xz (tritonserver 2.51 from the nvidia-pytriton wheel: bin/,
+# backends/python, the 3.12 stub, lib/), .gpu/np/numpy-1.26.4 (the 24.10 python backend stub mis-reads
+# BYTES tensors under numpy 2: "unpack_from requires a buffer of at least 134744076 bytes"), and, only if
+# the tarball's lib/ has no libb64, .gpu/libb64-0d_*.deb for perf_analyzer.
 set -e
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/np1 .gpu/np/*.whl
