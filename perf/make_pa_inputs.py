@@ -10,7 +10,7 @@ Files written (one `{"data": [...]}` each; several entries, which perf_analyzer 
 | `s2pro.json` | `s2pro` (decoupled, `--streaming`) | a unique text, `max_new_tokens`=--frames, `ignore_eos`, `seed` |
 | `slow_ar.json` | `slow_ar` (decoupled, `--streaming`) | `input_ids`/`input_codes`/`semantic_mask` of a real PromptBuilder prompt + sampling |
 | `fast_ar_b{B}.json` | `fast_ar` | random `hidden` [B, dim] (dim from the checkpoint), random `code0` [B], sampling [B] |
-| `dac_decoder.json` | `dac_decoder` (max_batch_size > 0: shapes without the batch dim) | random codes [10, --decode-frames], a unique `stream_id`, `final`=true |
+| `dac_decoder.json` | `dac_decoder` (max_batch_size > 0: shapes without the batch dim) | random codes [--decode-frames, 10], a unique `stream_id`, `start`=`final`=true |
 | `meta.json` | - | the dims used |
 
 Only numpy, tokenizers and the `s2tts` package are needed (no torch model is loaded).
@@ -92,7 +92,7 @@ def make(checkpoint: Path, out: Path, frames: int = 100, entries: int = 8, fast_
     for i in range(entries):
         p = pb.build(f"{TEXTS[i % len(TEXTS)]} Request {i}.")
         e = {"input_ids": tensor(p.tokens.numpy().astype(np.int32)),
-             "input_codes": tensor(np.ascontiguousarray(p.codes.numpy().T.astype(np.int32))),  # [C, T]
+             "input_codes": tensor(np.ascontiguousarray(p.codes.numpy().astype(np.int32))),  # [T, C]
              "semantic_mask": tensor(p.semantic.numpy().astype(np.bool_)),
              "max_new_tokens": tensor(np.array([frames], np.int32)),
              "ignore_eos": tensor(np.array([True]))}
@@ -112,13 +112,13 @@ def make(checkpoint: Path, out: Path, frames: int = 100, entries: int = 8, fast_
             data.append(e)
         write(f"fast_ar_b{b}.json", data)
 
-    # dac_decoder: one chunk [C, n] per request (the batch dim is added by perf_analyzer, -b 1), a stream each
+    # dac_decoder: one chunk [n, C] per request (the batch dim is added by perf_analyzer, -b 1), a stream each
     data = []
     for i in range(max(entries, 16)):
         codes = np.concatenate([rng.integers(0, s2.num_semantic, (1, decode_frames)),
-                                rng.integers(0, s2.codebook_size, (C - 1, decode_frames))]).astype(np.int32)
-        data.append({"codes": tensor(codes), "stream_id": tensor(np.array([f"pa-{i}".encode()], dtype=object)),
-                     "final": tensor(np.array([True]))})
+                                rng.integers(0, s2.codebook_size, (C - 1, decode_frames))]).T.astype(np.int32)
+        data.append({"codes": tensor(np.ascontiguousarray(codes)), "stream_id": tensor(np.array([f"pa-{i}".encode()], dtype=object)),
+                     "start": tensor(np.array([True])), "final": tensor(np.array([True]))})
     write("dac_decoder.json", data)
 
     meta = {"checkpoint": str(checkpoint), "num_codebooks": C, "dim": dim, "num_semantic": s2.num_semantic,

@@ -35,8 +35,28 @@ class TTSInput:
     chunk_frames: int | None = None
     ignore_eos: bool | None = None  # benchmarks: generate exactly max_new_tokens frames
 
-    def to_inputs(self):
+    def check(self) -> "TTSInput":
+        """Refuse here what the server would refuse (a negative or too large seed, out-of-range sampling), with the
+        same message; raises TTSError."""
+        from .errors import S2Error
+        from .settings import check_field
+
+        try:
+            for name in ("seed", "temperature", "top_p", "top_k"):
+                check_field(name, getattr(self, name), {})
+            for name in ("max_new_tokens", "first_chunk_frames", "chunk_frames"):  # upper bounds: the server's
+                check_field(name, getattr(self, name), {"max_new_tokens_limit": None, "max_chunk_frames": None})
+        except S2Error as e:
+            raise TTSError(e.message, e.code, e.param) from None
+        if not isinstance(self.text, str):
+            raise TTSError("text must be a string", "invalid_argument", "text")
+        return self
+
+    def to_inputs(self, check: bool = True):
         import tritonclient.grpc as g
+
+        if check:
+            self.check()
 
         def add(name, arr, dtype):
             t = g.InferInput(name, list(arr.shape), dtype)
@@ -80,7 +100,25 @@ class Final:
 
 
 class TTSError(RuntimeError):
-    pass
+    """A failed request: `code` is its class (s2tts.errors.CODES: invalid_argument, unavailable, ...), `param` the
+    input it concerns, the message what to change."""
+
+    def __init__(self, message: str, code: str = "internal", param: str | None = None):
+        super().__init__(message)
+        self.message, self.code, self.param = message, code, param
+
+    @classmethod
+    def from_message(cls, message: str) -> "TTSError":
+        from .errors import parse
+
+        e = parse(message)
+        return cls(e.message, e.code, e.param)
+
+    @property
+    def retryable(self) -> bool:
+        from .errors import RETRYABLE
+
+        return self.code in RETRYABLE
 
 
 @dataclass
@@ -101,10 +139,11 @@ class Result:
 class S2ProClient:
     """One gRPC stream; requests on it are sent one after another by `stream()`."""
 
-    def __init__(self, url: str, model: str = MODEL):
+    def __init__(self, url: str, model: str = MODEL, check_inputs: bool = True):
+        """`check_inputs`: refuse out-of-range inputs here, before sending (False: let the server judge them)."""
         import tritonclient.grpc as g
 
-        self.url, self.model = url, model
+        self.url, self.model, self.check_inputs = url, model, check_inputs
         self.client = g.InferenceServerClient(url)
         self._q: queue.Queue = queue.Queue()
         self._open = False
@@ -118,25 +157,34 @@ class S2ProClient:
             self.client.start_stream(callback=self._callback)
             self._open = True
 
-    def stream(self, req: TTSInput, timeout: float = 300.0, cancel_after_chunks: int | None = None):
+    def stream(self, req: TTSInput, timeout: float = 300.0, cancel_after_chunks: int | None = None,
+               request_id: str | None = None):
         """Yield AudioChunk events, then one Final. Raises TTSError for an error response.
 
-        `cancel_after_chunks`: close the stream (cancelling the request) after that many chunks.
+        `cancel_after_chunks`: close the stream (cancelling the request) after that many chunks (0: at once).
+        `request_id`: the id the server logs the request under (default: a new one); `timeout`: the longest wait for
+        the next response (the request is cancelled then).
         """
         with self._lock:
+            inputs = req.to_inputs(self.check_inputs)
             self._ensure_stream()
-            rid = uuid.uuid4().hex
+            rid = request_id or uuid.uuid4().hex
             t0 = time.perf_counter()
-            self.client.async_stream_infer(self.model, req.to_inputs(), request_id=rid, enable_empty_final_response=True)
+            self.client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
+            if cancel_after_chunks == 0:
+                self.close(cancel=True)
+                return
             n = 0
             while True:
                 try:
                     result, error = self._q.get(timeout=timeout)
                 except queue.Empty:
-                    raise TTSError(f"no response within {timeout} s") from None
+                    self.close(cancel=True)  # the request is abandoned: cancel it on the server
+                    raise TTSError(f"no response within {timeout} s", "deadline_exceeded") from None
                 t = time.perf_counter() - t0
                 if error is not None:
-                    raise TTSError(str(error))
+                    msg = error.message() if hasattr(error, "message") else str(error)
+                    raise TTSError.from_message(msg)
                 resp = result.get_response()
                 final = resp.parameters.get("triton_final_response")
                 is_final = bool(final and final.bool_param)
@@ -156,9 +204,9 @@ class S2ProClient:
                 if is_final:
                     return
 
-    def synthesize(self, req: TTSInput, timeout: float = 300.0) -> Result:
+    def synthesize(self, req: TTSInput, timeout: float = 300.0, request_id: str | None = None) -> Result:
         chunks, stats, sr, t_end = [], {}, 0, 0.0
-        for ev in self.stream(req, timeout):
+        for ev in self.stream(req, timeout, request_id=request_id):
             if isinstance(ev, AudioChunk):
                 chunks.append(ev)
                 sr = ev.sample_rate
@@ -179,3 +227,19 @@ class S2ProClient:
     def __exit__(self, *exc):
         self.close()
         self.client.close()
+
+
+def read_metrics(url: str, prefix: str = "s2tts_") -> dict[str, float]:
+    """The server's metrics whose names start with `prefix`, from its Prometheus endpoint (e.g.
+    http://127.0.0.1:8002/metrics), keyed 'name{labels}'."""
+    import re
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(rf"^({re.escape(prefix)}[a-z_]+)(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+        if m:
+            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+    return out

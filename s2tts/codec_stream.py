@@ -1,4 +1,11 @@
-"""Many concurrent decode streams over one codec: per-stream state, batched by chunk length."""
+"""Many concurrent decode streams over one codec: per-stream state, batched by chunk length.
+
+A job is one chunk of one stream: `(key, stream_id, codes [frames, num_codebooks], start, final)`.
+`start` opens the stream (a fresh decoder state); a later chunk continues the stream's state, so
+chunks join without seams; `final` releases it. A chunk for a stream that is not open (never
+started, already finished, or dropped after `idle_timeout_s`) is an error, never a silent restart
+(which would put an audible seam in the audio); so is a `start` for a stream that is open.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,7 @@ import numpy as np
 import torch
 
 from .codec import StreamState
+from .errors import S2Error, invalid
 
 
 class StreamDecoder:
@@ -18,46 +26,67 @@ class StreamDecoder:
         self.device = next(codec.parameters()).device
         self.C = codec.config.num_codebooks
 
+    def _check(self, sid: str, codes: np.ndarray, start: bool) -> S2Error | None:
+        if codes.ndim != 2 or codes.shape[1] != self.C:
+            return invalid(f"codes must be [frames, {self.C}], got {list(codes.shape)}", "codes")
+        if start and sid in self.states:
+            return S2Error("already_exists", f"codec stream {sid!r} is already open: start each stream once "
+                                             "(or end it with final=true first)", "stream_id")
+        if not start and sid not in self.states:
+            return S2Error("not_found", f"codec stream {sid!r} is not open: it was never started (start=true on its "
+                                        f"first chunk), already ended, or dropped after {self.idle_timeout_s:g} s "
+                                        "without a chunk", "stream_id")
+        return None
+
     @torch.inference_mode()
     def decode_many(self, jobs, now: float) -> dict:
-        """jobs: [(key, stream_id, codes [C, n] int, final)] -> {key: float32 audio [n * frame_length]}.
-
-        Jobs of one stream must come in order; a stream appears at most once per call.
-        """
-        sids = [j[1] for j in jobs]
-        if len(set(sids)) != len(sids):
-            raise ValueError("a stream may send one chunk at a time")
-        out = {}
+        """jobs: [(key, stream_id, codes [n, C] int, start, final)] -> {key: float32 audio [n * frame_length] or
+        S2Error}. Jobs of one stream must come in order; a stream appears at most once per call."""
+        out: dict = {}
+        seen = set()
         groups = defaultdict(list)
-        for key, sid, codes, final in jobs:
-            if codes.ndim != 2 or codes.shape[0] != self.C:
-                raise ValueError(f"codes must be [{self.C}, frames], got {list(codes.shape)}")
-            if codes.shape[1] == 0:
+        for key, sid, codes, start, final in jobs:
+            err = self._check(sid, codes, start) if sid not in seen else \
+                invalid(f"codec stream {sid!r} sent two chunks at once: send one chunk at a time", "stream_id")
+            seen.add(sid)
+            if err is not None:
+                out[key] = err
+                continue
+            if start:
+                self.states[sid] = (self.codec.new_stream_state(1), now)
+            if codes.shape[0] == 0:
                 out[key] = np.zeros(0, np.float32)
+                self.states[sid] = (self.states[sid][0], now)
             else:
-                groups[codes.shape[1]].append((key, sid, codes))
+                groups[codes.shape[0]].append((key, sid, codes))
         for n, group in groups.items():
             codes = torch.as_tensor(np.stack([g[2] for g in group]), dtype=torch.int64, device=self.device)
-            states = [self._state(sid) for _, sid, _ in group]
-            if len(group) > 1:
-                audio, state = self.codec.decode_stream(codes, StreamState.stack(states))
-                new_states = state.split()
-            else:
-                audio, state = self.codec.decode_stream(codes, states[0])
-                new_states = [state]
-            audio = audio[:, 0].float().cpu().numpy()
+            codes = codes.transpose(1, 2)  # the codec computes on [B, C, n]
+            states = [self.states[sid][0] for _, sid, _ in group]
+            try:
+                if len(group) > 1:
+                    audio, state = self.codec.decode_stream(codes, StreamState.stack(states))
+                    new_states = state.split()
+                else:
+                    audio, state = self.codec.decode_stream(codes, states[0])
+                    new_states = [state]
+                audio = audio[:, 0].float().cpu().numpy()
+            except Exception as e:  # noqa: BLE001 - this group's streams fail; their state is gone
+                from .errors import from_exception
+
+                err = from_exception(e, "dac_decoder")
+                for key, sid, _ in group:
+                    out[key] = err
+                    self.states.pop(sid, None)
+                continue
             for b, (key, sid, _) in enumerate(group):
                 out[key] = audio[b]
                 self.states[sid] = (new_states[b], now)
-        for key, sid, codes, final in jobs:
-            if final:
+        for key, sid, codes, start, final in jobs:
+            if final and not isinstance(out.get(key), S2Error):
                 self.states.pop(sid, None)
         self._collect(now)
         return out
-
-    def _state(self, sid):
-        entry = self.states.get(sid)
-        return entry[0] if entry else self.codec.new_stream_state(1)
 
     def _collect(self, now: float) -> None:
         """Drop streams nobody finished (a client that vanished without a final chunk)."""

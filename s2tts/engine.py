@@ -40,6 +40,7 @@ class Request:
     max_new: int = 0
     seed: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None  # when it got a KV slot
 
 
 @dataclass
@@ -51,6 +52,8 @@ class Output:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    exception: BaseException | None = None  # with FINISH_ERROR: what failed
+    queue_s: float | None = None  # on a request's first output: seconds it waited for a KV slot
 
 
 class InProcessFastAR:
@@ -114,6 +117,8 @@ class Engine:
         if isinstance(self.fast_ar, InProcessFastAR):
             self.fast_ar.kernel = self.sample_kernel
         self.logits_hook = None  # optional observer: fn(request_ids, logits [B, V]) (tests, debugging)
+        self.fault_hook = None  # optional fn(phase "decode" | "prefill", requests) called before device work (tests)
+        self.last_fault: BaseException | None = None
 
         dev, C, n = self.device, s2.num_codebooks, max_batch + 1
         # per-slot device state
@@ -175,6 +180,15 @@ class Engine:
         with self._work:
             self._work.notify_all()
 
+    def where(self, request_id: str) -> str:
+        """"waiting" (for a KV slot), "live" (decoding) or "unknown"."""
+        with self._lock:
+            if any(r.id == request_id for r in self._waiting):
+                return "waiting"
+            if any(r.id == request_id for r in self.live.values()):
+                return "live"
+        return "unknown"
+
     def has_work(self) -> bool:
         return bool(self._waiting or self.live or self._cancel)
 
@@ -184,7 +198,17 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[Output]:
+        """One engine step, all or nothing per group of requests.
+
+        Cancellations collected since the last step are applied first (so none is lost, whatever the
+        device does next), and requests admitted in this step are live before any device work. A
+        failure of the batched decode ends the decoding requests with an error output and puts the
+        requests admitted in this step back at the head of the queue (they were not touched); a failure
+        of their prefill ends just them. Either way the step returns every output and frees every slot
+        it took; the exception is kept in `last_fault` (None after a clean step) for the caller to judge.
+        """
         outputs: list[Output] = []
+        self.last_fault = None
         with self._lock:
             cancels, self._cancel = self._cancel, set()
             if cancels:
@@ -198,26 +222,54 @@ class Engine:
                 r = self._waiting.popleft()
                 budget -= len(r.prompt)
                 r.slot = self._free.pop()
+                r.admitted_at = time.monotonic()
                 admitted.append(r)
-        for slot, r in list(self.live.items()):
-            if r.id in cancels:
-                outputs.append(Output(r.id, self._empty(), True, FINISH_CANCELLED))
-                self._release(r)
-        decoding = sorted(self.live)
-        if decoding:
-            outputs += self._decode(decoding)
-        if admitted:
             for r in admitted:
                 self.live[r.slot] = r
-            outputs += self._prefill(admitted)
+            for r in [r for r in self.live.values() if r.id in cancels]:
+                outputs.append(Output(r.id, self._empty(), True, FINISH_CANCELLED))
+                self._release(r)
+            admitted = [r for r in admitted if r.slot in self.live]
+            decoding = sorted(s for s, r in self.live.items() if r not in admitted)
+        if decoding:
+            reqs = [self.live[s] for s in decoding]
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("decode", reqs)
+                outputs += self._decode(decoding)
+            except Exception as e:  # noqa: BLE001 - judged by the caller through last_fault
+                self.last_fault = e
+                outputs += self._fail(reqs, e)
+                with self._lock:
+                    for r in reversed(admitted):
+                        self._release(r)
+                        r.slot = -1
+                        self._waiting.appendleft(r)
+                return outputs
+        if admitted:
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("prefill", admitted)
+                outputs += self._prefill(admitted)
+            except Exception as e:  # noqa: BLE001
+                self.last_fault = e
+                outputs += self._fail([r for r in admitted if r.slot in self.live and self.live[r.slot] is r], e)
         return outputs
+
+    def _fail(self, reqs: list[Request], e: BaseException) -> list[Output]:
+        with self._lock:
+            for r in reqs:
+                self._release(r)
+        msg = f"{type(e).__name__}: {e}"
+        return [Output(r.id, self._empty(), True, FINISH_ERROR, error=msg, exception=e) for r in reqs]
 
     def _empty(self):
         return np.zeros((0, self.s2.num_codebooks), dtype=np.int32)
 
     def _release(self, r: Request) -> None:
-        self.live.pop(r.slot, None)
-        self._free.append(r.slot)
+        if r.slot >= 0 and self.live.get(r.slot) is r:
+            del self.live[r.slot]
+            self._free.append(r.slot)
 
     def _set_slot_params(self, reqs: list[Request]) -> torch.Tensor:
         dev = self.device
@@ -415,28 +467,41 @@ class Engine:
     def _emit(self, reqs, frame, end) -> list[Output]:
         """Hand the step's frames to the host (the step's one synchronisation) and update request state."""
         host = torch.cat([frame, end[:, None].to(frame.dtype)], dim=1).to("cpu").numpy()
-        outputs = []
+        outputs, done_reqs = [], []
         for i, r in enumerate(reqs):
+            first = r.generated == 0
             if host[i, -1]:
-                outputs.append(Output(r.id, self._empty(), True, FINISH_END))
-                self._release(r)
-                continue
-            r.generated += 1
-            done = r.generated >= r.max_new
-            outputs.append(Output(r.id, host[i : i + 1, :-1].astype(np.int32), done, FINISH_LENGTH if done else None))
-            if done:
-                self._release(r)
+                o = Output(r.id, self._empty(), True, FINISH_END)
+                done_reqs.append(r)
+            else:
+                r.generated += 1
+                done = r.generated >= r.max_new
+                o = Output(r.id, host[i : i + 1, :-1].astype(np.int32), done, FINISH_LENGTH if done else None)
+                if done:
+                    done_reqs.append(r)
+            if first and r.admitted_at is not None:
+                o.queue_s = r.admitted_at - r.submitted_at
+            outputs.append(o)
+        if done_reqs:
+            with self._lock:
+                for r in done_reqs:
+                    self._release(r)
         return outputs
 
     def fail_all(self, message: str) -> list[Output]:
-        """After an engine error: end every request with an error, free every slot."""
+        """End every request, waiting or live, with an error output and free every slot (an unrecoverable fault,
+        shutdown). Pending cancellations are dropped: those requests end here too."""
         with self._lock:
             reqs = list(self._waiting) + list(self.live.values())
             self._waiting.clear()
-        for r in reqs:
-            if r.slot >= 0:
+            self._cancel.clear()
+            for r in reqs:
                 self._release(r)
         return [Output(r.id, self._empty(), True, FINISH_ERROR, error=message) for r in reqs]
+
+    def counts(self) -> dict:
+        with self._lock:
+            return {"waiting": len(self._waiting), "live": len(self.live), "free_slots": len(self._free)}
 
     # ---- convenience for offline use ----------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str = "offline") -> tuple[np.ndarray, str]:

@@ -20,7 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from .server import REPO_ROOT, TritonServer, parse_settings
+from .repository import REPO_ROOT
+from .server import TritonServer, parse_settings
 
 DEFAULT_TINY = REPO_ROOT / "checkpoints" / "tiny"
 
@@ -76,6 +77,8 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model repository setting (see README)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080, help="gateway port")
+    ap.add_argument("--triton-address", help="where tritonserver's ports listen (default 127.0.0.1; the gateway is "
+                                             "the public door, --host sets its address)")
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--metrics-port", type=int, default=8002)
@@ -96,6 +99,8 @@ def main(argv=None) -> int:
     db = Path(args.db) if args.db else logs / "voices.sqlite3"
     settings = parse_settings(args.set)
     settings.setdefault("device", args.device)
+    if args.triton_address:
+        settings["address"] = args.triton_address
     server = TritonServer(ckpt, settings, args.http_port, args.grpc_port, args.metrics_port, workdir=logs / "triton")
     gateway = None
     try:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .settings import REQUEST_FIELDS as _F, SCHEMA as _S
+
 # Streams of random numbers per step: 0 = slow AR sample, 1 = slow AR RAS resample,
 # 1 + k = fast AR codebook k.
 STREAM_SLOW, STREAM_RAS = 0, 1
@@ -86,24 +88,18 @@ def sample_semantic(logits, recent, temperature, top_p, top_k, seed, step, kerne
 class SamplingParams:
     """Per-request generation settings; `validate()` explains what to change."""
 
-    temperature: float = 0.8
-    top_p: float = 0.8
-    top_k: int = 30
-    max_new_tokens: int = 1024
+    temperature: float = _F["temperature"].default
+    top_p: float = _F["top_p"].default
+    top_k: int = _F["top_k"].default
+    max_new_tokens: int = _S["default_max_new_tokens"].default
     seed: int | None = None
     ignore_end: bool = False  # never sample the end token (benchmarks with random weights)
 
     def validate(self, max_new_tokens_limit: int | None = None) -> "SamplingParams":
-        if not (0.0 <= self.temperature <= 2.0):
-            raise ValueError(f"temperature must be between 0 and 2 (got {self.temperature})")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
-        if not (0 <= self.top_k <= 4096):
-            raise ValueError(f"top_k must be between 0 (off) and 4096 (got {self.top_k})")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1 (got {self.max_new_tokens})")
-        if max_new_tokens_limit is not None and self.max_new_tokens > max_new_tokens_limit:
-            raise ValueError(f"max_new_tokens must be at most {max_new_tokens_limit} (got {self.max_new_tokens})")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be between 0 and 2**63-1 (got {self.seed})")
+        """Each field against its range in `s2tts.settings.REQUEST_FIELDS` (S2Error invalid_argument, a ValueError)."""
+        from .settings import check_field
+
+        limits = {"max_new_tokens_limit": max_new_tokens_limit}
+        for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed"):
+            check_field(name, getattr(self, name), limits)
         return self

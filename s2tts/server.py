@@ -4,17 +4,16 @@
     python -m s2tts.server --checkpoint /models/s2-pro --device cuda --set max_batch=64
 
 The model repository's `config.pbtxt` files hold `${name}` placeholders for their
-settings; this fills the ones given (the rest keep the defaults in the models' code)
-into a copy of the repository and serves that copy. The server binary is the one of
-the official container (`/opt/tritonserver`) when present, else the one in the
-`nvidia-pytriton` wheel from PyPI.
+settings; `s2tts.repository` fills the ones given (the rest keep the defaults in the models'
+code) into a copy of the repository, switching `backend` if asked, and this serves that copy.
+The server binary is the one of the official container (`/opt/tritonserver`) when present,
+else the one in the `nvidia-pytriton` wheel from PyPI.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import signal
 import socket
@@ -25,35 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-MODELS = ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder")
-_PLACEHOLDER = re.compile(r"\$\{([a-z_]+)\}")
-
-
-def placeholders(repo: Path = MODEL_REPOSITORY) -> set[str]:
-    names = set()
-    for cfg in repo.glob("*/config.pbtxt"):
-        names |= set(_PLACEHOLDER.findall(cfg.read_text(encoding="utf-8")))
-    return names
-
-
-def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REPOSITORY, models=MODELS) -> Path:
-    """Copy the model repository to `dst`, filling `${key}` with settings[key]. Unknown keys are an error."""
-    known = placeholders(src)
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise ValueError(f"unknown setting(s) {unknown}: the model repository takes {sorted(known)}")
-    for k, v in settings.items():
-        if v is None or any(c in str(v) for c in '"\n\\'):
-            raise ValueError(f"setting {k}={v!r} must be a plain value")
-    if dst.exists():
-        shutil.rmtree(dst)
-    for name in models:
-        shutil.copytree(src / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
-        cfg = dst / name / "config.pbtxt"
-        cfg.write_text(_PLACEHOLDER.sub(lambda m: str(settings.get(m.group(1), m.group(0))), cfg.read_text(encoding="utf-8")), encoding="utf-8")
-    return dst
+from .repository import MODELS, REPO_ROOT, render_model_repository
+from .settings import SCHEMA
 
 
 def find_server() -> tuple[Path, Path, Path | None]:
@@ -80,6 +52,17 @@ def find_server() -> tuple[Path, Path, Path | None]:
     pkg = Path(list(spec.submodule_search_locations)[0])
     libs = pkg.parent / "nvidia_pytriton.libs"
     return pkg / "tritonserver" / "bin" / "tritonserver", pkg / "tritonserver", libs if libs.is_dir() else None
+
+
+def server_has_tensorrt() -> bool:
+    """Whether the tritonserver `find_server` picks has the TensorRT backend (the NGC container has it;
+    the nvidia-pytriton wheel has only the Python backend)."""
+    try:
+        binary, src, _ = find_server()
+    except RuntimeError:
+        return False
+    candidates = [src.parent / "tensorrt", src / "backends" / "tensorrt", binary.parent.parent / "backends" / "tensorrt"]
+    return any(c.is_dir() for c in candidates)
 
 
 def backend_dir(work: Path) -> Path:
@@ -113,8 +96,8 @@ class TritonServer:
                  grpc_port: int | None = None, metrics_port: int | None = None, workdir: str | Path | None = None,
                  log_path: str | Path | None = None, models=MODELS, verbose: bool = False):
         self.settings = {"checkpoint": str(Path(checkpoint).resolve()), **(settings or {})}
-        if "device" in self.settings:  # one switch moves every model; codec_device alone splits them
-            self.settings.setdefault("codec_device", self.settings["device"])
+        # where the HTTP, gRPC and metrics ports listen: this machine only unless the `address` setting says otherwise
+        self.address = str(self.settings.get("address") or SCHEMA["address"].default)
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
@@ -125,17 +108,26 @@ class TritonServer:
         self.proc: subprocess.Popen | None = None
 
     @property
+    def host(self) -> str:
+        """Where a client on this machine reaches the server."""
+        return "127.0.0.1" if self.address in ("0.0.0.0", "::", "") else self.address
+
+    @property
     def grpc_url(self) -> str:
-        return f"127.0.0.1:{self.grpc_port}"
+        return f"{self.host}:{self.grpc_port}"
 
     @property
     def http_url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
-        from .export import render_model_repository  # the `backend` switch: python | tensorrt | onnxruntime
-
-        repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models)
+        # the `backend` switch: python | tensorrt | onnxruntime (tensorrt only on a server that has it)
+        repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models,
+                                       has_tensorrt=server_has_tensorrt)
         binary, _, libs = find_server()
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub finds this venv's packages
@@ -144,9 +136,13 @@ class TritonServer:
         if libs:
             env["LD_LIBRARY_PATH"] = f"{libs}:{env.get('LD_LIBRARY_PATH', '')}"
         cmd = [str(binary), f"--model-repository={repo}", f"--backend-directory={backend_dir(self.workdir)}",
+               f"--http-address={self.address}", f"--grpc-address={self.address}", f"--metrics-address={self.address}",
                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                "--allow-metrics=true", "--log-verbose=1" if self.verbose else "--log-verbose=0",
-               "--exit-on-error=true", "--strict-readiness=true"]
+               "--exit-on-error=true", "--strict-readiness=true",
+               # explicit control: a model that fails for good unloads itself (readiness turns false) and s2pro
+               # can load it again (auto_recover); every model is loaded at start
+               "--model-control-mode=explicit", "--load-model=*"]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.wait_ready(timeout)
@@ -209,7 +205,9 @@ def main(argv=None) -> int:
     ap.add_argument("--checkpoint", required=True, help="S2 Pro checkpoint directory")
     ap.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help=f"a model repository setting; one of: {', '.join(sorted(placeholders() | {'backend', 'engine_dir'}))}")
+                    help=f"a setting (README: Settings; s2tts/settings.py); one of: {', '.join(sorted(SCHEMA))}")
+    ap.add_argument("--address", help="where the HTTP, gRPC and metrics ports listen (default 127.0.0.1: this machine "
+                                      "only; 0.0.0.0 exposes them, without authentication)")
     ap.add_argument("--http-port", type=int, default=8000)
     ap.add_argument("--grpc-port", type=int, default=8001)
     ap.add_argument("--metrics-port", type=int, default=8002)
@@ -220,6 +218,8 @@ def main(argv=None) -> int:
         settings = parse_settings(args.set)
         if args.device:
             settings["device"] = args.device
+        if args.address:
+            settings["address"] = args.address
         server = TritonServer(args.checkpoint, settings, args.http_port, args.grpc_port, args.metrics_port, args.workdir)
         t0 = time.monotonic()
         server.start(args.timeout)

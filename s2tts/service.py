@@ -12,19 +12,33 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import invalid
 from .prompt import clean_text
 from .sampling import SamplingParams
+from .settings import SCHEMA, check_field
 
 
 @dataclass
 class Limits:
-    max_text_chars: int = 2000
-    max_reference_seconds: float = 30.0
-    max_new_tokens: int = 2048
-    default_max_new_tokens: int = 1024
-    default_first_chunk_frames: int = 4
-    default_chunk_frames: int = 16
-    max_chunk_frames: int = 256
+    """The request limits of s2pro: its settings (defaults from `s2tts.settings`)."""
+
+    max_text_chars: int = SCHEMA["max_text_chars"].default
+    max_reference_seconds: float = SCHEMA["max_reference_seconds"].default
+    max_new_tokens: int = SCHEMA["max_new_tokens_limit"].default
+    default_max_new_tokens: int = SCHEMA["default_max_new_tokens"].default
+    default_first_chunk_frames: int = SCHEMA["first_chunk_frames"].default
+    default_chunk_frames: int = SCHEMA["chunk_frames"].default
+    max_chunk_frames: int = SCHEMA["max_chunk_frames"].default
+
+    @classmethod
+    def from_settings(cls, v: dict) -> "Limits":
+        return cls(v["max_text_chars"], v["max_reference_seconds"], v["max_new_tokens_limit"], v["default_max_new_tokens"],
+                   v["first_chunk_frames"], v["chunk_frames"], v["max_chunk_frames"])
+
+    def as_settings(self) -> dict:
+        """The limits keyed by setting name (what `settings.check_field` takes)."""
+        return {"max_text_chars": self.max_text_chars, "max_reference_seconds": self.max_reference_seconds,
+                "max_new_tokens_limit": self.max_new_tokens, "max_chunk_frames": self.max_chunk_frames}
 
 
 @dataclass
@@ -39,49 +53,60 @@ class TTSRequest:
     reference_codes: np.ndarray | None = None
 
     def validate(self, limits: Limits, num_codebooks: int) -> "TTSRequest":
+        """Raises S2Error(invalid_argument) naming the input to change."""
         if not isinstance(self.text, str) or not self.text.strip():
-            raise ValueError("text is empty: give the words to speak")
+            raise invalid("text is empty: give the words to speak", "text")
         if len(self.text) > limits.max_text_chars:
-            raise ValueError(f"text is {len(self.text)} characters, over the limit of {limits.max_text_chars}: split it into several requests")
-        self.text = clean_text(self.text)
-        self.params.validate(limits.max_new_tokens)
-        for name in ("first_chunk_frames", "chunk_frames"):
-            v = getattr(self, name)
-            if not (1 <= v <= limits.max_chunk_frames):
-                raise ValueError(f"{name} must be between 1 and {limits.max_chunk_frames} (got {v})")
+            raise invalid(f"text is {len(self.text)} characters, over the limit of {limits.max_text_chars}: split it "
+                          "into several requests", "text")
+        try:
+            self.text = clean_text(self.text)
+        except ValueError as e:
+            raise invalid(str(e), "text") from None
+        lim = limits.as_settings()
+        p = self.params
+        for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed"):
+            check_field(name, getattr(p, name), lim)
+        check_field("first_chunk_frames", self.first_chunk_frames, lim)
+        check_field("chunk_frames", self.chunk_frames, lim)
         has_audio = self.reference_audio is not None
         has_codes = self.reference_codes is not None
         if has_audio and has_codes:
-            raise ValueError("give either reference_audio or reference_codes, not both")
+            raise invalid("give either reference_audio or reference_codes, not both", "reference_codes")
         if has_audio or has_codes:
             if not self.reference_text or not self.reference_text.strip():
-                raise ValueError("a voice reference needs its transcript: give reference_text")
+                raise invalid("a voice reference needs its transcript: give reference_text", "reference_text")
         elif self.reference_text:
-            raise ValueError("reference_text was given without reference_audio or reference_codes")
+            raise invalid("reference_text was given without reference_audio or reference_codes", "reference_text")
         if has_audio:
             a = self.reference_audio
             if self.reference_sample_rate is None:
-                raise ValueError("reference_audio needs reference_sample_rate")
+                raise invalid("reference_audio needs reference_sample_rate", "reference_sample_rate")
             if not (8000 <= self.reference_sample_rate <= 192000):
-                raise ValueError(f"reference_sample_rate must be between 8000 and 192000 Hz (got {self.reference_sample_rate})")
+                raise invalid(f"reference_sample_rate must be between 8000 and 192000 Hz (got {self.reference_sample_rate})",
+                              "reference_sample_rate")
             if a.size == 0:
-                raise ValueError("reference_audio is empty: send the samples of the reference clip")
+                raise invalid("reference_audio is empty: send the samples of the reference clip", "reference_audio")
             if not np.all(np.isfinite(a)):
-                raise ValueError("reference_audio holds NaN or infinite samples: send float PCM in [-1, 1]")
+                raise invalid("reference_audio holds NaN or infinite samples: send float PCM in [-1, 1]", "reference_audio")
             seconds = a.shape[-1] / self.reference_sample_rate
             if seconds > limits.max_reference_seconds:
-                raise ValueError(f"reference_audio is {seconds:.1f} s long, over the limit of {limits.max_reference_seconds:g} s: trim it")
+                raise invalid(f"reference_audio is {seconds:.1f} s long, over the limit of {limits.max_reference_seconds:g} s: "
+                              "trim it", "reference_audio")
             if seconds < 0.1:
-                raise ValueError(f"reference_audio is only {seconds * 1000:.0f} ms long: send at least a second of speech")
+                raise invalid(f"reference_audio is only {seconds * 1000:.0f} ms long: send at least a second of speech",
+                              "reference_audio")
         if has_codes:
             c = self.reference_codes
             if c.ndim != 2 or c.shape[0] != num_codebooks or c.shape[1] == 0:
-                raise ValueError(f"reference_codes must have shape [{num_codebooks}, frames>0], got {list(c.shape)}")
+                raise invalid(f"reference_codes must have shape [{num_codebooks}, frames>0], got {list(c.shape)}",
+                              "reference_codes")
         return self
 
 
 class Chunker:
-    """Groups streamed frames into decode chunks: the first after `first` frames, then every `size`."""
+    """Groups streamed frames into decode chunks: the first after `first` frames, then every `size`.
+    Frames and chunks are [n, num_codebooks] (frames first, as on every wire)."""
 
     def __init__(self, first: int, size: int):
         self.first, self.size = first, size
@@ -90,7 +115,7 @@ class Chunker:
         self.emitted = 0  # chunks handed out
 
     def add(self, frames: np.ndarray) -> list[np.ndarray]:
-        """frames [n, C] -> zero or more chunks [C, k] ready to decode."""
+        """frames [n, C] -> zero or more chunks [k, C] ready to decode."""
         if frames.shape[0]:
             self.pending.append(frames)
             self.n_pending += frames.shape[0]
@@ -98,7 +123,7 @@ class Chunker:
         while self.n_pending >= (self.first if self.emitted == 0 else self.size):
             k = self.first if self.emitted == 0 else self.size
             allf = np.concatenate(self.pending, axis=0)
-            out.append(allf[:k].T)
+            out.append(allf[:k])
             self.pending = [allf[k:]] if allf.shape[0] > k else []
             self.n_pending -= k
             self.emitted += 1
@@ -110,7 +135,7 @@ class Chunker:
         allf = np.concatenate(self.pending, axis=0)
         self.pending, self.n_pending = [], 0
         self.emitted += 1
-        return allf.T
+        return allf
 
 
 @dataclass
@@ -122,6 +147,8 @@ class Stats:
     prompt_tokens: int = 0
     finish_reason: str = ""
     seed: int | None = None
+    queue_s: float | None = None  # waited for a KV slot in slow_ar
+    request_id: str = ""
 
     def audio_sent(self, n_samples: int) -> None:
         if self.first_audio is None and n_samples:
@@ -138,4 +165,6 @@ class Stats:
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "seed": self.seed,
+            "queue_s": self.queue_s,
+            "request_id": self.request_id,
         })

@@ -52,7 +52,12 @@ def codec_precision(dtype: str, tf32: bool) -> None:
 
 
 def setup_logging(name: str) -> logging.Logger:
-    """Log lines from a model process go to stderr with the model's name, which Triton passes through."""
+    """Log lines from a model process go to stderr with the model's name, which Triton passes through. A model
+    process that crashes (a fatal signal) prints every thread's Python stack there first (faulthandler)."""
+    import faulthandler
+
+    if not faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
     log = logging.getLogger("s2tts")
     if not log.handlers:
         h = logging.StreamHandler(sys.stderr)
@@ -61,10 +66,6 @@ def setup_logging(name: str) -> logging.Logger:
         log.setLevel(logging.INFO)
         log.propagate = False
     return log
-
-
-class BadInput(ValueError):
-    """A client error; its message says what to change."""
 
 
 def optional_input(request, name: str):
@@ -76,19 +77,105 @@ def optional_input(request, name: str):
 
 
 def scalar(request, name: str, kind, default):
+    from .errors import invalid
+
     arr = optional_input(request, name)
     if arr is None or arr.size == 0:
         return default
     if arr.size != 1:
-        raise BadInput(f"{name} must hold one value, got {arr.size}")
+        raise invalid(f"{name} must hold one value, got {arr.size}", name)
     v = arr.reshape(-1)[0]
     if kind is str:
-        return v.decode("utf-8", errors="strict") if isinstance(v, bytes) else str(v)
+        try:
+            return v.decode("utf-8", errors="strict") if isinstance(v, bytes) else str(v)
+        except UnicodeDecodeError:
+            raise invalid(f"{name} is not valid UTF-8 text", name) from None
     if kind is bool:
         return bool(v)
     if kind is float and not np.isfinite(v):
-        raise BadInput(f"{name} must be a finite number")
+        raise invalid(f"{name} must be a finite number", name)
     return kind(v)
+
+
+def sampling_params(request, max_new_tokens_default: int, max_new_tokens_limit: int | None = None):
+    """The sampling inputs of a request (seed, temperature, top_p, top_k, max_new_tokens, ignore_eos), each
+    checked against its range in `s2tts.settings.REQUEST_FIELDS`; S2Error names the input that is wrong."""
+    from .sampling import SamplingParams
+    from .settings import REQUEST_FIELDS as F, check_field
+
+    limits = {"max_new_tokens_limit": max_new_tokens_limit} if max_new_tokens_limit else {"max_new_tokens_limit": None}
+    seed = scalar(request, "seed", int, None)
+    params = SamplingParams(
+        temperature=check_field("temperature", scalar(request, "temperature", float, F["temperature"].default)),
+        top_p=check_field("top_p", scalar(request, "top_p", float, F["top_p"].default)),
+        top_k=check_field("top_k", scalar(request, "top_k", int, F["top_k"].default)),
+        max_new_tokens=check_field("max_new_tokens", scalar(request, "max_new_tokens", int, max_new_tokens_default), limits),
+        seed=check_field("seed", seed),
+        ignore_end=scalar(request, "ignore_eos", bool, False),
+    )
+    return params
+
+
+class TritonResponder:
+    """A request's response sender as a `lifecycle.Responder` (final = the FINAL flag)."""
+
+    def __init__(self, request):
+        self.request = request
+        self.sender = request.get_response_sender()
+
+    def send(self, response, final: bool) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        if final:
+            self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        else:
+            self.sender.send(response)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
+def s2_error_response(err):
+    """An error response carrying the S2Error's class tag (`[s2tts:code:param] message`) and Triton code."""
+    return error_response(err.wire(), err.triton_code)
+
+
+def unload_self(name: str, log) -> bool:
+    """Ask Triton to unload this model (so readiness reports it), which works with --model-control-mode=explicit;
+    otherwise say what the operator must do."""
+    import triton_python_backend_utils as pb_utils
+
+    try:
+        pb_utils.unload_model(name)
+        log.error("%s: unloading itself after an unrecoverable fault; Triton reports it not ready until it is "
+                  "loaded again (s2pro reloads it when auto_recover=true)", name)
+        return True
+    except Exception as e:  # noqa: BLE001 - not in explicit model control mode
+        log.error("%s: could not unload itself (%s): it refuses every request with `unavailable`; restart "
+                  "tritonserver, or run it with --model-control-mode=explicit so the model can be reloaded", name, e)
+        return False
+
+
+def reload_model(name: str, timeout_s: float = 600.0) -> None:
+    """Unload `name` (if loaded) and load it again: a new process, a fresh device context. Needs
+    --model-control-mode=explicit."""
+    import time
+
+    import triton_python_backend_utils as pb_utils
+
+    try:
+        pb_utils.unload_model(model_name=name)
+    except Exception:  # noqa: BLE001 - already unloaded (it may have unloaded itself)
+        pass
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and pb_utils.is_model_ready(model_name=name):
+        time.sleep(0.2)
+    pb_utils.load_model(model_name=name)
+    deadline = time.monotonic() + timeout_s
+    while not pb_utils.is_model_ready(model_name=name):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{name} not ready {timeout_s:g} s after its reload")
+        time.sleep(0.2)
 
 
 def error_response(message: str, code: str = "INVALID_ARG"):
@@ -109,39 +196,134 @@ def string_tensor(name: str, s: str):
 
 
 def read_waveform(request, max_seconds: float) -> tuple[np.ndarray, int]:
-    """The `waveform` + `sample_rate` inputs of a dac_encoder request, checked (ValueError says what to change)."""
-    import triton_python_backend_utils as pb_utils
+    """The `waveform` + `sample_rate` inputs of a dac_encoder request, checked (S2Error says what to change)."""
+    from .errors import invalid
 
-    wav = pb_utils.get_input_tensor_by_name(request, "waveform").as_numpy().astype(np.float32).reshape(-1)
-    sr = int(pb_utils.get_input_tensor_by_name(request, "sample_rate").as_numpy().reshape(-1)[0])
-    if not (8000 <= sr <= 192000):
-        raise ValueError(f"sample_rate must be between 8000 and 192000 Hz (got {sr})")
+    wav = optional_input(request, "waveform")
+    sr = scalar(request, "sample_rate", int, None)
+    if wav is None or wav.size == 0:
+        raise invalid("waveform is empty: send the samples of the reference clip", "waveform")
+    if sr is None or not (8000 <= sr <= 192000):
+        raise invalid(f"sample_rate must be between 8000 and 192000 Hz (got {sr})", "sample_rate")
+    wav = wav.astype(np.float32).reshape(-1)
+    if not np.all(np.isfinite(wav)):
+        raise invalid("waveform holds NaN or infinite samples: send float PCM in [-1, 1]", "waveform")
     if wav.size / sr > max_seconds:
-        raise ValueError(f"waveform is {wav.size / sr:.1f} s long, over the limit of {max_seconds:g} s: trim it")
+        raise invalid(f"waveform is {wav.size / sr:.1f} s long, over the limit of {max_seconds:g} s: trim it", "waveform")
     return wav, sr
 
 
 def decode_chunk_requests(decoder, requests, now: float) -> list:
-    """dac_decoder's execute over a StreamDecoder: one chunk per request (`codes` [1, C, n], `stream_id`, `final`),
-    decoded together; a bad request or a failed decode gets an error response, the others their audio."""
+    """dac_decoder's execute over a StreamDecoder: one chunk per request (`codes` [1, frames, C], `stream_id`,
+    `start`, `final`), decoded together; a bad request or a failed decode gets an error response (with its class),
+    the others their audio."""
     import triton_python_backend_utils as pb_utils
 
-    jobs, errors = [], {}
+    from .errors import S2Error, from_exception, invalid
+
+    jobs, results = [], {}
     for i, request in enumerate(requests):
         try:
             codes = pb_utils.get_input_tensor_by_name(request, "codes").as_numpy()
-            sid = pb_utils.get_input_tensor_by_name(request, "stream_id").as_numpy().reshape(-1)[0]
-            final = bool(pb_utils.get_input_tensor_by_name(request, "final").as_numpy().reshape(-1)[0])
-            sid = sid.decode() if isinstance(sid, bytes) else str(sid)
-            jobs.append((i, sid, codes.reshape(codes.shape[-2], codes.shape[-1]), final))
-        except Exception as e:
-            errors[i] = f"dac_decoder: bad request: {e}"
-    results = {}
+            sid = scalar(request, "stream_id", str, None)
+            if not sid:
+                raise invalid("stream_id is required", "stream_id")
+            start = scalar(request, "start", bool, False)
+            final = scalar(request, "final", bool, False)
+            if codes.ndim < 2:
+                raise invalid(f"codes must be [frames, num_codebooks], got {list(codes.shape)}", "codes")
+            jobs.append((i, sid, codes.reshape(codes.shape[-2], codes.shape[-1]), start, final))
+        except Exception as e:  # noqa: BLE001
+            results[i] = from_exception(e, "dac_decoder")
     try:
-        results = decoder.decode_many(jobs, now=now)
-    except ValueError as e:
-        errors.update({i: str(e) for i, *_ in jobs if i not in errors})
-    except Exception as e:
-        errors.update({i: f"dac_decoder: {e}" for i, *_ in jobs if i not in errors})
-    return [pb_utils.InferenceResponse(output_tensors=[tensor("audio", results[i][None])]) if i in results
-            else error_response(errors.get(i, "dac_decoder: no result")) for i in range(len(requests))]
+        results.update(decoder.decode_many(jobs, now=now))
+    except Exception as e:  # noqa: BLE001
+        err = from_exception(e, "dac_decoder")
+        results.update({i: err for i, *_ in jobs if i not in results})
+    out = []
+    sids = {i: sid for i, sid, *_ in jobs}
+    for i in range(len(requests)):
+        r = results.get(i)
+        if isinstance(r, np.ndarray):
+            out.append(pb_utils.InferenceResponse(output_tensors=[tensor("audio", r[None])]))
+        else:
+            err = r if isinstance(r, S2Error) else from_exception(RuntimeError("no result"), "dac_decoder")
+            logging.getLogger("s2tts").warning("dac_decoder: stream %s (request %s) failed: %s", sids.get(i, "?"),
+                                               requests[i].request_id(), err.wire())
+            out.append(s2_error_response(err))
+    return out
+
+
+# ---- metrics: what each model reports on Triton's /metrics endpoint (next to Triton's own) -----------------------
+METRICS = {  # name -> (kind, help)
+    "s2tts_requests_in_flight": ("gauge", "requests a model is serving now"),
+    "s2tts_requests_finished_total": ("counter", "requests that ended, by model and outcome"),
+    "s2tts_requests_refused_total": ("counter", "requests refused at admission (busy, duplicate id, unhealthy)"),
+    "s2tts_engine_requests_waiting": ("gauge", "slow_ar requests waiting for a KV-cache slot"),
+    "s2tts_engine_slots_used": ("gauge", "slow_ar KV-cache slots in use"),
+    "s2tts_codec_streams_open": ("gauge", "dac_decoder streams whose decoder state is held"),
+    "s2tts_model_healthy": ("gauge", "1 while the model serves, 0 after an unrecoverable fault"),
+}
+
+
+class Metrics:
+    """Custom metrics through the Python backend's MetricFamily API; a no-op where it is missing."""
+
+    def __init__(self, model: str):
+        self.model = model
+        self._families: dict = {}
+        self._metrics: dict = {}
+        self._last: dict = {}
+        try:
+            import os
+
+            import triton_python_backend_utils as pb_utils
+
+            if os.environ.get("S2TTS_METRICS", "1") == "0":
+                raise RuntimeError("metrics off")
+
+            for name, (kind, help_) in METRICS.items():
+                k = pb_utils.MetricFamily.GAUGE if kind == "gauge" else pb_utils.MetricFamily.COUNTER
+                self._families[name] = pb_utils.MetricFamily(name=name, description=help_, kind=k)
+        except Exception:  # noqa: BLE001 - an older backend, or no Triton at all
+            self._families = {}
+
+    def _metric(self, name: str, labels: dict):
+        key = (name, tuple(sorted(labels.items())))
+        m = self._metrics.get(key)
+        if m is None and name in self._families:
+            m = self._metrics[key] = self._families[name].Metric(labels={"model": self.model, **labels})
+        return m
+
+    def set(self, name: str, value: float, **labels) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        if self._last.get(key) == value:
+            return
+        m = self._metric(name, labels)
+        if m is not None:
+            try:
+                m.set(float(value))
+                self._last[key] = value
+            except Exception:  # noqa: BLE001
+                pass
+
+    def count_to(self, name: str, total: float, **labels) -> None:
+        """Bring a counter up to `total` (the models keep their own totals)."""
+        key = (name, tuple(sorted(labels.items())))
+        done = self._last.get(key, 0)
+        m = self._metric(name, labels)
+        if m is not None and total > done:
+            try:
+                m.increment(float(total - done))
+                self._last[key] = total
+            except Exception:  # noqa: BLE001
+                pass
+
+    def report_table(self, table) -> None:
+        """The counts of a lifecycle.RequestTable."""
+        st = table.stats()
+        self.set("s2tts_requests_in_flight", st["in_flight"])
+        self.set("s2tts_model_healthy", 1 if st["healthy"] else 0)
+        self.count_to("s2tts_requests_refused_total", st["refused"])
+        for outcome, n in table.outcomes().items():
+            self.count_to("s2tts_requests_finished_total", n, outcome=outcome)

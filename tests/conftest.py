@@ -27,7 +27,8 @@ def triton_server(tiny_ckpt, tmp_path_factory):
     """A real tritonserver process serving the model repository on the tiny checkpoint (CPU)."""
     from s2tts.server import TritonServer
 
-    server = TritonServer(tiny_ckpt, {"device": "cpu", "dtype": "fp32", "max_batch": "8", "max_seq_len": "1024", "chunk_frames": "8"},
+    server = TritonServer(tiny_ckpt, {"device": "cpu", "dtype": "fp32", "max_batch": "8", "max_seq_len": "4096",
+                           "max_new_tokens_limit": "3000", "chunk_frames": "8"},
                           workdir=tmp_path_factory.mktemp("triton"))
     server.start(timeout=300)
     yield server

@@ -1,7 +1,7 @@
 """ONNX export (s2tts.export): every graph run by onnxruntime against the PyTorch modules on the tiny
-checkpoint, the TensorRT variants of the model repository and their switch, the engine build script
-(with a stand-in trtexec), and the whole variant served by tritonserver with onnxruntime in place of
-the engines. TensorRT itself is not here (docs/TENSORRT.md)."""
+checkpoint, the TensorRT variants of the model repository and their switch (s2tts.repository), the
+engine build script (with a stand-in trtexec), and the whole variant served by tritonserver with
+onnxruntime in place of the engines. TensorRT itself is not here (docs/TENSORRT.md)."""
 
 import dataclasses
 import json
@@ -19,10 +19,12 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from s2tts import export as ex  # noqa: E402
+from s2tts import repository as rp  # noqa: E402
 from s2tts.checkpoint import load_codec_from_dir, load_model  # noqa: E402
 from s2tts.codec import make_codec, tiny_codec_config  # noqa: E402
 from s2tts.sampling import sample  # noqa: E402
-from s2tts.server import MODEL_REPOSITORY, render_repository  # noqa: E402
+from s2tts.repository import MODEL_REPOSITORY, render_repository  # noqa: E402
+from s2tts.server import server_has_tensorrt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,7 +176,7 @@ def test_stream_decoder_over_the_graph(onnx_dir, codec, manifest):
             [("a", 0, 3, 12), ("b", 1, 3, 4)],                  # a long chunk (cut into pieces of 4 frames)
             [("a", 0, 12, 14), ("b", 1, 4, 6), ("c", 2, 3, 5)]]
     for step, jobs in enumerate(plan):
-        js = [(key, f"s{s}", codes[s][:, lo:hi], step == 2) for key, s, lo, hi in jobs]
+        js = [(key, f"s{s}", codes[s][:, lo:hi].T, step == 0, step == 2) for key, s, lo, hi in jobs]
         got, want = ours.decode_many(js, now=0.0), ref.decode_many(js, now=0.0)
         assert got.keys() == want.keys()
         for k in want:
@@ -255,90 +257,94 @@ def test_backend_python_is_the_default(tiny_ckpt, tmp_path):
     settings = {"checkpoint": str(tiny_ckpt), "device": "cpu"}
     a = render_repository(tmp_path / "a", settings)
     for extra in ({}, {"backend": "python"}):
-        b = ex.render_model_repository(tmp_path / "b", {**settings, **extra})
+        b = rp.render_model_repository(tmp_path / "b", {**settings, **extra})
         assert _tree(a) == _tree(b)
-    assert ex.validate_repository(a) == []
+    assert rp.validate_repository(a) == []
 
 
 def test_tensorrt_variant_is_a_valid_repository(tiny_ckpt, engine_dir, manifest, tmp_path):
-    repo = ex.render_model_repository(tmp_path / "repo", {"checkpoint": str(tiny_ckpt), "device": "cuda", "backend": "tensorrt",
-                                                          "engine_dir": str(engine_dir)}, check_server=False)
-    assert ex.validate_repository(repo, manifest, reference=MODEL_REPOSITORY) == []
+    repo = rp.render_model_repository(tmp_path / "repo", {"checkpoint": str(tiny_ckpt), "device": "cuda", "backend": "tensorrt",
+                                                          "engine_dir": str(engine_dir)})
+    assert rp.validate_repository(repo, manifest, reference=MODEL_REPOSITORY) == []
     names = {p.name for p in repo.iterdir()}
     assert names == {"s2pro", "slow_ar", "fast_ar", "fast_ar_noise", "fast_ar_trt", "dac_decoder", "dac_decoder_trt",
                      "dac_encoder", "dac_encoder_trt"}
-    for model, graph in ex.ENGINE_MODELS.items():
-        cfg = ex.parse_model_config(repo / model / "config.pbtxt")
+    for model, graph in rp.ENGINE_MODELS.items():
+        cfg = rp.parse_model_config(repo / model / "config.pbtxt")
         assert cfg.platform == "tensorrt_plan"
         assert (repo / model / "1" / "model.plan").resolve() == (engine_dir / f"{graph}.plan").resolve()
-    assert ex.parse_model_config(repo / "dac_decoder_trt" / "config.pbtxt").max_batch_size == 64
-    assert ex.parse_model_config(repo / "fast_ar" / "config.pbtxt").platform == "ensemble"
-    slow = ex.parse_model_config(repo / "slow_ar" / "config.pbtxt")
+    assert rp.parse_model_config(repo / "dac_decoder_trt" / "config.pbtxt").max_batch_size == 64
+    assert rp.parse_model_config(repo / "fast_ar" / "config.pbtxt").platform == "ensemble"
+    slow = rp.parse_model_config(repo / "slow_ar" / "config.pbtxt")
     assert slow.parameters["fast_ar"].string_value == "bls"
-    dec = ex.parse_model_config(repo / "dac_decoder" / "config.pbtxt")
+    dec = rp.parse_model_config(repo / "dac_decoder" / "config.pbtxt")
     assert dec.parameters["engine_dir"].string_value == str(engine_dir.resolve())
     assert dec.parameters["device"].string_value == "cuda"
     # a subset stays a subset: only the decoder and its engine
-    sub = ex.render_model_repository(tmp_path / "sub", {"checkpoint": str(tiny_ckpt), "backend": "tensorrt", "engine_dir": str(engine_dir)},
-                                     models=("s2pro", "dac_decoder"), check_server=False)
+    sub = rp.render_model_repository(tmp_path / "sub", {"checkpoint": str(tiny_ckpt), "backend": "tensorrt", "engine_dir": str(engine_dir)},
+                                     models=("s2pro", "dac_decoder"))
     assert {p.name for p in sub.iterdir()} == {"s2pro", "dac_decoder", "dac_decoder_trt"}
     # an explicit fast_ar setting wins (in-process fast AR, TensorRT codec)
-    repo2 = ex.render_model_repository(tmp_path / "repo2", {"checkpoint": str(tiny_ckpt), "backend": "tensorrt",
-                                                            "engine_dir": str(engine_dir), "fast_ar": "inprocess"}, check_server=False)
-    assert ex.parse_model_config(repo2 / "slow_ar" / "config.pbtxt").parameters["fast_ar"].string_value == "inprocess"
+    repo2 = rp.render_model_repository(tmp_path / "repo2", {"checkpoint": str(tiny_ckpt), "backend": "tensorrt",
+                                                            "engine_dir": str(engine_dir), "fast_ar": "inprocess"})
+    assert rp.parse_model_config(repo2 / "slow_ar" / "config.pbtxt").parameters["fast_ar"].string_value == "inprocess"
 
 
 def test_validation_catches_broken_variants(tiny_ckpt, engine_dir, manifest, tmp_path):
     def fresh(name):
-        return ex.render_model_repository(tmp_path / name, {"checkpoint": str(tiny_ckpt), "backend": "tensorrt",
-                                                            "engine_dir": str(engine_dir)}, check_server=False)
+        return rp.render_model_repository(tmp_path / name, {"checkpoint": str(tiny_ckpt), "backend": "tensorrt",
+                                                            "engine_dir": str(engine_dir)})
 
     repo = fresh("r1")
     cfg = repo / "dac_decoder_trt" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace('"state_decoder_model_0"', '"state_decoder_model_zero"'))
-    assert any("dac_decoder_trt: inputs" in p for p in ex.validate_repository(repo, manifest))
+    assert any("dac_decoder_trt: inputs" in p for p in rp.validate_repository(repo, manifest))
     repo = fresh("r2")
     cfg = repo / "fast_ar" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace('input_map { key: "uniforms" value: "_uniforms" }', ""))
-    assert any("leaves input fast_ar_trt.uniforms unfed" in p for p in ex.validate_repository(repo, manifest))
+    assert any("leaves input fast_ar_trt.uniforms unfed" in p for p in rp.validate_repository(repo, manifest))
     repo = fresh("r3")
     cfg = repo / "dac_encoder" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace("max_batch_size: 0", "max_batch_sise: 0"))
-    assert any("does not parse" in p for p in ex.validate_repository(repo, manifest))
+    assert any("does not parse" in p for p in rp.validate_repository(repo, manifest))
     repo = fresh("r4")
     cfg = repo / "dac_decoder" / "config.pbtxt"
     cfg.write_text(cfg.read_text().replace('{ name: "final" data_type: TYPE_BOOL', '{ name: "final" data_type: TYPE_INT32'))
-    assert any("differ from the Python-backend model" in p for p in ex.validate_repository(repo, manifest, MODEL_REPOSITORY))
+    assert any("differ from the Python-backend model" in p for p in rp.validate_repository(repo, manifest, MODEL_REPOSITORY))
     (repo / "fast_ar_trt" / "1" / "model.plan").unlink()
-    assert "fast_ar_trt: 1/model.plan missing" in ex.validate_repository(repo, manifest)
+    assert "fast_ar_trt: 1/model.plan missing" in rp.validate_repository(repo, manifest)
 
 
 def test_switch_errors_say_what_to_do(tiny_ckpt, onnx_dir, tmp_path):
     base = {"checkpoint": str(tiny_ckpt)}
     with pytest.raises(ValueError, match="use one of python, tensorrt, onnxruntime"):
-        ex.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrtt"})
+        rp.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrtt"})
     with pytest.raises(ValueError, match="engine_dir is only used"):
-        ex.render_model_repository(tmp_path / "a", {**base, "engine_dir": str(onnx_dir)})
+        rp.render_model_repository(tmp_path / "a", {**base, "engine_dir": str(onnx_dir)})
     with pytest.raises(FileNotFoundError, match="build_engines.sh"):  # ONNX exported, engines not built
-        ex.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrt", "engine_dir": str(onnx_dir)}, check_server=False)
+        rp.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrt", "engine_dir": str(onnx_dir)})
     with pytest.raises(FileNotFoundError, match="export_onnx.py"):  # default engine_dir: CHECKPOINT/engines
-        ex.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrt"}, check_server=False)
-    if not ex.server_has_tensorrt():  # this machine: the wheel's server, Python backend only
+        rp.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrt"})
+    with pytest.raises(ValueError, match="needs a tritonserver with the TensorRT backend"):
+        rp.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrt", "engine_dir": str(onnx_dir)},
+                                   has_tensorrt=lambda: False)
+    if not server_has_tensorrt():  # this machine: the wheel's server, Python backend only
         with pytest.raises(ValueError, match="needs a tritonserver with the TensorRT backend"):
-            ex.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrt", "engine_dir": str(onnx_dir)})
+            rp.render_model_repository(tmp_path / "a", {**base, "backend": "tensorrt", "engine_dir": str(onnx_dir)},
+                                       has_tensorrt=server_has_tensorrt)
     other = tmp_path / "other"
     shutil.copytree(onnx_dir, other)
     m = json.loads((other / "manifest.json").read_text())
     m["dim"] = 2560
     (other / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ValueError, match="dim=2560 but checkpoint"):
-        ex.render_model_repository(tmp_path / "a", {**base, "backend": "onnxruntime", "engine_dir": str(other)})
+        rp.render_model_repository(tmp_path / "a", {**base, "backend": "onnxruntime", "engine_dir": str(other)})
 
 
 # --------------------------------------------------------------------------- the variant served (onnxruntime in place of TensorRT)
 
 
-def test_variant_served_by_tritonserver_matches_offline(tiny_ckpt, onnx_dir, manifest, tmp_path_factory, monkeypatch):
+def test_variant_served_by_tritonserver_matches_offline(tiny_ckpt, onnx_dir, manifest, tmp_path_factory):
     """tritonserver on the TensorRT variant with backend=onnxruntime: s2pro -> slow_ar -> fast_ar ensemble
     (fast_ar_noise + fast_ar_trt) per frame, dac_decoder -> dac_decoder_trt per chunk, dac_encoder ->
     dac_encoder_trt for a reference. Codes must equal the offline PyTorch pipeline's, audio within 1e-4."""
@@ -351,16 +357,13 @@ def test_variant_served_by_tritonserver_matches_offline(tiny_ckpt, onnx_dir, man
         server.find_server()
     except RuntimeError as e:
         pytest.skip(str(e))
-    base = server.render_repository
-    monkeypatch.setattr(server, "render_repository",
-                        lambda dst, s, src=MODEL_REPOSITORY, models=server.MODELS: ex.render_model_repository(dst, s, models, base=base))
     srv = server.TritonServer(tiny_ckpt, {"device": "cpu", "dtype": "fp32", "max_batch": "4", "max_seq_len": "1024",
                                           "backend": "onnxruntime", "engine_dir": str(onnx_dir)},
                               workdir=tmp_path_factory.mktemp("triton_onnx"))
     srv.start(timeout=300)
     try:
         repo = srv.workdir / "model_repository"
-        assert ex.validate_repository(repo, manifest, MODEL_REPOSITORY) == []
+        assert rp.validate_repository(repo, manifest, MODEL_REPOSITORY) == []
         t = np.arange(44100) / 44100
         ref_audio = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
         with S2ProClient(srv.grpc_url) as c:

@@ -253,7 +253,7 @@ def test_sampling_params_validation():
         SamplingParams(top_p=0).validate()
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1).validate()
-    with pytest.raises(ValueError, match="max_new_tokens must be at most 10"):
+    with pytest.raises(ValueError, match=r"max_new_tokens=11 is out of range: use an integer in \[1, 10\]"):
         SamplingParams(max_new_tokens=11).validate(10)
 
 

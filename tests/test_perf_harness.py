@@ -96,11 +96,12 @@ def test_make_pa_inputs_and_perf_analyzer(triton_server, tiny_ckpt, tmp_path):
     assert fa[0]["hidden"]["shape"] == [4, s2.text.dim] and len(fa[0]["hidden"]["content"]) == 4 * s2.text.dim
     assert all(fa[0][k]["shape"] == [4] for k in ("code0", "temperature", "top_p", "top_k", "seed", "step"))
     dec = json.loads((inputs / "dac_decoder.json").read_text())["data"]
-    assert dec[0]["codes"]["shape"] == [10, 5] and dec[0]["final"]["content"] == [True]
+    assert dec[0]["codes"]["shape"] == [5, 10] and dec[0]["final"]["content"] == [True]  # [frames, codebooks]
+    assert dec[0]["start"]["content"] == [True]
     assert len({e["stream_id"]["content"][0] for e in dec}) == len(dec)
     sl = json.loads((inputs / "slow_ar.json").read_text())["data"][0]
     t = sl["input_ids"]["shape"][0]
-    assert sl["input_codes"]["shape"] == [10, t] and sl["semantic_mask"]["shape"] == [t] and t > 10
+    assert sl["input_codes"]["shape"] == [t, 10] and sl["semantic_mask"]["shape"] == [t] and t > 10
     assert json.loads((inputs / "s2pro.json").read_text())["data"][0]["max_new_tokens"]["content"] == [8]
 
     why = _perf_analyzer_runs()

@@ -91,28 +91,39 @@ def test_cancel_mid_stream(triton_server):
     assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * FRAME
 
 
-BAD = [
-    (dict(text=""), "text is empty"),
-    (dict(text="x" * 2001), "over the limit of 2000"),
-    (dict(text="hi", temperature=5.0), "temperature must be"),
-    (dict(text="hi", top_p=0.0), "top_p must be"),
-    (dict(text="hi", max_new_tokens=0), "max_new_tokens must be"),
-    (dict(text="hi", chunk_frames=0), "chunk_frames must be"),
-    (dict(text="hi", reference_audio=np.zeros(0, np.float32), reference_sample_rate=16000, reference_text="x"), "reference_audio is empty"),
-    (dict(text="hi", reference_audio=np.full(1000, np.nan, np.float32), reference_sample_rate=16000, reference_text="x"), "NaN"),
-    (dict(text="hi", reference_audio=np.zeros(16000 * 31, np.float32), reference_sample_rate=16000, reference_text="x"), "over the limit of 30"),
-    (dict(text="hi", reference_audio=np.zeros(16000, np.float32), reference_sample_rate=16000), "needs its transcript"),
-    (dict(text="hi", reference_audio=np.zeros(16000, np.float32), reference_text="x"), "needs reference_sample_rate"),
-    (dict(text="hi", reference_codes=np.zeros((3, 4), np.int32), reference_text="x"), "reference_codes must have shape"),
-    (dict(text="hi <|im_end|>"), "special token"),
+BAD = [  # (inputs, the input the error names, words of its message)
+    (dict(text=""), "text", "text is empty"),
+    (dict(text="x" * 2001), "text", "over the limit of 2000"),
+    (dict(text="hi", temperature=5.0), "temperature", "temperature=5.0 is out of range"),
+    (dict(text="hi", top_p=0.0), "top_p", "top_p=0.0 is out of range"),
+    (dict(text="hi", max_new_tokens=0), "max_new_tokens", "max_new_tokens=0 is out of range"),
+    (dict(text="hi", chunk_frames=0), "chunk_frames", "chunk_frames=0 is out of range"),
+    (dict(text="hi", seed=-5), "seed", "seed=-5 is out of range"),
+    (dict(text="hi", reference_audio=np.zeros(0, np.float32), reference_sample_rate=16000, reference_text="x"), "reference_audio", "reference_audio is empty"),
+    (dict(text="hi", reference_audio=np.full(1000, np.nan, np.float32), reference_sample_rate=16000, reference_text="x"), "reference_audio", "NaN"),
+    (dict(text="hi", reference_audio=np.zeros(16000 * 31, np.float32), reference_sample_rate=16000, reference_text="x"), "reference_audio", "over the limit of 30"),
+    (dict(text="hi", reference_audio=np.zeros(16000, np.float32), reference_sample_rate=16000), "reference_text", "needs its transcript"),
+    (dict(text="hi", reference_audio=np.zeros(16000, np.float32), reference_text="x"), "reference_sample_rate", "needs reference_sample_rate"),
+    (dict(text="hi", reference_codes=np.zeros((3, 4), np.int32), reference_text="x"), "reference_codes", "reference_codes must have shape"),
+    (dict(text="hi <|im_end|>"), "text", "special token"),
 ]
 
 
-@pytest.mark.parametrize("kw,msg", BAD, ids=[m for _, m in BAD])
-def test_bad_input_gets_clear_error(triton_server, kw, msg):
-    with pytest.raises(TTSError, match=msg.replace("|", r"\|")):
-        synth(triton_server, **kw)
+@pytest.mark.parametrize("kw,param,msg", BAD, ids=[m for _, _, m in BAD])
+def test_bad_input_gets_clear_error(triton_server, kw, param, msg):
+    with S2ProClient(triton_server.grpc_url, check_inputs=False) as c:  # the server's own checks
+        with pytest.raises(TTSError, match=msg.replace("|", r"\|").replace("[", r"\[")) as ei:
+            c.synthesize(TTSInput(**kw))
+    assert ei.value.code == "invalid_argument" and ei.value.param == param  # the class, read without the prose
     assert triton_server.is_ready()
+
+
+def test_client_refuses_bad_seeds_before_sending(triton_server):
+    for seed in (-5, 2**63, 2**64 + 3):
+        with S2ProClient(triton_server.grpc_url) as c, pytest.raises(TTSError, match="seed=") as ei:
+            c.synthesize(TTSInput(text="hi", seed=seed))
+        assert ei.value.code == "invalid_argument" and ei.value.param == "seed"
+    assert synth(triton_server, text="Top seed is fine.", seed=2**63 - 1, max_new_tokens=3).stats["seed"] == 2**63 - 1
 
 
 def test_voice_clone_with_reference_audio_and_codes(triton_server, tiny_ckpt):

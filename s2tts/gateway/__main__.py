@@ -24,11 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=d.served_model_name, help="model id in /v1/models")
     ap.add_argument("--triton-model", default=d.triton_model)
     ap.add_argument("--encoder-model", default=d.encoder_model)
-    ap.add_argument("--max-input-chars", type=int, default=d.max_input_chars)
-    ap.add_argument("--max-new-tokens-limit", type=int, default=d.max_new_tokens_limit)
+    ap.add_argument("--max-input-chars", type=int, default=None,
+                    help="longest input accepted (default: s2pro's max_text_chars, read from the server)")
+    ap.add_argument("--max-new-tokens-limit", type=int, default=None,
+                    help="largest max_new_tokens accepted (default: s2pro's max_new_tokens_limit)")
     ap.add_argument("--max-upload-mb", type=float, default=d.max_upload_bytes / 2**20,
                     help="largest voice upload / inline reference file in MiB (default %(default)s)")
-    ap.add_argument("--max-reference-seconds", type=float, default=d.max_reference_seconds)
+    ap.add_argument("--max-reference-seconds", type=float, default=None,
+                    help="longest reference clip (default: s2pro's max_reference_seconds)")
     ap.add_argument("--log-level", default="info")
     return ap
 

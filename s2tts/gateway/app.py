@@ -10,6 +10,7 @@ import base64
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -57,10 +58,12 @@ class BodyTooLarge(Exception):
         self.limit = limit
 
 
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes: send a shorter or smaller audio file "
-                         f"(voice uploads are limited to {limit // (1024 * 1024)} MiB)" if limit >= 1024 * 1024
-                    else f"the request body is larger than {limit} bytes", code="payload_too_large")
+def _too_large(limit: int, upload_limit: int | None = None) -> APIError:
+    msg = f"the request body is larger than {limit} bytes ({limit / 2**20:.1f} MiB)"
+    if upload_limit is not None:
+        msg += (f": audio files are limited to {upload_limit / 2**20:.1f} MiB (base64 in a JSON body takes a third "
+                "more); send a shorter or smaller file")
+    return APIError(413, msg, code="payload_too_large")
 
 
 class GuardMiddleware:
@@ -92,7 +95,7 @@ class GuardMiddleware:
         except ValueError:
             length = 0
         if length > limit:
-            return await _too_large(limit).response()(scope, receive, send)
+            return await _too_large(limit, self.cfg.max_upload_bytes).response()(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -303,14 +306,25 @@ class GatewayState:
         self.started_at = int(time.time())
 
 
-def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: str) -> None:
+def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: str, limits: dict) -> None:
     dur = len(x) / sr
-    if dur > cfg.max_reference_seconds:
-        raise bad_request(f"the reference audio is {dur:.1f} s long; the limit is {cfg.max_reference_seconds:g} s: "
+    limit = limits["max_reference_seconds"]
+    if dur > limit:
+        raise bad_request(f"the reference audio is {dur:.1f} s long; the limit is {limit:g} s: "
                           "trim it (5-15 s of clean speech is best)", param, code="reference_too_long")
     if dur < cfg.min_reference_seconds:
         raise bad_request(f"the reference audio is {dur:.2f} s long; send at least {cfg.min_reference_seconds:g} s",
                           param, code="reference_too_short")
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def _request_id(request: Request) -> str:
+    """The caller's X-Request-Id when it is a plain token, else a new one: it names the request in every log line of
+    the gateway and of every model that serves it."""
+    given = request.headers.get("x-request-id", "")
+    return given if _REQUEST_ID.match(given) else f"speech-{uuid.uuid4().hex[:16]}"
 
 
 def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: VoiceStore | None = None) -> FastAPI:
@@ -336,7 +350,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
 
     @app.exception_handler(BodyTooLarge)
     async def _body_too_large(request, exc: BodyTooLarge):
-        return _too_large(exc.limit).response()
+        return _too_large(exc.limit, cfg.max_upload_bytes).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
@@ -389,9 +403,10 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             body = json.loads(raw)
         except ValueError:
             raise bad_request("the request body is not valid JSON", None, code="invalid_json") from None
-        p = parse_speech(body, cfg)
+        limits = await backend.served_limits(cfg.limits_ttl_s)
+        p = parse_speech(body, cfg, limits)
         req = SynthesisRequest(
-            text=p.input, request_id=f"speech-{uuid.uuid4().hex[:16]}",
+            text=p.input, request_id=_request_id(request),
             seed=p.seed if p.seed is not None else secrets.randbelow(2**63),
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
             first_chunk_frames=p.first_chunk_frames, chunk_frames=p.chunk_frames)
@@ -406,9 +421,11 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         elif p.ref_audio is not None:
             data = decode_data_url(p.ref_audio)
             if len(data) > cfg.max_upload_bytes:
-                raise _too_large(cfg.max_upload_bytes)
+                raise APIError(413, f"ref_audio is {len(data) / 2**20:.1f} MiB; audio files are limited to "
+                                    f"{cfg.max_upload_bytes / 2**20:.1f} MiB: send a shorter or smaller file",
+                               param="ref_audio", code="payload_too_large")
             x, sr = await anyio.to_thread.run_sync(decode_audio, data, "ref_audio")
-            _check_reference_length(x, sr, cfg, "ref_audio")
+            _check_reference_length(x, sr, cfg, "ref_audio", limits)
             req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, p.ref_text
         return SpeechResponse(state, p, req)
 
@@ -437,7 +454,9 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             data = await upload.read()
             mime = upload.content_type or "application/octet-stream"
         if len(data) > cfg.max_upload_bytes:
-            raise _too_large(cfg.max_upload_bytes)
+            raise APIError(413, f"audio_sample is {len(data) / 2**20:.1f} MiB; audio files are limited to "
+                                f"{cfg.max_upload_bytes / 2**20:.1f} MiB: send a shorter or smaller file",
+                           param="audio_sample", code="payload_too_large")
         if not data:
             raise bad_request("the uploaded audio file is empty", "audio_sample", code="missing_audio")
         if await anyio.to_thread.run_sync(store.get, name, False) is not None:
@@ -445,7 +464,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                                 f"(DELETE /v1/audio/voices/{name}) or choose another name", param="name",
                            code="voice_exists")
         x, sr = await anyio.to_thread.run_sync(decode_audio, data, "audio_sample")
-        _check_reference_length(x, sr, cfg, "audio_sample")
+        _check_reference_length(x, sr, cfg, "audio_sample", await backend.served_limits(cfg.limits_ttl_s))
         codes = await backend.encode_reference(x, sr)
         voice = await anyio.to_thread.run_sync(
             lambda: store.add(name, ref_text.strip(), data, mime, sr, len(x), codes, consent))

@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 
-from .errors import bad_request
+from .errors import APIError, bad_request
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,(?P<data>.*)$",
                        re.DOTALL)
@@ -70,5 +70,5 @@ def _decode_with_av(data: bytes, param: str) -> tuple[np.ndarray, int]:
                 parts.append(f.to_ndarray().reshape(-1))
         return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), int(sr)
     except Exception:  # noqa: BLE001
-        raise bad_request(f"{param} could not be decoded as audio: send wav, flac, mp3, ogg/opus, aac or m4a",
-                          param, code="invalid_audio") from None
+        raise APIError(415, f"{param} could not be decoded as audio: send wav, flac, mp3, ogg/opus, aac or m4a",
+                       param=param, code="unsupported_media") from None

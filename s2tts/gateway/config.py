@@ -16,12 +16,25 @@ class GatewayConfig:
     model_aliases: tuple[str, ...] = ("s2pro", "fishaudio/s2-pro", "fishaudio/openaudio-s2-pro")
     triton_model: str = "s2pro"
     encoder_model: str = "dac_encoder"
-    max_input_chars: int = 4096
-    max_new_tokens_limit: int = 4096
+    # Request limits: unset (None) = the served model's own (s2pro's settings, read from Triton; see
+    # s2tts.settings); set = a stricter limit at the gateway.
+    max_input_chars: int | None = None
+    max_new_tokens_limit: int | None = None
     max_upload_bytes: int = 10 * 1024 * 1024  # voice uploads; inline ref_audio is limited to the same decoded size
-    max_reference_seconds: float = 60.0
+    max_reference_seconds: float | None = None
     min_reference_seconds: float = 0.2
     triton_timeout_s: float = 600.0
+    limits_ttl_s: float = 30.0  # how long the limits read from s2pro's config are reused
+
+    def limits(self, served: dict) -> dict:
+        """The request limits in force: the served model's (`served`, keyed by setting name), each made stricter by
+        this gateway's own setting where one is set."""
+        out = dict(served)
+        for key, mine in (("max_text_chars", self.max_input_chars), ("max_new_tokens_limit", self.max_new_tokens_limit),
+                          ("max_reference_seconds", self.max_reference_seconds)):
+            if mine is not None:
+                out[key] = min(out[key], mine)
+        return out
 
     def __post_init__(self):
         if self.max_in_flight < 1:

@@ -11,10 +11,12 @@ _TYPES = {
     405: "invalid_request_error",
     409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     502: "server_error",
     503: "server_error",
+    504: "server_error",
 }
 
 

@@ -5,9 +5,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..errors import S2Error
+from ..settings import REQUEST_FIELDS, SCHEMA, check_field
 from .config import GatewayConfig
 from .encoders import FORMATS
 from .errors import APIError, bad_request
+
+# the s2pro limits the gateway checks itself (the server's values replace these; see GatewayConfig.limits)
+DEFAULT_LIMITS = {k: SCHEMA[k].default for k in ("max_text_chars", "max_new_tokens_limit", "max_chunk_frames",
+                                                 "max_reference_seconds")}
 
 DEFAULT_VOICES = {"default", "none", ""}  # mean: no reference voice
 
@@ -63,7 +69,26 @@ def _num(body, key, lo, hi, *, lo_open=False, integer=False):
     return int(v) if integer else float(v)
 
 
-def parse_speech(body, cfg: GatewayConfig) -> SpeechParams:
+def _field(body, name: str, limits: dict):
+    """A numeric request field by its s2pro name, read from its HTTP name and checked against the one range
+    both share (s2tts.settings.REQUEST_FIELDS)."""
+    f = REQUEST_FIELDS[name]
+    v = body.get(f.http)
+    if v is None:
+        return None
+    integer = f.type is int
+    if not _is_num(v) or (integer and not _is_int(v)):
+        raise bad_request(f"{f.http} must be {'an integer' if integer else 'a number'}, got {v!r}", f.http)
+    v = int(v) if integer else float(v)
+    try:
+        return check_field(name, v, limits, http=True)
+    except S2Error as e:
+        raise bad_request(e.message, f.http) from None
+
+
+def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> SpeechParams:
+    """The fields of POST /v1/audio/speech, checked. `limits`: the server's (setting name -> value)."""
+    limits = cfg.limits(limits or DEFAULT_LIMITS)
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", None, code="invalid_json")
     unknown = sorted(set(body) - _FIELDS)
@@ -74,8 +99,8 @@ def parse_speech(body, cfg: GatewayConfig) -> SpeechParams:
     text = body.get("input")
     if not isinstance(text, str) or not text.strip():
         raise bad_request("input is required: the text to speak, a non-empty string", "input", code="missing_input")
-    if len(text) > cfg.max_input_chars:
-        raise bad_request(f"input has {len(text)} characters; the limit is {cfg.max_input_chars}: split the text "
+    if len(text) > limits["max_text_chars"]:
+        raise bad_request(f"input has {len(text)} characters; the limit is {limits['max_text_chars']}: split the text "
                           "into several requests", "input", code="input_too_long")
 
     model = body.get("model", cfg.served_model_name)
@@ -137,19 +162,7 @@ def parse_speech(body, cfg: GatewayConfig) -> SpeechParams:
         raise bad_request(f"both a registered voice ({voice!r}) and ref_audio were given: send one of them "
                           "(with ref_audio, set voice to \"default\")", "voice")
 
-    seed = body.get("seed")
-    if seed is not None:
-        if not _is_num(seed) or not _is_int(seed) or not 0 <= seed < 2**63:
-            raise bad_request(f"seed must be an integer in [0, 2^63), got {seed!r}", "seed")
-        seed = int(seed)
-
-    return SpeechParams(
-        input=text, model=model, voice=voice, response_format=fmt, speed=speed, stream_format=stream_format,
-        ref_audio=ref_audio, ref_text=ref_text, seed=seed,
-        temperature=_num(body, "temperature", 0.0, 2.0, lo_open=True),
-        top_p=_num(body, "top_p", 0.0, 1.0, lo_open=True),
-        top_k=_num(body, "top_k", 1, 4096, integer=True),
-        max_new_tokens=_num(body, "max_new_tokens", 1, cfg.max_new_tokens_limit, integer=True),
-        first_chunk_frames=_num(body, "first_chunk_frames", 1, 1024, integer=True),
-        chunk_frames=_num(body, "chunk_frames", 1, 1024, integer=True),
-    )
+    values = {name: _field(body, name, limits) for name in ("seed", "temperature", "top_p", "top_k", "max_new_tokens",
+                                                            "first_chunk_frames", "chunk_frames")}
+    return SpeechParams(input=text, model=model, voice=voice, response_format=fmt, speed=speed,
+                        stream_format=stream_format, ref_audio=ref_audio, ref_text=ref_text, **values)

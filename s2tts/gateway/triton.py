@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -12,14 +14,13 @@ import numpy as np
 import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from .. import errors
 from ..client import TTSInput
+from ..errors import S2Error
+from ..settings import REQUEST_FIELDS, model_values
 from .errors import APIError
 
 log = logging.getLogger("s2tts.gateway")
-
-# Messages of in-stream errors that mean "the server cannot serve now", not "your input is wrong".
-_UNAVAILABLE_HINTS = ("unknown model", "is not ready", "stub process", "failed to connect", "model is unavailable")
-
 
 @dataclass
 class SynthesisRequest(TTSInput):
@@ -36,9 +37,27 @@ class Chunk:
     final: bool = False
 
 
+# s2pro input -> the field of POST /v1/audio/speech that carries it
+HTTP_FIELD = {f.name: f.http for f in REQUEST_FIELDS.values()}
+
+
+def http_error(err: S2Error, what: str) -> APIError:
+    """A model's error as the gateway answers it: the status from its class (s2tts.errors.HTTP_STATUS), never from
+    the words of its message; the input it names renamed to the HTTP field the caller sent."""
+    status = err.http_status if err.http_status != 499 else 400
+    param = HTTP_FIELD.get(err.param, err.param) if err.param and err.param != errors.SHUTDOWN else None
+    message = err.message
+    if err.param and param and param != err.param:
+        message = re.sub(rf"\b{re.escape(err.param)}\b", param, message)
+    if status >= 500 and what not in message:
+        message = f"{what}: {message}"
+    headers = {"Retry-After": "1" if err.code == "unavailable" else "5"} if err.retryable else None
+    return APIError(status, message, param=param, code=err.code, headers=headers)
+
+
 def _unreachable(url: str, err: Exception) -> APIError:
     return APIError(502, f"the inference server at {url} is unreachable ({_short(err)}); retry later",
-                    code="upstream_unreachable", type="server_error")
+                    code="upstream_unreachable", type="server_error", headers={"Retry-After": "5"})
 
 
 def _short(err: Exception) -> str:
@@ -50,26 +69,20 @@ def _short(err: Exception) -> str:
 
 
 def _rpc_error(url: str, err: Exception, what: str) -> APIError:
+    """A failed gRPC call: a model's tagged error keeps its class; a connection that failed is 502."""
     code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
     status = str(err.status()) if isinstance(err, InferenceServerException) else ""
     msg = (err.details() if code else err.message() if isinstance(err, InferenceServerException) else str(err)) or ""
+    if errors.is_tagged(msg):
+        return http_error(errors.parse(msg), what)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or "UNAVAILABLE" in status \
             or "DEADLINE_EXCEEDED" in status:
         return _unreachable(url, err)
-    if any(h in msg.lower() for h in _UNAVAILABLE_HINTS):
-        return APIError(503, f"{what} is not available on the inference server: {msg}",
-                        code="model_not_ready", headers={"Retry-After": "5"})
-    if code == grpc.StatusCode.INVALID_ARGUMENT or "INVALID_ARG" in status:
-        return APIError(400, msg, code="invalid_value")
-    return APIError(502, f"{what} failed on the inference server: {_short(err)}", code="upstream_error")
-
-
-def _model_error(msg: str, what: str) -> APIError:
-    low = msg.lower()
-    if any(h in low for h in _UNAVAILABLE_HINTS):
-        return APIError(503, f"{what} is not available on the inference server: {msg}",
-                        code="model_not_ready", headers={"Retry-After": "5"})
-    return APIError(400, msg, code="invalid_value")
+    parsed = errors.parse(msg, "INVALID_ARG" if (code == grpc.StatusCode.INVALID_ARGUMENT or "INVALID_ARG" in status)
+                          else None)
+    if parsed.code == "internal":
+        return APIError(502, f"{what} failed on the inference server: {_short(err)}", code="upstream_error")
+    return http_error(parsed, what)
 
 
 class SpeechStream:
@@ -102,9 +115,7 @@ class SpeechStream:
             raise _rpc_error(self.url, e, "s2pro") from None
         if error is not None:
             self._finished = True
-            if self._got_audio:
-                raise APIError(500, f"generation failed: {error.message()}", code="generation_failed")
-            raise _model_error(error.message(), "s2pro")
+            raise http_error(errors.parse(error.message()), "s2pro")
         resp = result.get_response()
         final = bool(resp.parameters["triton_final_response"].bool_param) if "triton_final_response" in resp.parameters else False
         names = {o.name for o in resp.outputs}
@@ -152,6 +163,7 @@ class TritonBackend:
         self.encoder_model = encoder_model
         self.timeout_s = timeout_s
         self._client: grpcclient.InferenceServerClient | None = None
+        self._limits: tuple[float, dict] | None = None  # (when read, s2pro's limits)
 
     @property
     def client(self) -> grpcclient.InferenceServerClient:
@@ -172,6 +184,24 @@ class TritonBackend:
         except Exception as e:  # noqa: BLE001
             out["error"] = _short(e)
         return out
+
+    async def served_limits(self, ttl_s: float = 30.0) -> dict:
+        """s2pro's request limits as served (its config.pbtxt parameters, read through Triton and checked by the one
+        settings schema); the schema's defaults while the server cannot be asked."""
+        from .protocol import DEFAULT_LIMITS
+
+        now = time.monotonic()
+        if self._limits is not None and now - self._limits[0] < ttl_s:
+            return self._limits[1]
+        try:
+            cfg = await asyncio.wait_for(self.client.get_model_config(self.model, as_json=True), 3.0)
+            v = model_values(cfg.get("config", cfg), "s2pro")
+            limits = {k: v[k] for k in DEFAULT_LIMITS}
+            self._limits = (now, limits)
+            return limits
+        except Exception as e:  # noqa: BLE001 - unreachable or not ready: check against the defaults meanwhile
+            log.info("gateway: could not read %s's limits (%s); using the defaults", self.model, _short(e))
+            return dict(DEFAULT_LIMITS)
 
     def open_stream(self, req: SynthesisRequest) -> SpeechStream:
         stream = SpeechStream(self.url, req.request_id)

@@ -4,6 +4,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from s2tts import errors, settings
 from s2tts import triton_utils as tu
 from s2tts.checkpoint import load_codec_from_dir
 
@@ -12,14 +13,11 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
-        cfg = json.loads(args["model_config"])
-        tu.setup_logging("dac_encoder")
-        ckpt = tu.get_param(cfg, "checkpoint")
-        if not ckpt:
-            raise ValueError("dac_encoder: set the `checkpoint` parameter in config.pbtxt")
-        tu.codec_precision(tu.get_param(cfg, "dtype", str, "fp32"), tu.get_param(cfg, "tf32", bool, True))
-        self.codec = load_codec_from_dir(ckpt, tu.get_param(cfg, "device", str, "auto"), tu.get_param(cfg, "dtype", str, "fp32"))
-        self.max_seconds = tu.get_param(cfg, "max_reference_seconds", float, 30.0)
+        v = settings.model_values(json.loads(args["model_config"]), "dac_encoder")
+        self.log = tu.setup_logging("dac_encoder")
+        tu.codec_precision(v.codec_dtype, v.codec_tf32)
+        self.codec = load_codec_from_dir(v.checkpoint, v.codec_device, v.codec_dtype)
+        self.max_seconds = v.max_reference_seconds
         self.device = next(self.codec.parameters()).device
         self.torch = torch
 
@@ -34,8 +32,9 @@ class TritonPythonModel:
                 with self.torch.inference_mode():
                     codes = self.codec.encode(x)[0].to(self.torch.int32).cpu().numpy()
                 out.append(pb_utils.InferenceResponse(output_tensors=[tu.tensor("codes", codes)]))
-            except ValueError as e:
-                out.append(tu.error_response(str(e)))
-            except Exception as e:
-                out.append(tu.error_response(f"dac_encoder: {e}", "INTERNAL"))
+            except Exception as e:  # noqa: BLE001 - one bad request never fails the others
+                err = errors.from_exception(e, "dac_encoder")
+                if err.code != "invalid_argument":
+                    self.log.exception("dac_encoder: request %s failed", request.request_id())
+                out.append(tu.s2_error_response(err))
         return out

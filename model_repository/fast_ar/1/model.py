@@ -8,6 +8,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from s2tts import errors, settings
 from s2tts import triton_utils as tu
 from s2tts.checkpoint import codec_codebook_sizes, load_model
 from s2tts.engine import InProcessFastAR
@@ -17,13 +18,11 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
-        cfg = json.loads(args["model_config"])
+        v = settings.model_values(json.loads(args["model_config"]), "fast_ar")
         tu.setup_logging("fast_ar")
-        ckpt = tu.get_param(cfg, "checkpoint")
-        if not ckpt:
-            raise ValueError("fast_ar: set the `checkpoint` parameter in config.pbtxt")
-        model = load_model(ckpt, tu.get_param(cfg, "device", str, "auto"), tu.get_param(cfg, "dtype", str, "bf16"), parts=("fast",))
-        self.max_rows = tu.get_param(cfg, "max_batch", int, 64)
+        ckpt = v.checkpoint
+        model = load_model(ckpt, v.device, v.dtype, parts=("fast",))
+        self.max_rows = v.fast_ar_max_batch
         p = next(model.fast.parameters())
         model.fast.setup_caches(self.max_rows, p.dtype, p.device)
         self.run = InProcessFastAR(model, codec_codebook_sizes(ckpt)[1])
@@ -38,13 +37,14 @@ class TritonPythonModel:
                 hidden = get("hidden")
                 B = hidden.shape[0]
                 if B > self.max_rows:
-                    raise ValueError(f"at most {self.max_rows} rows per request (got {B})")
+                    raise errors.invalid(f"at most {self.max_rows} rows per request (got {B}): raise the setting "
+                                         "fast_ar_max_batch", "hidden")
                 t = lambda a, dt: torch.as_tensor(np.ascontiguousarray(a), device=self.device).to(dt)  # noqa: E731
                 with torch.inference_mode():
                     codes = self.run(t(hidden, self.dtype), t(get("code0"), torch.int64), t(get("temperature"), torch.float32),
                                      t(get("top_p"), torch.float32), t(get("top_k"), torch.int64), t(get("seed"), torch.int64),
                                      t(get("step"), torch.int64))
                 out.append(pb_utils.InferenceResponse(output_tensors=[tu.tensor("codes", codes.to(torch.int32).cpu().numpy())]))
-            except Exception as e:
-                out.append(tu.error_response(f"fast_ar: {e}"))
+            except Exception as e:  # noqa: BLE001 - one bad request never fails the others
+                out.append(tu.s2_error_response(errors.from_exception(e, "fast_ar")))
         return out

@@ -8,11 +8,10 @@ the exported streaming decoder) through BLS: codes + state in, audio + new state
 import json
 import time
 
+from s2tts import settings
 from s2tts import triton_utils as tu
 from s2tts.codec_stream import StreamDecoder
 from s2tts.export import GraphStreamCodec, load_manifest, triton_bls_runner
-
-IDLE_TIMEOUT_S = 600.0
 
 
 class TritonPythonModel:
@@ -26,7 +25,7 @@ class TritonPythonModel:
         spec = manifest["graphs"]["dac_decoder_stream"]
         device = tu.get_param(cfg, "device", str, "cuda")
         run = triton_bls_runner(tu.get_param(cfg, "engine_model", str, "dac_decoder_trt"), [o["name"] for o in spec["outputs"]], device)
-        self.decoder = StreamDecoder(GraphStreamCodec(run, manifest, device=device), idle_timeout_s=IDLE_TIMEOUT_S)
+        self.decoder = StreamDecoder(GraphStreamCodec(run, manifest, device=device), idle_timeout_s=settings.SCHEMA["codec_idle_timeout_s"].default)
 
     def execute(self, requests):
         return tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic())

@@ -8,6 +8,7 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
+from s2tts import errors
 from s2tts import triton_utils as tu
 from s2tts.export import load_manifest, triton_bls_runner
 
@@ -44,8 +45,6 @@ class TritonPythonModel:
                     raise ValueError(f"waveform is longer than the encoder engine's profile ({self.max_frames} frames): trim it")
                 codes = self.run({"waveform": x.to(self.device)})["codes"][0]
                 out.append(pb_utils.InferenceResponse(output_tensors=[tu.tensor("codes", codes.to(torch.int32).cpu().numpy())]))
-            except ValueError as e:
-                out.append(tu.error_response(str(e)))
-            except Exception as e:
-                out.append(tu.error_response(f"dac_encoder: {e}", "INTERNAL"))
+            except Exception as e:  # noqa: BLE001 - one bad request never fails the others
+                out.append(tu.s2_error_response(errors.from_exception(e, "dac_encoder")))
         return out

@@ -1,0 +1,250 @@
+"""The life of a request inside one model instance, without Triton.
+
+Every request a model accepts gets a `Tracked` record under an internal id. Responses
+go out through the record, and the record sends exactly one final response, whatever
+ends the request: the normal end, a client cancel, a validation error, an engine or
+codec failure, a deadline, an admission refusal or shutdown. Whoever sends the final
+response first wins; later sends for that request are dropped (and counted), so no
+response can follow the final one and no request is left without one.
+
+The client's id (a gRPC request id, the gateway's id) is kept for cancellation and for
+log lines; it never keys model state, so two clients that send the same id cannot take
+over each other's stream.
+
+`Health` is the instance's own verdict: once an unrecoverable fault is seen, every
+request in flight is failed, new ones are refused at once with `unavailable`, and the
+adapter tells Triton (the model unloads itself, so readiness turns false).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from .errors import S2Error, unavailable
+
+log = logging.getLogger("s2tts")
+
+
+class Responder(Protocol):
+    """Where a request's responses go (a Triton response sender, or a test double)."""
+
+    def send(self, response: Any, final: bool) -> None: ...
+
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One request in flight. `state` is the adapter's (a chunker, a stream handle, ...)."""
+
+    iid: int
+    client_id: str
+    responder: Responder
+    received: float = field(default_factory=time.monotonic)
+    deadline: float | None = None
+    state: Any = None
+    outcome: str | None = None  # set when the final response has been sent
+    dropped: int = 0  # responses refused because the final one had gone
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _table: "RequestTable | None" = field(default=None, repr=False)
+
+    @property
+    def closed(self) -> bool:
+        return self.outcome is not None
+
+    @property
+    def tag(self) -> str:
+        """How log lines name this request: the caller's id and ours."""
+        return f"{self.client_id}#{self.iid}"
+
+    def send(self, response: Any) -> bool:
+        """A non-final response; False (dropped) when the request has already ended."""
+        with self._lock:
+            if self.outcome is not None:
+                self.dropped += 1
+                return False
+            self.responder.send(response, False)
+            return True
+
+    def finish(self, response: Any, outcome: str) -> bool:
+        """The final response, once: True if this call sent it."""
+        with self._lock:
+            if self.outcome is not None:
+                self.dropped += 1
+                return False
+            self.outcome = outcome
+            try:
+                self.responder.send(response, True)
+            except Exception as e:  # the client is gone; the request has ended all the same
+                log.info("request %s: final response not delivered (%s)", self.tag, e)
+        if self._table is not None:
+            self._table._closed(self)
+        return True
+
+    def fail(self, error: S2Error) -> bool:
+        """End the request with an error response, once."""
+        if self._table is None:
+            raise RuntimeError("fail() needs a record opened by a RequestTable")
+        return self.finish(self._table.make_error(error), f"error:{error.code}")
+
+
+class Health:
+    """ok until an unrecoverable fault; then every request is refused with `unavailable`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.reason: str | None = None
+        self.failed_at: float | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+    def fail(self, reason: str) -> bool:
+        """Mark unhealthy; True the first time."""
+        with self._lock:
+            if self.reason is not None:
+                return False
+            self.reason, self.failed_at = reason, time.monotonic()
+        log.error("%s is unhealthy: %s", self.name, reason)
+        return True
+
+    def error(self) -> S2Error:
+        return unavailable(f"{self.name} is unavailable after an unrecoverable fault ({self.reason}); "
+                           "it is being restarted or needs a restart of the server")
+
+    def check(self) -> None:
+        if self.reason is not None:
+            raise self.error()
+
+
+class RequestTable:
+    """The requests in flight in one model instance, keyed by internal id.
+
+    `limit`: the most requests in flight; `open` refuses more with `unavailable` at once (never queues).
+    `make_error(S2Error) -> response`: how the adapter answers an error (a Triton error response).
+    """
+
+    def __init__(self, name: str, make_error: Callable[[S2Error], Any], limit: int | None = None,
+                 health: Health | None = None, retry_after_s: float = 1.0):
+        self.name = name
+        self.make_error = make_error
+        self.limit = limit
+        self.health = health or Health(name)
+        self.retry_after_s = retry_after_s
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._live: dict[int, Tracked] = {}
+        self._by_client: dict[str, int] = {}
+        self.counts = {"opened": 0, "refused": 0, "finished": 0}
+        self._outcomes: dict[str, int] = {}
+
+    # ---- admission -------------------------------------------------------------------------
+    def open(self, client_id: str, responder: Responder, timeout_s: float | None = None, state: Any = None,
+             unique: bool = True) -> Tracked:
+        """Admit a request, or raise S2Error (and send nothing: the caller answers the refusal through
+        `refuse`). `unique`: a client id that is live already is refused with `already_exists`; the live
+        request is not touched."""
+        self.health.check()
+        with self._lock:
+            if unique and client_id and client_id in self._by_client:
+                self.counts["refused"] += 1
+                raise S2Error("already_exists", f"request id {client_id!r} is already in flight on {self.name}: "
+                                                "give each request its own id", "request_id")
+            if self.limit is not None and len(self._live) >= self.limit:
+                self.counts["refused"] += 1
+                raise unavailable(f"{self.name} is busy: {len(self._live)} requests in flight, the limit is "
+                                  f"{self.limit}; retry in {self.retry_after_s:g} s")
+            now = time.monotonic()
+            rec = Tracked(next(self._ids), client_id or "", responder, now,
+                          None if not timeout_s else now + timeout_s, state)
+            rec._table = self
+            self._live[rec.iid] = rec
+            if client_id and unique:
+                self._by_client[client_id] = rec.iid
+            self.counts["opened"] += 1
+        return rec
+
+    def refuse(self, responder: Responder, error: S2Error) -> None:
+        """Answer a request that was never admitted (one final error response)."""
+        try:
+            responder.send(self.make_error(error), True)
+        except Exception as e:  # noqa: BLE001
+            log.info("%s: refusal not delivered (%s)", self.name, e)
+
+    def _closed(self, rec: Tracked) -> None:
+        with self._lock:
+            if self._live.pop(rec.iid, None) is not None:
+                self.counts["finished"] += 1
+                self._outcomes[rec.outcome] = self._outcomes.get(rec.outcome, 0) + 1
+            if self._by_client.get(rec.client_id) == rec.iid:
+                del self._by_client[rec.client_id]
+
+    # ---- lookups ---------------------------------------------------------------------------
+    def get(self, iid: int) -> Tracked | None:
+        with self._lock:
+            return self._live.get(iid)
+
+    def by_client(self, client_id: str) -> Tracked | None:
+        with self._lock:
+            iid = self._by_client.get(client_id)
+            return self._live.get(iid) if iid is not None else None
+
+    def live(self) -> list[Tracked]:
+        with self._lock:
+            return list(self._live.values())
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def expired(self, now: float | None = None) -> list[Tracked]:
+        now = time.monotonic() if now is None else now
+        return [r for r in self.live() if r.deadline is not None and now >= r.deadline]
+
+    # ---- ending many -----------------------------------------------------------------------
+    def fail_all(self, error: S2Error) -> int:
+        """Fail every request in flight (shutdown, an unrecoverable fault); returns how many."""
+        return sum(r.fail(error) for r in self.live())
+
+    def outcomes(self) -> dict[str, int]:
+        """Finished requests by outcome ("ok", "length", "cancelled", "error:<code>", ...)."""
+        with self._lock:
+            return dict(self._outcomes)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"in_flight": len(self._live), **self.counts, "healthy": self.health.ok}
+
+
+def guarded(name: str, body: Callable[[], None], stop: threading.Event, on_death: Callable[[str], None],
+            on_error: Callable[[BaseException], None] | None = None, max_consecutive_errors: int = 3) -> Callable[[], None]:
+    """A thread target that runs `body()` until `stop` is set. An exception in one pass is logged and passed
+    to `on_error`; `max_consecutive_errors` passes in a row that raise, or anything that escapes, kill the
+    loop: `on_death(reason)` is called so the model can report itself unhealthy instead of hanging."""
+
+    def run():
+        errors = 0
+        try:
+            while not stop.is_set():
+                try:
+                    body()
+                    errors = 0
+                except Exception as e:  # noqa: BLE001
+                    errors += 1
+                    log.exception("%s: error in loop pass (%d in a row)", name, errors)
+                    if on_error is not None:
+                        on_error(e)
+                    if errors >= max_consecutive_errors:
+                        raise
+        except BaseException as e:  # noqa: BLE001
+            log.critical("%s: thread died: %s: %s", name, type(e).__name__, e)
+            on_death(f"{name} thread died: {type(e).__name__}: {e}")
+
+    return run

@@ -1,0 +1,348 @@
+"""What `s2pro` does for each request, without Triton: reference -> prompt -> frames -> audio.
+
+    TTSService(downstream, prompts, s2, settings, make_chunk, make_final, make_error)
+
+`Downstream` is the rest of the pipeline (in Triton: BLS calls to dac_encoder, slow_ar and
+dac_decoder; in tests: anything with the same methods). Each admitted request runs on a
+worker thread of a pool and ends in exactly one final response (`lifecycle.Tracked`); the
+worker checks the client's cancel at each response from slow_ar. A supervisor thread
+watches every request in flight:
+- past `request_timeout_s` the request ends with `deadline_exceeded`;
+- after `stall_timeout_s` of silence from the model it waits on, s2pro asks slow_ar whether
+  the request is alive; a model that does not answer (its process died) or lost the request
+  ends it with `unavailable`.
+Every exit that did not see the end of generation cancels it in slow_ar, and every opened
+codec stream is closed. A model whose process died, or that reported an unrecoverable fault,
+is reloaded when `auto_recover` is on (the requests that depended on it end at once);
+meanwhile new requests are refused with `unavailable`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import numpy as np
+
+from . import errors
+from .errors import S2Error
+from .lifecycle import RequestTable, Responder, Tracked, guarded
+from .service import Stats, TTSRequest
+
+log = logging.getLogger("s2tts")
+
+ENGINE, ENCODER, DECODER = "slow_ar", "dac_encoder", "dac_decoder"
+
+
+class Downstream(Protocol):
+    def encode(self, audio: np.ndarray, sample_rate: int, tag: str) -> np.ndarray:
+        """-> codes [num_codebooks, frames]; raises S2Error."""
+
+    def generate(self, rid: str, prompt, req: TTSRequest) -> Iterator[tuple[np.ndarray, str, dict | None]]:
+        """slow_ar's stream: (frames [n, C], finish reason or "", stats on the last); raises S2Error."""
+
+    def control(self, rid: str, what: str) -> dict:
+        """slow_ar control request ("cancel" | "status") -> its JSON answer; raises S2Error."""
+
+    def decode(self, sid: str, frames: np.ndarray, start: bool, final: bool) -> np.ndarray:
+        """One chunk [n, C] of codec stream `sid` -> float32 audio; raises S2Error."""
+
+    def is_ready(self, model: str) -> bool: ...
+
+    def reload(self, model: str) -> None:
+        """Unload and load `model` again (raises if the server does not allow it)."""
+
+
+class Cancelled(Exception):
+    pass
+
+
+@dataclass
+class Work:
+    """A request's progress, read by the supervisor."""
+
+    req: TTSRequest
+    stats: Stats
+    rid: str = ""  # slow_ar's request id: "<client id>/<internal id>"
+    phase: str = "queued"  # queued | encoding | generating | decoding | done
+    progress: float = field(default_factory=time.monotonic)
+    generation_open: bool = False  # slow_ar has the request and no cancel was sent
+    stream_done: bool = False  # slow_ar's stream reached its final response
+    decoder_open: bool = False
+    last_check: float = 0.0
+
+    def step(self, phase: str) -> None:
+        self.phase, self.progress = phase, time.monotonic()
+
+
+class TTSService:
+    def __init__(self, downstream: Downstream, prompts, s2, values: dict,
+                 make_chunk: Callable[[np.ndarray, np.ndarray, int], Any],
+                 make_final: Callable[[Stats, int], Any], make_error: Callable[[S2Error], Any],
+                 name: str = "s2pro", supervise_s: float = 0.2, on_tick: Callable[["TTSService"], None] | None = None):
+        self.down = downstream
+        self.prompts = prompts
+        self.s2 = s2
+        self.v = values
+        self.name = name
+        self.make_chunk, self.make_final = make_chunk, make_final
+        self.table = RequestTable(name, make_error, limit=values["max_concurrent_requests"])
+        # A pool, as the previous main had: fewer Python threads made and destroyed under load (see perf/RESULTS.md,
+        # the soak); room above the admission limit for workers left waiting on a model that died.
+        self.pool = ThreadPoolExecutor(max_workers=values["max_concurrent_requests"] + 16, thread_name_prefix="s2pro-worker")
+        self.supervise_s = supervise_s
+        self.on_tick = on_tick  # called every supervisor pass (metrics)
+        self.recovering: dict[str, float] = {}  # model -> when its reload started
+        self.last_reload: dict[str, float] = {}
+        self.reload_backoff_s = 30.0
+        self._lock = threading.Lock()
+        self.stop = threading.Event()
+        self.supervisor = threading.Thread(target=guarded(f"{name} supervisor", self._supervise, self.stop,
+                                                          self.table.health.fail, max_consecutive_errors=10**9),
+                                           name="s2tts-supervisor", daemon=True)
+        self.supervisor.start()
+
+    # ---- admission ------------------------------------------------------------------------
+    def submit(self, client_id: str, responder: Responder, req: TTSRequest) -> Tracked | None:
+        with self._lock:
+            recovering = sorted(self.recovering)
+        if recovering:
+            self.table.refuse(responder, errors.unavailable(
+                f"{', '.join(recovering)} is restarting after a fault; retry in a few seconds"))
+            return None
+        try:
+            rec = self.table.open(client_id, responder, timeout_s=self.v["request_timeout_s"], unique=False,
+                                  state=Work(req, Stats(seed=req.params.seed, request_id=client_id)))
+        except S2Error as e:
+            log.info("%s: request %s refused: %s", self.name, client_id, e.wire())
+            self.table.refuse(responder, e)
+            return None
+        rec.state.rid = f"{client_id or 'request'}/{rec.iid}"
+        self.pool.submit(self._serve, rec)
+        return rec
+
+    # ---- one request, on its worker thread --------------------------------------------------
+    def _serve(self, rec: Tracked) -> None:
+        w: Work = rec.state
+        req, stats = w.req, w.stats
+        seq = 0
+        stream = None
+        try:
+            ref_codes = req.reference_codes
+            if req.reference_audio is not None:
+                w.step("encoding")
+                ref_codes = self._call(ENCODER, self.down.encode, req.reference_audio, req.reference_sample_rate, rec.tag)
+            prompt = self.prompts.build(req.text, ref_codes, req.reference_text)
+            stats.prompt_tokens = len(prompt)
+            w.step("generating")
+            w.generation_open = True
+            stream = self._call(ENGINE, self.down.generate, w.rid, prompt, req)
+            while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
+                try:
+                    frames, reason, gstats = self._call(ENGINE, next, stream)
+                except StopIteration:
+                    w.generation_open, w.stream_done = False, True
+                    raise errors.internal("slow_ar ended the stream without a final response") from None
+                except S2Error:
+                    w.generation_open, w.stream_done = False, True  # an error response is slow_ar's final one
+                    raise
+                if reason:
+                    w.generation_open, w.stream_done = False, True
+                    stats.finish_reason = reason
+                    if gstats:
+                        stats.queue_s = gstats.get("queue_s")
+                w.step("generating")
+                if rec.closed:
+                    break
+                if rec.responder.is_cancelled():
+                    raise Cancelled()
+                if frames.shape[0]:
+                    stats.frames += frames.shape[0]
+                    w.step("decoding")
+                    audio = self._call(DECODER, self.down.decode, w.rid, frames, seq == 0, bool(reason))
+                    w.decoder_open = not reason
+                    w.step("generating")
+                    stats.audio_sent(audio.size)
+                    if not rec.send(self.make_chunk(audio, frames, seq)):
+                        break
+                    seq += 1
+                if reason:
+                    self._close_decoder(w)
+                    w.step("done")
+                    if reason == "cancelled":
+                        log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
+                    if rec.finish(self.make_final(stats, seq), "ok"):
+                        log.info("%s: request %s done: %d frames, finish reason %s, first audio after %s s", self.name,
+                                 rec.tag, stats.frames, reason, None if stats.first_audio is None else
+                                 round(stats.first_audio - stats.started, 3))
+                    break
+        except Cancelled:
+            stats.finish_reason = "cancelled"
+            self._release(w, stream)  # cancel generation before answering
+            log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
+            rec.finish(self.make_final(stats, seq), "cancelled")
+        except Exception as e:  # noqa: BLE001 - every other exit: one final error, downstream released
+            err = errors.from_exception(e, self.name)
+            if rec.fail(err):
+                (log.info if err.code == "invalid_argument" else log.warning)(
+                    "%s: request %s failed in %s: %s", self.name, rec.tag, w.phase, err.wire())
+        finally:
+            self._release(w, stream)
+
+    def _release(self, w: Work, stream) -> None:
+        """Whatever the request still holds downstream: its codec stream, and its generation (cancelled, and its
+        stream read to the end so that no BLS stream stays open; if slow_ar died this thread waits there for good,
+        holding nothing)."""
+        self._close_decoder(w)
+        self._end_generation(w)
+        if stream is not None and not w.stream_done:
+            w.stream_done = True
+            self._drain(stream)
+
+    def _drain(self, stream) -> None:
+        """Read a cancelled slow_ar stream to its final response, so that no BLS stream stays open here."""
+        try:
+            for _frames, reason, _stats in stream:
+                if reason:
+                    return
+        except Exception:  # noqa: BLE001 - an error response also ends it
+            return
+
+    def _call(self, model: str, fn, *args):
+        """A downstream call; its failure is an S2Error, and a model that died starts a recovery."""
+        try:
+            return fn(*args)
+        except StopIteration:
+            raise
+        except S2Error as e:
+            if e.code == "unavailable":
+                self._model_failed(model, e.message, param=e.param)
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise errors.from_exception(e, model) from None
+
+    def _end_generation(self, w: Work) -> bool:
+        """Cancel the request in slow_ar unless it already ended there; True if a cancel was delivered."""
+        if not w.generation_open:
+            return False
+        w.generation_open = False
+        try:
+            self.down.control(w.rid, "cancel")
+            return True
+        except Exception as e:  # noqa: BLE001 - slow_ar is gone: nothing left to cancel
+            log.info("%s: cancel of %s not delivered to slow_ar (%s)", self.name, w.rid, e)
+            return False
+
+    def _close_decoder(self, w: Work) -> None:
+        if not w.decoder_open:
+            return
+        w.decoder_open = False
+        try:
+            self.down.decode(w.rid, np.zeros((0, self.s2.num_codebooks), np.int32), False, True)
+        except Exception as e:  # noqa: BLE001 - its state is dropped when idle anyway
+            log.info("%s: codec stream %s not closed (%s)", self.name, w.rid, e)
+
+    # ---- supervision ------------------------------------------------------------------------
+    def _supervise(self) -> None:
+        self.stop.wait(self.supervise_s)
+        if self.on_tick is not None:
+            self.on_tick(self)
+        now = time.monotonic()
+        for rec in self.table.live():
+            w: Work = rec.state
+            if rec.closed:
+                continue
+            if rec.deadline is not None and now >= rec.deadline:
+                self._abort(rec, S2Error("deadline_exceeded", f"the request ran longer than request_timeout_s="
+                                         f"{self.v['request_timeout_s']:g} s (in {w.phase}); shorten the text or lower "
+                                         "max_new_tokens, or raise the setting"))
+                continue
+            if now - w.progress > self.v["stall_timeout_s"] and now - w.last_check > self.v["stall_timeout_s"]:
+                w.last_check = now
+                self._check_stalled(rec)
+
+    def _check_stalled(self, rec: Tracked) -> None:
+        w: Work = rec.state
+        model = {"encoding": ENCODER, "decoding": DECODER}.get(w.phase, ENGINE)
+        if model == ENGINE and w.generation_open:
+            try:
+                status = self.down.control(w.rid, "status")
+            except Exception as e:  # noqa: BLE001
+                err = errors.from_exception(e, ENGINE)
+                self._model_failed(ENGINE, err.message, force=True)
+                self._abort(rec, errors.unavailable(f"slow_ar stopped answering ({err.message})"))
+                return
+            if status.get("request") == "unknown":
+                self._abort(rec, errors.unavailable("slow_ar lost the request (it was restarted); retry"))
+            else:
+                log.info("%s: request %s silent for %.0f s but %s in slow_ar", self.name, rec.tag,
+                         time.monotonic() - w.progress, status.get("request"))
+        elif not self.down.is_ready(model):
+            self._model_failed(model, f"{model} is not ready", force=True)
+            self._abort(rec, errors.unavailable(f"{model} stopped answering"))
+
+    def _abort(self, rec: Tracked, err: S2Error) -> None:
+        """End a request from outside its worker (which may be blocked on a dead model)."""
+        w: Work = rec.state
+        if not rec.fail(err):
+            return
+        log.warning("%s: request %s ended in %s: %s", self.name, rec.tag, w.phase, err.wire())
+        self._end_generation(w)
+        if w.phase != "decoding":  # its worker may never come back (a dead slow_ar): release the codec stream here
+            self._close_decoder(w)
+
+    def _model_failed(self, model: str, reason: str, force: bool = False, param: str | None = None) -> None:
+        """A model answered `unavailable`: if it died or unloaded itself, end the requests that wait on it and
+        (auto_recover) reload it. Not when it is being shut down (param "shutdown"), nor while this one is."""
+        if self.stop.is_set() or param == errors.SHUTDOWN:
+            return
+        if not force and not (errors.model_is_dead(reason) or not self.down.is_ready(model)):
+            return  # busy: that request alone failed
+        with self._lock:
+            if model in self.recovering:
+                return
+            if not self.v["auto_recover"] or time.monotonic() - self.last_reload.get(model, -1e9) < self.reload_backoff_s:
+                log.error("%s: %s is unavailable (%s); not reloading it (auto_recover=%s)", self.name, model, reason,
+                          self.v["auto_recover"])
+                return
+            self.recovering[model] = self.last_reload[model] = time.monotonic()
+        log.error("%s: %s failed (%s): ending the requests that wait on it and reloading it", self.name, model, reason)
+        phases = {ENGINE: ("generating",), DECODER: ("generating", "decoding"), ENCODER: ("encoding",)}[model]
+        for rec in self.table.live():
+            if rec.state.phase in phases:
+                self._abort(rec, errors.unavailable(f"{model} failed while serving this request ({reason}); retry"))
+        threading.Thread(target=self._reload, args=(model,), name=f"s2tts-reload-{model}", daemon=True).start()
+
+    def _reload(self, model: str) -> None:
+        t0 = time.monotonic()
+        try:
+            self.down.reload(model)
+            log.warning("%s: %s reloaded in %.1f s", self.name, model, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001
+            log.error("%s: reloading %s failed (%s): it stays unavailable; restart the server", self.name, model, e)
+        finally:
+            with self._lock:
+                self.recovering.pop(model, None)
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    def shutdown(self) -> int:
+        """Every request in flight gets a final `unavailable` error; their generation is cancelled."""
+        self.stop.set()
+        self.supervisor.join(5)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        n = 0
+        for rec in self.table.live():
+            if rec.fail(errors.shutting_down(self.name)):
+                n += 1
+            self._end_generation(rec.state)
+        return n
+
+    def status(self) -> dict:
+        with self._lock:
+            recovering = sorted(self.recovering)
+        workers = sum(t.name.startswith("s2pro-worker") for t in threading.enumerate())
+        return {**self.table.stats(), "recovering": recovering, "worker_threads": workers}

@@ -1,0 +1,317 @@
+"""One schema for every setting and every request field: type, default, range, where it applies, doc.
+
+Everything else reads from here:
+- repository rendering (`resolve`: types, ranges, defaults and the rules that span models),
+- the models' adapters (`model_values`: each model's own keys from its config.pbtxt, defaults from here),
+- the README's settings table (`markdown_table`, checked by a test),
+- the gateway's limits (it reads the served values from s2pro's config, with these as fallback),
+- request validation in the models and the gateway (`REQUEST_FIELDS`, `check_field`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import S2Error, invalid
+
+MODELS = ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    type: type  # int, float, bool or str
+    default: Any  # None: unset (auto / required / derived)
+    models: tuple[str, ...]  # the models whose config.pbtxt declares it; () = tritonserver itself or rendering
+    doc: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] | None = None
+    required: bool = False
+    derived_from: str | None = None  # unset: takes this other setting's value
+    auto: bool = False  # unset means "decide at run time" (shown as `auto`)
+
+    def parse(self, raw: Any) -> Any:
+        """A raw value (a string from --set or config.pbtxt, or a Python value) -> typed and checked."""
+        if isinstance(raw, str):
+            text = raw.strip()
+            if self.auto and text.lower() == "auto":
+                return None
+            if self.type is bool:
+                low = text.lower()
+                if low not in _TRUE | _FALSE:
+                    raise invalid(f"setting {self.key}={raw!r}: use true or false", self.key)
+                value = low in _TRUE
+            elif self.type is str:
+                value = text
+            else:
+                try:
+                    value = self.type(text)
+                except ValueError:
+                    raise invalid(f"setting {self.key}={raw!r} is not a valid {self.type.__name__}", self.key) from None
+        else:
+            value = raw
+        if value is None:
+            return None
+        if self.choices is not None and value not in self.choices:
+            raise invalid(f"setting {self.key}={value!r}: use one of {', '.join(self.choices)}", self.key)
+        if self.min is not None and value < self.min:
+            raise invalid(f"setting {self.key}={value} is below its minimum {self.min:g}", self.key)
+        if self.max is not None and value > self.max:
+            raise invalid(f"setting {self.key}={value} is above its maximum {self.max:g}", self.key)
+        return value
+
+    def format(self, value: Any) -> str:
+        if value is None:
+            return "auto" if self.auto else ""
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        return f"{value:g}" if isinstance(value, float) else str(value)
+
+    def default_text(self) -> str:
+        if self.required:
+            return "(required)"
+        if self.derived_from:
+            return f"= `{self.derived_from}`"
+        if self.default is None:
+            return "`auto`" if self.auto else "(unset)"
+        return f"`{self.format(self.default)}`"
+
+
+_ALL = ("slow_ar", "fast_ar", "dac_encoder", "dac_decoder", "s2pro")
+SETTINGS: tuple[Setting, ...] = (
+    Setting("checkpoint", str, None, _ALL, "S2 Pro checkpoint directory (official layout)", required=True),
+    Setting("backend", str, "python", (), "`python`, `tensorrt` (NGC container, engines built) or `onnxruntime`: "
+            "what runs the fast AR and the codec (docs/TENSORRT.md)", choices=("python", "tensorrt", "onnxruntime")),
+    Setting("engine_dir", str, None, (), "exported graphs / TensorRT engines for backend=tensorrt or onnxruntime "
+            "(default CHECKPOINT/engines)"),
+    Setting("address", str, "127.0.0.1", (), "the address tritonserver's HTTP, gRPC and metrics ports listen on when "
+            "this project starts it; `0.0.0.0` exposes them (they have no authentication: the gateway's API key does "
+            "not cover them)"),
+    Setting("device", str, "auto", ("slow_ar", "fast_ar"), "`cpu`, `cuda`, `cuda:N`, `auto` (CUDA when present): "
+            "the one CPU/GPU switch"),
+    Setting("codec_device", str, None, ("dac_encoder", "dac_decoder"), "put the codec elsewhere, e.g. `cuda:1` "
+            "(2-GPU profile)", derived_from="device"),
+    Setting("dtype", str, "bf16", ("slow_ar", "fast_ar"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
+    Setting("codec_dtype", str, "fp32", ("dac_encoder", "dac_decoder"), "codec precision",
+            choices=("fp32", "fp16", "bf16")),
+    Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder"), "let cuDNN use TF32 for the fp32 codec on GPUs "
+            "(about 2x faster at batch 32-64)"),
+    Setting("max_batch", int, 8, ("slow_ar",), "live requests decoded together (KV-cache slots)", min=1, max=1024),
+    Setting("max_seq_len", int, 4096, ("slow_ar",), "tokens per request (prompt + frames); KV memory = max_batch x "
+            "max_seq_len x 147 KB (full-size model)", min=64, max=32768),
+    Setting("max_queued_requests", int, 64, ("slow_ar",), "requests waiting for a KV slot; more are refused at once "
+            "with `unavailable`", min=0, max=100000),
+    Setting("fast_ar", str, "inprocess", ("slow_ar",), "`inprocess`, or `bls` (call the `fast_ar` model per frame)",
+            choices=("inprocess", "bls")),
+    Setting("fast_ar_max_batch", int, None, ("fast_ar",), "rows the `fast_ar` model takes per request; must be at "
+            "least `max_batch` when fast_ar=bls", min=1, max=1024, derived_from="max_batch"),
+    Setting("prefix_cache_mb", int, 512, ("slow_ar",), "KV cache of voice prefixes (system turn + reference codes), "
+            "reused by later requests of that voice; 0 = off", min=0),
+    Setting("max_prefill_tokens", int, 4096, ("slow_ar",), "prompt tokens prefilled per engine step (bounds the "
+            "stall of running streams)", min=16),
+    Setting("cuda_graphs", bool, None, ("slow_ar",), "CUDA graphs for the decode step; on by default on a GPU",
+            auto=True),
+    Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once; more are refused at "
+            "once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
+    Setting("first_chunk_frames", int, 4, ("s2pro",), "default frames in the first audio chunk (1 frame = 2048 "
+            "samples = 46 ms)", min=1),
+    Setting("chunk_frames", int, 16, ("s2pro",), "default frames in later chunks", min=1),
+    Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
+    Setting("max_text_chars", int, 2000, ("s2pro",), "longest text accepted (characters)", min=1),
+    Setting("max_reference_seconds", float, 30.0, ("s2pro", "dac_encoder"), "longest reference clip accepted",
+            min=0.5, max=600),
+    Setting("default_max_new_tokens", int, 1024, ("s2pro",), "frames generated at most when a request does not say "
+            "(unset: at most `max_new_tokens_limit`)", min=1),
+    Setting("max_new_tokens_limit", int, 2048, ("s2pro",), "the most frames a request may ask for (unset: at most "
+            "half of `max_seq_len`)", min=1),
+    Setting("request_timeout_s", float, 600.0, ("s2pro",), "a request still running after this long ends with "
+            "`deadline_exceeded` and its generation is cancelled", min=1),
+    Setting("stall_timeout_s", float, 20.0, ("s2pro",), "silence from slow_ar or the codec after which s2pro checks "
+            "that they are alive (a dead model fails its requests with `unavailable`)", min=0.5),
+    Setting("auto_recover", bool, True, ("s2pro",), "reload a model of the pipeline whose process died or that "
+            "reported an unrecoverable fault (needs --model-control-mode=explicit, which this project's launcher "
+            "uses)"),
+    Setting("codec_idle_timeout_s", float, 600.0, ("dac_decoder",), "decoder state of a stream that sends no chunk "
+            "for this long is dropped", min=1),
+)
+SCHEMA: dict[str, Setting] = {s.key: s for s in SETTINGS}
+RENDER_ONLY = {s.key for s in SETTINGS if not s.models}
+
+
+def _unknown(keys) -> S2Error:
+    return invalid(f"unknown setting(s) {sorted(keys)}: the settings are {', '.join(sorted(SCHEMA))} "
+                   "(README: Settings)", sorted(keys)[0])
+
+
+def resolve(given: dict[str, Any]) -> dict[str, Any]:
+    """Every setting's value: the given ones parsed and checked, the rest from their defaults (derived ones
+    from their source). Raises S2Error naming what to change; checks the rules that span models."""
+    unknown = set(given) - set(SCHEMA)
+    if unknown:
+        raise _unknown(unknown)
+    out: dict[str, Any] = {}
+    for s in SETTINGS:
+        raw = given.get(s.key)
+        out[s.key] = s.parse(raw) if raw is not None and raw != "" else None
+    for s in SETTINGS:
+        if out[s.key] is None:
+            if s.derived_from:
+                out[s.key] = out[s.derived_from] if out[s.derived_from] is not None else SCHEMA[s.derived_from].default
+            elif s.default is not None:
+                out[s.key] = s.default
+    if out["checkpoint"] is None:
+        raise invalid("setting checkpoint is required: an S2 Pro checkpoint directory", "checkpoint")
+    # defaults that follow a smaller KV cache: half of max_seq_len for the frames, the rest for the prompt
+    if given.get("max_new_tokens_limit") in (None, ""):
+        out["max_new_tokens_limit"] = min(out["max_new_tokens_limit"], out["max_seq_len"] // 2)
+    if given.get("default_max_new_tokens") in (None, ""):
+        out["default_max_new_tokens"] = min(out["default_max_new_tokens"], out["max_new_tokens_limit"])
+    check_rules(out)
+    return out
+
+
+def check_rules(v: dict[str, Any]) -> None:
+    """Rules between settings (of one model or of several)."""
+    def need(ok: bool, msg: str, key: str):
+        if not ok:
+            raise invalid(msg, key)
+
+    need(v["fast_ar"] != "bls" or v["fast_ar_max_batch"] >= v["max_batch"],
+         f"fast_ar_max_batch={v['fast_ar_max_batch']} is below max_batch={v['max_batch']}: with fast_ar=bls slow_ar "
+         f"sends up to max_batch rows per call; raise fast_ar_max_batch or leave it unset", "fast_ar_max_batch")
+    need(v["first_chunk_frames"] <= v["max_chunk_frames"] and v["chunk_frames"] <= v["max_chunk_frames"],
+         f"first_chunk_frames={v['first_chunk_frames']} and chunk_frames={v['chunk_frames']} must be at most "
+         f"max_chunk_frames={v['max_chunk_frames']}", "chunk_frames")
+    need(v["default_max_new_tokens"] <= v["max_new_tokens_limit"],
+         f"default_max_new_tokens={v['default_max_new_tokens']} is above max_new_tokens_limit="
+         f"{v['max_new_tokens_limit']}", "default_max_new_tokens")
+    need(v["max_new_tokens_limit"] < v["max_seq_len"],
+         f"max_new_tokens_limit={v['max_new_tokens_limit']} must be below max_seq_len={v['max_seq_len']} (the prompt "
+         "shares the sequence): raise max_seq_len or lower max_new_tokens_limit", "max_new_tokens_limit")
+
+
+def render_values(given: dict[str, Any]) -> dict[str, str]:
+    """`resolve` as the strings that fill the `${key}` placeholders of config.pbtxt ("" for unset)."""
+    v = resolve(given)
+    return {k: SCHEMA[k].format(x) for k, x in v.items()}
+
+
+class Values(dict):
+    """A model's settings: `values.max_batch` or `values["max_batch"]`."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+def model_values(model_config: dict | str, model: str) -> Values:
+    """The settings of `model` from its parsed config (the `parameters` of config.pbtxt), defaults from the
+    schema. A value left as a `${...}` placeholder or empty counts as unset. Bad values raise S2Error."""
+    if isinstance(model_config, str):
+        model_config = json.loads(model_config)
+    params = model_config.get("parameters", {}) or {}
+    out = Values()
+    for s in SETTINGS:
+        if model not in s.models:
+            continue
+        raw = (params.get(s.key) or {}).get("string_value")
+        if raw is not None and (raw.startswith("${") or raw.strip() == ""):
+            raw = None
+        value = s.parse(raw) if raw is not None else None
+        if value is None and not s.auto:
+            if s.derived_from:
+                src = SCHEMA[s.derived_from]
+                sraw = (params.get(src.key) or {}).get("string_value")
+                value = src.parse(sraw) if sraw and not sraw.startswith("${") else src.default
+            else:
+                value = s.default
+        if value is None and s.required:
+            raise invalid(f"{model}: set the `{s.key}` parameter in config.pbtxt ({s.doc})", s.key)
+        out[s.key] = value
+    return out
+
+
+def model_keys(model: str) -> set[str]:
+    return {s.key for s in SETTINGS if model in s.models}
+
+
+def markdown_table() -> str:
+    rows = ["| key | models | default | range | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        where = ", ".join(s.models) if s.models else "(server launch)"
+        if set(s.models) == set(_ALL):
+            where = "all"
+        if s.choices:
+            rng = " / ".join(f"`{c}`" for c in s.choices)
+        elif s.min is not None or s.max is not None:
+            lo = "" if s.min is None else f"{s.min:g}"
+            hi = "" if s.max is None else f"{s.max:g}"
+            rng = f"{lo} .. {hi}".strip()
+        else:
+            rng = ""
+        rows.append(f"| `{s.key}` | {where} | {s.default_text()} | {rng} | {s.doc} |")
+    return "\n".join(rows)
+
+
+# ---- request fields (the s2pro inputs; the gateway's names in `http`) -------------------------------------------
+@dataclass(frozen=True)
+class Field:
+    name: str  # the s2pro input
+    http: str  # the field of POST /v1/audio/speech that carries it
+    type: type
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False
+    default: Any = None
+    max_setting: str | None = None  # the upper bound is this setting's value
+    doc: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+REQUEST_FIELDS: dict[str, Field] = {f.name: f for f in (
+    Field("text", "input", str, doc="the text to speak"),
+    Field("reference_audio", "ref_audio", bytes, doc="reference clip (voice cloning)"),
+    Field("reference_sample_rate", "ref_audio", int, 8000, 192000, doc="its sample rate"),
+    Field("reference_text", "ref_text", str, doc="transcript of the reference"),
+    Field("reference_codes", "voice", bytes, doc="codes of a registered voice"),
+    Field("seed", "seed", int, 0, 2**63 - 1, doc="random seed; unset: random (reported in the stats)"),
+    Field("temperature", "temperature", float, 0.0, 2.0, default=0.8, doc="0 = greedy"),
+    Field("top_p", "top_p", float, 0.0, 1.0, min_open=True, default=0.8),
+    Field("top_k", "top_k", int, 0, 4096, default=30, doc="0 = off"),
+    Field("max_new_tokens", "max_new_tokens", int, 1, None, max_setting="max_new_tokens_limit",
+          doc="frames to generate at most"),
+    Field("first_chunk_frames", "first_chunk_frames", int, 1, None, max_setting="max_chunk_frames"),
+    Field("chunk_frames", "chunk_frames", int, 1, None, max_setting="max_chunk_frames"),
+    Field("ignore_eos", "ignore_eos", bool),
+)}
+
+
+def check_field(name: str, value, limits: dict | None = None, http: bool = False):
+    """Check a numeric request field against its range (upper bound from `limits[max_setting]` where it has
+    one). Raises S2Error(invalid_argument) naming the field as the caller knows it (`http`: the gateway's name)."""
+    f = REQUEST_FIELDS[name]
+    label = f.http if http else f.name
+    if value is None:
+        return None
+    hi = f.max
+    if f.max_setting is not None:
+        hi = (limits or {}).get(f.max_setting, SCHEMA[f.max_setting].default)
+    ok_lo = f.min is None or (value > f.min if f.min_open else value >= f.min)
+    ok_hi = hi is None or value <= hi
+    if not (ok_lo and ok_hi):
+        fmt = (lambda x: str(int(x))) if f.type is int else (lambda x: f"{x:g}")
+        lo_s = "" if f.min is None else f"{'(' if f.min_open else '['}{fmt(f.min)}"
+        hi_s = "" if hi is None else f"{fmt(hi)}]"
+        kind = "an integer" if f.type is int else "a number"
+        if hi is None:
+            raise invalid(f"{label}={value} is out of range: use {kind} {'above' if f.min_open else 'of at least'} "
+                          f"{fmt(f.min)}", label)
+        raise invalid(f"{label}={value} is out of range: use {kind} in {lo_s}, {hi_s}", label)
+    return value

@@ -1,0 +1,249 @@
+"""A stand-in for Triton's Python backend that runs the real `model.py` files in this process.
+
+`FakeTriton(repo)` loads models from a rendered model repository; BLS calls between them
+(`pb_utils.InferenceRequest(...).exec()`) are routed in-process, decoupled ones through
+response senders as in Triton. Senders enforce Triton's rules (nothing after the final
+response) and record everything, so tests can assert that each request got exactly one
+final response. `unload_model` / `load_model` / `is_model_ready` act on the fake server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import queue
+import sys
+import threading
+import types
+from pathlib import Path
+
+import numpy as np
+
+FINAL = 1
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message, code=1):
+        self._message, self._code = message, code
+
+    def message(self):
+        return self._message
+
+    def code(self):
+        return self._code
+
+
+class Tensor:
+    def __init__(self, name, array):
+        self._name, self._array = name, np.asarray(array)
+
+    def name(self):
+        return self._name
+
+    def as_numpy(self):
+        return self._array
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=None, error=None):
+        self._outputs = list(output_tensors or [])
+        self._error = error
+
+    def output_tensors(self):
+        return self._outputs
+
+    def has_error(self):
+        return self._error is not None
+
+    def error(self):
+        return self._error
+
+    def get(self, name):
+        t = next((t for t in self._outputs if t.name() == name), None)
+        return None if t is None else t.as_numpy()
+
+
+def get_input_tensor_by_name(request, name):
+    return request._inputs.get(name)
+
+
+def get_output_tensor_by_name(response, name):
+    return next((t for t in response.output_tensors() if t.name() == name), None)
+
+
+class SenderClosed(RuntimeError):
+    pass
+
+
+class Sender:
+    """Records what a request was answered; raises like Triton on a send after the final response."""
+
+    def __init__(self, request):
+        self.request = request
+        self.responses: list[InferenceResponse] = []
+        self.finals = 0
+        self.late = 0  # sends attempted after the final response
+        self.q: queue.Queue = queue.Queue()
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+
+    def send(self, response=None, flags=0):
+        with self._lock:
+            if self.finals:
+                self.late += 1
+                raise SenderClosed("Unable to send response. Response sender has been closed.")
+            if response is not None:
+                self.responses.append(response)
+            if flags & FINAL:
+                self.finals += 1
+        self.q.put((response, bool(flags & FINAL)))
+        if flags & FINAL:
+            self.done.set()
+
+    def is_cancelled(self):
+        return self.request.cancelled
+
+    @property
+    def error(self):
+        errs = [r.error() for r in self.responses if r.has_error()]
+        return errs[-1] if errs else None
+
+
+class Request:
+    def __init__(self, inputs: dict, request_id: str = ""):
+        self._inputs = {k: v if isinstance(v, Tensor) else Tensor(k, v) for k, v in inputs.items()}
+        self._request_id = request_id
+        self.cancelled = False
+        self.sender = Sender(self)
+
+    def get_response_sender(self):
+        return self.sender
+
+    def request_id(self):
+        return self._request_id
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+class ResponseIterator:
+    def __init__(self, sender: Sender):
+        self.sender = sender
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.sender.done.is_set() and self.sender.q.empty():
+            raise StopIteration
+        resp, final = self.sender.q.get()
+        if resp is None and final:
+            raise StopIteration
+        if final:
+            self.sender.done.set()
+        return resp
+
+
+class FakeTriton:
+    def __init__(self, repo: str | Path, models=("s2pro", "slow_ar", "dac_encoder", "dac_decoder")):
+        self.repo = Path(repo)
+        self.models: dict[str, object] = {}
+        self.decoupled: dict[str, bool] = {}
+        self.calls: list[tuple[str, str]] = []  # (model, what) for load/unload
+        self.dead: set[str] = set()  # models whose "process" is gone: BLS calls fail as in Triton
+        self.hang: set[str] = set()  # dead models whose in-flight streams never end (as with a killed stub)
+        self._install()
+        for m in models:
+            self.load(m)
+
+    # ---- the fake triton_python_backend_utils module -----------------------------------------
+    def _install(self):
+        mod = types.ModuleType("triton_python_backend_utils")
+        mod.TritonError, mod.Tensor, mod.InferenceResponse = TritonError, Tensor, InferenceResponse
+        mod.get_input_tensor_by_name, mod.get_output_tensor_by_name = get_input_tensor_by_name, get_output_tensor_by_name
+        mod.TRITONSERVER_RESPONSE_COMPLETE_FINAL = FINAL
+        harness = self
+
+        class InferenceRequest:
+            def __init__(self, model_name, inputs, requested_output_names, request_id="", **kw):
+                self.model_name, self.inputs, self.request_id = model_name, inputs, request_id
+
+            def exec(self, decoupled=False):
+                return harness.bls(self.model_name, {t.name(): t for t in self.inputs}, self.request_id, decoupled)
+
+        mod.InferenceRequest = InferenceRequest
+        mod.is_model_ready = lambda model_name, model_version="": model_name in self.models and model_name not in self.dead
+        mod.unload_model = lambda model_name, unload_dependents=False: self.unload(model_name)
+        mod.load_model = lambda model_name, config="", files=None: self.load(model_name)
+        sys.modules["triton_python_backend_utils"] = mod
+        self.pb = mod
+
+    # ---- models ------------------------------------------------------------------------------
+    def _config(self, name: str) -> dict:
+        from google.protobuf import json_format
+
+        from s2tts.repository import parse_model_config
+
+        cfg = parse_model_config(self.repo / name / "config.pbtxt")
+        return json_format.MessageToDict(cfg, preserving_proto_field_name=True)
+
+    def load(self, name: str):
+        self.calls.append((name, "load"))
+        cfg = self._config(name)
+        path = self.repo / name / "1" / "model.py"
+        spec = importlib.util.spec_from_file_location(f"fake_triton_{name}_{len(self.calls)}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        model = module.TritonPythonModel()
+        model.initialize({"model_config": json.dumps(cfg), "model_name": name, "model_instance_kind": "CPU"})
+        self.models[name] = model
+        self.decoupled[name] = bool(cfg.get("model_transaction_policy", {}).get("decoupled"))
+        self.dead.discard(name)
+        self.hang.discard(name)
+
+    def unload(self, name: str):
+        self.calls.append((name, "unload"))
+        model = self.models.pop(name, None)
+        if model is not None and name not in self.dead:
+            threading.Thread(target=getattr(model, "finalize", lambda: None), daemon=True).start()
+        self.dead.discard(name)
+
+    def kill(self, name: str):
+        """As a killed stub process: the model never answers again; new calls fail at once."""
+        self.dead.add(name)
+        self.hang.add(name)
+        model = self.models[name]
+        for attr in ("service",):  # stop its threads without any final response (a dead process sends nothing)
+            svc = getattr(model, attr, None)
+            if svc is not None:
+                svc.stop.set()
+
+    # ---- calls -------------------------------------------------------------------------------
+    def request(self, model: str, inputs: dict, request_id: str = "") -> Request:
+        """A client request to `model` (as over gRPC): returns the Request, whose sender records the answers."""
+        req = Request(inputs, request_id)
+        if model in self.dead or model not in self.models:
+            msg = f"Stub process '{model}_0_0' is not healthy." if model in self.dead else \
+                f"Request for unknown model: '{model}' is not found"
+            req.sender.send(InferenceResponse(error=TritonError(msg, TritonError.INTERNAL)), FINAL)
+            return req
+        out = self.models[model].execute([req])
+        if out is not None:  # a non-decoupled model answers from execute
+            for resp in out:
+                req.sender.send(resp, FINAL)
+        return req
+
+    def bls(self, model: str, inputs: dict, request_id: str, decoupled: bool):
+        req = self.request(model, inputs, request_id)
+        if decoupled:
+            return ResponseIterator(req.sender)
+        resp, _final = req.sender.q.get()
+        return resp
+
+    def shutdown(self):
+        for name in list(self.models):
+            model = self.models.pop(name)
+            if name not in self.dead:
+                getattr(model, "finalize", lambda: None)()

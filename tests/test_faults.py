@@ -1,0 +1,221 @@
+"""Faults through the real tritonserver: a model process killed mid-stream, duplicate request ids, cancel storms,
+and where the ports listen. Each request must end (with audio or a classified error), nothing may hang, and
+every KV slot and codec state must come back (read from the models' metrics on Triton's /metrics)."""
+
+import os
+import random
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from s2tts.client import S2ProClient, TTSError, TTSInput, read_metrics
+
+
+def metrics(server) -> dict[str, float]:
+    """The s2tts_* gauges and counters on the server's /metrics, keyed 'name{labels}'."""
+    return read_metrics(server.metrics_url)
+
+
+def gauge(server, name: str, model: str) -> float:
+    return metrics(server).get(f'{name}{{model="{model}"}}', 0.0)
+
+
+def wait_released(server, timeout=30.0):
+    """In-flight requests, engine slots and codec states all back to zero."""
+    deadline = time.time() + timeout
+    want = [("s2tts_requests_in_flight", "s2pro"), ("s2tts_requests_in_flight", "slow_ar"),
+            ("s2tts_engine_slots_used", "slow_ar"), ("s2tts_engine_requests_waiting", "slow_ar"),
+            ("s2tts_codec_streams_open", "dac_decoder")]
+    while time.time() < deadline:
+        m = metrics(server)
+        left = {f"{n}/{mod}": m.get(f'{n}{{model="{mod}"}}', 0.0) for n, mod in want}
+        if not any(left.values()):
+            return m
+        time.sleep(0.3)
+    raise AssertionError(f"not released after {timeout} s: {left}")
+
+
+def stub_pid(server, model: str) -> int:
+    out = subprocess.run(["pgrep", "-f", f"{server.workdir}/model_repository/{model}/1/model.py"],
+                         capture_output=True, text=True).stdout.split()
+    assert out, f"no stub process for {model}"
+    return int(out[0])
+
+
+@pytest.fixture(scope="module")
+def fault_server(tiny_ckpt, tmp_path_factory):
+    """A server of its own (its models get killed): quick stall checks."""
+    from s2tts.server import TritonServer
+
+    server = TritonServer(tiny_ckpt, {"device": "cpu", "dtype": "fp32", "max_batch": "4", "max_seq_len": "2048",
+                                      "stall_timeout_s": "1", "chunk_frames": "4", "first_chunk_frames": "2"},
+                          workdir=tmp_path_factory.mktemp("faults"))
+    server.start(timeout=300)
+    yield server
+    server.stop()
+
+
+def _stream_until_error(server, results, key, **kw):
+    try:
+        with S2ProClient(server.grpc_url) as c:
+            n = 0
+            for ev in c.stream(TTSInput(**kw), timeout=60):
+                n += 1
+                results.setdefault(key + "/chunks", 0)
+                results[key + "/chunks"] = n
+        results[key] = "completed"
+    except TTSError as e:
+        results[key] = e
+
+
+@pytest.mark.parametrize("victim", ["slow_ar", "dac_decoder"])
+def test_model_process_killed_mid_stream(fault_server, victim):
+    s = fault_server
+    results = {}
+    t = threading.Thread(target=_stream_until_error, args=(s, results, "long"),
+                         kwargs=dict(text="A long one.", seed=1, max_new_tokens=900, ignore_eos=True, chunk_frames=4))
+    t.start()
+    deadline = time.time() + 60
+    while results.get("long/chunks", 0) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert results.get("long/chunks", 0) >= 2, results
+    os.kill(stub_pid(s, victim), signal.SIGKILL)
+    t.join(60)
+    assert not t.is_alive(), "the stream hangs after its model died"
+    err = results["long"]
+    assert isinstance(err, TTSError) and err.code == "unavailable", err  # classified, retryable
+    # s2pro reloads the dead model (readiness may drop meanwhile); then the server serves again
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if s.is_ready():
+            try:
+                with S2ProClient(s.grpc_url) as c:
+                    res = c.synthesize(TTSInput(text="After the recovery.", seed=2, max_new_tokens=6))
+                break
+            except TTSError as e:
+                assert e.code == "unavailable", e  # refused while recovering, never hanging
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"not serving 120 s after {victim} was killed; log:\n{s.log_tail(80)}")
+    assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * 2048
+    assert f"{victim} reloaded" in s.log_tail(10**6)
+    wait_released(s)
+
+
+def test_duplicate_request_ids(triton_server):
+    """Two slow_ar requests with one id: the second is refused (already_exists), the first streams on untouched.
+    Through s2pro one id twice is fine: ids are the caller's, state is keyed by internal ids."""
+    import tritonclient.grpc as g
+
+    from s2tts.prompt import PromptBuilder
+
+    prompts = PromptBuilder.from_dir(triton_server.settings["checkpoint"])
+    p = prompts.build("Both of us use the same id.")
+
+    def inputs():
+        arrs = {"input_ids": (p.tokens.numpy().astype(np.int32), "INT32"),
+                "input_codes": (p.codes.numpy().astype(np.int32), "INT32"), "semantic_mask": (p.semantic.numpy(), "BOOL"),
+                "max_new_tokens": (np.array([40], np.int32), "INT32"), "ignore_eos": (np.array([True]), "BOOL"),
+                "seed": (np.array([1], np.int64), "INT64"), "chunk_frames": (np.array([4], np.int32), "INT32")}
+        out = []
+        for name, (a, dt) in arrs.items():
+            t = g.InferInput(name, list(a.shape), dt)
+            t.set_data_from_numpy(a)
+            out.append(t)
+        return out
+
+    got = {0: [], 1: []}
+    done = {0: threading.Event(), 1: threading.Event()}
+
+    def cb(i):
+        def f(result, error):
+            got[i].append(error if error is not None else result)
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                done[i].set()
+        return f
+
+    clients = [g.InferenceServerClient(triton_server.grpc_url) for _ in range(2)]
+    for i, c in enumerate(clients):
+        c.start_stream(callback=cb(i))
+        c.async_stream_infer("slow_ar", inputs(), request_id="dup-id", enable_empty_final_response=True)
+        if i == 0:
+            deadline = time.time() + 30
+            while not got[0] and time.time() < deadline:
+                time.sleep(0.01)
+    assert done[1].wait(60) and done[0].wait(120)
+    for c in clients:
+        c.stop_stream()
+        c.close()
+    err = got[1][-1]
+    assert isinstance(err, Exception) and "[s2tts:already_exists:request_id]" in str(err), err
+    frames = sum(r.as_numpy("codes").shape[0] for r in got[0] if not isinstance(r, Exception) and r.as_numpy("codes") is not None)
+    assert frames == 40 and not any(isinstance(r, Exception) for r in got[0])
+
+    out = [None, None]
+
+    def run(i):
+        with S2ProClient(triton_server.grpc_url) as c:
+            out[i] = c.synthesize(TTSInput(text="Same id, two clients.", seed=5, max_new_tokens=10), request_id="same")
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    [t.start() for t in ts]
+    [t.join(120) for t in ts]
+    assert out[0] is not None and out[1] is not None
+    np.testing.assert_array_equal(out[0].codes, out[1].codes)
+
+
+def test_cancel_storm(triton_server):
+    """48 streams over 16 connections, each cancelled after 0-3 chunks or left to finish: the server stays
+    healthy, every slot and codec state comes back, and the next request is served."""
+    rng = random.Random(0)
+    plans = [rng.choice([0, 1, 2, 3, None]) for _ in range(48)]
+    errors_seen = []
+
+    def worker(k):
+        for j in range(3):
+            cut = plans[k * 3 + j]
+            try:
+                with S2ProClient(triton_server.grpc_url) as c:  # cut 0: cancelled before any answer
+                    list(c.stream(TTSInput(text=f"Storm {k}.{j}", seed=j, max_new_tokens=60, first_chunk_frames=2,
+                                           chunk_frames=2), cancel_after_chunks=cut, request_id=f"storm-{k}.{j}"))
+            except TTSError as e:
+                errors_seen.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(16)]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    assert not any(t.is_alive() for t in threads)
+    assert all(e.code == "unavailable" for e in errors_seen), errors_seen  # at most: busy, never a crash
+    m = wait_released(triton_server, 60)
+    assert m.get('s2tts_model_healthy{model="slow_ar"}') == 1.0 and m.get('s2tts_model_healthy{model="s2pro"}') == 1.0
+    assert m.get('s2tts_requests_finished_total{model="slow_ar",outcome="cancelled"}', 0) > 0
+    with S2ProClient(triton_server.grpc_url) as c:
+        assert c.synthesize(TTSInput(text="Still fine.", seed=1, max_new_tokens=5)).stats["frames"] > 0
+    assert triton_server.is_ready()
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the sockets listening on `port`."""
+    addrs = []
+    for f in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(f).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            parts = line.split()
+            addr, p = parts[1].rsplit(":", 1)
+            if int(p, 16) == port and parts[3] == "0A":  # LISTEN
+                addrs.append(addr)
+    return addrs
+
+
+def test_triton_ports_listen_on_localhost_only(triton_server):
+    for port in (triton_server.http_port, triton_server.grpc_port, triton_server.metrics_port):
+        addrs = _listening(port)
+        loopback = ("0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F")  # v4, v6, v4-in-v6
+        assert addrs and all(a in loopback for a in addrs), (port, addrs)

@@ -1,0 +1,420 @@
+"""The request lifecycle under faults: every request ends with exactly one final response.
+
+Engine-level tests drive `s2tts.engine.Engine` directly; the rest run the real model.py
+files of the repository in-process through `tests/fake_triton.py` (a fake
+`triton_python_backend_utils`), with faults injected where they happen in production:
+the engine step, the codec, a model's threads, its process, shutdown, deadlines, admission.
+"""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from s2tts import errors
+from s2tts.checkpoint import codec_codebook_sizes, load_model
+from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
+from s2tts.lifecycle import RequestTable
+from s2tts.prompt import PromptBuilder
+from s2tts.sampling import SamplingParams
+
+from fake_triton import FakeTriton
+
+C = 10
+
+
+# ---- the engine alone -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine_parts(tiny_ckpt):
+    model = load_model(tiny_ckpt, "cpu", "fp32")
+    return model, codec_codebook_sizes(tiny_ckpt)[1], PromptBuilder.from_dir(tiny_ckpt, model.s2)
+
+
+def _engine(parts, max_batch=4):
+    model, residual, _ = parts
+    return Engine(model, residual, max_batch=max_batch, max_seq_len=512)
+
+
+def _run(engine, n_steps=200):
+    outs = {}
+    for _ in range(n_steps):
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        if not engine.has_work():
+            break
+    return outs
+
+
+def test_failed_decode_while_admitting_loses_nothing(engine_parts):
+    eng = _engine(engine_parts)
+    prompts = engine_parts[2]
+    p = SamplingParams(seed=1, max_new_tokens=6)
+    eng.submit("a", prompts.build("First."), p)
+    eng.submit("b", prompts.build("Second."), p)
+    eng.step()  # a and b prefilled: live
+    eng.submit("c", prompts.build("Third, admitted in the failing step."), p)
+    eng.cancel("b")  # a cancellation pending when the step fails
+
+    def boom(phase, reqs):
+        if phase == "decode":
+            raise RuntimeError("injected decode failure")
+
+    eng.fault_hook = boom
+    outs = eng.step()
+    eng.fault_hook = None
+    by = {o.request_id: o for o in outs}
+    assert by["b"].finish_reason == FINISH_CANCELLED  # applied before any device work: not lost
+    assert by["a"].finish_reason == FINISH_ERROR and "injected decode failure" in by["a"].error
+    assert "c" not in by  # not touched: back at the head of the queue
+    assert isinstance(eng.last_fault, RuntimeError)
+    assert eng.counts() == {"waiting": 1, "live": 0, "free_slots": 4}
+    rest = _run(eng)
+    assert rest["c"][-1].finished and rest["c"][-1].finish_reason in ("end", "length")
+    assert eng.counts() == {"waiting": 0, "live": 0, "free_slots": 4}
+
+
+def test_failed_prefill_ends_only_the_admitted(engine_parts):
+    eng = _engine(engine_parts)
+    prompts = engine_parts[2]
+    p = SamplingParams(seed=2, max_new_tokens=5)
+    eng.submit("running", prompts.build("Already running."), p)
+    eng.step()
+    eng.submit("new", prompts.build("Admitted now."), p)
+    eng.fault_hook = lambda phase, reqs: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory")) \
+        if phase == "prefill" else None
+    outs = {o.request_id: o for o in eng.step()}
+    eng.fault_hook = None
+    assert outs["new"].finish_reason == FINISH_ERROR
+    assert errors.from_exception(outs["new"].exception).code == "resource_exhausted"
+    assert outs["running"].codes.shape == (1, C)  # the decode part of the step went through
+    assert not errors.is_fatal_device_error(eng.last_fault)
+    rest = _run(eng)
+    assert rest["running"][-1].finished and eng.counts()["free_slots"] == 4
+
+
+def test_fatal_device_errors_are_told_apart():
+    assert errors.is_fatal_device_error(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert errors.is_fatal_device_error(RuntimeError("CUDA error: device-side assert triggered"))
+    assert not errors.is_fatal_device_error(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate"))
+    assert not errors.is_fatal_device_error(ValueError("bad shape"))
+
+
+def test_error_tags_round_trip():
+    e = errors.invalid("seed must be >= 0", "seed")
+    back = errors.parse(e.wire())
+    assert (back.code, back.param, back.message) == ("invalid_argument", "seed", "seed must be >= 0")
+    assert isinstance(back, ValueError)
+    assert errors.parse("Stub process 'slow_ar_0_0' is not healthy.").code == "unavailable"
+    assert errors.model_is_dead("Stub process 'slow_ar_0_0' is not healthy.")
+    assert errors.parse("something odd").code == "internal"
+    assert errors.HTTP_STATUS["already_exists"] == 409 and errors.HTTP_STATUS["unavailable"] == 503
+
+
+class _Responder:
+    def __init__(self):
+        self.sent, self.finals = [], 0
+
+    def send(self, response, final):
+        assert not self.finals, "a response after the final one"
+        self.sent.append(response)
+        self.finals += final
+
+    def is_cancelled(self):
+        return False
+
+
+def test_request_table_exactly_one_final_and_admission():
+    table = RequestTable("m", make_error=lambda e: ("error", e.code), limit=2)
+    r1, r2 = _Responder(), _Responder()
+    a = table.open("x", r1)
+    with pytest.raises(errors.S2Error) as dup:
+        table.open("x", _Responder())
+    assert dup.value.code == "already_exists" and table.by_client("x") is a  # the live one is untouched
+    table.open("y", r2)
+    with pytest.raises(errors.S2Error) as full:
+        table.open("z", _Responder())
+    assert full.value.code == "unavailable"
+    # finish races: one final whoever comes first; later sends are dropped, never delivered
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(a.finish(("final", i), "ok"))) for i in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert results.count(True) == 1 and r1.finals == 1
+    assert not a.send("late") and a.dropped >= 1
+    assert table.fail_all(errors.unavailable("shutting down")) == 1 and r2.sent[-1] == ("error", "unavailable")
+    assert len(table) == 0 and table.open("x", _Responder())  # the id is free again
+
+
+# ---- the real model.py files in-process ---------------------------------------------------------------
+def _render(tiny_ckpt, tmp_path, **settings):
+    from s2tts.repository import render_repository
+
+    base = {"checkpoint": str(tiny_ckpt), "device": "cpu", "dtype": "fp32", "max_batch": "4", "max_seq_len": "4096",
+            "chunk_frames": "4", "first_chunk_frames": "2", "stall_timeout_s": "1", "request_timeout_s": "60"}
+    base.update({k: str(v) for k, v in settings.items()})
+    return render_repository(tmp_path / "repo", base)
+
+
+@pytest.fixture
+def harness_factory(tiny_ckpt, tmp_path):
+    made = []
+
+    def make(**settings):
+        h = FakeTriton(_render(tiny_ckpt, tmp_path, **settings))
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.shutdown()
+
+
+def _tts_inputs(text="Hello there.", seed=1, max_new_tokens=12, **kw):
+    inputs = {"text": np.array([text.encode()], dtype=object), "seed": np.array([seed], np.int64),
+              "max_new_tokens": np.array([max_new_tokens], np.int32)}
+    for k, v in kw.items():
+        inputs[k] = v
+    return inputs
+
+
+def _wait(req, timeout=60):
+    assert req.sender.done.wait(timeout), "no final response"
+    return req
+
+
+def _one_final(req):
+    s = req.sender
+    assert s.finals == 1 and s.late == 0, (s.finals, s.late)
+    return s.error
+
+
+def _quiet(h, timeout=30):
+    """Everything released: no request in any table, every KV slot free, no codec state."""
+    deadline = time.time() + timeout
+    slow, s2 = h.models["slow_ar"].service, h.models["s2pro"].service
+    dec = h.models["dac_decoder"].decoder
+    while time.time() < deadline:
+        counts = slow.engine.counts()
+        if not len(slow.table) and not len(s2.table) and counts["live"] == counts["waiting"] == 0 and not dec.states:
+            return counts
+        time.sleep(0.05)
+    raise AssertionError(f"not released: slow_ar {slow.status()}, s2pro {s2.status()}, codec {list(dec.states)}")
+
+
+def test_happy_path_and_release(harness_factory):
+    h = harness_factory()
+    req = _wait(h.request("s2pro", _tts_inputs(), "client-1"))
+    assert _one_final(req) is None
+    audio = [r.get("audio") for r in req.sender.responses]
+    assert sum(a.size for a in audio) > 0
+    stats = req.sender.responses[-1].get("stats")[0]
+    assert b'"queue_s"' in stats and b'"request_id": "client-1"' in stats
+    assert _quiet(h)["free_slots"] == 4
+
+
+def test_engine_step_fails_while_admitting(harness_factory):
+    h = harness_factory()
+    slow = h.models["slow_ar"].service
+    first = h.request("s2pro", _tts_inputs("Running already.", max_new_tokens=200, ignore_eos=np.array([True])), "run")
+    while not first.sender.responses:
+        time.sleep(0.01)
+    state = {"armed": True}
+
+    def fault(phase, reqs):
+        if phase == "decode" and state["armed"]:
+            state["armed"] = False
+            raise RuntimeError("injected: step failed while admitting")
+
+    slow.engine.fault_hook = fault
+    second = h.request("s2pro", _tts_inputs("Arrives during the failing step.", seed=2), "new")
+    _wait(first)
+    _wait(second)
+    err = _one_final(first)
+    assert err is not None and "injected" in err.message() and errors.parse(err.message()).code == "internal"
+    assert _one_final(second) is None  # untouched by the failed step: it ran afterwards
+    assert slow.health.ok
+    _quiet(h)
+
+
+def test_sticky_device_error_makes_slow_ar_unhealthy_and_s2pro_reloads_it(harness_factory):
+    h = harness_factory()
+    slow = h.models["slow_ar"].service
+    slow.engine.fault_hook = lambda phase, reqs: (_ for _ in ()).throw(
+        RuntimeError("CUDA error: an illegal memory access was encountered"))
+    reqs = [h.request("s2pro", _tts_inputs(f"Request {i}.", seed=i), f"r{i}") for i in range(3)]
+    for r in reqs:
+        err = _one_final(_wait(r))
+        assert err is not None and errors.parse(err.message()).code == "unavailable"
+    assert not slow.health.ok and ("slow_ar", "unload") in h.calls
+    direct = _wait(h.request("slow_ar", {"input_ids": np.array([1, 2, 3], np.int32)}, "direct")) \
+        if "slow_ar" in h.models else None
+    if direct is not None:  # still loaded: refuses at once
+        assert errors.parse(_one_final(direct).message()).code == "unavailable"
+    deadline = time.time() + 60
+    while time.time() < deadline and not (("slow_ar", "load") in h.calls[1:] and "slow_ar" in h.models
+                                          and not h.models["s2pro"].service.recovering):
+        time.sleep(0.05)
+    assert h.calls.count(("slow_ar", "load")) == 2, h.calls  # loaded at start, reloaded by s2pro
+    after = _wait(h.request("s2pro", _tts_inputs("After the reload."), "after"))
+    assert _one_final(after) is None and h.models["slow_ar"].service.health.ok
+
+
+def test_codec_fails_on_chunk_k_stops_generation(harness_factory):
+    h = harness_factory()
+    dec = h.models["dac_decoder"].decoder
+    real = dec.decode_many
+    calls = {"n": 0}
+
+    def flaky(jobs, now):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected codec failure on chunk 2")
+        return real(jobs, now)
+
+    dec.decode_many = flaky
+    req = _wait(h.request("s2pro", _tts_inputs(max_new_tokens=400, ignore_eos=np.array([True])), "codec"))
+    err = _one_final(req)
+    assert err is not None and "injected codec failure" in err.message()
+    assert errors.parse(err.message()).code == "internal"
+    slow = h.models["slow_ar"].service
+    counts = _quiet(h, timeout=10)  # generation was cancelled well before 400 frames
+    assert counts["free_slots"] == 4 and slow.table.counts["finished"] >= 1
+
+
+def test_duplicate_request_ids(harness_factory):
+    h = harness_factory()
+    prompt = h.models["s2pro"].service.prompts.build("Direct to the engine.")
+    inputs = {"input_ids": prompt.tokens.numpy().astype(np.int32), "input_codes": prompt.codes.numpy().astype(np.int32),
+              "semantic_mask": prompt.semantic.numpy(), "max_new_tokens": np.array([30], np.int32),
+              "ignore_eos": np.array([True]), "seed": np.array([3], np.int64), "chunk_frames": np.array([5], np.int32)}
+    a = h.request("slow_ar", inputs, "same-id")
+    b = _wait(h.request("slow_ar", inputs, "same-id"))
+    err = _one_final(b)
+    assert errors.parse(err.message()).code == "already_exists" and errors.parse(err.message()).param == "request_id"
+    _wait(a)
+    assert _one_final(a) is None
+    assert sum(r.get("codes").shape[0] for r in a.sender.responses) == 30  # the first stream was not disturbed
+    # through s2pro the same client id twice is fine: ids are internal
+    x, y = (h.request("s2pro", _tts_inputs(seed=5), "dup") for _ in range(2))
+    assert _one_final(_wait(x)) is None and _one_final(_wait(y)) is None
+    _quiet(h)
+
+
+@pytest.mark.parametrize("loop", ["engine", "sender"])
+def test_a_dying_thread_fails_requests_and_health(harness_factory, loop):
+    h = harness_factory()
+    slow = h.models["slow_ar"].service
+    req = h.request("s2pro", _tts_inputs(max_new_tokens=900, ignore_eos=np.array([True])), "t")
+    while not req.sender.responses:
+        time.sleep(0.01)
+
+    def die(*a, **k):
+        raise SystemExit(f"injected: {loop} thread killed")
+
+    if loop == "engine":
+        slow.engine.step = die  # what the engine loop calls each pass
+    else:
+        slow.outbox.get = die  # what the sender loop calls each pass
+    err = _one_final(_wait(req))
+    assert err is not None and errors.parse(err.message()).code == "unavailable"
+    assert not slow.health.ok and "thread died" in slow.health.reason and ("slow_ar", "unload") in h.calls
+
+
+def test_s2pro_supervisor_death_is_reported(harness_factory):
+    h = harness_factory()
+    s2 = h.models["s2pro"].service
+    real = s2.table.live
+
+    def die_once():  # what each supervisor pass reads first
+        s2.table.live = real
+        raise SystemExit("injected: supervisor killed")
+
+    s2.table.live = die_once
+    deadline = time.time() + 10
+    while time.time() < deadline and s2.table.health.ok:
+        time.sleep(0.05)
+    assert not s2.table.health.ok
+    err = _one_final(_wait(h.request("s2pro", _tts_inputs(), "after")))
+    assert errors.parse(err.message()).code == "unavailable"
+
+
+def test_finalize_with_streams_in_flight(harness_factory):
+    h = harness_factory()
+    reqs = [h.request("s2pro", _tts_inputs(f"Long {i}.", seed=i, max_new_tokens=500, ignore_eos=np.array([True])), f"f{i}")
+            for i in range(3)]
+    while not all(r.sender.responses for r in reqs):
+        time.sleep(0.01)
+    h.shutdown()
+    for r in reqs:
+        err = _one_final(_wait(r, 15))
+        assert errors.parse(err.message()).code == "unavailable" and "shutting down" in err.message()
+
+
+def test_deadline(harness_factory):
+    h = harness_factory(request_timeout_s=1.5)
+    slow = h.models["slow_ar"].service
+    slow.engine.fault_hook = lambda phase, reqs: time.sleep(0.05)  # a slow device
+    req = _wait(h.request("s2pro", _tts_inputs(max_new_tokens=1000, ignore_eos=np.array([True])), "slow"), 30)
+    err = _one_final(req)
+    assert errors.parse(err.message()).code == "deadline_exceeded" and "request_timeout_s=1.5" in err.message()
+    slow.engine.fault_hook = None
+    _quiet(h)
+
+
+def test_admission_full(harness_factory):
+    h = harness_factory(max_concurrent_requests=1)
+    a = h.request("s2pro", _tts_inputs(max_new_tokens=200, ignore_eos=np.array([True])), "a")
+    t0 = time.monotonic()
+    b = _wait(h.request("s2pro", _tts_inputs(), "b"), 5)
+    assert time.monotonic() - t0 < 1.0  # refused at once, not queued
+    err = _one_final(b)
+    assert errors.parse(err.message()).code == "unavailable" and "busy" in err.message()
+    assert _one_final(_wait(a)) is None
+
+
+def test_slow_ar_queue_limit(harness_factory):
+    h = harness_factory(max_batch=1, max_queued_requests=1)
+    long = dict(max_new_tokens=200, ignore_eos=np.array([True]))
+    a = h.request("s2pro", _tts_inputs("One.", **long), "a")
+    b = h.request("s2pro", _tts_inputs("Two.", **long), "b")  # waits for the one KV slot
+    slow = h.models["slow_ar"].service
+    while len(slow.table) < 2:
+        time.sleep(0.01)
+    c = _wait(h.request("s2pro", _tts_inputs("Three.", **long), "c"), 10)
+    err = _one_final(c)
+    assert errors.parse(err.message()).code == "unavailable"
+    for r in (a, b):
+        assert _one_final(_wait(r)) is None
+    stats = [r.sender.responses[-1].get("stats")[0] for r in (a, b)]
+    assert any(b'"queue_s": 0.0' not in s for s in stats)
+
+
+def test_killed_slow_ar_mid_stream(harness_factory):
+    h = harness_factory(stall_timeout_s=1)
+    req = h.request("s2pro", _tts_inputs(max_new_tokens=500, ignore_eos=np.array([True])), "victim")
+    while not req.sender.responses:
+        time.sleep(0.01)
+    h.kill("slow_ar")
+    err = _one_final(_wait(req, 30))
+    assert errors.parse(err.message()).code == "unavailable"
+    deadline = time.time() + 60
+    while time.time() < deadline and ("slow_ar" not in h.models or "slow_ar" in h.dead
+                                      or h.models["s2pro"].service.recovering):
+        time.sleep(0.05)
+    assert ("slow_ar", "unload") in h.calls and h.calls.count(("slow_ar", "load")) == 2
+    assert _one_final(_wait(h.request("s2pro", _tts_inputs("After recovery."), "next"))) is None
+
+
+def test_grpc_input_edges(harness_factory):
+    h = harness_factory()
+    err = _one_final(_wait(h.request("s2pro", _tts_inputs(seed=-5), "neg")))
+    e = errors.parse(err.message())
+    assert e.code == "invalid_argument" and e.param == "seed" and "seed=-5" in e.message
+    # a codec chunk for a stream that was never started is an error, not a silent reset
+    resp = _wait(h.request("dac_decoder", {"codes": np.zeros((1, 3, C), np.int32),
+                                           "stream_id": np.array([[b"nope"]], dtype=object),
+                                           "start": np.array([[False]]), "final": np.array([[False]])}))
+    e = errors.parse(_one_final(resp).message())
+    assert e.code == "not_found" and e.param == "stream_id"

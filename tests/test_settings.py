@@ -1,0 +1,93 @@
+"""The one settings schema: templates, rendering, the models' defaults and the README all agree with it."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from s2tts import settings as S
+from s2tts.errors import S2Error
+from s2tts.repository import MODEL_REPOSITORY, TRT_REPOSITORY, parse_model_config, render_repository
+
+ROOT = Path(__file__).resolve().parents[1]
+PARAM = re.compile(r'key: "([a-z_0-9]+)" value \{ string_value: "\$\{([a-z_0-9]+)\}" \}')
+RENDER_INTERNAL = {"engine_dir", "engine_device", "max_batch_size"}  # filled by the TensorRT rendering itself
+
+
+def test_readme_table_is_the_schema():
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"<!-- settings-table:begin -->\n(.*?)\n<!-- settings-table:end -->", readme, re.S)
+    assert m, "README lacks the settings table markers"
+    assert m.group(1).strip() == S.markdown_table().strip(), "README settings table is stale: regenerate it"
+
+
+@pytest.mark.parametrize("model", S.MODELS)
+def test_each_model_declares_exactly_its_settings(model):
+    text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+    pairs = PARAM.findall(text)
+    assert all(k == v for k, v in pairs), pairs  # the parameter key is the setting's name
+    assert {k for k, _ in pairs} == S.model_keys(model)
+
+
+def test_every_placeholder_is_a_setting():
+    for repo in (MODEL_REPOSITORY, TRT_REPOSITORY):
+        for cfg in repo.glob("*/config.pbtxt"):
+            names = set(re.findall(r"\$\{([a-z_0-9]+)\}", cfg.read_text())) - RENDER_INTERNAL
+            assert names <= set(S.SCHEMA), (cfg, names - set(S.SCHEMA))
+
+
+def test_render_fills_defaults_and_checks(tmp_path, tiny_ckpt):
+    repo = render_repository(tmp_path / "r", {"checkpoint": str(tiny_ckpt), "max_batch": "96"})
+    cfg = parse_model_config(repo / "fast_ar" / "config.pbtxt")
+    assert cfg.parameters["fast_ar_max_batch"].string_value == "96"  # derived from max_batch
+    slow = parse_model_config(repo / "slow_ar" / "config.pbtxt")
+    assert slow.parameters["cuda_graphs"].string_value == "auto" and slow.parameters["max_queued_requests"].string_value == "64"
+    dec = parse_model_config(repo / "dac_decoder" / "config.pbtxt")
+    assert dec.parameters["codec_device"].string_value == "auto"  # = device
+    assert "${" not in "".join(p.read_text() for p in repo.glob("*/config.pbtxt"))
+    s2 = parse_model_config(repo / "s2pro" / "config.pbtxt")
+    assert s2.parameters["max_new_tokens_limit"].string_value == "2048"  # max_seq_len 4096 / 2 caps nothing
+
+
+@pytest.mark.parametrize("given,param,words", [
+    ({"max_batchh": "4"}, "max_batchh", "unknown setting"),
+    ({"max_batch": "four"}, "max_batch", "not a valid int"),
+    ({"max_batch": "0"}, "max_batch", "below its minimum 1"),
+    ({"dtype": "int8"}, "dtype", "use one of bf16, fp16, fp32"),
+    ({"codec_tf32": "maybe"}, "codec_tf32", "true or false"),
+    ({"fast_ar": "bls", "max_batch": "128", "fast_ar_max_batch": "64"}, "fast_ar_max_batch", "below max_batch=128"),
+    ({"chunk_frames": "300"}, "chunk_frames", "max_chunk_frames=256"),
+    ({"max_new_tokens_limit": "5000"}, "max_new_tokens_limit", "below max_seq_len=4096"),
+    ({"default_max_new_tokens": "3000"}, "default_max_new_tokens", "above max_new_tokens_limit"),
+])
+def test_render_refuses_bad_settings(tmp_path, tiny_ckpt, given, param, words):
+    with pytest.raises(S2Error) as ei:
+        render_repository(tmp_path / "r", {"checkpoint": str(tiny_ckpt), **given})
+    assert ei.value.param == param and words in ei.value.message, ei.value.message
+
+
+def test_small_kv_cache_lowers_the_frame_limits():
+    v = S.resolve({"checkpoint": "/c", "max_seq_len": "1024"})
+    assert v["max_new_tokens_limit"] == 512 and v["default_max_new_tokens"] == 512
+
+
+def test_models_read_defaults_from_the_schema():
+    cfg = {"parameters": {"checkpoint": {"string_value": "/c"}, "max_batch": {"string_value": "${max_batch}"},
+                          "dtype": {"string_value": ""}}}
+    v = S.model_values(cfg, "slow_ar")
+    assert v.max_batch == S.SCHEMA["max_batch"].default and v.dtype == "bf16" and v.cuda_graphs is None
+    f = S.model_values({"parameters": {"checkpoint": {"string_value": "/c"},
+                                       "fast_ar_max_batch": {"string_value": "${fast_ar_max_batch}"}}}, "fast_ar")
+    assert f.fast_ar_max_batch == S.SCHEMA["max_batch"].default  # unset: what max_batch defaults to
+    with pytest.raises(S2Error, match="set the `checkpoint` parameter"):
+        S.model_values({"parameters": {}}, "s2pro")
+
+
+def test_request_fields_share_one_range():
+    with pytest.raises(S2Error) as ei:
+        S.check_field("temperature", 2.5, http=True)
+    assert ei.value.param == "temperature" and "[0, 2]" in ei.value.message
+    with pytest.raises(S2Error) as ei:
+        S.check_field("max_new_tokens", 600, {"max_new_tokens_limit": 512})
+    assert "[1, 512]" in ei.value.message
+    assert S.REQUEST_FIELDS["text"].http == "input" and S.REQUEST_FIELDS["reference_audio"].http == "ref_audio"
