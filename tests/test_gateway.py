@@ -495,7 +495,10 @@ def test_request_id_end_to_end(gw, triton):
     lines = [ln for ln in triton.log_tail(2000).splitlines() if rid in ln]
     assert any("[s2tts:s2pro]" in ln and "done" in ln for ln in lines), lines
     assert any("[s2tts:slow_ar]" in ln and "admitted" in ln for ln in lines), lines
-    assert rid in gw.log_tail()
+    deadline = time.time() + 10  # the gateway logs a request after its last byte is sent
+    while time.time() < deadline and rid not in gw.log_tail(400):
+        time.sleep(0.2)
+    assert rid in gw.log_tail(400)
     bad = httpx.post(f"{gw.url}/v1/audio/speech", headers={"X-Request-Id": "no spaces allowed"}, timeout=120,
                      json={"model": MODEL, "input": TEXT, "voice": "default", "response_format": "pcm", "seed": 4,
                            "max_new_tokens": 2})
