@@ -229,7 +229,6 @@ class Engine:
             for r in [r for r in self.live.values() if r.id in cancels]:
                 outputs.append(Output(r.id, self._empty(), True, FINISH_CANCELLED))
                 self._release(r)
-            admitted = [r for r in admitted if r.slot in self.live]
             decoding = sorted(s for s, r in self.live.items() if r not in admitted)
         if decoding:
             reqs = [self.live[s] for s in decoding]

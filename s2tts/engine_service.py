@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from . import errors
-from .engine import FINISH_CANCELLED, FINISH_ERROR, Engine, Output
+from .engine import FINISH_ERROR, Engine, Output
 from .errors import S2Error
 from .lifecycle import RequestTable, Responder, Tracked, guarded
 from .prompt import Prompt
@@ -66,7 +66,7 @@ def decode_fields(arr, fields) -> dict:
             out[f] = REQUEST_STATES[int(v)] if 0 <= int(v) < len(REQUEST_STATES) else "unknown"
         elif f == "healthy":
             out[f] = v > 0.5
-        elif f in ("queue_s",):
+        elif f == "queue_s":
             out[f] = None if v < 0 else round(v, 4)
         else:
             out[f] = int(v)
@@ -248,8 +248,3 @@ class EngineService:
         self.engine.fail_all("shutting down")
         return self.table.fail_all(errors.shutting_down(self.name))
 
-    def alive(self) -> bool:
-        return all(t.is_alive() for t in self.threads)
-
-
-__all__ = ["EngineService", "FINISH_CANCELLED"]

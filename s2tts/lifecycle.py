@@ -45,7 +45,6 @@ class Tracked:
     iid: int
     client_id: str
     responder: Responder
-    received: float = field(default_factory=time.monotonic)
     deadline: float | None = None
     state: Any = None
     outcome: str | None = None  # set when the final response has been sent
@@ -99,7 +98,6 @@ class Health:
     def __init__(self, name: str):
         self.name = name
         self.reason: str | None = None
-        self.failed_at: float | None = None
         self._lock = threading.Lock()
 
     @property
@@ -111,7 +109,7 @@ class Health:
         with self._lock:
             if self.reason is not None:
                 return False
-            self.reason, self.failed_at = reason, time.monotonic()
+            self.reason = reason
         log.error("%s is unhealthy: %s", self.name, reason)
         return True
 
@@ -162,8 +160,8 @@ class RequestTable:
                 raise unavailable(f"{self.name} is busy: {len(self._live)} requests in flight, the limit is "
                                   f"{self.limit}; retry in {self.retry_after_s:g} s")
             now = time.monotonic()
-            rec = Tracked(next(self._ids), client_id or "", responder, now,
-                          None if not timeout_s else now + timeout_s, state)
+            rec = Tracked(next(self._ids), client_id or "", responder,
+                          deadline=None if not timeout_s else now + timeout_s, state=state)
             rec._table = self
             self._live[rec.iid] = rec
             if client_id and unique:
@@ -204,10 +202,6 @@ class RequestTable:
         with self._lock:
             return len(self._live)
 
-    def expired(self, now: float | None = None) -> list[Tracked]:
-        now = time.monotonic() if now is None else now
-        return [r for r in self.live() if r.deadline is not None and now >= r.deadline]
-
     # ---- ending many -----------------------------------------------------------------------
     def fail_all(self, error: S2Error) -> int:
         """Fail every request in flight (shutdown, an unrecoverable fault); returns how many."""
@@ -224,10 +218,10 @@ class RequestTable:
 
 
 def guarded(name: str, body: Callable[[], None], stop: threading.Event, on_death: Callable[[str], None],
-            on_error: Callable[[BaseException], None] | None = None, max_consecutive_errors: int = 3) -> Callable[[], None]:
-    """A thread target that runs `body()` until `stop` is set. An exception in one pass is logged and passed
-    to `on_error`; `max_consecutive_errors` passes in a row that raise, or anything that escapes, kill the
-    loop: `on_death(reason)` is called so the model can report itself unhealthy instead of hanging."""
+            max_consecutive_errors: int = 3) -> Callable[[], None]:
+    """A thread target that runs `body()` until `stop` is set. An exception in one pass is logged;
+    `max_consecutive_errors` passes in a row that raise, or anything that escapes, kill the loop:
+    `on_death(reason)` is called so the model can report itself unhealthy instead of hanging."""
 
     def run():
         errors = 0
@@ -236,11 +230,9 @@ def guarded(name: str, body: Callable[[], None], stop: threading.Event, on_death
                 try:
                     body()
                     errors = 0
-                except Exception as e:  # noqa: BLE001
+                except Exception:  # noqa: BLE001
                     errors += 1
                     log.exception("%s: error in loop pass (%d in a row)", name, errors)
-                    if on_error is not None:
-                        on_error(e)
                     if errors >= max_consecutive_errors:
                         raise
         except BaseException as e:  # noqa: BLE001

@@ -11,7 +11,7 @@ Everything else reads from here:
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import S2Error, invalid
@@ -140,7 +140,6 @@ SETTINGS: tuple[Setting, ...] = (
             "for this long is dropped", min=1),
 )
 SCHEMA: dict[str, Setting] = {s.key: s for s in SETTINGS}
-RENDER_ONLY = {s.key for s in SETTINGS if not s.models}
 
 
 def _unknown(keys) -> S2Error:
@@ -272,7 +271,6 @@ class Field:
     default: Any = None
     max_setting: str | None = None  # the upper bound is this setting's value
     doc: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 REQUEST_FIELDS: dict[str, Field] = {f.name: f for f in (

@@ -103,17 +103,15 @@ def sampling_params(request, max_new_tokens_default: int, max_new_tokens_limit: 
     from .sampling import SamplingParams
     from .settings import REQUEST_FIELDS as F, check_field
 
-    limits = {"max_new_tokens_limit": max_new_tokens_limit} if max_new_tokens_limit else {"max_new_tokens_limit": None}
-    seed = scalar(request, "seed", int, None)
-    params = SamplingParams(
+    limits = {"max_new_tokens_limit": max_new_tokens_limit}  # None: no upper bound here
+    return SamplingParams(
         temperature=check_field("temperature", scalar(request, "temperature", float, F["temperature"].default)),
         top_p=check_field("top_p", scalar(request, "top_p", float, F["top_p"].default)),
         top_k=check_field("top_k", scalar(request, "top_k", int, F["top_k"].default)),
         max_new_tokens=check_field("max_new_tokens", scalar(request, "max_new_tokens", int, max_new_tokens_default), limits),
-        seed=check_field("seed", seed),
+        seed=check_field("seed", scalar(request, "seed", int, None)),
         ignore_end=scalar(request, "ignore_eos", bool, False),
     )
-    return params
 
 
 class TritonResponder:
@@ -219,7 +217,7 @@ def decode_chunk_requests(decoder, requests, now: float) -> list:
     the others their audio."""
     import triton_python_backend_utils as pb_utils
 
-    from .errors import S2Error, from_exception, invalid
+    from .errors import S2Error, from_exception, internal, invalid
 
     jobs, results = [], {}
     for i, request in enumerate(requests):
@@ -247,7 +245,7 @@ def decode_chunk_requests(decoder, requests, now: float) -> list:
         if isinstance(r, np.ndarray):
             out.append(pb_utils.InferenceResponse(output_tensors=[tensor("audio", r[None])]))
         else:
-            err = r if isinstance(r, S2Error) else from_exception(RuntimeError("no result"), "dac_decoder")
+            err = r if isinstance(r, S2Error) else internal("dac_decoder: no result for this chunk")
             logging.getLogger("s2tts").warning("dac_decoder: stream %s (request %s) failed: %s", sids.get(i, "?"),
                                                requests[i].request_id(), err.wire())
             out.append(s2_error_response(err))
@@ -281,7 +279,6 @@ class Metrics:
 
             if os.environ.get("S2TTS_METRICS", "1") == "0":
                 raise RuntimeError("metrics off")
-
             for name, (kind, help_) in METRICS.items():
                 k = pb_utils.MetricFamily.GAUGE if kind == "gauge" else pb_utils.MetricFamily.COUNTER
                 self._families[name] = pb_utils.MetricFamily(name=name, description=help_, kind=k)
