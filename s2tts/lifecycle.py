@@ -240,3 +240,59 @@ def guarded(name: str, body: Callable[[], None], stop: threading.Event, on_death
             on_death(f"{name} thread died: {type(e).__name__}: {e}")
 
     return run
+
+
+class WorkerPool:
+    """Daemon worker threads for per-request work: made on demand up to `max_workers`, then kept.
+
+    Not `concurrent.futures.ThreadPoolExecutor`: its workers are joined when the interpreter
+    exits, so one worker blocked on a model that died keeps the process (the Triton stub, a test
+    run) from ever exiting. A request's work must never be lost, so `submit` past the limit
+    queues it; the admission limit (`RequestTable`) keeps that queue short.
+    """
+
+    def __init__(self, max_workers: int, name: str):
+        import queue
+
+        self.max_workers, self.name = max_workers, name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., None], *args) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: pool is shut down")
+            self._q.put((fn, args))
+            if self._idle:  # an idle worker takes it
+                self._idle -= 1
+            elif len(self._threads) < self.max_workers:
+                t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - the work reports its own errors; a worker never dies of one
+                log.exception("%s: unhandled error in a worker", self.name)
+            with self._lock:
+                self._idle += 1
+
+    @property
+    def size(self) -> int:
+        return len(self._threads)
+
+    def shutdown(self) -> None:
+        """Idle workers exit; busy ones exit when their work returns (they are daemons either way)."""
+        with self._lock:
+            self._closed = True
+            for _ in self._threads:
+                self._q.put(None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
@@ -30,7 +29,7 @@ import numpy as np
 
 from . import errors
 from .errors import S2Error
-from .lifecycle import RequestTable, Responder, Tracked, guarded
+from .lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
 from .service import Stats, TTSRequest
 
 log = logging.getLogger("s2tts")
@@ -93,7 +92,7 @@ class TTSService:
         self.table = RequestTable(name, make_error, limit=values["max_concurrent_requests"])
         # A pool, as the previous main had: fewer Python threads made and destroyed under load (see perf/RESULTS.md,
         # the soak); room above the admission limit for workers left waiting on a model that died.
-        self.pool = ThreadPoolExecutor(max_workers=values["max_concurrent_requests"] + 16, thread_name_prefix="s2pro-worker")
+        self.pool = WorkerPool(values["max_concurrent_requests"] + 16, "s2pro-worker")
         self.supervise_s = supervise_s
         self.on_tick = on_tick  # called every supervisor pass (metrics)
         self.recovering: dict[str, float] = {}  # model -> when its reload started
@@ -333,7 +332,7 @@ class TTSService:
         """Every request in flight gets a final `unavailable` error; their generation is cancelled."""
         self.stop.set()
         self.supervisor.join(5)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
         n = 0
         for rec in self.table.live():
             if rec.fail(errors.shutting_down(self.name)):
@@ -344,5 +343,4 @@ class TTSService:
     def status(self) -> dict:
         with self._lock:
             recovering = sorted(self.recovering)
-        workers = sum(t.name.startswith("s2pro-worker") for t in threading.enumerate())
-        return {**self.table.stats(), "recovering": recovering, "worker_threads": workers}
+        return {**self.table.stats(), "recovering": recovering, "worker_threads": self.pool.size}

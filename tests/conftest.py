@@ -1,5 +1,10 @@
+import faulthandler
 import logging
+import os
+import signal
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import pytest
@@ -33,3 +38,44 @@ def triton_server(tiny_ckpt, tmp_path_factory):
     server.start(timeout=300)
     yield server
     server.stop()
+
+
+def _live_children() -> list[tuple[int, str]]:
+    """This process's child processes that are still running (not zombies), from /proc."""
+    me, out = os.getpid(), []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) == me and state != "Z":
+                out.append((int(d.name), (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """The run must end when its tests do. A non-daemon thread still running (the interpreter joins
+    it at exit) or a child process still alive hangs CI after the summary, so either fails the run,
+    with the thread's stack or the process's command line. A backstop: if the exit itself hangs,
+    faulthandler prints every thread's stack and ends the process after 5 minutes."""
+    leaks = []
+    frames = sys._current_frames()
+    for t in threading.enumerate():
+        if t is threading.main_thread() or t.daemon or not t.is_alive():
+            continue
+        stack = "".join(traceback.format_stack(frames[t.ident])) if t.ident in frames else "?"
+        leaks.append(f"non-daemon thread {t.name!r} still running:\n{stack}")
+    for pid, cmd in _live_children():
+        leaks.append(f"child process {pid} still running: {cmd}")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if leaks:
+        sys.stderr.write("\n".join(["", "test run left work behind (it would hang the exit):", *leaks, ""]))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    faulthandler.dump_traceback_later(300, exit=True)

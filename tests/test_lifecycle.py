@@ -6,8 +6,11 @@ files of the repository in-process through `tests/fake_triton.py` (a fake
 the engine step, the codec, a model's threads, its process, shutdown, deadlines, admission.
 """
 
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -145,6 +148,36 @@ def test_request_table_exactly_one_final_and_admission():
     assert not a.send("late") and a.dropped >= 1
     assert table.fail_all(errors.unavailable("shutting down")) == 1 and r2.sent[-1] == ("error", "unavailable")
     assert len(table) == 0 and table.open("x", _Responder())  # the id is free again
+
+
+def test_worker_pool_queues_past_its_limit_and_never_holds_the_exit():
+    from s2tts.lifecycle import WorkerPool
+
+    pool, done, release = WorkerPool(2, "t-worker"), [], threading.Event()
+    for i in range(6):  # 2 workers: the other 4 wait in the queue, none is lost
+        pool.submit(lambda i=i: (release.wait(10), done.append(i)))
+    time.sleep(0.2)
+    assert pool.size == 2 and done == []
+    release.set()
+    for _ in range(100):
+        if len(done) == 6:
+            break
+        time.sleep(0.05)
+    assert sorted(done) == list(range(6)) and pool.size == 2
+    pool.submit(lambda: 1 / 0)  # a worker survives its work raising
+    pool.submit(lambda: done.append("after"))
+    time.sleep(0.3)
+    assert done[-1] == "after" and pool.size == 2
+    pool.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.submit(print)
+
+    # a worker blocked forever (on a model that died) must not keep the process alive at exit
+    code = ("import threading; from s2tts.lifecycle import WorkerPool; p = WorkerPool(4, 'w'); "
+            "p.submit(threading.Event().wait); print('exiting', flush=True)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0 and "exiting" in r.stdout, r.stderr
 
 
 # ---- the real model.py files in-process ---------------------------------------------------------------
