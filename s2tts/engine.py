@@ -85,13 +85,21 @@ class Engine:
     def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
                  fast_ar=None, max_prefill_tokens: int = 8192, cuda_graphs: bool | None = None,
                  decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0,
-                 prefill_buckets: bool | None = None):
+                 prefill_buckets: bool | None = None, batch_invariant: bool = False):
         """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
-        None = on when the model is on a CUDA device."""
+        None = on when the model is on a CUDA device.
+
+        `batch_invariant`: a request's numbers do not depend on the requests beside it. Every decode step
+        runs at one shape (`max_batch` rows, keys up to `max_seq_len`; padding rows use the scratch slot),
+        each admitted request is prefilled on its own, and a voice prefix is always prefilled by itself, so
+        a prefix-cache hit leaves the same keys and values as a miss. Matrix products then see the same
+        shapes for every step of a request, whatever runs beside it; sampling is already per request
+        (seed, step). The cost is the padded rows at low load."""
         s2 = model.s2
         self.model, self.s2 = model, s2
         self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
         self.max_prefill_tokens = max_prefill_tokens
+        self.batch_invariant = batch_invariant
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -286,11 +294,12 @@ class Engine:
 
         With prefill buckets (GPU), the batch is padded to a captured (batch, tokens, keys) shape and replayed
         as a CUDA graph; otherwise it runs eagerly at its own shape."""
-        dev, C = self.device, self.s2.num_codebooks
+        if self.batch_invariant and len(reqs) > 1:
+            return [o for r in reqs for o in self._prefill([r])]
         slots = self._set_slot_params(reqs)
         layers = self.model.slow.layers
         keys = [self.prefix_cache.key(r.prompt) for r in reqs]
-        starts = []
+        starts, fresh = [], []
         for r, key in zip(reqs, keys):
             hit = self.prefix_cache.get(key)
             if hit is not None:
@@ -298,7 +307,27 @@ class Engine:
                     layer.attention.cache.k[r.slot, :, : hit.length] = hit.k[li]
                     layer.attention.cache.v[r.slot, :, : hit.length] = hit.v[li]
             starts.append(hit.length if hit is not None else 0)
-        lens = [len(r.prompt) - s for r, s in zip(reqs, starts)]
+            fresh.append(hit is None)
+        if self.batch_invariant and starts[0] == 0 and 0 < reqs[0].prompt.prefix_len < len(reqs[0].prompt):
+            P = reqs[0].prompt.prefix_len  # the voice prefix by itself: the same keys and values as a cache hit
+            self._prefill_pass(reqs, [0], [P])
+            starts = [P]
+        hidden, logits = self._prefill_pass(reqs, starts, [len(r.prompt) for r in reqs])
+        for r, key, new in zip(reqs, keys, fresh):
+            r.length = len(r.prompt)
+            if key is not None and new:
+                P = r.prompt.prefix_len
+                self.prefix_cache.put(key, torch.stack([la.attention.cache.k[r.slot, :, :P] for la in layers]),
+                                      torch.stack([la.attention.cache.v[r.slot, :, :P] for la in layers]))
+        if self.logits_hook is not None:
+            self.logits_hook([r.id for r in reqs], logits)
+        frame, end = self._first_frame(slots, hidden, logits)
+        return self._emit(reqs, frame, end)
+
+    def _prefill_pass(self, reqs: list[Request], starts: list[int], ends: list[int]):
+        """Prefill prompt tokens [start, end) of each request into its slot -> hidden, logits at each row's last."""
+        dev, C = self.device, self.s2.num_codebooks
+        lens = [e - s for s, e in zip(starts, ends)]
         shape = self._prefill_bucket(len(reqs), max(lens), max(starts))
         B, T, L = shape if shape else (len(reqs), max(lens), None)
         tokens = torch.zeros(B, T, dtype=torch.int64)
@@ -309,7 +338,8 @@ class Engine:
         pos = torch.arange(T)[None, :].repeat(B, 1)
         for i, r in enumerate(reqs):
             s0, n = starts[i], lens[i]
-            tokens[i, :n], codes[i, :n], semantic[i, :n] = r.prompt.tokens[s0:], r.prompt.codes[s0:], r.prompt.semantic[s0:]
+            e = ends[i]
+            tokens[i, :n], codes[i, :n], semantic[i, :n] = r.prompt.tokens[s0:e], r.prompt.codes[s0:e], r.prompt.semantic[s0:e]
             row_slots[i], last[i] = r.slot, n - 1
             pos[i] += s0
         pos = pos.clamp(max=self.max_seq_len - 1)
@@ -322,18 +352,7 @@ class Engine:
             hidden, logits = out
         else:
             hidden, logits = self._prefill_core(*(a.to(dev) for a in args), kv_len_max=L or int(pos.max()) + 1)
-        n = len(reqs)
-        hidden, logits = hidden[:n], logits[:n]
-        for r, key, s0 in zip(reqs, keys, starts):
-            r.length = len(r.prompt)
-            if key is not None and s0 == 0:
-                P = r.prompt.prefix_len
-                self.prefix_cache.put(key, torch.stack([la.attention.cache.k[r.slot, :, :P] for la in layers]),
-                                      torch.stack([la.attention.cache.v[r.slot, :, :P] for la in layers]))
-        if self.logits_hook is not None:
-            self.logits_hook([r.id for r in reqs], logits)
-        frame, end = self._first_frame(slots, hidden, logits)
-        return self._emit(reqs, frame, end)
+        return hidden[: len(reqs)], logits[: len(reqs)]
 
     def _prefill_core(self, tokens, codes, semantic, pos, slots, last, kv_len_max):
         """Device part of a prefill (what the prefill graphs capture) -> hidden, logits at each row's last token."""
@@ -377,18 +396,21 @@ class Engine:
         reqs = [self.live[s] for s in slot_list]
         B = len(reqs)
         host = [slot_list, [r.length for r in reqs], [r.generated for r in reqs]]
-        bucket = next((b for b in sorted(self.graphs) if b >= B), None)
+        rows = self.max_batch if self.batch_invariant else B  # the step's shape
+        bucket = next((b for b in sorted(self.graphs) if b >= rows), None)
         if bucket is not None:
             graph, io, out = self.graphs[bucket]
             pad = bucket - B
-            rows = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
-            io.copy_(torch.tensor(rows, dtype=torch.int64), non_blocking=True)
+            padded = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
+            io.copy_(torch.tensor(padded, dtype=torch.int64), non_blocking=True)
             graph.replay()
-            frame, end = out[0][:B], out[1][:B]
         else:
-            io = torch.tensor(host, dtype=torch.int64, device=self.device)
-            frame, end = self._decode_core(io[0], io[1][:, None], io[2], kv_len_max=max(host[1]) + 1,
-                                           hook_ids=[r.id for r in reqs])
+            pad = rows - B  # padding rows (scratch slot, position 0) as in a graph bucket
+            padded = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
+            io = torch.tensor(padded, dtype=torch.int64, device=self.device)
+            kv_len_max = self.max_seq_len if self.batch_invariant else max(host[1]) + 1
+            out = self._decode_core(io[0], io[1][:, None], io[2], kv_len_max=kv_len_max, hook_ids=[r.id for r in reqs])
+        frame, end = out[0][:B], out[1][:B]
         for r in reqs:
             r.length += 1
         return self._emit(reqs, frame, end)
@@ -400,7 +422,7 @@ class Engine:
         x = self.model.embed(tokens, frame[:, None, :], torch.ones_like(tokens, dtype=torch.bool))
         hidden, logits = self.model.slow(x, pos, slots, kv_len_max=kv_len_max)
         if hook_ids is not None and self.logits_hook is not None:
-            self.logits_hook(hook_ids, logits[:, -1])
+            self.logits_hook(hook_ids, logits[: len(hook_ids), -1])
         return self._sample_frame(slots, hidden[:, -1], logits[:, -1], step)
 
     def _sample_frame(self, slots, hidden, logits, step):
@@ -421,7 +443,8 @@ class Engine:
         """Capture `_decode_core` once per batch bucket, on the scratch slot, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         dev = self.device
-        for bucket in sorted((b for b in self.GRAPH_BUCKETS if b <= self.max_batch), reverse=True):
+        buckets = (self.max_batch,) if self.batch_invariant else [b for b in self.GRAPH_BUCKETS if b <= self.max_batch]
+        for bucket in sorted(buckets, reverse=True):
             io = torch.zeros(3, bucket, dtype=torch.int64, device=dev)
             io[0] = self.scratch
             args = (io[0], io[1][:, None], io[2], None)

@@ -114,6 +114,9 @@ SETTINGS: tuple[Setting, ...] = (
             "reused by later requests of that voice; 0 = off", min=0),
     Setting("max_prefill_tokens", int, 4096, ("slow_ar",), "prompt tokens prefilled per engine step (bounds the "
             "stall of running streams)", min=16),
+    Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "
+            "any others (every decode step at `max_batch` rows, each prompt prefilled on its own); costs the padded "
+            "rows at low load (perf/RESULTS.md)"),
     Setting("cuda_graphs", bool, None, ("slow_ar",), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once; more are refused at "

@@ -52,15 +52,16 @@ class TritonPythonModel:
             prefix_cache_bytes=v.prefix_cache_mb << 20,
             max_prefill_tokens=v.max_prefill_tokens,
             cuda_graphs=v.cuda_graphs,
+            batch_invariant=v.batch_invariant,
         )
         self.C = model.s2.num_codebooks
         self.metrics = tu.Metrics(self.name)
         self.service = EngineService(engine, self._response, tu.s2_error_response, name=self.name,
                                      limit=v.max_batch + v.max_queued_requests, on_unhealthy=self._unload,
                                      on_tick=self._report)
-        self.log.info("slow_ar ready: device=%s dtype=%s max_batch=%d max_seq_len=%d cuda_graphs=%s prefix_cache=%d MiB",
-                      engine.device, engine.dtype, engine.max_batch, engine.max_seq_len, sorted(engine.graphs),
-                      engine.prefix_cache.max_bytes >> 20)
+        self.log.info("slow_ar ready: device=%s dtype=%s max_batch=%d max_seq_len=%d cuda_graphs=%s prefix_cache=%d MiB "
+                      "batch_invariant=%s", engine.device, engine.dtype, engine.max_batch, engine.max_seq_len,
+                      sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20, engine.batch_invariant)
 
     def execute(self, requests):
         for request in requests:
