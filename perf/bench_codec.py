@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """DAC codec speed on a GPU: streaming decode of one chunk per stream for a batch of streams, whole-clip
-encode; fp32 (TF32 off / on, cuDNN autotuning on) against bf16, with the output difference to exact fp32.
+encode; fp32 (TF32 off / on, cuDNN autotuning on) against fp16 and bf16, with the output difference to exact
+fp32. For fp16 (the GPU default) it also times what dac_decoder runs: the chunk plus the finite check of its audio
+and state that sends an overflowing chunk to the fp32 fallback (`StreamDecoder._decode`, host copy included),
+against the same without the check.
 
     python3 perf/bench_codec.py --checkpoint /tmp/s2full --chunk 16 --batches 1,8,32,64
 """
@@ -38,16 +41,17 @@ def main():
     args = ap.parse_args()
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec import StreamState
+    from s2tts.codec_stream import StreamDecoder
 
     torch.backends.cudnn.benchmark = True
     rows = []
     gen = torch.Generator().manual_seed(0)
     batches = [int(x) for x in args.batches.split(",")]
     all_codes, wav = {}, torch.randn(1, 1, 44100 * 10, generator=gen) * 0.1  # the same inputs for every mode
-    for mode in ("fp32", "tf32", "bf16"):
+    for mode in ("fp32", "tf32", "fp16", "bf16"):
         torch.backends.cudnn.allow_tf32 = mode == "tf32"
         torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-        codec = load_codec_from_dir(args.checkpoint, "cuda", "bf16" if mode == "bf16" else "fp32")
+        codec = load_codec_from_dir(args.checkpoint, "cuda", mode if mode in ("fp16", "bf16") else "fp32")
         cfg = codec.config
         for b in batches:
             if b not in all_codes:
@@ -62,6 +66,12 @@ def main():
             audio_s = b * args.chunk * 2048 / 44100
             rows.append({"mode": mode, "batch": b, "chunk_frames": args.chunk, "ms": round(ms, 2),
                          "audio_s_per_s": round(audio_s / (ms / 1000), 1), "_out": out.cpu()})
+            if mode == "fp16":
+                chunk = codes[..., 24:24 + args.chunk]
+                with torch.inference_mode():
+                    served = {check: timed(lambda: StreamDecoder._decode(codec, chunk, [st], check=check))
+                              for check in (False, True)}
+                rows[-1].update({"served_ms_no_check": round(served[False], 2), "served_ms_checked": round(served[True], 2)})
         with torch.inference_mode():
             w = wav.cuda().to(next(codec.parameters()).dtype)
             enc = codec.encode(w).cpu()

@@ -61,6 +61,14 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     return dev
 
 
+def codec_dtype_for(setting: str, device, part: str) -> str:
+    """The codec precision a `codec_dtype` setting means for `part` ("decoder" | "encoder") on `device`: `auto` is
+    fp16 for the decoder on a GPU (`StreamDecoder` decodes a chunk that overflows again in fp32), fp32 otherwise."""
+    if setting != "auto":
+        return setting
+    return "fp16" if part == "decoder" and resolve_device(device).type == "cuda" else "fp32"
+
+
 def _shard_map(path: Path) -> dict[str, str]:
     index = path / INDEX_FILE
     if index.is_file():

@@ -59,3 +59,107 @@ def test_stream_errors_are_per_job(tiny_ckpt):
     again = dec.decode_many([("d", "s1", c, True, False)], now=1.0)["d"]
     assert again.code == "already_exists"
     assert set(dec.states) == {"s1"}
+
+
+HOT = 63  # the semantic code whose codebook row is scaled: frames using it overflow fp16 (finite weights, inf activations)
+
+
+def _overflowing_codec(tiny_ckpt, dtype):
+    codec = load_codec_from_dir(tiny_ckpt, "cpu", dtype)
+    w = dict(codec.named_parameters())["quantizer.semantic_quantizer.quantizers.0.codebook.weight"]
+    with torch.no_grad():
+        w[HOT] = (w[HOT].float() * 3e4).to(w.dtype)
+    assert w.isfinite().all()
+    return codec
+
+
+def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog):
+    """Two streams in fp16, decoded together; one uses a code that overflows in its second chunk. That chunk is
+    decoded again in fp32 from the stream's previous state and the stream stays fp32; the other stream stays fp16.
+    Each stream's audio is finite and matches the fp32 codec to fp16's error."""
+    ref, fp16 = _overflowing_codec(tiny_ckpt, "fp32"), _overflowing_codec(tiny_ckpt, "fp16")
+    dec = StreamDecoder(fp16, fallback=ref)
+    gen = np.random.default_rng(1)
+    cool = np.concatenate([gen.integers(0, HOT, (1, 12)), gen.integers(0, 32, (9, 12))])
+    hot = cool.copy()
+    hot[0, 6] = HOT  # in the second chunk of 4 frames
+    codes = {"cool": cool, "hot": hot}
+    got = {k: [] for k in codes}
+    for i in range(3):
+        jobs = [(k, k, c[:, 4 * i : 4 * i + 4].T, i == 0, i == 2) for k, c in codes.items()]
+        for key, audio in dec.decode_many(jobs, now=float(i)).items():
+            assert not isinstance(audio, S2Error), audio
+            got[key].append(audio)
+        assert dec.in_fp32 == ({"hot"} if i == 1 else set())  # after chunk 3 (final) the stream is gone
+        assert dec.redone == (0 if i == 0 else 1)  # once: later chunks of "hot" run in fp32 from the start
+    assert not dec.states and not dec.in_fp32
+    assert "overflowed in torch.float16; decoded again in fp32" in caplog.text
+    for k, c in codes.items():
+        audio = np.concatenate(got[k])
+        whole = ref.decode(torch.as_tensor(c)[None])[0, 0].numpy()
+        assert np.isfinite(audio).all() and audio.shape == whole.shape
+        err = np.abs(audio - whole).max()
+        assert err < 0.05 * np.abs(whole).max(), (k, err)
+    # without the fallback the same chunk is not finite: the case above is a real overflow
+    bare = StreamDecoder(fp16)
+    bare.decode_many([(0, "h", hot[:, :4].T, True, False)], now=0.0)
+    assert not np.isfinite(bare.decode_many([(0, "h", hot[:, 4:8].T, False, False)], now=1.0)[0]).all()
+
+
+def test_codec_dtype_auto():
+    from unittest import mock
+
+    from s2tts.checkpoint import codec_dtype_for
+
+    assert codec_dtype_for("auto", "cpu", "decoder") == "fp32"
+    assert codec_dtype_for("fp16", "cpu", "decoder") == "fp16"
+    with mock.patch("torch.cuda.is_available", return_value=True):
+        assert codec_dtype_for("auto", "cuda", "decoder") == "fp16"
+        assert codec_dtype_for("auto", "cuda:1", "encoder") == "fp32"
+        assert codec_dtype_for("fp32", "cuda", "decoder") == "fp32"  # exact: one setting away
+
+
+def test_dac_decoder_model_fp16_with_fp32_fallback(tiny_ckpt, tmp_path):
+    """The dac_decoder model.py (in-process, tests/fake_triton.py) with codec_dtype=fp16 loads the fp32 fallback
+    and answers a chunk that overflows with finite audio."""
+    import logging
+    import shutil
+
+    from fake_triton import FakeTriton
+
+    from s2tts.repository import render_repository
+
+    ck = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ck)
+    sd = torch.load(ck / "codec.pth", map_location="cpu", weights_only=True)
+    inner = sd["state_dict"] if isinstance(sd.get("state_dict"), dict) else sd
+    key = next(k for k in inner if k.endswith("semantic_quantizer.quantizers.0.codebook.weight"))
+    inner[key][HOT] *= 3e4
+    torch.save(sd, ck / "codec.pth")
+    repo = render_repository(tmp_path / "repo", {"checkpoint": str(ck), "device": "cpu", "codec_dtype": "fp16"})
+    lines = []  # the model's logger does not propagate (it writes to stderr for Triton): listen to it directly
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logging.getLogger("s2tts").addHandler(handler)
+    h = FakeTriton(repo, models=("dac_decoder",))
+    try:
+        dec = h.models["dac_decoder"].decoder
+        assert next(dec.codec.parameters()).dtype == torch.float16
+        assert next(dec.fallback.parameters()).dtype == torch.float32
+        gen = np.random.default_rng(2)
+        hot = np.concatenate([gen.integers(0, HOT, (1, 8)), gen.integers(0, 32, (9, 8))]).astype(np.int32)
+        hot[0, 5] = HOT
+        audio = []
+        for i in range(2):
+            req = h.request("dac_decoder", {"codes": hot[:, 4 * i : 4 * i + 4].T[None], "stream_id": np.array([b"s1"], object),
+                                            "start": np.array([i == 0]), "final": np.array([i == 1])})
+            resp, final = req.sender.q.get(timeout=60)
+            assert final and not resp.has_error(), resp.error() and resp.error().message()
+            audio.append(resp.get("audio")[0])
+    finally:
+        h.shutdown()
+        logging.getLogger("s2tts").removeHandler(handler)
+    text = "\n".join(lines)
+    audio = np.concatenate(audio)
+    assert audio.shape == (8 * 2048,) and np.isfinite(audio).all() and np.abs(audio).max() > 1e-4
+    assert "stream s1: a chunk of 4 frames overflowed" in text and dec.redone == 1

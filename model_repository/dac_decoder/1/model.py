@@ -11,7 +11,7 @@ import time
 
 from s2tts import settings
 from s2tts import triton_utils as tu
-from s2tts.checkpoint import load_codec_from_dir
+from s2tts.checkpoint import codec_dtype_for, load_codec_from_dir
 from s2tts.codec_stream import StreamDecoder
 
 
@@ -19,12 +19,17 @@ class TritonPythonModel:
     def initialize(self, args):
         v = settings.model_values(json.loads(args["model_config"]), "dac_decoder")
         self.log = tu.setup_logging("dac_decoder")
-        tu.codec_precision(v.codec_dtype, v.codec_tf32)
-        codec = load_codec_from_dir(v.checkpoint, v.codec_device, v.codec_dtype)
-        self.decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s)
+        dtype = codec_dtype_for(v.codec_dtype, v.codec_device, "decoder")
+        tu.codec_precision("fp32", v.codec_tf32)  # the fp32 codec, or the fallback of an fp16 one
+        codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype)
+        fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, v.codec_device, "fp32")
+        self.decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback)
         self.metrics = tu.Metrics("dac_decoder")
+        self.log.info("dac_decoder ready: device=%s dtype=%s%s", next(codec.parameters()).device, dtype,
+                      " (fp32 fallback for chunks that overflow)" if fallback is not None else "")
 
     def execute(self, requests):
         out = tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic())
         self.metrics.set("s2tts_codec_streams_open", len(self.decoder.states))
+        self.metrics.count_to("s2tts_codec_fp32_redo_total", self.decoder.redone)
         return out

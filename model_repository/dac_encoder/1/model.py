@@ -6,7 +6,7 @@ import triton_python_backend_utils as pb_utils
 
 from s2tts import errors, settings
 from s2tts import triton_utils as tu
-from s2tts.checkpoint import load_codec_from_dir
+from s2tts.checkpoint import codec_dtype_for, load_codec_from_dir
 
 
 class TritonPythonModel:
@@ -15,8 +15,9 @@ class TritonPythonModel:
 
         v = settings.model_values(json.loads(args["model_config"]), "dac_encoder")
         self.log = tu.setup_logging("dac_encoder")
-        tu.codec_precision(v.codec_dtype, v.codec_tf32)
-        self.codec = load_codec_from_dir(v.checkpoint, v.codec_device, v.codec_dtype)
+        dtype = codec_dtype_for(v.codec_dtype, v.codec_device, "encoder")
+        tu.codec_precision(dtype, v.codec_tf32)
+        self.codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype)
         self.max_seconds = v.max_reference_seconds
         self.device = next(self.codec.parameters()).device
         self.torch = torch
