@@ -155,6 +155,19 @@ def load_codec_from_dir(path: str | Path, device="cpu", dtype: str | torch.dtype
     return load_codec(str(f), device=resolve_device(device), dtype=parse_dtype(dtype))
 
 
+def codec_frame_seconds(path: str | Path) -> float:
+    """Seconds of audio per codec frame (2048 / 44100 for S2 Pro), from codec.pth's tensor shapes without
+    building the codec (the file is memory-mapped)."""
+    from .codec import _infer_config, _normalise
+
+    f = Path(path) / CODEC_FILE
+    if not f.is_file():
+        raise CheckpointError(f"{f} not found: the checkpoint directory needs the DAC codec weights {CODEC_FILE}")
+    config = _infer_config(_normalise(torch.load(str(f), map_location="cpu", mmap=True, weights_only=True),
+                                      fold=False)[0], {})
+    return config.frame_length / config.sample_rate
+
+
 def codec_codebook_sizes(path: str | Path) -> tuple[int, int]:
     """(semantic, residual) codebook sizes of the checkpoint's codec.pth, read from tensor shapes
     without building the codec (the file is memory-mapped)."""

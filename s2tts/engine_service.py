@@ -88,8 +88,13 @@ class EngineService:
     def __init__(self, engine: Engine, make_response: Callable[[np.ndarray, str, dict | None], Any],
                  make_error: Callable[[S2Error], Any], name: str = "slow_ar", limit: int | None = None,
                  on_unhealthy: Callable[[str], None] | None = None, cancel_poll_s: float = 0.05,
-                 max_step_faults: int = 3, on_tick: Callable[["EngineService"], None] | None = None):
+                 max_step_faults: int = 3, on_tick: Callable[["EngineService"], None] | None = None,
+                 frame_seconds: float | None = None):
+        """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`service.Chunker`);
+        None: fixed chunks."""
         self.engine = engine
+        self.frame_seconds = frame_seconds
+        self.step_s: float | None = None  # moving average of the wall time of a step that decoded (one frame each)
         self.name = name
         self.make_response = make_response
         self.table = RequestTable(name, make_error, limit)
@@ -118,8 +123,9 @@ class EngineService:
         """Admit a request (its responses go to `responder`). A refusal (duplicate id, full, unhealthy, a request
         the engine can never run) is answered on `responder` with one final error; returns None then."""
         try:
-            rec = self.table.open(client_id, responder, state=StreamState(Chunker(first_chunk_frames, chunk_frames),
-                                                                           prompt_tokens=len(prompt)))
+            pace = self.pace if self.frame_seconds else None
+            rec = self.table.open(client_id, responder,
+                                  state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace), prompt_tokens=len(prompt)))
         except S2Error as e:
             log.info("%s: request %s refused: %s", self.name, client_id, e.wire())
             self.table.refuse(responder, e)
@@ -142,6 +148,10 @@ class EngineService:
         self.engine.cancel(str(rec.iid))
         return True
 
+    def pace(self) -> float:
+        """The engine's real-time factor now: seconds of stepping per second of audio of each live stream."""
+        return 1.0 if self.step_s is None or not self.frame_seconds else self.step_s / self.frame_seconds
+
     def status(self, client_id: str | None = None) -> dict:
         out = {"healthy": self.health.ok, "reason": self.health.reason, **self.engine.counts(),
                "in_flight": len(self.table)}
@@ -157,7 +167,12 @@ class EngineService:
         if not self.health.ok:  # nothing runs on an unhealthy device; drop whatever arrived meanwhile
             self.engine.fail_all("unhealthy")
             return
+        t0 = time.monotonic()
+        decoding = bool(self.engine.live)
         outputs = self.engine.step()
+        if decoding and self.engine.last_fault is None:
+            dt = time.monotonic() - t0
+            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
         fault = self.engine.last_fault
         if fault is None:
             self.step_faults = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -105,14 +106,35 @@ class TTSRequest:
 
 
 class Chunker:
-    """Groups streamed frames into decode chunks: the first after `first` frames, then every `size`.
-    Frames and chunks are [n, num_codebooks] (frames first, as on every wire)."""
+    """Groups streamed frames into decode chunks [n, num_codebooks] (frames first, as on every wire).
 
-    def __init__(self, first: int, size: int):
+    The first chunk is `first` frames (time to first audio); later ones are at most `size`. With `pace` (a callable
+    giving the production real-time factor r now: seconds of work per second of audio, as the engine measures it),
+    later chunks grow only as fast as playback allows. A client plays from the first chunk; frames come one every
+    r frame-durations, so the chunk ending at frame F' arrives F' r after the start while playback needs it by
+    (F_1 r + F), F being the frames sent before it and F_1 the first chunk's: F' <= F_1 + F / r. `safety` (< 1)
+    leaves room for the codec's time and jitter. Sizes are `first` times a power of two, or `size` (few distinct
+    chunk lengths, so the codec still batches chunks of many streams together). Without `pace`: `first`, then `size`.
+    """
+
+    def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8):
         self.first, self.size = first, size
+        self.pace, self.safety = pace, safety
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
         self.emitted = 0  # chunks handed out
+        self.sent = 0  # frames handed out
+
+    def next_size(self) -> int:
+        if self.emitted == 0:
+            return self.first
+        if self.pace is None:
+            return self.size
+        bound = self.first + self.safety * self.sent / max(self.pace(), 1e-3) - self.sent
+        n = min(self.first, self.size)
+        while n < self.size and min(2 * n, self.size) <= bound:
+            n = min(2 * n, self.size)
+        return n
 
     def add(self, frames: np.ndarray) -> list[np.ndarray]:
         """frames [n, C] -> zero or more chunks [k, C] ready to decode."""
@@ -120,13 +142,15 @@ class Chunker:
             self.pending.append(frames)
             self.n_pending += frames.shape[0]
         out = []
-        while self.n_pending >= (self.first if self.emitted == 0 else self.size):
-            k = self.first if self.emitted == 0 else self.size
+        k = self.next_size()
+        while self.n_pending >= k:
             allf = np.concatenate(self.pending, axis=0)
             out.append(allf[:k])
             self.pending = [allf[k:]] if allf.shape[0] > k else []
             self.n_pending -= k
             self.emitted += 1
+            self.sent += k
+            k = self.next_size()
         return out
 
     def flush(self) -> np.ndarray | None:
@@ -135,6 +159,7 @@ class Chunker:
         allf = np.concatenate(self.pending, axis=0)
         self.pending, self.n_pending = [], 0
         self.emitted += 1
+        self.sent += allf.shape[0]
         return allf
 
 

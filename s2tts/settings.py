@@ -116,6 +116,9 @@ SETTINGS: tuple[Setting, ...] = (
             "reused by later requests of that voice; 0 = off", min=0),
     Setting("max_prefill_tokens", int, 4096, ("slow_ar",), "prompt tokens prefilled per engine step (bounds the "
             "stall of running streams)", min=16),
+    Setting("adaptive_chunks", bool, True, ("slow_ar",), "later chunks grow from `first_chunk_frames` to "
+            "`chunk_frames` only as fast as playback allows at the engine's measured pace, so a stream played from its "
+            "first chunk does not run dry under load; false: every later chunk is `chunk_frames`"),
     Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "
             "any others (every decode step at `max_batch` rows, each prompt prefilled on its own); costs the padded "
             "rows at low load (perf/RESULTS.md)"),
@@ -125,7 +128,8 @@ SETTINGS: tuple[Setting, ...] = (
             "once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
     Setting("first_chunk_frames", int, 4, ("s2pro",), "default frames in the first audio chunk (1 frame = 2048 "
             "samples = 46 ms)", min=1),
-    Setting("chunk_frames", int, 16, ("s2pro",), "default frames in later chunks", min=1),
+    Setting("chunk_frames", int, 16, ("s2pro",), "default frames in later chunks (the largest, with "
+            "`adaptive_chunks`)", min=1),
     Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
     Setting("max_text_chars", int, 2000, ("s2pro",), "longest text accepted (characters)", min=1),
     Setting("max_reference_seconds", float, 30.0, ("s2pro", "dac_encoder"), "longest reference clip accepted",

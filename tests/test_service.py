@@ -17,6 +17,48 @@ def test_chunker_first_then_fixed_sizes():
     assert got == [4, 6, 6] and c.flush().shape[0] == 4
 
 
+def _play(first, size, r, n_frames=400, adaptive=True, decode=0.0):
+    """Frames come one every r frame-durations; a chunk of n frames reaches the client `decode` x n frame-durations
+    after its last frame (the codec's time); the client plays from the first chunk.
+    -> (chunk sizes, worst lateness in frame-durations)."""
+    c = Chunker(first, size, (lambda: r) if adaptive else None)
+    sizes, arrivals = [], []
+    for k in range(1, n_frames + 1):
+        for ch in c.add(frames(1, k)):
+            sizes.append(ch.shape[0])
+            arrivals.append(k * r + decode * ch.shape[0])
+    start, late, sent = arrivals[0], 0.0, 0
+    for n, t in zip(sizes, arrivals):
+        late = max(late, t - (start + sent))  # needed when the audio sent before it has played
+        sent += n
+    return sizes, late
+
+
+@pytest.mark.parametrize("r", [0.05, 0.3, 0.65, 0.75])
+def test_adaptive_chunks_never_underrun(r):
+    sizes, late = _play(4, 16, r)
+    assert late <= 0, (sizes, late)
+    assert set(sizes) <= {4, 8, 16} and sizes[0] == 4
+    assert sizes == sorted(sizes) and sizes[-1] == 16  # they grow up to the cap at a constant pace
+    if r <= 0.2:
+        assert sizes[1] == 16  # a fast engine goes straight to the largest chunk
+    # fixed chunks after a small first one run dry at this pace: what streams did at c=64
+    if r >= 0.3:
+        assert _play(4, 16, r, adaptive=False)[1] > 0
+
+
+def test_adaptive_chunks_follow_the_pace_and_keep_slack_for_the_codec():
+    pace = [0.2]
+    c = Chunker(4, 32, lambda: pace[0])
+    got = [ch.shape[0] for i in range(20) for ch in c.add(frames(1, i))]
+    assert got == [4, 16]  # after 4 frames at r = 0.2 the next may end by 4 + 0.8 * 4 / 0.2 = 20: 16 frames, not 32
+    pace[0] = 2.0  # slower than real time: nothing can keep up; chunks stay at the first size
+    got = [ch.shape[0] for i in range(20, 48) for ch in c.add(frames(1, i))]
+    assert set(got) == {4}
+    # the codec's time for the bigger chunks (here 10% of real time) is covered by the safety margin
+    assert _play(4, 16, 0.65, decode=0.1)[1] <= 0
+
+
 @pytest.mark.parametrize("kw,msg", [
     (dict(text=" "), "text is empty"),
     (dict(first_chunk_frames=0), "first_chunk_frames=0 is out of range"),

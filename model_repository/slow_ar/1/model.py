@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from s2tts import errors, settings
 from s2tts import triton_utils as tu
-from s2tts.checkpoint import codec_codebook_sizes, load_model
+from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
 from s2tts.engine import Engine, HostFastAR
 from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, EngineService, encode_fields
 from s2tts.prompt import Prompt
@@ -58,10 +58,11 @@ class TritonPythonModel:
         self.metrics = tu.Metrics(self.name)
         self.service = EngineService(engine, self._response, tu.s2_error_response, name=self.name,
                                      limit=v.max_batch + v.max_queued_requests, on_unhealthy=self._unload,
-                                     on_tick=self._report)
+                                     on_tick=self._report,
+                                     frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None)
         self.log.info("slow_ar ready: device=%s dtype=%s max_batch=%d max_seq_len=%d cuda_graphs=%s prefix_cache=%d MiB "
-                      "batch_invariant=%s", engine.device, engine.dtype, engine.max_batch, engine.max_seq_len,
-                      sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20, engine.batch_invariant)
+                      "batch_invariant=%s adaptive_chunks=%s", engine.device, engine.dtype, engine.max_batch, engine.max_seq_len,
+                      sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20, engine.batch_invariant, v.adaptive_chunks)
 
     def execute(self, requests):
         for request in requests:
@@ -135,6 +136,8 @@ class TritonPythonModel:
         self.metrics.report_table(service.table)
         self.metrics.set("s2tts_engine_requests_waiting", counts["waiting"])
         self.metrics.set("s2tts_engine_slots_used", counts["live"])
+        if service.step_s is not None:
+            self.metrics.set("s2tts_engine_step_seconds", round(service.step_s, 4))
 
     def _unload(self, reason):
         tu.unload_self(self.name, self.log)
