@@ -114,7 +114,8 @@ class Chunker:
     r frame-durations, so the chunk ending at frame F' arrives F' r after the start while playback needs it by
     (F_1 r + F), F being the frames sent before it and F_1 the first chunk's: F' <= F_1 + F / r. `safety` (< 1)
     leaves room for the codec's time and jitter. Sizes are `first` times a power of two, or `size` (few distinct
-    chunk lengths, so the codec still batches chunks of many streams together). Without `pace`: `first`, then `size`.
+    chunk lengths, so the codec still batches chunks of many streams together). At a pace no cadence keeps up with
+    (r >= safety), and without `pace`, later chunks are `size`: the fewest codec calls.
     """
 
     def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8):
@@ -128,9 +129,10 @@ class Chunker:
     def next_size(self) -> int:
         if self.emitted == 0:
             return self.first
-        if self.pace is None:
+        r = self.pace() if self.pace is not None else 0.0
+        if self.pace is None or r >= self.safety:  # no cadence keeps up at this pace: favour throughput
             return self.size
-        bound = self.first + self.safety * self.sent / max(self.pace(), 1e-3) - self.sent
+        bound = self.first + self.safety * self.sent / max(r, 1e-3) - self.sent
         n = min(self.first, self.size)
         while n < self.size and min(2 * n, self.size) <= bound:
             n = min(2 * n, self.size)

@@ -52,9 +52,12 @@ def test_adaptive_chunks_follow_the_pace_and_keep_slack_for_the_codec():
     c = Chunker(4, 32, lambda: pace[0])
     got = [ch.shape[0] for i in range(20) for ch in c.add(frames(1, i))]
     assert got == [4, 16]  # after 4 frames at r = 0.2 the next may end by 4 + 0.8 * 4 / 0.2 = 20: 16 frames, not 32
-    pace[0] = 2.0  # slower than real time: nothing can keep up; chunks stay at the first size
-    got = [ch.shape[0] for i in range(20, 48) for ch in c.add(frames(1, i))]
-    assert set(got) == {4}
+    pace[0] = 0.7  # slower: growth slows (4 + 0.8 * 20 / 0.7 - 20 = 6.9 -> 4)
+    got = [ch.shape[0] for i in range(20, 28) for ch in c.add(frames(1, i))]
+    assert got == [4, 4]
+    pace[0] = 2.0  # slower than real time: no cadence keeps up; the largest chunks, for throughput
+    got = [ch.shape[0] for i in range(28, 92) for ch in c.add(frames(1, i))]
+    assert got == [32, 32]
     # the codec's time for the bigger chunks (here 10% of real time) is covered by the safety margin
     assert _play(4, 16, 0.65, decode=0.1)[1] <= 0
 
