@@ -95,6 +95,8 @@ class EngineService:
         self.engine = engine
         self.frame_seconds = frame_seconds
         self.step_s: float | None = None  # moving average of the wall time of a step that decoded (one frame each)
+        self.downstream_pace: tuple[float, float] | None = None  # (pace, when) reported by the caller (s2pro)
+        self.downstream_pace_ttl_s = 5.0
         self.name = name
         self.make_response = make_response
         self.table = RequestTable(name, make_error, limit)
@@ -149,8 +151,18 @@ class EngineService:
         return True
 
     def pace(self) -> float:
-        """The engine's real-time factor now: seconds of stepping per second of audio of each live stream."""
-        return 1.0 if self.step_s is None or not self.frame_seconds else self.step_s / self.frame_seconds
+        """The pace chunks follow: seconds to make a second of a stream's audio, the slower of the engine's own
+        (its step time) and the pipeline's as the caller last reported it (`set_downstream_pace`, if recent)."""
+        own = 1.0 if self.step_s is None or not self.frame_seconds else self.step_s / self.frame_seconds
+        d = self.downstream_pace
+        if d is not None and time.monotonic() - d[1] < self.downstream_pace_ttl_s:
+            return max(own, d[0])
+        return own
+
+    def set_downstream_pace(self, r: float) -> None:
+        if not (0.0 < r < 1e3):
+            raise errors.invalid(f"pace={r} is out of range: seconds per second of audio, > 0", "control")
+        self.downstream_pace = (r, time.monotonic())
 
     def status(self, client_id: str | None = None) -> dict:
         out = {"healthy": self.health.ok, "reason": self.health.reason, **self.engine.counts(),

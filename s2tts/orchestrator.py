@@ -15,6 +15,11 @@ Every exit that did not see the end of generation cancels it in slow_ar, and eve
 codec stream is closed. A model whose process died, or that reported an unrecoverable fault,
 is reloaded when `auto_recover` is on (the requests that depended on it end at once);
 meanwhile new requests are refused with `unavailable`.
+
+s2pro also measures the pipeline's pace (seconds between a stream's audio chunks per second of
+their audio, averaged over streams) and, while it has new measurements, reports it to slow_ar
+about once a second (`control` = `pace=R`): slow_ar's chunker must not outrun the slowest
+stage, which slow_ar's own step time does not see when the codec is the bottleneck.
 """
 
 from __future__ import annotations
@@ -98,6 +103,10 @@ class TTSService:
         self.recovering: dict[str, float] = {}  # model -> when its reload started
         self.last_reload: dict[str, float] = {}
         self.reload_backoff_s = 30.0
+        self.pace: float | None = None  # moving average of the pipeline's pace (see the module's doc)
+        self.pace_report_s = 1.0
+        self._pace_samples = 0
+        self._pace_reported = (0.0, 0)  # (when, samples then)
         self._lock = threading.Lock()
         self.stop = threading.Event()
         self.supervisor = threading.Thread(target=guarded(f"{name} supervisor", self._supervise, self.stop,
@@ -168,6 +177,10 @@ class TTSService:
                     stats.audio_sent(audio.size)
                     if not rec.send(self.make_chunk(audio, frames, seq)):
                         break
+                    now = time.monotonic()
+                    if seq and audio.size and not reason:  # not the first (prefill) nor the last (a remainder)
+                        self._observe_pace((now - last_sent) * self.s2.sample_rate / audio.size)
+                    last_sent = now
                     seq += 1
                 if reason:
                     self._close_decoder(w)
@@ -191,6 +204,22 @@ class TTSService:
                     "%s: request %s failed in %s: %s", self.name, rec.tag, w.phase, err.wire())
         finally:
             self._release(w, stream)
+
+    def _observe_pace(self, r: float) -> None:
+        self.pace = r if self.pace is None else 0.9 * self.pace + 0.1 * r
+        self._pace_samples += 1
+
+    def _report_pace(self) -> None:
+        """Measurements since the last report (none while idle: slow_ar then drops the old value after a while)."""
+        when, samples = self._pace_reported
+        r, n = self.pace, self._pace_samples
+        if r is None or n == samples or time.monotonic() - when < self.pace_report_s:
+            return
+        self._pace_reported = (time.monotonic(), n)
+        try:
+            self.down.control("", f"pace={r:.4f}")
+        except Exception as e:  # noqa: BLE001 - chunks then follow slow_ar's own pace
+            log.info("%s: pace not reported to slow_ar (%s)", self.name, e)
 
     def _release(self, w: Work, stream) -> None:
         """Whatever the request still holds downstream: its codec stream, and its generation (cancelled, and its
@@ -250,6 +279,7 @@ class TTSService:
         self.stop.wait(self.supervise_s)
         if self.on_tick is not None:
             self.on_tick(self)
+        self._report_pace()
         now = time.monotonic()
         for rec in self.table.live():
             w: Work = rec.state

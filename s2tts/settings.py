@@ -117,8 +117,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_prefill_tokens", int, 4096, ("slow_ar",), "prompt tokens prefilled per engine step (bounds the "
             "stall of running streams)", min=16),
     Setting("adaptive_chunks", bool, True, ("slow_ar",), "later chunks grow from `first_chunk_frames` to "
-            "`chunk_frames` only as fast as playback allows at the engine's measured pace, so a stream played from its "
-            "first chunk does not run dry under load; false: every later chunk is `chunk_frames`"),
+            "`chunk_frames` only as fast as playback allows at the measured pace (the slower of slow_ar's step and the "
+            "whole pipeline's, reported by s2pro), so a stream played from its first chunk does not run dry under "
+            "load; false: every later chunk is `chunk_frames`"),
     Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "
             "any others (every decode step at `max_batch` rows, each prompt prefilled on its own); costs the padded "
             "rows at low load (perf/RESULTS.md)"),

@@ -261,6 +261,8 @@ METRICS = {  # name -> (kind, help)
     "s2tts_engine_slots_used": ("gauge", "slow_ar KV-cache slots in use"),
     "s2tts_engine_step_seconds": ("gauge", "slow_ar's moving average of a decode step (one frame for every live "
                                   "stream); above the audio of one frame, streams fall behind real time"),
+    "s2tts_stream_pace": ("gauge", "s2pro's moving average of the seconds between a stream's audio chunks per second "
+                          "of their audio; at 1 or more, streams play slower than real time"),
     "s2tts_codec_streams_open": ("gauge", "dac_decoder streams whose decoder state is held"),
     "s2tts_codec_fp32_redo_total": ("counter", "dac_decoder chunks that overflowed in fp16 and were decoded again in fp32"),
     "s2tts_model_healthy": ("gauge", "1 while the model serves, 0 after an unrecoverable fault"),

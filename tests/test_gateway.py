@@ -146,6 +146,15 @@ def pcm16(x: np.ndarray) -> np.ndarray:
     return np.round(np.clip(x, -1, 1) * 32768).astype(np.int16)
 
 
+def assert_same_pcm(a: np.ndarray, b: np.ndarray) -> None:
+    """Two takes of one seeded request: the same 16-bit samples to 1 LSB. Chunk boundaries follow the measured
+    pace (`adaptive_chunks`), and the streaming codec gives the same audio for any chunking up to float rounding,
+    which can move a sample across a 16-bit step."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    d = np.abs(a.astype(np.int32) - b.astype(np.int32))
+    assert d.max() <= 1 and (d > 0).mean() < 0.05, (d.max(), (d > 0).mean())
+
+
 def speech_raw(client, **kw):
     """Non-streaming call through the SDK; returns (bytes, headers)."""
     extra = {k: kw.pop(k) for k in list(kw) if k not in ("input", "voice", "response_format", "speed", "model")}
@@ -246,7 +255,7 @@ def test_response_format(client, long_take, reference_audio, fmt):
     expected = frames * FRAME * sr / SR
     if fmt in ("wav", "pcm", "flac"):
         assert x.size == expected
-        np.testing.assert_array_equal(pcm16(x), pcm16(ref))  # lossless: the same 16-bit samples
+        assert_same_pcm(pcm16(x), pcm16(ref))  # lossless: the same 16-bit samples
     else:
         # Lossy codecs add encoder delay/padding of at most a few codec frames.
         assert abs(x.size - expected) <= 3000, (x.size, expected)
@@ -268,7 +277,7 @@ def test_speed_time_stretch(client, long_take, reference_audio):
             model=MODEL, voice="default", input=TEXT, response_format="pcm", speed=2.0, stream_format="audio",
             extra_body={"seed": seed, "max_new_tokens": FRAMES}) as r:
         streamed = b"".join(r.iter_bytes())
-    np.testing.assert_array_equal(np.frombuffer(streamed, "<i2"), pcm16(f))
+    assert_same_pcm(np.frombuffer(streamed, "<i2"), pcm16(f))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -304,7 +313,7 @@ def test_stream_audio_starts_early_and_matches_whole_file(client, long_take):
     assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff"  # open-ended WAV header, as OpenAI streams it
     x, sr, ch = decode(data, "wav")
     assert sr == SR and ch == 1 and x.size == STREAM_FRAMES * FRAME
-    np.testing.assert_array_equal(pcm16(x), np.frombuffer(whole, "<i2"))  # the same audio as the whole file
+    assert_same_pcm(pcm16(x), np.frombuffer(whole, "<i2"))  # the same audio as the whole file
 
 
 @pytest.mark.parametrize("fmt", ["pcm", "mp3", "opus", "aac", "flac"])
@@ -331,7 +340,7 @@ def test_sse_events(client, long_take):
     types = [e["type"] for e in events]
     assert types[-1] == "speech.audio.done" and set(types[:-1]) == {"speech.audio.delta"} and len(types) >= 4
     audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
-    assert audio == whole  # the deltas concatenate to the same audio
+    assert_same_pcm(np.frombuffer(audio, "<i2"), np.frombuffer(whole, "<i2"))  # the deltas: the same audio
     usage = events[-1]["usage"]
     assert usage["output_tokens"] == STREAM_FRAMES and usage["input_tokens"] > 0
     assert usage["total_tokens"] == usage["input_tokens"] + STREAM_FRAMES

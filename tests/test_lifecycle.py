@@ -247,6 +247,30 @@ def test_happy_path_and_release(harness_factory):
     assert _quiet(h)["free_slots"] == 4
 
 
+def test_pipeline_pace_reaches_slow_ar_chunker(harness_factory):
+    """A slow codec sets the pipeline's pace; s2pro measures it and tells slow_ar, whose chunker then follows the
+    slower of it and the engine's own step time."""
+    h = harness_factory(chunk_frames=16)
+    dec = h.models["dac_decoder"]
+    decode = dec.execute
+    dec.execute = lambda requests: (time.sleep(0.08), decode(requests))[1]  # 80 ms per chunk: the bottleneck
+    req = _wait(h.request("s2pro", _tts_inputs(max_new_tokens=40, ignore_eos=np.array([True])), "paced"))
+    assert _one_final(req) is None
+    s2, slow = h.models["s2pro"].service, h.models["slow_ar"].service
+    assert s2.pace is not None and s2.pace > 0
+    deadline = time.time() + 5  # reports come at most once a second; the last one carries the final average
+    while (slow.downstream_pace is None or slow.downstream_pace[0] != pytest.approx(s2.pace, abs=1e-3)) \
+            and time.time() < deadline:
+        time.sleep(0.05)
+    assert slow.downstream_pace is not None, "s2pro never reported the pace"
+    reported = slow.downstream_pace[0]
+    assert reported == pytest.approx(s2.pace, abs=1e-3)
+    own = slow.step_s / slow.frame_seconds
+    assert reported > own and slow.pace() == pytest.approx(reported)  # the codec, not the engine, is the slow stage
+    with pytest.raises(errors.S2Error, match="out of range"):
+        slow.set_downstream_pace(-1.0)
+
+
 def test_engine_step_fails_while_admitting(harness_factory):
     h = harness_factory()
     slow = h.models["slow_ar"].service

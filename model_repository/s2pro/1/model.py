@@ -119,7 +119,12 @@ class TritonPythonModel:
         self.metrics = tu.Metrics("s2pro")
         self.service = TTSService(BLSDownstream(self.s2.num_codebooks), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
                                   self._chunk_response, self._final_response, tu.s2_error_response,
-                                  on_tick=lambda svc: self.metrics.report_table(svc.table))
+                                  on_tick=self._report)
+
+    def _report(self, svc):
+        self.metrics.report_table(svc.table)
+        if svc.pace is not None:
+            self.metrics.set("s2tts_stream_pace", round(svc.pace, 3))
 
     def execute(self, requests):
         for request in requests:

@@ -4,7 +4,8 @@ A thin adapter: tensors in, `s2tts.engine_service.EngineService` does the rest (
 engine thread, one sender thread, every request ending in exactly one final response).
 A request carries `request_id` (the caller's id: cancellation, status, log lines).
 `control`="cancel" cancels that request; `control`="status" answers with the engine's
-health and where that request is (waiting / live / unknown) in `stats`. Everything but
+health and where that request is (waiting / live / unknown) in `stats`; `control`="pace=R"
+(from s2pro) tells the chunker the pipeline's pace. Everything but
 codes travels as numbers (`s2tts.engine_service.FINISH_CODES`, `STATS_FIELDS`, `STATUS_FIELDS`).
 """
 
@@ -88,11 +89,19 @@ class TritonPythonModel:
             found = self.service.cancel(rid)
             self.log.info("slow_ar: cancel for request %s (%s)", rid, "live" if found else "not in flight")
             sender.send(pb_utils.InferenceResponse(output_tensors=[tu.tensor("stats", np.array([float(found)], np.float32))]), True)
+        elif control.startswith("pace="):  # the pipeline's pace, from s2pro: chunks follow the slower stage
+            try:
+                r = float(control[5:])
+            except ValueError:
+                raise errors.invalid(f"control={control!r}: pace=R needs a number", "control") from None
+            self.service.set_downstream_pace(r)
+            sender.send(pb_utils.InferenceResponse(output_tensors=[tu.tensor("stats", np.array([r], np.float32))]), True)
         elif control == "status":
             sender.send(pb_utils.InferenceResponse(output_tensors=[
                 tu.tensor("stats", encode_fields(self.service.status(rid), STATUS_FIELDS))]), True)
         else:
-            raise errors.invalid(f"control={control!r}: use cancel or status (or leave it out to generate)", "control")
+            raise errors.invalid(f"control={control!r}: use cancel, status or pace=R (or leave it out to generate)",
+                                 "control")
 
     def _parse(self, request):
         import torch
