@@ -156,7 +156,8 @@ def assert_same_pcm(a: np.ndarray, b: np.ndarray) -> None:
 
 
 def speech_raw(client, **kw):
-    """Non-streaming call through the SDK; returns (bytes, headers)."""
+    """Whole-file call through the SDK (`stream: false`, with the stats headers); returns (bytes, headers)."""
+    kw.setdefault("stream", False)
     extra = {k: kw.pop(k) for k in list(kw) if k not in ("input", "voice", "response_format", "speed", "model")}
     kw.setdefault("model", MODEL)
     kw.setdefault("voice", "default")
@@ -241,14 +242,14 @@ def test_response_format(client, long_take, reference_audio, fmt):
     ref, ref_headers = reference_audio
     frames = int(ref_headers["x-s2-frames"])
     assert frames == FRAMES and ref.size == frames * FRAME  # the wav itself: exactly the frames generated
-    # the plain SDK call, as an application would make it
+    # the plain SDK call, as an application would make it (streamed, as OpenAI's endpoint answers by default)
     res = client.audio.speech.create(model=MODEL, voice="default", input=TEXT, response_format=fmt,
                                      extra_body={"seed": seed, "max_new_tokens": FRAMES})
     data = res.content
     assert res.response.headers["content-type"].startswith(
         {"mp3": "audio/mpeg", "opus": "audio/ogg", "aac": "audio/aac", "flac": "audio/flac", "wav": "audio/wav",
          "pcm": "audio/pcm"}[fmt])
-    assert int(res.response.headers["x-s2-frames"]) == frames and res.response.headers["x-s2-seed"] == str(seed)
+    assert res.response.headers["x-s2-seed"] == str(seed) and "content-length" not in res.response.headers
     x, sr, channels = decode(data, fmt)
     assert sr == EXPECT_RATE[fmt] and channels == 1
     assert float(np.sqrt(np.mean(x ** 2))) > 1e-3, "silent"
@@ -329,6 +330,35 @@ def test_stream_audio_formats_decode_as_they_arrive(client, long_take, fmt):
     if fmt != "pcm":
         head = b"".join(c for _, c in got[: max(2, len(got) // 2)])
         assert 0 < decoded_prefix_samples(head) < x.size
+
+
+def test_sdk_streams_by_default(client, long_take):
+    """The unmodified SDK as OpenAI's docs use it (no stream_format): bytes arrive while the audio is made, over
+    chunked transfer; `stream: false` gets the whole file with its length."""
+    seed, whole, headers = long_take
+    assert int(headers["content-length"]) == len(whole)  # long_take is a stream=false answer
+    got, t0 = [], time.monotonic()
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="default", input=TEXT, response_format="pcm",
+            extra_body={"seed": seed, "max_new_tokens": STREAM_FRAMES, "first_chunk_frames": 2, "chunk_frames": 4}) as r:
+        assert "content-length" not in r.headers and r.headers.get("transfer-encoding") == "chunked"
+        for c in r.iter_bytes():
+            got.append((time.monotonic(), c))
+    assert len(got) >= 3 and got[0][0] < got[-1][0], [t - t0 for t, _ in got]
+    assert_same_pcm(np.frombuffer(b"".join(c for _, c in got), "<i2"), np.frombuffer(whole, "<i2"))
+
+
+def test_non_json_body_is_415(gw):
+    body = json.dumps({"model": MODEL, "input": "hi", "voice": "default", "max_new_tokens": 4})
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):  # None: no Content-Type at all
+        r = httpx.post(f"{gw.url}/v1/audio/speech", content=body, timeout=30,
+                       headers={"content-type": ctype} if ctype else {})
+        assert r.status_code == 415, (ctype, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "unsupported_media" and "Content-Type: application/json" in err["message"], err
+    r = httpx.post(f"{gw.url}/v1/audio/speech", content=body, timeout=60,
+                   headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200 and len(r.content) > 0
 
 
 def test_sse_events(client, long_take):
@@ -468,7 +498,7 @@ BAD_REQUESTS = [
     (dict(input=""), "input", "input is required"),
     (dict(response_format="ogg"), "response_format", "use one of"),
     (dict(speed=5.0), "speed", "[0.25, 4.0]"),
-    (dict(stream_format="chunks"), "stream_format", "'audio' or 'sse'"),
+    (dict(stream_format="chunks"), "stream_format", "'audio' (the default) or 'sse'"),
     (dict(temperature=-0.5), "temperature", "out of range"),
     (dict(top_p=1.5), "top_p", "out of range"),
     (dict(top_k=5000), "top_k", "out of range"),
@@ -615,7 +645,7 @@ def test_api_key_overload_and_disconnect(triton, gw_dir, long_take):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{g.url}/v1/audio/speech", headers={"Authorization": f"Bearer {key}"}, timeout=0.5,
                        json={"model": MODEL, "input": TEXT, "response_format": "wav", "seed": seed,
-                             "max_new_tokens": big})
+                             "max_new_tokens": big, "stream": False})
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (g.health()["in_flight"] or _cancel_counts(triton) != (
                 after[0] + 1, after[1] + 1)):

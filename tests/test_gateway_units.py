@@ -104,12 +104,14 @@ CFG = GatewayConfig()
 
 def test_parse_speech_defaults_and_voice_forms():
     p = parse_speech({"model": "s2-pro", "input": "hi", "voice": "alloy"}, CFG)
-    assert p.voice == "alloy" and p.response_format == "mp3" and p.speed == 1.0 and p.stream_format is None
+    assert p.voice == "alloy" and p.response_format == "mp3" and p.speed == 1.0
+    assert p.stream_format == "audio"  # as OpenAI's: streamed by default
     for v in (None, "default", "DEFAULT", "none", ""):
         assert parse_speech({"input": "hi", "voice": v}, CFG).voice is None
     assert parse_speech({"input": "hi", "voice": {"id": "bob"}}, CFG).voice == "bob"
     assert parse_speech({"input": "hi", "stream": True}, CFG).stream_format == "audio"
     assert parse_speech({"input": "hi", "stream_format": "sse", "stream": True}, CFG).stream_format == "sse"
+    assert parse_speech({"input": "hi", "stream": False}, CFG).stream_format is None  # the whole file
     p = parse_speech({"input": "hi", "seed": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 50.0},
                      CFG)
     assert (p.seed, p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (3, 0.7, 0.9, 20, 50)
@@ -127,6 +129,7 @@ def test_parse_speech_defaults_and_voice_forms():
     ({"input": "hi", "top_k": 2.5}, 400, "top_k"),
     ({"input": "hi", "seed": 2 ** 63}, 400, "seed"),
     ({"input": "hi", "stream": "yes"}, 400, "stream"),
+    ({"input": "hi", "stream": False, "stream_format": "sse"}, 400, "stream"),
     ({"input": "hi", "voice": "bob", "ref_audio": "data:audio/wav;base64,AAAA", "ref_text": "t"}, 400, "voice"),
     ({"input": "hi", "extra_thing": 1}, 400, "extra_thing"),
 ])

@@ -398,6 +398,10 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
     # ---- speech ------------------------------------------------------------------------------
     @app.post("/v1/audio/speech")
     async def speech(request: Request):
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise APIError(415, f"the request body must be JSON, sent with Content-Type: application/json (got "
+                                f"{ctype or 'no Content-Type'})", code="unsupported_media")
         raw = await request.body()
         try:
             body = json.loads(raw)

@@ -20,7 +20,7 @@ DEFAULT_VOICES = {"default", "none", ""}  # mean: no reference voice
 _FIELDS = {
     # OpenAI
     "model", "input", "voice", "response_format", "speed", "stream_format", "instructions",
-    # convenience (vllm-omni): stream=true is stream_format="audio"
+    # an extension: stream=false asks for the whole file in one response (true, as vllm-omni: streamed audio)
     "stream",
     # S2 Pro extensions
     "ref_audio", "ref_text", "seed", "temperature", "top_p", "top_k", "max_new_tokens",
@@ -131,14 +131,20 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
     speed = _num(body, "speed", 0.25, 4.0)
     speed = 1.0 if speed is None else speed
 
+    # As OpenAI's endpoint: audio streams as it is made unless asked otherwise (stream_format "audio", the
+    # default, or "sse"); `stream: false` (an extension) asks for the whole file in one response, with its length
+    # and the request's stats as headers.
     stream_format = body.get("stream_format")
     if stream_format is not None and stream_format not in ("audio", "sse"):
-        raise bad_request(f"stream_format {stream_format!r} is not supported: use 'audio' or 'sse' "
-                          "(or leave it out for the whole file in one response)", "stream_format")
+        raise bad_request(f"stream_format {stream_format!r} is not supported: use 'audio' (the default) or 'sse' "
+                          "(or send stream=false for the whole file in one response)", "stream_format")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("stream must be true or false", "stream")
-    if stream and stream_format is None:
+    if stream is False and stream_format is not None:
+        raise bad_request("stream=false asks for the whole file; stream_format asks for a stream: send one of them",
+                          "stream")
+    if stream_format is None and stream is not False:
         stream_format = "audio"
 
     instructions = body.get("instructions")
