@@ -113,7 +113,8 @@ def main(argv=None) -> int:
         result = demo_request(base, logs / "hello.wav", args.api_key)
         print(f"demo request answered: {json.dumps(result)}", flush=True)
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-        print(f"\nOpenAI-compatible gateway: {base}\n  curl {base}/v1/audio/speech{auth} -H 'Content-Type: application/json' "
+        print(f"\nweb page (listen in a browser): {base}/")
+        print(f"OpenAI-compatible gateway: {base}\n  curl {base}/v1/audio/speech{auth} -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"s2-pro\", \"input\": \"Hello!\", \"voice\": \"default\", \"response_format\": \"wav\"}}' -o hello.wav\n",
               flush=True)
         if args.once:

@@ -30,14 +30,11 @@ def s2_log(caplog):
 @pytest.fixture(scope="session")
 def triton_server(tiny_ckpt, tmp_path_factory):
     """A real tritonserver process serving the model repository on the tiny checkpoint (CPU)."""
-    from s2tts.server import TritonServer
+    from servers import tiny_server
 
-    server = TritonServer(tiny_ckpt, {"device": "cpu", "dtype": "fp32", "max_batch": "8", "max_seq_len": "4096",
-                           "max_new_tokens_limit": "3000", "chunk_frames": "8"},
-                          workdir=tmp_path_factory.mktemp("triton"))
-    server.start(timeout=300)
-    yield server
-    server.stop()
+    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("triton"), max_batch=8, max_seq_len=4096,
+                     max_new_tokens_limit=3000, chunk_frames=8) as server:
+        yield server
 
 
 def _live_children() -> list[tuple[int, str]]:

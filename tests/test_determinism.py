@@ -17,6 +17,8 @@ from s2tts.engine import Engine
 from s2tts.prompt import PromptBuilder
 from s2tts.sampling import SamplingParams
 
+from servers import tiny_server
+
 RESIDUAL = 32  # the tiny codec's residual codebook size
 N = 6
 
@@ -63,14 +65,9 @@ def test_engine_codes_do_not_depend_on_neighbours(parts):
 
 @pytest.fixture(scope="module")
 def invariant_server(tiny_ckpt, tmp_path_factory):
-    from s2tts.server import TritonServer
-
-    server = TritonServer(tiny_ckpt, {"device": "cpu", "dtype": "bf16", "batch_invariant": "true", "max_batch": "4",
-                                      "max_seq_len": "1024", "chunk_frames": "6"},
-                          workdir=tmp_path_factory.mktemp("invariant"))
-    server.start(timeout=300)
-    yield server
-    server.stop()
+    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("invariant"), dtype="bf16", batch_invariant="true",
+                     max_batch=4, max_seq_len=1024, chunk_frames=6) as server:
+        yield server
 
 
 def test_served_audio_does_not_depend_on_neighbours(invariant_server, tiny_ckpt):

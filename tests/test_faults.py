@@ -14,6 +14,8 @@ import pytest
 
 from s2tts.client import S2ProClient, TTSError, TTSInput, read_metrics
 
+from servers import tiny_server
+
 
 def metrics(server) -> dict[str, float]:
     """The s2tts_* gauges and counters on the server's /metrics, keyed 'name{labels}'."""
@@ -49,14 +51,9 @@ def stub_pid(server, model: str) -> int:
 @pytest.fixture(scope="module")
 def fault_server(tiny_ckpt, tmp_path_factory):
     """A server of its own (its models get killed): quick stall checks."""
-    from s2tts.server import TritonServer
-
-    server = TritonServer(tiny_ckpt, {"device": "cpu", "dtype": "fp32", "max_batch": "4", "max_seq_len": "2048",
-                                      "stall_timeout_s": "1", "chunk_frames": "4", "first_chunk_frames": "2"},
-                          workdir=tmp_path_factory.mktemp("faults"))
-    server.start(timeout=300)
-    yield server
-    server.stop()
+    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("faults"), max_batch=4, max_seq_len=2048, stall_timeout_s=1,
+                     chunk_frames=4, first_chunk_frames=2) as server:
+        yield server
 
 
 def _stream_until_error(server, results, key, **kw):

@@ -20,6 +20,7 @@ def test_launch_once_serves_the_demo_request(tiny_ckpt, tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert f"OpenAI-compatible gateway: http://127.0.0.1:{port}" in p.stdout
     assert f"curl http://127.0.0.1:{port}/v1/audio/speech" in p.stdout
+    assert f"web page (listen in a browser): http://127.0.0.1:{port}/" in p.stdout
     audio, sr = sf.read(tmp_path / "hello.wav")
     assert sr == 44100 and audio.ndim == 1 and len(audio) % 2048 == 0 and len(audio) > 0
     assert abs(audio).max() > 1e-4

@@ -15,6 +15,7 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -82,7 +83,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.cfg.api_key and scope["path"] != "/health":
+        if self.cfg.api_key and scope["path"] not in ("/health", "/"):  # the page asks for the key itself
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
@@ -370,6 +371,13 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         return APIError(500, "internal error in the gateway", code="internal_error").response()
 
     # ---- health and models -------------------------------------------------------------------
+    page = (Path(__file__).with_name("page.html")).read_bytes()
+
+    @app.get("/")
+    async def web_page():
+        """A page to hear it: text, voice, sampling; audio plays as it streams (no build step, no CDN)."""
+        return Response(page, media_type="text/html; charset=utf-8", headers={"cache-control": "no-cache"})
+
     @app.get("/health")
     async def health():
         h = await backend.health()

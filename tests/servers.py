@@ -1,0 +1,78 @@
+"""Real server processes for tests: tritonserver with the model repository on the tiny checkpoint (CPU), and the
+gateway (`python -m s2tts.gateway`) in front of it."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from s2tts.server import free_port  # noqa: F401 - tests import it from here too
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextmanager
+def tiny_server(ckpt, workdir, **settings):
+    """A started server (fp32 on the CPU unless `settings` say otherwise), stopped on exit."""
+    from s2tts.server import TritonServer
+
+    server = TritonServer(ckpt, {"device": "cpu", "dtype": "fp32", **{k: str(v) for k, v in settings.items()}},
+                          workdir=workdir)
+    server.start(timeout=300)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class Gateway:
+    """`python -m s2tts.gateway` in a subprocess on a free port."""
+
+    def __init__(self, triton_url: str, db: Path, log: Path, *extra: str, wait_healthy: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log
+        self._log = open(log, "ab")
+        cmd = [sys.executable, "-m", "s2tts.gateway", "--triton-url", triton_url, "--host", "127.0.0.1",
+               "--port", str(self.port), "--db", str(db), *extra]
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"gateway exited:\n{self.log_tail()}"
+            try:
+                r = httpx.get(f"{self.url}/health", timeout=5)
+                if r.status_code == 200 or not wait_healthy:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"gateway not healthy after 60 s:\n{self.log_tail()}")
+
+    def client(self, api_key: str = "unused", **kw):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, max_retries=0, timeout=300, **kw)
+
+    def health(self) -> dict:
+        return httpx.get(f"{self.url}/health", timeout=10).json()
+
+    def log_tail(self, n: int = 80) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()

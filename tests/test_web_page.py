@@ -1,0 +1,123 @@
+"""The gateway's web page in a real browser: headless Chromium (Debian's `chromium` + `chromium-driver`, which
+`.ci/run` installs) driven by Selenium, against a real gateway and tritonserver (tiny checkpoint, CPU), with the
+API key on. The page must stream (audio reaches its Web Audio graph before the response ends), register and
+delete a voice, and show the API's own error message. A screenshot is written for people to look at
+(`web_page.png` in the test's temporary folder, or in $S2TTS_SCREENSHOT_DIR)."""
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from servers import Gateway
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import Select  # noqa: E402
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="needs Debian's chromium and chromium-driver "
+                                "(apt-get install chromium chromium-driver; .ci/run does)")
+KEY = "page-key"
+FRAME = 2048
+
+
+@pytest.fixture(scope="module")
+def page_gw(triton_server, tmp_path_factory):
+    d = tmp_path_factory.mktemp("page")
+    g = Gateway(triton_server.grpc_url, d / "voices.sqlite3", d / "gateway.log", "--api-key", KEY)
+    yield g
+    g.stop()
+
+
+@pytest.fixture
+def browser():
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--autoplay-policy=no-user-gesture-required", "--window-size=1000,1200"):
+        opts.add_argument(a)
+    b = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=DRIVER))
+    b.set_script_timeout(120)
+    yield b
+    b.quit()
+
+
+def _wait(fn, timeout=120, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = fn()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _set(b, element_id, value):
+    el = b.find_element(By.ID, element_id)
+    el.clear()
+    el.send_keys(str(value))
+
+
+def _speak(b):
+    b.find_element(By.ID, "speak").click()
+    return _wait(lambda: b.execute_script("return window.s2.responseDone && window.s2"), what="the response to end")
+
+
+def test_page_streams_registers_voices_and_shows_errors(page_gw, browser, tmp_path):
+    b = browser
+    b.get(page_gw.url + "/")  # the page itself needs no key: it asks for it
+    assert b.title == "S2 Pro text to speech"
+    # without the key the API's words are shown
+    _wait(lambda: "API key" in b.find_element(By.ID, "error").text, 30, "the missing-key error")
+    _set(b, "apikey", KEY)
+    b.execute_script("document.getElementById('apikey').dispatchEvent(new Event('change'))")
+
+    # speak: audio reaches the Web Audio graph while the response is still coming
+    _set(b, "text", "Hello from the web page.")
+    _set(b, "seed", 21)
+    _set(b, "max_new_tokens", 60)
+    _set(b, "top_k", 30)
+    s = _speak(b)
+    assert b.find_element(By.ID, "error").text == ""
+    assert s["samplesScheduled"] % FRAME == 0 and 0 < s["samplesScheduled"] <= 60 * FRAME
+    times = s["scheduledAtMs"]
+    assert len(times) >= 3 and s["firstAudioMs"] < s["responseEndMs"]
+    assert times[0] < 0.75 * s["responseEndMs"], (times, s["responseEndMs"])  # played long before the end
+    assert s["lastBlobBytes"] == 44 + 2 * s["samplesScheduled"]  # the download is the whole take as WAV
+    assert b.find_element(By.ID, "download").is_displayed()
+    assert "first audio" in b.find_element(By.ID, "ttfa").text and "real-time factor" in b.find_element(By.ID, "rtf").text
+
+    # register a voice from a file, speak with it, delete it
+    t = np.arange(int(24000 * 1.5)) / 24000
+    clip = tmp_path / "hum.wav"
+    sf.write(clip, (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32), 24000, subtype="PCM_16")
+    _set(b, "vname", "hummer")
+    _set(b, "vtext", "A hummed tone.")
+    b.find_element(By.ID, "vfile").send_keys(str(clip))
+    b.find_element(By.ID, "vadd").click()
+    _wait(lambda: "added hummer" in b.find_element(By.ID, "vstatus").text, 120, "the voice to be added")
+    assert Select(b.find_element(By.ID, "voice")).first_selected_option.text == "hummer"
+    rows = b.find_elements(By.CSS_SELECTOR, "#voices tr")
+    assert len(rows) == 1 and "A hummed tone." in rows[0].text
+    _set(b, "max_new_tokens", 12)
+    s = _speak(b)
+    assert b.find_element(By.ID, "error").text == "" and s["samplesScheduled"] > 0
+    shot = Path(os.environ.get("S2TTS_SCREENSHOT_DIR", tmp_path)) / "web_page.png"
+    shot.parent.mkdir(parents=True, exist_ok=True)
+    b.save_screenshot(str(shot))
+    assert shot.stat().st_size > 10_000
+    print(f"screenshot: {shot}")
+    rows[0].find_element(By.TAG_NAME, "button").click()
+    _wait(lambda: not b.find_elements(By.CSS_SELECTOR, "#voices tr"), 30, "the voice to be deleted")
+
+    # a bad request: the API's message, on the page
+    _set(b, "temperature", 5)
+    s = _speak(b)
+    err = b.find_element(By.ID, "error").text
+    assert "temperature" in err and "[invalid_value, temperature]" in err, err
+    assert s["samplesScheduled"] == 0
