@@ -5,7 +5,7 @@
     python perf/loadgen.py --url 127.0.0.1:8001 --concurrency 1,4,16,64 --frames 100 --json out.json
 
     # the OpenAI-compatible gateway (POST /v1/audio/speech, stream_format=audio, response_format=pcm)
-    python perf/loadgen.py --target http://127.0.0.1:8000 --concurrency 1,4 --frames 100
+    python perf/loadgen.py --target http://127.0.0.1:8080 --concurrency 1,4 --frames 100
 
     # a voice-clone mix: half the requests clone a synthetic 10 s reference, encoded once via dac_encoder
     python perf/loadgen.py --url 127.0.0.1:8001 --clone-fraction 0.5 --clone-mode codes
@@ -697,7 +697,7 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address (default %(default)s)")
     ap.add_argument("--model", default="s2pro")
     ap.add_argument("--encoder-model", default="dac_encoder")
-    ap.add_argument("--target", help="use the HTTP gateway at this base URL instead of gRPC (e.g. http://127.0.0.1:8000)")
+    ap.add_argument("--target", help="use the HTTP gateway at this base URL instead of gRPC (e.g. http://127.0.0.1:8080)")
     ap.add_argument("--http-model", default="s2-pro", help="`model` field of the HTTP request")
     ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"), help="gateway API key (default: env S2TTS_API_KEY)")
     ap.add_argument("--http-ignore-eos", action="store_true",

@@ -101,6 +101,7 @@ class TritonServer:
         self.http_port = http_port or free_port()
         self.grpc_port = grpc_port or free_port()
         self.metrics_port = metrics_port or free_port()
+        self.own_workdir = workdir is None  # a temporary folder of ours: removed by stop()
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="s2tts-triton-"))
         self.log_path = Path(log_path) if log_path else self.workdir / "tritonserver.log"
         self.models = models
@@ -182,6 +183,8 @@ class TritonServer:
                 self.proc.wait()
         if getattr(self, "_log", None):
             self._log.close()
+        if self.own_workdir and self.proc is not None and self.proc.poll() is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self):
         return self.start()

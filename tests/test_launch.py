@@ -24,3 +24,32 @@ def test_launch_once_serves_the_demo_request(tiny_ckpt, tmp_path):
     audio, sr = sf.read(tmp_path / "hello.wav")
     assert sr == 44100 and audio.ndim == 1 and len(audio) % 2048 == 0 and len(audio) > 0
     assert abs(audio).max() > 1e-4
+
+
+def test_server_removes_its_temporary_folder_on_sigterm(tiny_ckpt):
+    """`python -m s2tts.server` without --workdir renders into a temporary folder; SIGTERM stops tritonserver and
+    removes that folder."""
+    import os
+    import re
+    import signal
+    import time
+
+    cmd = [sys.executable, "-m", "s2tts.server", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
+           "--grpc-port", str(free_port()), "--http-port", str(free_port()), "--metrics-port", str(free_port())]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        line = p.stdout.readline()
+        m = re.search(r"log (\S+)/tritonserver\.log", line)
+        assert m, line + p.stdout.read()[-2000:]
+        workdir = m.group(1)
+        assert os.path.isdir(workdir) and "s2tts-triton-" in workdir
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        deadline = time.time() + 10
+        while os.path.exists(workdir) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(workdir), os.listdir(workdir)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)

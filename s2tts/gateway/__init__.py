@@ -1,6 +1,6 @@
 """OpenAI-compatible HTTP gateway in front of Triton's gRPC stream to the `s2pro` model.
 
-`python -m s2tts.gateway --triton-url localhost:8001 --port 8000 --db voices.sqlite3`; see docs/GATEWAY.md.
+`python -m s2tts.gateway --triton-url localhost:8001 --port 8080 --db voices.sqlite3`; see docs/GATEWAY.md.
 """
 
 from .config import GatewayConfig

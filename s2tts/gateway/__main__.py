@@ -1,4 +1,4 @@
-"""`python -m s2tts.gateway --triton-url localhost:8001 --host 127.0.0.1 --port 8000 --db PATH [--api-key K] [--max-in-flight N]`"""
+"""`python -m s2tts.gateway --triton-url localhost:8001 --host 127.0.0.1 --port 8080 --db PATH [--api-key K] [--max-in-flight N]`"""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m s2tts.gateway", description=__doc__.strip("`"))
     ap.add_argument("--triton-url", default=d.triton_url, help="Triton gRPC address host:port (default %(default)s)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=int, default=8080, help="(default %(default)s; tritonserver's HTTP port is 8000)")
     ap.add_argument("--db", default=d.db_path, help="SQLite file for registered voices (default %(default)s)")
     ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: env S2TTS_API_KEY)")
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and the page / (default: env S2TTS_API_KEY)")
     ap.add_argument("--max-in-flight", type=int, default=d.max_in_flight,
                     help="speech requests served at once; more get 503 + Retry-After (default %(default)s)")
     ap.add_argument("--retry-after", type=int, default=d.retry_after_s, help="Retry-After seconds on 503 overload")
