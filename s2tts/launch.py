@@ -54,7 +54,7 @@ def start_gateway(triton_url: str, host: str, port: int, db: Path, api_key: str 
 
 def demo_request(base: str, out: Path, api_key: str | None) -> dict:
     body = json.dumps({"model": "s2-pro", "input": "Hello from S2 Pro on Triton.", "voice": "default",
-                       "response_format": "wav", "seed": 1, "max_new_tokens": 64}).encode()
+                       "response_format": "wav", "seed": 1, "max_new_tokens": 64, "stream": False}).encode()
     req = urllib.request.Request(f"{base}/v1/audio/speech", data=body, headers={"Content-Type": "application/json"})
     if api_key:
         req.add_header("Authorization", f"Bearer {api_key}")
@@ -105,8 +105,13 @@ def main(argv=None) -> int:
     gateway = None
     try:
         t0 = time.monotonic()
+        took = "the tiny checkpoint: about half a minute" if not args.checkpoint else \
+            "a full checkpoint on a GPU: a few minutes (weights, CUDA graphs)"
+        print(f"starting tritonserver: loading the {len(server.models)} models of the repository on {settings['device']} "
+              f"({took}; log {server.log_path})", flush=True)
         server.start(timeout=900)
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s (gRPC {server.grpc_url}, log {server.log_path})", flush=True)
+        print("starting the gateway and sending the demo request", flush=True)
         gateway = start_gateway(server.grpc_url, args.host, args.port, db, args.api_key, log_path=logs / "gateway.log")
         base = f"http://{args.host}:{args.port}"
         wait_http(f"{base}/health", 120, gateway)

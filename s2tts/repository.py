@@ -17,9 +17,10 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from .settings import MODELS  # noqa: F401 - the repository's models, named once (re-exported for server.py)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
-MODELS = ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder")
 _PLACEHOLDER = re.compile(r"\$\{([a-z_0-9]+)\}")
 
 
