@@ -39,7 +39,8 @@ def browser():
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-              "--autoplay-policy=no-user-gesture-required", "--window-size=1000,1200"):
+              "--autoplay-policy=no-user-gesture-required", "--window-size=1000,1200",
+              "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream"):  # a fake microphone
         opts.add_argument(a)
     b = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=DRIVER))
     b.set_script_timeout(120)
@@ -114,6 +115,21 @@ def test_page_streams_registers_voices_and_shows_errors(page_gw, browser, tmp_pa
     print(f"screenshot: {shot}")
     rows[0].find_element(By.TAG_NAME, "button").click()
     _wait(lambda: not b.find_elements(By.CSS_SELECTOR, "#voices tr"), 30, "the voice to be deleted")
+
+    # record a reference with the (fake) microphone and register it
+    b.execute_script("document.getElementById('vfile').value = ''")
+    b.find_element(By.ID, "vrecord").click()
+    _wait(lambda: b.find_element(By.ID, "vrecord").text == "Stop recording", 30, "recording to start")
+    time.sleep(2.5)
+    b.find_element(By.ID, "vrecord").click()
+    _wait(lambda: "recorded" in b.find_element(By.ID, "vstatus").text, 30, "the recording")
+    _set(b, "vname", "mic")
+    _set(b, "vtext", "A beep from the fake microphone.")
+    b.find_element(By.ID, "vadd").click()
+    _wait(lambda: "added mic" in b.find_element(By.ID, "vstatus").text or b.find_element(By.ID, "error").text,
+          120, "the recorded voice")
+    assert b.find_element(By.ID, "error").text == ""
+    assert [r.text.split()[0] for r in b.find_elements(By.CSS_SELECTOR, "#voices tr")] == ["mic"]
 
     # a bad request: the API's message, on the page
     _set(b, "temperature", 5)
