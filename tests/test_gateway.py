@@ -306,6 +306,39 @@ def test_non_json_body_is_415(gw):
     assert r.status_code == 200 and len(r.content) > 0
 
 
+def gateway_metrics(g) -> dict[str, float]:
+    r = httpx.get(f"{g.url}/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_gateway_metrics_move_with_requests(gw, client):
+    before = gateway_metrics(gw)
+    speech_raw(client, response_format="pcm", seed=3, max_new_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        speech_raw(client, input="")
+    httpx.get(f"{gw.url}/v1/audio/voices/nobody", timeout=10)
+    after = gateway_metrics(gw)
+
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert delta('s2tts_gateway_requests_total{route="/v1/audio/speech",method="POST",status="200"}') == 1
+    assert delta('s2tts_gateway_requests_total{route="/v1/audio/speech",method="POST",status="400"}') == 1
+    assert delta('s2tts_gateway_requests_total{route="/v1/audio/voices/{name}",method="GET",status="404"}') == 1
+    assert delta('s2tts_gateway_request_seconds_count{route="/v1/audio/speech"}') == 2
+    assert delta('s2tts_gateway_request_seconds_sum{route="/v1/audio/speech"}') > 0
+    assert after['s2tts_gateway_request_seconds_bucket{route="/v1/audio/speech",le="+Inf"}'] == \
+        after['s2tts_gateway_request_seconds_count{route="/v1/audio/speech"}']
+    assert after["s2tts_gateway_speech_in_flight"] == 0
+    assert not any("nobody" in k for k in after)  # route templates, not raw paths
+
+
 def test_sse_events(client, long_take):
     seed, whole, headers = long_take
     got, t0, t_end, sheaders = _stream(client, "pcm", "sse", seed)
@@ -574,6 +607,11 @@ def test_api_key_overload_and_disconnect(triton, gw_dir, long_take):
             assert time.monotonic() - t < 5
             err = assert_error(ei, 503, "server_overloaded", contains="busy")
             assert ei.value.response.headers["retry-after"] == "2" and err["type"] == "server_error"
+            # /metrics needs no key (as /health) and counts the refusal, the 401s and the stream in flight
+            m = gateway_metrics(g)
+            assert m["s2tts_gateway_overload_refusals_total"] == 1 and m["s2tts_gateway_speech_in_flight"] == 1
+            assert m['s2tts_gateway_requests_total{route="/v1/audio/speech",method="POST",status="503"}'] == 1
+            assert m['s2tts_gateway_requests_total{route="/v1/audio/voices/{name}",method="DELETE",status="401"}'] == 1
             # the client goes away mid-stream
         t_close = time.monotonic()
         deadline = t_close + 30

@@ -17,7 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--port", type=int, default=8080, help="(default %(default)s; tritonserver's HTTP port is 8000)")
     ap.add_argument("--db", default=d.db_path, help="SQLite file for registered voices (default %(default)s)")
     ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and the page / (default: env S2TTS_API_KEY)")
+                    help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and the page / (default: env S2TTS_API_KEY)")
     ap.add_argument("--max-in-flight", type=int, default=d.max_in_flight,
                     help="speech requests served at once; more get 503 + Retry-After (default %(default)s)")
     ap.add_argument("--retry-after", type=int, default=d.retry_after_s, help="Retry-After seconds on 503 overload")

@@ -29,6 +29,7 @@ from .audio_io import decode_audio, decode_data_url
 from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, make_encoder
 from .errors import APIError, bad_request
+from .metrics import HTTPMetrics, MetricsMiddleware
 from .protocol import SpeechParams, parse_speech
 from .tempo import TimeStretch
 from .triton import SynthesisRequest, TritonBackend
@@ -83,7 +84,7 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.cfg.api_key and scope["path"] not in ("/health", "/"):  # the page asks for the key itself
+        if self.cfg.api_key and scope["path"] not in ("/health", "/metrics", "/"):  # the page asks for the key itself
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
@@ -164,6 +165,7 @@ class SpeechResponse(Response):
     async def __call__(self, scope, receive, send):
         state, p = self.state, self.params
         if not state.limiter.try_acquire():
+            state.metrics.overload_refusals += 1
             err = APIError(503, f"the server is busy: {state.limiter.limit} requests are in flight; "
                                 f"retry after {state.cfg.retry_after_s} s",
                            code="server_overloaded", headers={"Retry-After": str(state.cfg.retry_after_s)})
@@ -304,6 +306,8 @@ class GatewayState:
         self.backend = backend
         self.store = store
         self.limiter = Limiter(cfg.max_in_flight)
+        self.metrics = HTTPMetrics()
+        self.metrics.in_flight = lambda: self.limiter.in_flight
         self.started_at = int(time.time())
 
 
@@ -344,6 +348,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
     app = FastAPI(title="S2 Pro TTS gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = state
     app.add_middleware(GuardMiddleware, cfg=cfg)
+    app.add_middleware(MetricsMiddleware, metrics=state.metrics)  # added last: the outermost, counts refusals too
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -377,6 +382,11 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
     async def web_page():
         """A page to hear it: text, voice, sampling; audio plays as it streams (no build step, no CDN)."""
         return Response(page, media_type="text/html; charset=utf-8", headers={"cache-control": "no-cache"})
+
+    @app.get("/metrics")
+    async def metrics():
+        """The gateway's Prometheus metrics (s2tts/gateway/metrics.py); the models' are on Triton's metrics port."""
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
     async def health():
