@@ -146,12 +146,17 @@ def _materialize_buffers(model: S2Model, device) -> None:
             m.rope = rope_table(m.rope.shape[0], m.cfg.head_dim, m.cfg.rope_base).to(device)
 
 
-def load_codec_from_dir(path: str | Path, device="cpu", dtype: str | torch.dtype = "fp32"):
-    from .codec import load_codec
-
+def _codec_file(path: str | Path) -> Path:
     f = Path(path) / CODEC_FILE
     if not f.is_file():
         raise CheckpointError(f"{f} not found: the checkpoint directory needs the DAC codec weights {CODEC_FILE}")
+    return f
+
+
+def load_codec_from_dir(path: str | Path, device="cpu", dtype: str | torch.dtype = "fp32"):
+    from .codec import load_codec
+
+    f = _codec_file(path)
     return load_codec(str(f), device=resolve_device(device), dtype=parse_dtype(dtype))
 
 
@@ -160,9 +165,7 @@ def codec_frame_seconds(path: str | Path) -> float:
     building the codec (the file is memory-mapped)."""
     from .codec import _infer_config, _normalise
 
-    f = Path(path) / CODEC_FILE
-    if not f.is_file():
-        raise CheckpointError(f"{f} not found: the checkpoint directory needs the DAC codec weights {CODEC_FILE}")
+    f = _codec_file(path)
     config = _infer_config(_normalise(torch.load(str(f), map_location="cpu", mmap=True, weights_only=True),
                                       fold=False)[0], {})
     return config.frame_length / config.sample_rate
@@ -171,9 +174,7 @@ def codec_frame_seconds(path: str | Path) -> float:
 def codec_codebook_sizes(path: str | Path) -> tuple[int, int]:
     """(semantic, residual) codebook sizes of the checkpoint's codec.pth, read from tensor shapes
     without building the codec (the file is memory-mapped)."""
-    f = Path(path) / CODEC_FILE
-    if not f.is_file():
-        raise CheckpointError(f"{f} not found: the checkpoint directory needs the DAC codec weights {CODEC_FILE}")
+    f = _codec_file(path)
     sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
     if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
         sd = sd["state_dict"]

@@ -63,7 +63,6 @@ class StreamDecoder:
                 out[key] = err
                 continue
             if start:
-                self._drop(sid)
                 self.states[sid] = (self.codec.new_stream_state(1), now)
             if codes.shape[0] == 0:
                 out[key] = np.zeros(0, np.float32)

@@ -398,15 +398,13 @@ class Engine:
         host = [slot_list, [r.length for r in reqs], [r.generated for r in reqs]]
         rows = self.max_batch if self.batch_invariant else B  # the step's shape
         bucket = next((b for b in sorted(self.graphs) if b >= rows), None)
+        pad = (rows if bucket is None else bucket) - B  # padding rows: the scratch slot, position 0, step 0
+        padded = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
         if bucket is not None:
             graph, io, out = self.graphs[bucket]
-            pad = bucket - B
-            padded = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
             io.copy_(torch.tensor(padded, dtype=torch.int64), non_blocking=True)
             graph.replay()
         else:
-            pad = rows - B  # padding rows (scratch slot, position 0) as in a graph bucket
-            padded = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
             io = torch.tensor(padded, dtype=torch.int64, device=self.device)
             kv_len_max = self.max_seq_len if self.batch_invariant else max(host[1]) + 1
             out = self._decode_core(io[0], io[1][:, None], io[2], kv_len_max=kv_len_max, hook_ids=[r.id for r in reqs])

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from .settings import MODELS  # noqa: F401 - the repository's models, named once (re-exported for server.py)
+from .settings import MODELS  # the repository's models, named once
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"

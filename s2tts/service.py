@@ -129,8 +129,10 @@ class Chunker:
     def next_size(self) -> int:
         if self.emitted == 0:
             return self.first
-        r = self.pace() if self.pace is not None else 0.0
-        if self.pace is None or r >= self.safety:  # no cadence keeps up at this pace: favour throughput
+        if self.pace is None:
+            return self.size
+        r = self.pace()
+        if r >= self.safety:  # no cadence keeps up at this pace: favour throughput
             return self.size
         bound = self.first + self.safety * self.sent / max(r, 1e-3) - self.sent
         n = min(self.first, self.size)
