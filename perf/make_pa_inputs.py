@@ -8,7 +8,7 @@ Files written (one `{"data": [...]}` each; several entries, which perf_analyzer 
 | file | model | what each entry holds |
 |---|---|---|
 | `s2pro.json` | `s2pro` (decoupled, `--streaming`) | a unique text, `max_new_tokens`=--frames, `ignore_eos`, `seed` |
-| `slow_ar.json` | `slow_ar` (decoupled, `--streaming`) | `input_ids`/`input_codes`/`semantic_mask` of a real PromptBuilder prompt + sampling |
+| `slow_ar.json` | `slow_ar` (request-response; no `request_id`: one answer with the whole generation) | `input_ids`/`input_codes`/`semantic_mask` of a real PromptBuilder prompt + sampling |
 | `fast_ar_b{B}.json` | `fast_ar` | random `hidden` [B, dim] (dim from the checkpoint), random `code0` [B], sampling [B] |
 | `dac_decoder.json` | `dac_decoder` (max_batch_size > 0: shapes without the batch dim) | random codes [--decode-frames, 10], a unique `stream_id`, `start`=`final`=true |
 | `meta.json` | - | the dims used |

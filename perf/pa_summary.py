@@ -3,7 +3,8 @@
 
     python perf/pa_summary.py perf/out/pa --meta perf/out/pa_inputs/meta.json [--json summary.json]
 
-Latencies are perf_analyzer's (for the decoupled s2pro / slow_ar: time to the first response). The
+Latencies are perf_analyzer's (for the decoupled s2pro: time to the first response; slow_ar: the whole
+generation, one answer). The
 "work/s" column converts requests/s into the model's unit using meta.json from make_pa_inputs.py:
 s2pro -> audio-s/s (frames x 2048 / 44100 per request), slow_ar -> frames/s, fast_ar -> rows/s (one row =
 one frame's 9 residual codes), dac_decoder -> audio-s/s decoded.
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     rs = rows(Path(a.dir), meta)
     if a.json:
         Path(a.json).write_text(json.dumps(rs, indent=1))
-    print("perf_analyzer (latency of decoupled models = time to first response)\n")
+    print("perf_analyzer (latency of s2pro = time to first response; of slow_ar = its whole generation)\n")
     print(markdown(rs) if rs else "(no perf_analyzer results)")
     return 0
 

@@ -13,9 +13,10 @@
 #   -t  timeout of one perf_analyzer run, s      (default 300)
 #   -b  fast_ar row counts (files fast_ar_b<B>.json must exist) (default: every fast_ar_b*.json in -i)
 #
-# s2pro and slow_ar are decoupled: they run with --streaming, and perf_analyzer's latency is the time to the
-# FIRST response (its own words: "Detected decoupled model, using the first response for measuring latency");
-# "Response Throughput" in the CSV counts responses/s (slow_ar: one response per frame; s2pro: one per audio chunk).
+# s2pro is decoupled: it runs with --streaming, and perf_analyzer's latency is the time to the FIRST response
+# (its own words: "Detected decoupled model, using the first response for measuring latency"); "Response
+# Throughput" in the CSV counts responses/s (one per audio chunk). slow_ar is request-response and the inputs
+# carry no request_id, so each request is answered once with its whole generation: latency = all its frames.
 # Each run uses --request-count (a fixed number of requests, no stabilisation loop), so it is bounded; before the
 # first run of each input file, PA_WARMUP (default 2) unmeasured requests. PA_PROFILE=1 adds --profile-export-file
 # for the streaming models (per-response timestamps; large: it holds every output tensor).
@@ -84,7 +85,8 @@ for model in $MODELS; do
       [ -f "$INPUTS/$model.json" ] || { echo "no $INPUTS/$model.json" >&2; failed=1; continue; }
       for c in $(levels "$model"); do
         prof=(); [ "${PA_PROFILE:-0}" = 1 ] && prof=(--profile-export-file "$OUTDIR/pa_${model}_c${c}.profile.json")
-        run_one "$model" "$model" "$INPUTS/$model.json" "$c" "$(count streaming "$c")" --streaming "${prof[@]}"
+        stream=(); [ "$model" = s2pro ] && stream=(--streaming)  # slow_ar: request-response, one whole answer
+        run_one "$model" "$model" "$INPUTS/$model.json" "$c" "$(count streaming "$c")" "${stream[@]}" "${prof[@]}"
       done ;;
     fast_ar)
       if [ -n "$BATCHES" ]; then files=""; for b in $BATCHES; do files="$files $INPUTS/fast_ar_b$b.json"; done

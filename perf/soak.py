@@ -38,7 +38,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.", "Streaming speech shoul
          "A short one.", "Numbers like 1, 2 and 3 are read out loud, one after another, with care.",
          "Every request ends exactly once, whatever happens to it on the way."]
 GAUGES = ("s2tts_requests_in_flight", "s2tts_engine_slots_used", "s2tts_engine_requests_waiting",
-          "s2tts_codec_streams_open", "s2tts_model_healthy")
+          "s2tts_engine_streams_open", "s2tts_codec_streams_open", "s2tts_model_healthy")
 
 
 def gauges(m: dict[str, float]) -> dict[str, float]:

@@ -362,12 +362,12 @@ class TTSService:
         """Every request in flight gets a final `unavailable` error; their generation is cancelled."""
         self.stop.set()
         self.supervisor.join(5)
-        self.pool.shutdown()
         n = 0
         for rec in self.table.live():
             if rec.fail(errors.shutting_down(self.name)):
                 n += 1
             self._end_generation(rec.state)
+        self.pool.shutdown()
         return n
 
     def status(self) -> dict:

@@ -120,6 +120,8 @@ SETTINGS: tuple[Setting, ...] = (
             "`chunk_frames` only as fast as playback allows at the measured pace (the slower of slow_ar's step and the "
             "whole pipeline's, reported by s2pro), so a stream played from its first chunk does not run dry under "
             "load; false: every later chunk is `chunk_frames`"),
+    Setting("stream_idle_timeout_s", float, 60.0, ("slow_ar",), "a stream whose reader (s2pro) takes none of its "
+            "responses for this long is cancelled and dropped", min=1),
     Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "
             "any others (every decode step at `max_batch` rows, each prompt prefilled on its own); costs the padded "
             "rows at low load (perf/RESULTS.md)"),

@@ -259,6 +259,7 @@ METRICS = {  # name -> (kind, help)
     "s2tts_requests_refused_total": ("counter", "requests refused at admission (busy, duplicate id, unhealthy)"),
     "s2tts_engine_requests_waiting": ("gauge", "slow_ar requests waiting for a KV-cache slot"),
     "s2tts_engine_slots_used": ("gauge", "slow_ar KV-cache slots in use"),
+    "s2tts_engine_streams_open": ("gauge", "slow_ar streams whose reader has not taken the last chunk yet"),
     "s2tts_engine_step_seconds": ("gauge", "slow_ar's moving average of a decode step (one frame for every live "
                                   "stream); above the audio of one frame, streams fall behind real time"),
     "s2tts_stream_pace": ("gauge", "s2pro's moving average of the seconds between a stream's audio chunks per second "
@@ -320,6 +321,16 @@ class Metrics:
                 self._last[key] = total
             except Exception:  # noqa: BLE001
                 pass
+
+    def close(self) -> None:
+        """Release the metric objects while the Python backend's stub still exists (call from `finalize`): the
+        ones left for the interpreter's last garbage collection crash the stub at unload (a segmentation
+        fault in every model process that had metrics, at every shutdown)."""
+        self._metrics.clear()
+        self._families.clear()
+        import gc
+
+        gc.collect()
 
     def report_table(self, table) -> None:
         """The counts of a lifecycle.RequestTable."""

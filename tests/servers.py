@@ -28,6 +28,11 @@ def tiny_server(ckpt, workdir, **settings):
         yield server
     finally:
         server.stop()
+        # a model process that crashed (while serving or at unload) leaves faulthandler's report in the log
+        log = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
+        if "Fatal Python error" in log:
+            i = log.index("Fatal Python error")
+            raise AssertionError(f"a model process crashed ({server.log_path}):\n{log[max(0, i - 2000):i + 3000]}")
 
 
 class Gateway:

@@ -31,7 +31,7 @@ def wait_released(server, timeout=30.0):
     deadline = time.time() + timeout
     want = [("s2tts_requests_in_flight", "s2pro"), ("s2tts_requests_in_flight", "slow_ar"),
             ("s2tts_engine_slots_used", "slow_ar"), ("s2tts_engine_requests_waiting", "slow_ar"),
-            ("s2tts_codec_streams_open", "dac_decoder")]
+            ("s2tts_engine_streams_open", "slow_ar"), ("s2tts_codec_streams_open", "dac_decoder")]
     while time.time() < deadline:
         m = metrics(server)
         left = {f"{n}/{mod}": m.get(f'{n}{{model="{mod}"}}', 0.0) for n, mod in want}
@@ -104,8 +104,9 @@ def test_model_process_killed_mid_stream(fault_server, victim):
 
 
 def test_duplicate_request_ids(triton_server):
-    """Two slow_ar requests with one id: the second is refused (already_exists), the first streams on untouched.
-    Through s2pro one id twice is fine: ids are the caller's, state is keyed by internal ids."""
+    """Two slow_ar streams with one id: the second is refused (already_exists), the first is read to its end
+    untouched (slow_ar is request-response: a generation request answers the first chunk, `control=next` each
+    following one). Through s2pro one id twice is fine: ids are the caller's, state is keyed by internal ids."""
     import tritonclient.grpc as g
 
     from s2tts.prompt import PromptBuilder
@@ -113,44 +114,32 @@ def test_duplicate_request_ids(triton_server):
     prompts = PromptBuilder.from_dir(triton_server.settings["checkpoint"])
     p = prompts.build("Both of us use the same id.")
 
-    def inputs():
-        arrs = {"input_ids": (p.tokens.numpy().astype(np.int32), "INT32"),
-                "input_codes": (p.codes.numpy().astype(np.int32), "INT32"), "semantic_mask": (p.semantic.numpy(), "BOOL"),
-                "max_new_tokens": (np.array([40], np.int32), "INT32"), "ignore_eos": (np.array([True]), "BOOL"),
-                "seed": (np.array([1], np.int64), "INT64"), "chunk_frames": (np.array([4], np.int32), "INT32")}
+    def tensors(arrs):
         out = []
-        for name, (a, dt) in arrs.items():
+        for name, a in arrs.items():
+            dt = "BYTES" if a.dtype == object else {np.int32: "INT32", np.int64: "INT64", np.bool_: "BOOL"}[a.dtype.type]
             t = g.InferInput(name, list(a.shape), dt)
             t.set_data_from_numpy(a)
             out.append(t)
         return out
 
-    got = {0: [], 1: []}
-    done = {0: threading.Event(), 1: threading.Event()}
-
-    def cb(i):
-        def f(result, error):
-            got[i].append(error if error is not None else result)
-            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
-                done[i].set()
-        return f
-
-    clients = [g.InferenceServerClient(triton_server.grpc_url) for _ in range(2)]
-    for i, c in enumerate(clients):
-        c.start_stream(callback=cb(i))
-        c.async_stream_infer("slow_ar", inputs(), request_id="dup-id", enable_empty_final_response=True)
-        if i == 0:
-            deadline = time.time() + 30
-            while not got[0] and time.time() < deadline:
-                time.sleep(0.01)
-    assert done[1].wait(60) and done[0].wait(120)
-    for c in clients:
-        c.stop_stream()
-        c.close()
-    err = got[1][-1]
-    assert isinstance(err, Exception) and "[s2tts:already_exists:request_id]" in str(err), err
-    frames = sum(r.as_numpy("codes").shape[0] for r in got[0] if not isinstance(r, Exception) and r.as_numpy("codes") is not None)
-    assert frames == 40 and not any(isinstance(r, Exception) for r in got[0])
+    rid = np.array([b"dup-id"], object)
+    start = {"request_id": rid, "input_ids": p.tokens.numpy().astype(np.int32),
+             "input_codes": p.codes.numpy().astype(np.int32), "semantic_mask": p.semantic.numpy(),
+             "max_new_tokens": np.array([40], np.int32), "ignore_eos": np.array([True]),
+             "seed": np.array([1], np.int64), "chunk_frames": np.array([4], np.int32)}
+    with g.InferenceServerClient(triton_server.grpc_url) as a, g.InferenceServerClient(triton_server.grpc_url) as b:
+        first = a.infer("slow_ar", tensors(start), client_timeout=60)
+        with pytest.raises(g.InferenceServerException, match=r"\[s2tts:already_exists:request_id\]"):
+            b.infer("slow_ar", tensors(start), client_timeout=60)
+        chunks, r = [first.as_numpy("codes")], first
+        while not r.as_numpy("finish_reason")[0]:
+            r = a.infer("slow_ar", tensors({"request_id": rid, "control": np.array([b"next"], object)}), client_timeout=60)
+            chunks.append(r.as_numpy("codes"))
+        assert sum(c.shape[0] for c in chunks) == 40 and r.as_numpy("finish_reason")[0] == 2  # length
+        assert r.as_numpy("stats")[0] == 40  # frames
+        with pytest.raises(g.InferenceServerException, match=r"\[s2tts:not_found:request_id\]"):
+            a.infer("slow_ar", tensors({"request_id": rid, "control": np.array([b"next"], object)}), client_timeout=60)
 
     out = [None, None]
 

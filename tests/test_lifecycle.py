@@ -230,10 +230,13 @@ def _quiet(h, timeout=30):
     dec = h.models["dac_decoder"].decoder
     while time.time() < deadline:
         counts = slow.engine.counts()
-        if not len(slow.table) and not len(s2.table) and counts["live"] == counts["waiting"] == 0 and not dec.states:
+        streams = h.models["slow_ar"].streams.sweep()
+        if not len(slow.table) and not len(s2.table) and counts["live"] == counts["waiting"] == 0 and not dec.states \
+                and not streams:
             return counts
         time.sleep(0.05)
-    raise AssertionError(f"not released: slow_ar {slow.status()}, s2pro {s2.status()}, codec {list(dec.states)}")
+    raise AssertionError(f"not released: slow_ar {slow.status()} ({streams} streams), s2pro {s2.status()}, "
+                         f"codec {list(dec.states)}")
 
 
 def test_happy_path_and_release(harness_factory):
@@ -350,9 +353,7 @@ def test_duplicate_request_ids(harness_factory):
     b = _wait(h.request("slow_ar", inputs, "same-id"))
     err = _one_final(b)
     assert errors.parse(err.message()).code == "already_exists" and errors.parse(err.message()).param == "request_id"
-    _wait(a)
-    assert _one_final(a) is None
-    assert sum(r.get("codes").shape[0] for r in a.sender.responses) == 30  # the first stream was not disturbed
+    assert sum(c.shape[0] for c in _pull_all(h, a, "same-id")) == 30  # the first stream was not disturbed
     # through s2pro the same client id twice is fine: ids are internal
     x, y = (h.request("s2pro", _tts_inputs(seed=5), "dup") for _ in range(2))
     assert _one_final(_wait(x)) is None and _one_final(_wait(y)) is None
@@ -431,6 +432,67 @@ def test_admission_full(harness_factory):
     assert _one_final(_wait(a)) is None
 
 
+def _pull_all(h, first, rid, timeout=60):
+    """A slow_ar stream read as s2pro reads it: the generation request's answer, then `control=next` until the
+    answer with a finish reason. Returns the chunks' codes."""
+    chunks, req = [], first
+    deadline = time.time() + timeout
+    while True:
+        assert _one_final(_wait(req, max(1, deadline - time.time()))) is None
+        assert len(req.sender.responses) == 1  # request-response: one answer per request
+        resp = req.sender.responses[0]
+        chunks.append(resp.get("codes"))
+        if int(resp.get("finish_reason")[0]):
+            return chunks
+        req = h.request("slow_ar", {"request_id": np.array([rid.encode()], object),
+                                    "control": np.array([b"next"], object)}, rid)
+
+
+def _engine_inputs(h, text="Pulled a chunk at a time.", **kw):
+    prompt = h.models["s2pro"].service.prompts.build(text)
+    base = {"input_ids": prompt.tokens.numpy().astype(np.int32), "input_codes": prompt.codes.numpy().astype(np.int32),
+            "semantic_mask": prompt.semantic.numpy(), "max_new_tokens": np.array([24], np.int32),
+            "ignore_eos": np.array([True]), "seed": np.array([3], np.int64), "first_chunk_frames": np.array([2], np.int32),
+            "chunk_frames": np.array([4], np.int32)}
+    return {**base, **kw}
+
+
+def test_slow_ar_streams_by_pulls(harness_factory):
+    """slow_ar is request-response: a generation request answers the first chunk, each `next` the following one;
+    reads that cannot be served say why; a request without an id gets the whole generation in one answer; a stream
+    nobody reads is cancelled and dropped."""
+    h = harness_factory(stream_idle_timeout_s=1, adaptive_chunks=False)  # chunks of exactly 2, then 4 frames
+    slow = h.models["slow_ar"]
+    chunks = _pull_all(h, h.request("slow_ar", _engine_inputs(h), "pulled"), "pulled")
+    assert [c.shape for c in chunks][:2] == [(2, C), (4, C)] and sum(c.shape[0] for c in chunks) == 24
+    whole = _wait(h.request("slow_ar", _engine_inputs(h)))  # no id: one answer with every frame
+    assert _one_final(whole) is None and len(whole.sender.responses) == 1
+    assert int(whole.sender.responses[0].get("finish_reason")[0]) == 2  # length
+    np.testing.assert_array_equal(whole.sender.responses[0].get("codes"), np.concatenate(chunks))  # same seed
+    nxt = {"request_id": np.array([b"pulled"], object), "control": np.array([b"next"], object)}
+    err = _one_final(_wait(h.request("slow_ar", nxt, "pulled")))  # its final answer was read: the stream is gone
+    assert errors.parse(err.message()).code == "not_found" and errors.parse(err.message()).param == "request_id"
+
+    # a second read while one waits is refused; the waiting one is answered
+    long = _engine_inputs(h, max_new_tokens=np.array([2000], np.int32))
+    first = _wait(h.request("slow_ar", long, "twice"))
+    r1 = h.request("slow_ar", {**nxt, "request_id": np.array([b"twice"], object)}, "twice")
+    r2 = h.request("slow_ar", {**nxt, "request_id": np.array([b"twice"], object)}, "twice")
+    _wait(r1), _wait(r2)
+    codes = [errors.parse(e.message()).code for e in (_one_final(r1), _one_final(r2)) if e is not None]
+    assert codes == ["invalid_argument"], codes  # exactly one of the two was refused
+    assert _one_final(first) is None
+
+    # nobody reads it: after stream_idle_timeout_s it is cancelled, its KV slot comes back, the stream is dropped
+    deadline = time.time() + 30
+    while time.time() < deadline and (len(slow.service.table) or len(slow.streams)):
+        time.sleep(0.1)
+        slow.streams.sweep()
+    assert len(slow.service.table) == 0 and len(slow.streams) == 0
+    assert slow.service.table.outcomes().get("cancelled", 0) >= 1
+    _quiet(h)
+
+
 def test_slow_ar_queue_limit(harness_factory):
     h = harness_factory(max_batch=1, max_queued_requests=1)
     long = dict(max_new_tokens=200, ignore_eos=np.array([True]))
@@ -475,3 +537,60 @@ def test_grpc_input_edges(harness_factory):
                                            "start": np.array([[False]]), "final": np.array([[False]])}))
     e = errors.parse(_one_final(resp).message())
     assert e.code == "not_found" and e.param == "stream_id"
+
+
+class _Reader:
+    """A one-shot reader as Triton's response sender of a request-response request."""
+
+    def __init__(self, cancelled=False):
+        self.got, self.cancelled = [], cancelled
+
+    def send(self, response, final):
+        assert final and not self.got, "a pull is answered exactly once"
+        self.got.append(response)
+
+    def is_cancelled(self):
+        return self.cancelled
+
+
+def test_pull_stream_order_waiting_read_and_abandonment():
+    from s2tts.lifecycle import PullStreams
+
+    hub = PullStreams("slow_ar", make_error=lambda e: ("error", e.code), idle_timeout_s=0.2)
+    first = _Reader()
+    s = hub.open("a", first)
+    assert hub.open("a", dup := _Reader()) is None and dup.got == [("error", "already_exists")]
+    s.send("c1", False)  # the waiting first read gets it at once
+    s.send("c2", False)
+    s.send("c3", False)  # queued in order
+    assert first.got == ["c1"]
+    r2, r3 = _Reader(), _Reader()
+    hub.pull("a", r2), hub.pull("a", r3)
+    assert (r2.got, r3.got) == (["c2"], ["c3"])
+    r4, r5 = _Reader(), _Reader()
+    hub.pull("a", r4)  # nothing queued: waits
+    hub.pull("a", r5)  # a second read while one waits is refused
+    assert r4.got == [] and r5.got == [("error", "invalid_argument")]
+    s.send("last", True)  # to the waiting read: no sweep has run since
+    assert r4.got == ["last"] and s.finished
+    after = _Reader()
+    hub.pull("a", after)
+    assert after.got == [("error", "not_found")] and hub.sweep() == 0  # read to its end: dropped
+    with pytest.raises(RuntimeError):
+        s.send("late", False)
+    gone = _Reader()
+    hub.pull("a", gone)
+    assert gone.got == [("error", "not_found")]
+
+    # a stream nobody reads: cancelled for its producer after idle_timeout_s, dropped once its final is stale
+    b = hub.open("b", _Reader())
+    b.send("c1", False)
+    assert not b.is_cancelled()
+    time.sleep(0.3)
+    assert b.is_cancelled()
+    b.send("end", True)
+    time.sleep(0.3)
+    assert hub.sweep() == 0
+    # a waiting reader that its client cancelled cancels the stream
+    c = hub.open("c", _Reader(cancelled=True))
+    assert c.is_cancelled()

@@ -91,3 +91,24 @@ def test_request_fields_share_one_range():
         S.check_field("max_new_tokens", 600, {"max_new_tokens_limit": 512})
     assert "[1, 512]" in ei.value.message
     assert S.REQUEST_FIELDS["text"].http == "input" and S.REQUEST_FIELDS["reference_audio"].http == "ref_audio"
+
+
+def test_no_bls_call_reads_a_decoupled_stream():
+    """Triton 24.10's Python backend frees a finished decoupled BLS stream without the GIL and can deadlock two
+    threads reading such streams (perf/RESULTS.md, "The s2pro crash"): every BLS call in the repository is
+    request-response, so no model that another model calls may be decoupled."""
+    import ast
+
+    called = set()
+    for repo in (MODEL_REPOSITORY, TRT_REPOSITORY):
+        for f in repo.glob("*/1/model.py"):
+            tree = ast.parse(f.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", "") in ("exec", "async_exec"):
+                    assert not any(k.arg == "decoupled" for k in node.keywords), f"{f}: {ast.unparse(node)}"
+                if isinstance(node, ast.keyword) and node.arg == "model_name" and isinstance(node.value, ast.Constant):
+                    called.add(node.value.value)
+    assert {"slow_ar", "dac_encoder", "dac_decoder"} <= called
+    for name in called:
+        cfg = parse_model_config(MODEL_REPOSITORY / name / "config.pbtxt")
+        assert not cfg.model_transaction_policy.decoupled, f"{name} is called through BLS but is decoupled"

@@ -33,3 +33,6 @@ class TritonPythonModel:
         self.metrics.set("s2tts_codec_streams_open", len(self.decoder.states))
         self.metrics.count_to("s2tts_codec_fp32_redo_total", self.decoder.redone)
         return out
+
+    def finalize(self):
+        self.metrics.close()

@@ -5,6 +5,11 @@ text (+ reference audio or codes + transcript) -> prompt -> `slow_ar` stream of 
 then one final response with stats. A thin adapter: `s2tts.orchestrator.TTSService`
 owns each request's life (worker thread, deadlines, cancellation, recovery); this file
 parses tensors, builds responses and makes the BLS calls (`BLSDownstream`).
+
+Every BLS call here is request-response (`exec()`), slow_ar's stream included (pulled a
+chunk at a time): Triton 24.10's Python backend frees a finished decoupled BLS stream on a
+thread without the GIL and takes its locks in an order that can deadlock two reading threads,
+which crashed or hung this process under load (perf/RESULTS.md, "The s2pro crash").
 """
 
 import json
@@ -51,6 +56,7 @@ class BLSDownstream:
         return pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().astype(np.int64)
 
     def generate(self, rid, prompt, req: TTSRequest):
+        """slow_ar's chunks, pulled one request at a time (slow_ar is request-response: see its config.pbtxt)."""
         p = req.params
         inputs = [
             tu.string_tensor("request_id", rid),
@@ -67,27 +73,28 @@ class BLSDownstream:
             tu.tensor("first_chunk_frames", np.array([req.first_chunk_frames], np.int32)),
             tu.tensor("chunk_frames", np.array([req.chunk_frames], np.int32)),
         ]
-        responses = pb_utils.InferenceRequest(model_name="slow_ar", inputs=inputs, request_id=rid,
-                                              requested_output_names=["codes", "finish_reason", "stats"]).exec(decoupled=True)
-        for resp in responses:
+        while True:
+            resp = self._slow_ar(rid, inputs)
             _raise_for(resp, "slow_ar")
-            codes = pb_utils.get_output_tensor_by_name(resp, "codes")
-            if codes is None:  # an empty final response
-                continue
+            codes = pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().reshape(-1, self.C)
             reason = FINISH_NAMES.get(int(pb_utils.get_output_tensor_by_name(resp, "finish_reason").as_numpy().reshape(-1)[0]), "")
-            stats = pb_utils.get_output_tensor_by_name(resp, "stats")
-            yield codes.as_numpy().reshape(-1, self.C), reason, decode_fields(stats.as_numpy(), STATS_FIELDS) if stats is not None else None
+            stats = pb_utils.get_output_tensor_by_name(resp, "stats").as_numpy()
+            yield codes, reason, decode_fields(stats, STATS_FIELDS) if stats.size else None
+            if reason:
+                return
+            inputs = [tu.string_tensor("request_id", rid), tu.string_tensor("control", "next")]
 
     def control(self, rid, what):
-        req = pb_utils.InferenceRequest(model_name="slow_ar", requested_output_names=["stats"], request_id=rid,
-                                        inputs=[tu.string_tensor("request_id", rid), tu.string_tensor("control", what)])
-        answer = {}
-        for resp in req.exec(decoupled=True):
-            _raise_for(resp, "slow_ar")
-            t = pb_utils.get_output_tensor_by_name(resp, "stats")
-            if t is not None and what == "status":
-                answer = decode_fields(t.as_numpy(), STATUS_FIELDS)
-        return answer
+        resp = self._slow_ar(rid, [tu.string_tensor("request_id", rid), tu.string_tensor("control", what)])
+        _raise_for(resp, "slow_ar")
+        if what != "status":
+            return {}
+        return decode_fields(pb_utils.get_output_tensor_by_name(resp, "stats").as_numpy(), STATUS_FIELDS)
+
+    @staticmethod
+    def _slow_ar(rid, inputs):
+        return pb_utils.InferenceRequest(model_name="slow_ar", inputs=inputs, request_id=rid,
+                                         requested_output_names=["codes", "finish_reason", "stats"]).exec()
 
     def decode(self, sid, frames, start, final):
         req = pb_utils.InferenceRequest(
@@ -183,3 +190,4 @@ class TritonPythonModel:
         n = self.service.shutdown()
         if n:
             self.log.info("s2pro: %d requests in flight ended at shutdown", n)
+        self.metrics.close()

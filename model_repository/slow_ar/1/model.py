@@ -1,14 +1,18 @@
-"""slow_ar: the decoupled continuous-batching AR engine (slow AR + fast AR per frame).
+"""slow_ar: the continuous-batching AR engine (slow AR + fast AR per frame), streamed by pulls.
 
 A thin adapter: tensors in, `s2tts.engine_service.EngineService` does the rest (one
 engine thread, one sender thread, every request ending in exactly one final response).
-A request carries `request_id` (the caller's id: cancellation, status, log lines).
-`control`="cancel" cancels that request; `control`="status" answers with the engine's
-health and where that request is (waiting / live / unknown) in `stats`; `control`="pace=R"
-(from s2pro) tells the chunker the pipeline's pace. Everything but
-codes travels as numbers (`s2tts.engine_service.FINISH_CODES`, `STATS_FIELDS`, `STATUS_FIELDS`).
+A generation request carries `request_id` (the caller's id: its stream, cancellation, status,
+log lines) and is answered with its first chunk; `control`="next" with that id answers the
+next chunk (`s2tts.lifecycle.PullStreams`), until the one with a finish reason. Without a
+`request_id` the answer is the whole generation, in one response. `control`="cancel" cancels
+that request; `control`="status" answers with the engine's health and where that request is
+(waiting / live / unknown) in `stats`; `control`="pace=R" (from s2pro) tells the chunker the
+pipeline's pace. Everything but codes travels as numbers (`s2tts.engine_service.FINISH_CODES`,
+`STATS_FIELDS`, `STATUS_FIELDS`). Request-response, not decoupled: see config.pbtxt.
 """
 
+import itertools
 import json
 
 import numpy as np
@@ -19,6 +23,7 @@ from s2tts import triton_utils as tu
 from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
 from s2tts.engine import Engine, HostFastAR
 from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, EngineService, encode_fields
+from s2tts.lifecycle import PullStreams
 from s2tts.prompt import Prompt
 
 
@@ -56,6 +61,8 @@ class TritonPythonModel:
             batch_invariant=v.batch_invariant,
         )
         self.C = model.s2.num_codebooks
+        self.streams = PullStreams(self.name, tu.s2_error_response, idle_timeout_s=v.stream_idle_timeout_s)
+        self._anonymous = itertools.count(1)
         self.metrics = tu.Metrics(self.name)
         self.service = EngineService(engine, self._response, tu.s2_error_response, name=self.name,
                                      limit=v.max_batch + v.max_queued_requests, on_unhealthy=self._unload,
@@ -81,27 +88,40 @@ class TritonPythonModel:
                 self.log.info("slow_ar: request %s refused: %s", rid, err.wire())
                 self.service.table.refuse(sender, err)
                 continue
-            self.service.submit(rid, sender, prompt, params, first, size)
+            if not rid:  # nobody can pull more: the whole generation in one answer
+                rid = f"<whole {next(self._anonymous)}>"
+                first = size = params.max_new_tokens + 1
+            stream = self.streams.open(rid, sender)
+            if stream is not None:
+                self.service.submit(rid, stream, prompt, params, first, size)
         return None
 
     def _control(self, control, rid, sender):
-        if control == "cancel":
+        if control == "next":
+            self.streams.pull(rid, sender)
+        elif control == "cancel":
             found = self.service.cancel(rid)
             self.log.info("slow_ar: cancel for request %s (%s)", rid, "live" if found else "not in flight")
-            sender.send(pb_utils.InferenceResponse(output_tensors=[tu.tensor("stats", np.array([float(found)], np.float32))]), True)
+            sender.send(self._answer(np.array([float(found)], np.float32)), True)
         elif control.startswith("pace="):  # the pipeline's pace, from s2pro: chunks follow the slower stage
             try:
                 r = float(control[5:])
             except ValueError:
                 raise errors.invalid(f"control={control!r}: pace=R needs a number", "control") from None
             self.service.set_downstream_pace(r)
-            sender.send(pb_utils.InferenceResponse(output_tensors=[tu.tensor("stats", np.array([r], np.float32))]), True)
+            sender.send(self._answer(np.array([r], np.float32)), True)
         elif control == "status":
-            sender.send(pb_utils.InferenceResponse(output_tensors=[
-                tu.tensor("stats", encode_fields(self.service.status(rid), STATUS_FIELDS))]), True)
+            status = self.service.status(rid)
+            if status.get("request") == "unknown" and self.streams.get(rid) is not None:
+                status["request"] = "live"  # generation ended, its last chunks not read yet
+            sender.send(self._answer(encode_fields(status, STATUS_FIELDS)), True)
         else:
-            raise errors.invalid(f"control={control!r}: use cancel, status or pace=R (or leave it out to generate)",
-                                 "control")
+            raise errors.invalid(f"control={control!r}: use next, cancel, status or pace=R (or leave it out to "
+                                 "generate)", "control")
+
+    def _answer(self, stats):
+        """A control request's answer: no codes, the numbers in `stats`."""
+        return self._response(np.zeros((0, self.C), np.int32), "", None, stats)
 
     def _parse(self, request):
         import torch
@@ -133,16 +153,19 @@ class TritonPythonModel:
                 raise errors.invalid(f"{name} must be at least 1 (got {val})", name)
         return prompt, params, first, size
 
-    def _response(self, codes, reason, stats):
-        out = [tu.tensor("codes", np.ascontiguousarray(codes, dtype=np.int32)),
-               tu.tensor("finish_reason", np.array([FINISH_CODES[reason]], np.int32))]
-        if stats is not None:
-            out.append(tu.tensor("stats", encode_fields(stats, STATS_FIELDS)))
-        return pb_utils.InferenceResponse(output_tensors=out)
+    def _response(self, codes, reason, stats, raw_stats=None):
+        """Every answer carries all three outputs (a request-response model answers what was asked)."""
+        if raw_stats is None:
+            raw_stats = encode_fields(stats, STATS_FIELDS) if stats is not None else np.zeros(0, np.float32)
+        return pb_utils.InferenceResponse(output_tensors=[
+            tu.tensor("codes", np.ascontiguousarray(codes, dtype=np.int32)),
+            tu.tensor("finish_reason", np.array([FINISH_CODES[reason]], np.int32)),
+            tu.tensor("stats", raw_stats)])
 
     def _report(self, service):
         counts = service.engine.counts()
         self.metrics.report_table(service.table)
+        self.metrics.set("s2tts_engine_streams_open", self.streams.sweep())
         self.metrics.set("s2tts_engine_requests_waiting", counts["waiting"])
         self.metrics.set("s2tts_engine_slots_used", counts["live"])
         if service.step_s is not None:
@@ -155,3 +178,4 @@ class TritonPythonModel:
         n = self.service.shutdown()
         if n:
             self.log.info("slow_ar: %d requests in flight ended at shutdown", n)
+        self.metrics.close()
