@@ -33,6 +33,7 @@ class StreamDecoder:
         self.states: dict[str, tuple[object, float]] = {}  # stream id -> (decoder state, last used)
         self.in_fp32: set[str] = set()  # streams moved to the fallback after a non-finite chunk
         self.redone = 0  # chunks decoded again in fp32
+        self.batches: list[int] = []  # streams decoded together, one entry per codec call since the host last took them
         self.device = next(codec.parameters()).device
         self.C = codec.config.num_codebooks
 
@@ -73,6 +74,7 @@ class StreamDecoder:
             codes = torch.as_tensor(np.stack([g[2] for g in group]), dtype=torch.int64, device=self.device)
             codes = codes.transpose(1, 2)  # the codec computes on [B, C, n]
             states = [self.states[sid][0] for _, sid, _ in group]
+            self.batches.append(len(group))
             try:
                 audio, new_states, finite = self._decode(self.fallback if wide else self.codec, codes, states,
                                                          check=self.fallback is not None and not wide)

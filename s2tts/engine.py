@@ -521,7 +521,8 @@ class Engine:
 
     def counts(self) -> dict:
         with self._lock:
-            return {"waiting": len(self._waiting), "live": len(self.live), "free_slots": len(self._free)}
+            return {"waiting": len(self._waiting), "live": len(self.live), "free_slots": len(self._free),
+                    "kv_tokens": sum(r.length for r in self.live.values())}
 
     # ---- convenience for offline use ----------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str = "offline") -> tuple[np.ndarray, str]:

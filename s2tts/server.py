@@ -203,7 +203,7 @@ def parse_settings(items: list[str]) -> dict[str, str]:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m s2tts.server", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="S2 Pro checkpoint directory")
     ap.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
@@ -216,7 +216,11 @@ def main(argv=None) -> int:
     ap.add_argument("--metrics-port", type=int, default=8002)
     ap.add_argument("--workdir", help="where the rendered repository and the log go (default: a temp dir)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for readiness")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         settings = parse_settings(args.set)
         if args.device:

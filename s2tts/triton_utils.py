@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 
 import numpy as np
 
@@ -253,31 +254,52 @@ def decode_chunk_requests(decoder, requests, now: float) -> list:
 
 
 # ---- metrics: what each model reports on Triton's /metrics endpoint (next to Triton's own) -----------------------
-METRICS = {  # name -> (kind, help)
+TIME_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)  # seconds to first audio
+DURATION_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # seconds per request
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # streams per codec call
+
+METRICS = {  # name -> (kind, help[, histogram buckets])
     "s2tts_requests_in_flight": ("gauge", "requests a model is serving now"),
-    "s2tts_requests_finished_total": ("counter", "requests that ended, by model and outcome"),
+    "s2tts_requests_finished_total": ("counter", "requests that ended, by model and outcome (ok, cancelled, "
+                                      "error:<class>)"),
     "s2tts_requests_refused_total": ("counter", "requests refused at admission (busy, duplicate id, unhealthy)"),
+    "s2tts_time_to_first_audio_seconds": ("histogram", "s2pro: from a request's arrival to its first audio chunk "
+                                          "(requests that produced audio)", TIME_BUCKETS),
+    "s2tts_request_duration_seconds": ("histogram", "s2pro: from a request's arrival to its final response "
+                                       "(requests that ended ok or cancelled)", DURATION_BUCKETS),
+    "s2tts_audio_seconds_total": ("counter", "s2pro: seconds of audio sent to clients"),
+    "s2tts_frames_total": ("counter", "s2pro: codec frames generated for clients (21.5 per second of audio)"),
     "s2tts_engine_requests_waiting": ("gauge", "slow_ar requests waiting for a KV-cache slot"),
     "s2tts_engine_slots_used": ("gauge", "slow_ar KV-cache slots in use"),
+    "s2tts_engine_slots_total": ("gauge", "slow_ar KV-cache slots (max_batch)"),
+    "s2tts_engine_kv_tokens": ("gauge", "slow_ar tokens held in the KV cache by live requests"),
+    "s2tts_engine_kv_capacity_tokens": ("gauge", "slow_ar KV-cache capacity in tokens (max_batch x max_seq_len)"),
+    "s2tts_engine_prefix_cache_hits_total": ("counter", "slow_ar prompts whose voice prefix was in the prefix cache"),
+    "s2tts_engine_prefix_cache_misses_total": ("counter", "slow_ar prompts with a voice prefix that had to be prefilled"),
     "s2tts_engine_streams_open": ("gauge", "slow_ar streams whose reader has not taken the last chunk yet"),
     "s2tts_engine_step_seconds": ("gauge", "slow_ar's moving average of a decode step (one frame for every live "
                                   "stream); above the audio of one frame, streams fall behind real time"),
     "s2tts_stream_pace": ("gauge", "s2pro's moving average of the seconds between a stream's audio chunks per second "
                           "of their audio; at 1 or more, streams play slower than real time"),
     "s2tts_codec_streams_open": ("gauge", "dac_decoder streams whose decoder state is held"),
+    "s2tts_codec_batch_size": ("histogram", "dac_decoder streams decoded together in one codec call", BATCH_BUCKETS),
     "s2tts_codec_fp32_redo_total": ("counter", "dac_decoder chunks that overflowed in fp16 and were decoded again in fp32"),
     "s2tts_model_healthy": ("gauge", "1 while the model serves, 0 after an unrecoverable fault"),
 }
 
 
 class Metrics:
-    """Custom metrics through the Python backend's MetricFamily API; a no-op where it is missing."""
+    """Custom metrics through the Python backend's MetricFamily API (Triton 24.10 has gauges, counters and
+    histograms); a no-op where it is missing. Observations for histograms are buffered (`observe`, from any
+    thread) and sent by `flush`, from the model's reporting thread: a request never waits on the metrics IPC."""
 
     def __init__(self, model: str):
         self.model = model
         self._families: dict = {}
         self._metrics: dict = {}
         self._last: dict = {}
+        self._pending: list = []  # (name, value, labels) waiting for flush
+        self._lock = threading.Lock()
         try:
             import os
 
@@ -285,9 +307,11 @@ class Metrics:
 
             if os.environ.get("S2TTS_METRICS", "1") == "0":
                 raise RuntimeError("metrics off")
-            for name, (kind, help_) in METRICS.items():
-                k = pb_utils.MetricFamily.GAUGE if kind == "gauge" else pb_utils.MetricFamily.COUNTER
-                self._families[name] = pb_utils.MetricFamily(name=name, description=help_, kind=k)
+            kinds = {"gauge": pb_utils.MetricFamily.GAUGE, "counter": pb_utils.MetricFamily.COUNTER,
+                     "histogram": getattr(pb_utils.MetricFamily, "HISTOGRAM", None)}
+            for name, (kind, help_, *_buckets) in METRICS.items():
+                if kinds[kind] is not None:
+                    self._families[name] = pb_utils.MetricFamily(name=name, description=help_, kind=kinds[kind])
         except Exception:  # noqa: BLE001 - an older backend, or no Triton at all
             self._families = {}
 
@@ -295,8 +319,26 @@ class Metrics:
         key = (name, tuple(sorted(labels.items())))
         m = self._metrics.get(key)
         if m is None and name in self._families:
-            m = self._metrics[key] = self._families[name].Metric(labels={"model": self.model, **labels})
+            spec = METRICS[name]
+            kw = {"buckets": [float(b) for b in spec[2]]} if spec[0] == "histogram" else {}
+            m = self._metrics[key] = self._families[name].Metric(labels={"model": self.model, **labels}, **kw)
         return m
+
+    def observe(self, name: str, value: float, **labels) -> None:
+        """A histogram observation, sent at the next `flush`."""
+        if name in self._families:
+            with self._lock:
+                self._pending.append((name, float(value), labels))
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for name, value, labels in pending:
+            m = self._metric(name, labels)
+            try:
+                m.observe(value)
+            except Exception:  # noqa: BLE001
+                pass
 
     def set(self, name: str, value: float, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))

@@ -109,10 +109,11 @@ def test_make_pa_inputs_and_perf_analyzer(triton_server, tiny_ckpt, tmp_path):
         pytest.skip(why)
     env = dict(os.environ, PYTHON=sys.executable, PA_WARMUP="1")
     p = _run(["bash", "perf/run_perf_analyzer.sh", "-u", triton_server.grpc_url, "-i", str(inputs), "-o", str(out),
-              "-m", "fast_ar dac_decoder", "-c", "1", "-n", "3", "-b", "4", "-t", "120"], timeout=300, env=env)
-    for name in ("fast_ar_b4", "dac_decoder"):
+              "-m", "fast_ar dac_decoder slow_ar", "-c", "1", "-n", "3", "-b", "4", "-t", "120"], timeout=300, env=env)
+    for name in ("fast_ar_b4", "dac_decoder", "slow_ar"):  # slow_ar: request-response, one whole answer each
         rows = list(csv.DictReader((out / f"pa_{name}_c1.csv").open()))
         assert rows and float(rows[0]["Inferences/Second"]) > 0 and float(rows[0]["p50 latency"]) > 0, name
     summary = (out / "pa_summary.md").read_text()
     assert "| fast_ar_b4 | 1 |" in summary and "| dac_decoder | 1 |" in summary and "rows/s" in summary, summary
+    assert "| slow_ar | 1 |" in summary and "frames/s" in summary, summary
     assert summary in p.stdout

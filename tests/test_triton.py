@@ -162,3 +162,60 @@ def test_perf_analyzer_streaming(triton_server, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=perf_analyzer_env())
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert "Concurrency: 2" in p.stdout and "throughput" in p.stdout.lower()
+
+
+def _histogram(m: dict, name: str, model: str) -> tuple[float, float]:
+    """(count, sum) of a histogram on /metrics."""
+    return m.get(f'{name}_count{{model="{model}"}}', 0.0), m.get(f'{name}_sum{{model="{model}"}}', 0.0)
+
+
+def test_speech_metrics_move_with_requests(triton_server):
+    """Triton's /metrics carries the speech metrics (tritonserver's own endpoint, scraped from the running server):
+    time to first audio and duration histograms, audio seconds and frames, KV-cache use, prefix-cache hits and
+    misses, codec batch sizes, finish reasons."""
+    url = triton_server.metrics_url
+
+    def settle(pred, timeout=10.0):  # the models report from their ticks
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            m = read_metrics(url)
+            if pred(m):
+                return m
+            time.sleep(0.2)
+        return read_metrics(url)
+
+    before = read_metrics(url)
+    t = np.arange(44100) / 44100
+    ref = (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)
+    import tritonclient.grpc as g
+
+    with g.InferenceServerClient(triton_server.grpc_url) as cl:
+        w, sr = g.InferInput("waveform", [ref.size], "FP32"), g.InferInput("sample_rate", [1], "INT32")
+        w.set_data_from_numpy(ref)
+        sr.set_data_from_numpy(np.array([44100], np.int32))
+        codes = cl.infer("dac_encoder", [w, sr]).as_numpy("codes")
+    with S2ProClient(triton_server.grpc_url) as c:  # one new voice twice: a prefix-cache miss, then a hit
+        results = [c.synthesize(TTSInput(text="Metrics, please.", reference_codes=codes, reference_text="A tone.",
+                                         seed=seed, max_new_tokens=10)) for seed in (1, 2)]
+    frames = sum(r.stats["frames"] for r in results)
+    audio_s = sum(r.audio.size for r in results) / 44100
+    ttfa = "s2tts_time_to_first_audio_seconds"
+    m = settle(lambda m: _histogram(m, ttfa, "s2pro")[0] >= _histogram(before, ttfa, "s2pro")[0] + 2
+               and m.get('s2tts_frames_total{model="s2pro"}', 0) >= before.get('s2tts_frames_total{model="s2pro"}', 0) + frames)
+    n0, s0 = _histogram(before, ttfa, "s2pro")
+    n1, s1 = _histogram(m, ttfa, "s2pro")
+    assert n1 == n0 + 2 and s1 - s0 == pytest.approx(sum(r.stats["ttfa_s"] for r in results), abs=0.05)
+    d0, d1 = _histogram(before, "s2tts_request_duration_seconds", "s2pro"), _histogram(m, "s2tts_request_duration_seconds", "s2pro")
+    assert d1[0] == d0[0] + 2 and d1[1] - d0[1] >= s1 - s0
+    assert m[f'{ttfa}_bucket{{model="s2pro",le="+Inf"}}'] == n1  # a real histogram: buckets up to +Inf
+    assert m['s2tts_frames_total{model="s2pro"}'] - before.get('s2tts_frames_total{model="s2pro"}', 0) == frames
+    assert m['s2tts_audio_seconds_total{model="s2pro"}'] - before.get('s2tts_audio_seconds_total{model="s2pro"}', 0) \
+        == pytest.approx(audio_s, abs=0.01)
+    hits, misses = ('s2tts_engine_prefix_cache_hits_total{model="slow_ar"}', 's2tts_engine_prefix_cache_misses_total{model="slow_ar"}')
+    assert m.get(misses, 0) >= before.get(misses, 0) + 1 and m.get(hits, 0) >= before.get(hits, 0) + 1
+    assert m['s2tts_engine_slots_total{model="slow_ar"}'] == 8  # max_batch
+    assert m['s2tts_engine_kv_capacity_tokens{model="slow_ar"}'] == 8 * 4096 and 's2tts_engine_kv_tokens{model="slow_ar"}' in m
+    b0, b1 = _histogram(before, "s2tts_codec_batch_size", "dac_decoder"), _histogram(m, "s2tts_codec_batch_size", "dac_decoder")
+    assert b1[0] > b0[0] and b1[1] - b0[1] >= b1[0] - b0[0]  # each codec call decoded at least one stream
+    ok = 's2tts_requests_finished_total{model="s2pro",outcome="ok"}'
+    assert m[ok] >= before.get(ok, 0) + 2

@@ -32,6 +32,10 @@ class TritonPythonModel:
         out = tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic())
         self.metrics.set("s2tts_codec_streams_open", len(self.decoder.states))
         self.metrics.count_to("s2tts_codec_fp32_redo_total", self.decoder.redone)
+        batches, self.decoder.batches = self.decoder.batches, []
+        for b in batches:
+            self.metrics.observe("s2tts_codec_batch_size", b)
+        self.metrics.flush()
         return out
 
     def finalize(self):

@@ -13,6 +13,8 @@ which crashed or hung this process under load (perf/RESULTS.md, "The s2pro crash
 """
 
 import json
+import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -124,12 +126,19 @@ class TritonPythonModel:
         self.s2 = S2Config.from_dir(v.checkpoint)
         self.limits = Limits.from_settings(v)
         self.metrics = tu.Metrics("s2pro")
+        self._sent = (0, 0)  # audio samples and frames sent to clients
+        self._sent_lock = threading.Lock()
         self.service = TTSService(BLSDownstream(self.s2.num_codebooks), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
                                   self._chunk_response, self._final_response, tu.s2_error_response,
                                   on_tick=self._report)
 
     def _report(self, svc):
         self.metrics.report_table(svc.table)
+        with self._sent_lock:
+            samples, frames = self._sent
+        self.metrics.count_to("s2tts_audio_seconds_total", round(samples / self.s2.sample_rate, 3))
+        self.metrics.count_to("s2tts_frames_total", frames)
+        self.metrics.flush()
         if svc.pace is not None:
             self.metrics.set("s2tts_stream_pace", round(svc.pace, 3))
 
@@ -169,6 +178,8 @@ class TritonPythonModel:
         return req.validate(L, self.s2.num_codebooks)
 
     def _chunk_response(self, audio, frames, seq):
+        with self._sent_lock:
+            self._sent = (self._sent[0] + audio.size, self._sent[1] + frames.shape[0])
         return pb_utils.InferenceResponse(output_tensors=[
             tu.tensor("audio", audio.astype(np.float32)),
             tu.tensor("codes", frames.astype(np.int32)),
@@ -178,6 +189,10 @@ class TritonPythonModel:
         ])
 
     def _final_response(self, stats, seq):
+        now = time.monotonic()
+        if stats.first_audio is not None:
+            self.metrics.observe("s2tts_time_to_first_audio_seconds", stats.first_audio - stats.started)
+        self.metrics.observe("s2tts_request_duration_seconds", now - stats.started)
         return pb_utils.InferenceResponse(output_tensors=[
             tu.tensor("audio", np.zeros(0, np.float32)),
             tu.tensor("codes", np.zeros((0, self.s2.num_codebooks), np.int32)),

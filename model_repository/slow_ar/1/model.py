@@ -168,6 +168,12 @@ class TritonPythonModel:
         self.metrics.set("s2tts_engine_streams_open", self.streams.sweep())
         self.metrics.set("s2tts_engine_requests_waiting", counts["waiting"])
         self.metrics.set("s2tts_engine_slots_used", counts["live"])
+        self.metrics.set("s2tts_engine_slots_total", service.engine.max_batch)
+        self.metrics.set("s2tts_engine_kv_tokens", counts["kv_tokens"])
+        self.metrics.set("s2tts_engine_kv_capacity_tokens", service.engine.max_batch * service.engine.max_seq_len)
+        cache = service.engine.prefix_cache
+        self.metrics.count_to("s2tts_engine_prefix_cache_hits_total", cache.hits)
+        self.metrics.count_to("s2tts_engine_prefix_cache_misses_total", cache.misses)
         if service.step_s is not None:
             self.metrics.set("s2tts_engine_step_seconds", round(service.step_s, 4))
 

@@ -1,0 +1,132 @@
+"""The Grafana dashboard (`deploy/grafana/s2tts.json`) against a real Prometheus (Debian's `prometheus` package)
+scraping the running tritonserver's metrics port and a gateway's /metrics: every panel's query answers with data
+after requests have run, and the main ones with the values those requests imply."""
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+from pathlib import Path
+
+import httpx
+import pytest
+
+from s2tts.triton_utils import METRICS
+
+from servers import Gateway, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "deploy" / "grafana" / "s2tts.json"
+GATEWAY_METRICS = {"s2tts_gateway_requests_total", "s2tts_gateway_request_seconds", "s2tts_gateway_speech_in_flight",
+                   "s2tts_gateway_overload_refusals_total"}
+PROMETHEUS = shutil.which("prometheus")
+
+
+def _exprs():
+    dash = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
+
+
+def test_dashboard_is_valid_and_uses_only_real_metrics():
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"] and dash["panels"]
+    assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"])
+    assert any(v["type"] == "datasource" and v["name"] == "datasource" for v in dash["templating"]["list"])
+    for p in dash["panels"]:
+        assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
+    used = set()
+    for _, expr in _exprs():
+        for name in re.findall(r"\b(s2tts_[a-z_0-9]+)", expr):
+            used.add(re.sub(r"_(bucket|sum|count)$", "", name) if name not in METRICS else name)
+    unknown = used - set(METRICS) - GATEWAY_METRICS
+    assert not unknown, f"the dashboard queries metrics nobody exports: {unknown}"
+    for must in ("s2tts_time_to_first_audio_seconds", "s2tts_audio_seconds_total", "s2tts_engine_kv_tokens",
+                 "s2tts_codec_batch_size", "s2tts_gateway_requests_total"):
+        assert must in used, must
+
+
+@pytest.fixture
+def prometheus(triton_server, tmp_path):
+    if not PROMETHEUS:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs Debian's prometheus package (.ci/run installs it)")
+        pytest.skip("needs Debian's prometheus package: apt-get install prometheus")
+    gw = Gateway(triton_server.grpc_url, tmp_path / "voices.sqlite3", tmp_path / "gateway.log")
+    port = free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(f"""global:
+  scrape_interval: 1s
+scrape_configs:
+  - job_name: triton
+    static_configs: [{{targets: ["{triton_server.host}:{triton_server.metrics_port}"]}}]
+  - job_name: gateway
+    static_configs: [{{targets: ["127.0.0.1:{gw.port}"]}}]
+""")
+    log = open(tmp_path / "prometheus.log", "wb")
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        yield url, gw
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+        gw.stop()
+
+
+def _query(url: str, expr: str) -> list:
+    r = httpx.get(f"{url}/api/v1/query", params={"query": expr.replace("$__rate_interval", "1m")}, timeout=10)
+    body = r.json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def _wait_scraped(url: str, timeout: float = 30.0) -> None:
+    """Both targets up and scraped a few times."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        up = _query(url, "count_over_time(up[1m])")
+        if len(up) == 2 and all(float(s["value"][1]) >= 3 for s in up):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"prometheus did not scrape both targets: {_query(url, 'up')}")
+
+
+def test_every_dashboard_panel_answers(prometheus, triton_server):
+    url, gw = prometheus
+    _wait_scraped(url)
+    ok_expr = 'sum(s2tts_requests_finished_total{model="s2pro",outcome="ok"}) or vector(0)'
+    ok_before = float(_query(url, ok_expr)[0]["value"][1])
+    for i in range(3):
+        r = httpx.post(f"{gw.url}/v1/audio/speech", timeout=120,
+                       json={"model": "s2-pro", "voice": "default", "input": f"Dashboard request {i}.",
+                             "response_format": "wav", "stream": False, "seed": i, "max_new_tokens": 12})
+        assert r.status_code == 200, r.text
+    time.sleep(4)  # a few scrapes after the requests
+    empty = [(title, expr) for title, expr in _exprs() if not _query(url, expr)]
+    assert not empty, f"panels whose query returns nothing: {empty}"
+
+    def value(expr):
+        return float(_query(url, expr)[0]["value"][1])
+
+    for title, expr in _exprs():
+        if title in ("Time to first audio", "Audio produced (audio-seconds per second)", "Request duration"):
+            v = value(expr)
+            assert math.isfinite(v) and v > 0, (title, expr, v)
+    assert float(_query(url, ok_expr)[0]["value"][1]) - ok_before == 3  # the three requests, as Prometheus saw them
+    statuses = {s["metric"]["status"] for s in _query(url, "s2tts_gateway_requests_total")}
+    assert "200" in statuses
