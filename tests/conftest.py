@@ -37,6 +37,19 @@ def triton_server(tiny_ckpt, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server (Debian's package) for the session; `postgres.new_database()` gives a fresh one."""
+    from postgres import find_bin, postgres_server
+
+    if find_bin() is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs Debian's postgresql package (.ci/run installs it)")
+        pytest.skip("needs Debian's postgresql package: apt-get install postgresql")
+    with postgres_server() as server:
+        yield server
+
+
 def _live_children() -> list[tuple[int, str]]:
     """This process's child processes that are still running (not zombies), from /proc."""
     me, out = os.getpid(), []

@@ -371,8 +371,9 @@ def _upload(gw, name, path, ref_text=REF_TEXT, **kw):
                           files={"audio_sample": (Path(path).name, f, "audio/wav")}, timeout=120, **kw)
 
 
-def test_voices_lifecycle_and_restart(triton, gw_dir, reference_wav):
-    db = gw_dir / "voices-restart.sqlite3"
+@pytest.mark.parametrize("store", ["sqlite", "postgres"])
+def test_voices_lifecycle_and_restart(triton, gw_dir, reference_wav, store, request):
+    db = gw_dir / "voices-restart.sqlite3" if store == "sqlite" else request.getfixturevalue("postgres").new_database()
     g = Gateway(triton.grpc_url, db, gw_dir / "gateway-restart.log")
     try:
         c = g.client()
@@ -423,6 +424,49 @@ def test_voices_lifecycle_and_restart(triton, gw_dir, reference_wav):
         assert_error(ei, 404, "voice_not_found")
     finally:
         g.stop()
+
+
+def test_two_gateways_share_voices_in_postgres(triton, gw_dir, reference_wav, postgres):
+    """Two gateway replicas on one PostgreSQL database: a voice registered on one is listed and spoken on the other
+    (the same audio as on the first), one name registered on both at the same moment is created once (200 + 409),
+    a delete on one is seen by the other, and the voices outlive both gateways and the database server's restart."""
+    url = postgres.new_database()
+    a = Gateway(triton.grpc_url, url, gw_dir / "gateway-pg-a.log")
+    b = Gateway(triton.grpc_url, url, gw_dir / "gateway-pg-b.log")
+    try:
+        assert _upload(a, "shared", reference_wav).status_code == 200
+        assert [x["name"] for x in httpx.get(f"{b.url}/v1/audio/voices", timeout=10).json()["data"]] == ["shared"]
+        on_a, _ = speech_raw(a.client(), voice="shared", response_format="pcm", seed=5, max_new_tokens=10)
+        on_b, _ = speech_raw(b.client(), voice="shared", response_format="pcm", seed=5, max_new_tokens=10)
+        assert on_a == on_b and len(on_a) > 0
+
+        go = threading.Barrier(2)
+        codes = {}
+
+        def register(g):
+            go.wait()
+            codes[g.port] = _upload(g, "raced", reference_wav).status_code
+
+        ts = [threading.Thread(target=register, args=(g,)) for g in (a, b)]
+        [t.start() for t in ts]
+        [t.join(120) for t in ts]
+        assert sorted(codes.values()) == [200, 409], codes
+
+        assert httpx.delete(f"{b.url}/v1/audio/voices/shared", timeout=10).status_code == 200
+        assert httpx.get(f"{a.url}/v1/audio/voices/shared/audio", timeout=10).status_code == 404
+
+        a.stop(), b.stop()
+        postgres.stop()
+        postgres.start()
+        c = Gateway(triton.grpc_url, url, gw_dir / "gateway-pg-c.log")
+        try:
+            assert [x["name"] for x in httpx.get(f"{c.url}/v1/audio/voices", timeout=10).json()["data"]] == ["raced"]
+            again, _ = speech_raw(c.client(), voice="raced", response_format="pcm", seed=5, max_new_tokens=10)
+            assert again == on_a  # the same reference audio, so the same voice codes and the same seeded speech
+        finally:
+            c.stop()
+    finally:
+        a.stop(), b.stop()
 
 
 @pytest.mark.parametrize("name", ["../etc", "a/b", "..", ".hidden", "default", "x" * 65, "bad name", "a\\b", ""])

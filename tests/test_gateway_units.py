@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import io
+import threading
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from s2tts.gateway.encoders import FORMATS, make_encoder, wav_header
 from s2tts.gateway.errors import APIError
 from s2tts.gateway.protocol import parse_speech
 from s2tts.gateway.tempo import TimeStretch, time_stretch
-from s2tts.gateway.voices import VoiceStore, validate_name
+from s2tts.gateway.voices import MIGRATIONS, PostgresVoiceStore, VoiceStore, open_store, validate_name
 
 av = pytest.importorskip("av")
 SR = 44100
@@ -154,16 +155,24 @@ def test_voice_names_rejected(name):
     assert ei.value.status == 400
 
 
-def test_voice_store_persists(tmp_path):
-    db = tmp_path / "v.sqlite3"
-    s = VoiceStore(str(db))
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_spec(request, tmp_path):
+    """Where a voice store lives: an SQLite file, or a new database on the test PostgreSQL server."""
+    if request.param == "sqlite":
+        return str(tmp_path / "v.sqlite3")
+    return request.getfixturevalue("postgres").new_database()
+
+
+def test_voice_store_persists(store_spec):
+    db = store_spec
+    s = open_store(str(db))
     codes = np.arange(30, dtype=np.int32).reshape(10, 3)
     s.add("bob", "hello there", b"RIFFdata", "audio/wav", 24000, 36000, codes, consent="c1")
     with pytest.raises(APIError) as ei:
         s.add("bob", "again", b"x", "audio/wav", 24000, 1, codes)
     assert ei.value.status == 409
     s.close()
-    s = VoiceStore(str(db))
+    s = open_store(str(db))
     v = s.get("bob")
     assert v.ref_text == "hello there" and v.sample_rate == 24000 and np.array_equal(v.codes, codes)
     assert v.public()["codes_shape"] == [10, 3] and v.public()["duration_s"] == 1.5
@@ -186,3 +195,74 @@ def test_data_url_decoding():
     for bad in ("http://x/a.wav", "file:///etc/passwd", "data:audio/wav,notbase64", "data:audio/wav;base64,@@@"):
         with pytest.raises(APIError):
             decode_data_url(bad)
+
+
+def test_voice_store_same_name_at_once(store_spec):
+    """Eight writers (eight gateways: one store each) register one name at the same moment: exactly one wins, the
+    rest get 409; then each registers a name of its own, and every store sees all of them."""
+    stores = [open_store(store_spec) for _ in range(8)]
+    codes = np.ones((10, 4), np.int32)
+    go = threading.Barrier(len(stores))
+    results = [None] * len(stores)
+
+    def register(i):
+        go.wait()
+        try:
+            stores[i].add("shared", f"from {i}", b"x", "audio/wav", 24000, 100, codes * i)
+            results[i] = "ok"
+        except APIError as e:
+            results[i] = e.status
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(len(stores))]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert sorted(results, key=str) == [409] * 7 + ["ok"], results
+    winner = results.index("ok")
+    assert all(s.get("shared").ref_text == f"from {winner}" for s in stores)
+    for i, s in enumerate(stores):
+        s.add(f"own{i}", "mine", b"y", "audio/wav", 24000, 100, codes)
+    assert all(len(s.list()) == 9 for s in stores)
+    for s in stores:
+        s.close()
+
+
+def test_voice_store_schema_versions(store_spec):
+    """A new store is at the current schema version; a store migrated by a newer gateway is refused with a message
+    that says what to do; an SQLite file from before versioning is brought up to date, its voices kept."""
+    s = open_store(store_spec)
+    s.close()
+    if store_spec.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(store_spec, autocommit=True) as c:
+            assert c.execute("SELECT count(*) FROM s2tts_schema").fetchone()[0] == len(MIGRATIONS)
+            c.execute("INSERT INTO s2tts_schema VALUES (%s, 0)", (len(MIGRATIONS) + 1,))
+    else:
+        import sqlite3
+
+        c = sqlite3.connect(store_spec)
+        assert c.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+        c.execute(f"PRAGMA user_version = {len(MIGRATIONS) + 1}")
+        c.close()
+    with pytest.raises(RuntimeError, match="newer than this gateway's .* upgrade the gateway"):
+        open_store(store_spec)
+
+
+def test_sqlite_store_from_before_versioning(tmp_path):
+    import sqlite3
+
+    db = tmp_path / "old.sqlite3"
+    c = sqlite3.connect(db)
+    c.execute(MIGRATIONS[0].format(real="REAL", blob="BLOB"))
+    c.execute("INSERT INTO voices VALUES ('old', 't', 1.0, x'00', 'audio/wav', 24000, 10, x'01000000', 1, 1, NULL)")
+    c.commit()
+    c.close()
+    s = VoiceStore(str(db))
+    assert s.get("old").codes.tolist() == [[1]]
+    s.close()
+    assert sqlite3.connect(db).execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS)
+
+
+def test_postgres_store_errors_say_what_to_do(postgres):
+    with pytest.raises(RuntimeError, match="cannot reach the voice store postgresql://s2tts:\\*\\*\\*@127.0.0.1:1/x"):
+        PostgresVoiceStore("postgresql://s2tts:secret@127.0.0.1:1/x")

@@ -15,7 +15,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--triton-url", default=d.triton_url, help="Triton gRPC address host:port (default %(default)s)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080, help="(default %(default)s; tritonserver's HTTP port is 8000)")
-    ap.add_argument("--db", default=d.db_path, help="SQLite file for registered voices (default %(default)s)")
+    ap.add_argument("--db", default=os.environ.get("S2TTS_VOICE_DB", d.db_path),
+                    help="where registered voices live: an SQLite file (default %(default)s), or a postgresql:// URL "
+                         "shared by gateway replicas (env S2TTS_VOICE_DB; keep passwords out of command lines)")
     ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and the page / (default: env S2TTS_API_KEY)")
     ap.add_argument("--max-in-flight", type=int, default=d.max_in_flight,

@@ -33,7 +33,7 @@ from .metrics import HTTPMetrics, MetricsMiddleware
 from .protocol import SpeechParams, parse_speech
 from .tempo import TimeStretch
 from .triton import SynthesisRequest, TritonBackend
-from .voices import VoiceStore, validate_name
+from .voices import VoiceStore, open_store, validate_name
 
 log = logging.getLogger("s2tts.gateway")
 
@@ -334,7 +334,7 @@ def _request_id(request: Request) -> str:
 
 def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: VoiceStore | None = None) -> FastAPI:
     backend = backend or TritonBackend(cfg.triton_url, cfg.triton_model, cfg.encoder_model, cfg.triton_timeout_s)
-    store = store or VoiceStore(cfg.db_path)
+    store = store or open_store(cfg.db_path)
     state = GatewayState(cfg, backend, store)
 
     @asynccontextmanager

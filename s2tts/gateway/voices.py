@@ -1,4 +1,5 @@
-"""Registered voices, stored durably in SQLite: name, transcript, the uploaded audio and its codes."""
+"""Registered voices, stored durably: name, transcript, the uploaded audio and its codes. SQLite (one gateway, the
+embedded default) or PostgreSQL (voices shared by gateway replicas); `open_store` picks by the `--db` value."""
 
 from __future__ import annotations
 
@@ -58,30 +59,51 @@ class Voice:
         }
 
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS voices (
+_COLUMNS = """
     name TEXT PRIMARY KEY,
     ref_text TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    audio BLOB NOT NULL,
+    created_at {real} NOT NULL,
+    audio {blob} NOT NULL,
     audio_mime TEXT NOT NULL,
     sample_rate INTEGER NOT NULL,
     num_samples INTEGER NOT NULL,
-    codes BLOB NOT NULL,
+    codes {blob} NOT NULL,
     num_codebooks INTEGER NOT NULL,
     frames INTEGER NOT NULL,
     consent TEXT
-)
 """
 
-_META = "name, ref_text, created_at, sample_rate, num_samples, length(audio), audio_mime, num_codebooks, frames"
+# The voice table's migrations, in order: the store's schema version is the number of them applied. Add new ones
+# at the end (never edit one that has shipped); both backends run the same list.
+MIGRATIONS = [
+    "CREATE TABLE IF NOT EXISTS voices (" + _COLUMNS + ")",
+]
+
+_META = "name, ref_text, created_at, sample_rate, num_samples, {length}(audio), audio_mime, num_codebooks, frames"
+
+
+def open_store(spec: str) -> "VoiceStore":
+    """The voice store `--db` names: a `postgresql://` URL (voices shared by gateway replicas) or an SQLite file
+    (the embedded default)."""
+    if spec.startswith(("postgresql://", "postgres://")):
+        return PostgresVoiceStore(spec)
+    return VoiceStore(spec)
+
+
+def _exists(name: str) -> APIError:
+    return APIError(409, f"a voice named {name!r} already exists: delete it first (DELETE /v1/audio/voices/{name}) "
+                    "or choose another name", param="name", code="voice_exists")
 
 
 class VoiceStore:
     """SQLite in WAL mode with synchronous=FULL: a voice is on disk once `add` returns.
 
-    Calls are short and serialised by one lock; the gateway runs them in a worker thread.
+    Calls are short and serialised by one lock; the gateway runs them in a worker thread. The schema version is
+    SQLite's `user_version`. Subclasses change the connection and the SQL dialect, nothing else.
     """
+
+    P = "?"  # the driver's parameter placeholder
+    REAL, BLOB, LENGTH = "REAL", "BLOB", "length"
 
     def __init__(self, path: str):
         self.path = path
@@ -89,18 +111,54 @@ class VoiceStore:
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute(_SCHEMA)
+        self._migrate()
+
+    # ---- the backend -------------------------------------------------------------------------
+    def _migrate(self) -> None:
+        with self._lock:
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            self._check_version(version)
+            for i in range(version, len(MIGRATIONS)):
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute(self._ddl(MIGRATIONS[i]))
+                self._db.execute(f"PRAGMA user_version = {i + 1}")
+                self._db.execute("COMMIT")
+
+    def _ddl(self, sql: str) -> str:
+        return sql.format(real=self.REAL, blob=self.BLOB)
+
+    def _check_version(self, version: int) -> None:
+        if version > len(MIGRATIONS):
+            raise RuntimeError(f"voice store {self.describe()} has schema version {version}, newer than this gateway's "
+                               f"{len(MIGRATIONS)}: upgrade the gateway (s2tts) to use it")
+
+    def describe(self) -> str:
+        return self.path
+
+    def _execute(self, sql: str, args=()) -> list:
+        """Run one statement; its rows (if any) and the number of rows it changed."""
+        with self._lock:
+            cur = self._db.execute(sql.replace("%s", self.P), args)
+            return cur.fetchall(), cur.rowcount
+
+    def _is_duplicate(self, e: Exception) -> bool:
+        return isinstance(e, sqlite3.IntegrityError)
 
     def close(self) -> None:
         with self._lock:
             self._db.close()
 
+    # ---- voices ------------------------------------------------------------------------------
+    @property
+    def _meta(self) -> str:
+        return _META.format(length=self.LENGTH)
+
     @staticmethod
     def _row(row, codes_blob=None) -> Voice:
-        v = Voice(name=row[0], ref_text=row[1], created_at=row[2], sample_rate=row[3], num_samples=row[4],
+        v = Voice(name=row[0], ref_text=row[1], created_at=float(row[2]), sample_rate=row[3], num_samples=row[4],
                   audio_bytes=row[5], audio_mime=row[6], num_codebooks=row[7], frames=row[8])
         if codes_blob is not None:
-            v.codes = np.frombuffer(codes_blob, dtype="<i4").reshape(v.num_codebooks, v.frames).astype(np.int32)
+            v.codes = np.frombuffer(bytes(codes_blob), dtype="<i4").reshape(v.num_codebooks, v.frames).astype(np.int32)
         return v
 
     def add(self, name: str, ref_text: str, audio: bytes, audio_mime: str, sample_rate: int, num_samples: int,
@@ -109,39 +167,111 @@ class VoiceStore:
         if codes.ndim != 2:
             raise ValueError(f"codes must be [num_codebooks, frames], got {codes.shape}")
         now = time.time()
-        with self._lock:
-            try:
-                self._db.execute(
-                    "INSERT INTO voices (name, ref_text, created_at, audio, audio_mime, sample_rate, num_samples,"
-                    " codes, num_codebooks, frames, consent) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                    (name, ref_text, now, sqlite3.Binary(audio), audio_mime, int(sample_rate), int(num_samples),
-                     sqlite3.Binary(codes.tobytes()), int(codes.shape[0]), int(codes.shape[1]), consent))
-            except sqlite3.IntegrityError:
-                raise APIError(409, f"a voice named {name!r} already exists: delete it first "
-                               f"(DELETE /v1/audio/voices/{name}) or choose another name",
-                               param="name", code="voice_exists") from None
+        try:
+            self._execute(
+                "INSERT INTO voices (name, ref_text, created_at, audio, audio_mime, sample_rate, num_samples,"
+                " codes, num_codebooks, frames, consent) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
+                (name, ref_text, now, bytes(audio), audio_mime, int(sample_rate), int(num_samples),
+                 codes.tobytes(), int(codes.shape[0]), int(codes.shape[1]), consent))
+        except Exception as e:
+            if self._is_duplicate(e):
+                raise _exists(name) from None
+            raise
         return Voice(name, ref_text, now, int(sample_rate), int(num_samples), len(audio), audio_mime,
                      int(codes.shape[0]), int(codes.shape[1]), codes.astype(np.int32))
 
     def get(self, name: str, with_codes: bool = True) -> Voice | None:
-        cols = _META + (", codes" if with_codes else "")
-        with self._lock:
-            row = self._db.execute(f"SELECT {cols} FROM voices WHERE name = ?", (name,)).fetchone()
-        if row is None:
+        cols = self._meta + (", codes" if with_codes else "")
+        rows, _ = self._execute(f"SELECT {cols} FROM voices WHERE name = %s", (name,))
+        if not rows:
             return None
-        return self._row(row, row[9] if with_codes else None)
+        return self._row(rows[0], rows[0][9] if with_codes else None)
 
     def get_audio(self, name: str) -> tuple[bytes, str] | None:
-        with self._lock:
-            row = self._db.execute("SELECT audio, audio_mime FROM voices WHERE name = ?", (name,)).fetchone()
-        return (bytes(row[0]), row[1]) if row else None
+        rows, _ = self._execute("SELECT audio, audio_mime FROM voices WHERE name = %s", (name,))
+        return (bytes(rows[0][0]), rows[0][1]) if rows else None
 
     def list(self) -> list[Voice]:
-        with self._lock:
-            rows = self._db.execute(f"SELECT {_META} FROM voices ORDER BY created_at, name").fetchall()
+        rows, _ = self._execute(f"SELECT {self._meta} FROM voices ORDER BY created_at, name")
         return [self._row(r) for r in rows]
 
     def delete(self, name: str) -> bool:
+        _, n = self._execute("DELETE FROM voices WHERE name = %s", (name,))
+        return n > 0
+
+
+class PostgresVoiceStore(VoiceStore):
+    """The same store in PostgreSQL, shared by every gateway replica that names the same database.
+
+    One connection per gateway, in autocommit mode (each statement its own transaction; a voice is committed
+    once `add` returns), serialised by the store's lock. A name registered by two gateways at once: the primary
+    key lets exactly one in, the other gets 409. Migrations run under a transaction-scoped advisory lock, so
+    replicas that start together apply each one once; the version is the row count of `s2tts_schema`.
+    A lost connection (a database restart) is reopened on the next call.
+    """
+
+    P = "%s"
+    REAL, BLOB, LENGTH = "DOUBLE PRECISION", "BYTEA", "octet_length"
+    _LOCK_KEY = 0x5332_5454  # "S2TT": the advisory lock of this schema's migrations
+
+    def __init__(self, url: str):
+        try:
+            import psycopg  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("a postgresql:// voice store needs psycopg: pip install 'psycopg[binary]' "
+                               "(the gateway extra has it)") from e
+        self.url = url
+        self.path = url
+        self._lock = threading.Lock()
+        self._db = None
+        self._connect()
+        self._migrate()
+
+    def describe(self) -> str:
+        import re as _re
+
+        return _re.sub(r"//([^:@/]+):[^@/]*@", r"//\1:***@", self.url)  # no password in messages
+
+    def _connect(self):
+        import psycopg
+
+        try:
+            self._db = psycopg.connect(self.url, autocommit=True, connect_timeout=10)
+        except psycopg.OperationalError as e:
+            raise RuntimeError(f"cannot reach the voice store {self.describe()}: {str(e).strip()}") from None
+
+    def _migrate(self) -> None:
+        with self._lock, self._db.transaction():
+            self._db.execute("SELECT pg_advisory_xact_lock(%s)", (self._LOCK_KEY,))
+            self._db.execute("CREATE TABLE IF NOT EXISTS s2tts_schema (version INTEGER PRIMARY KEY, "
+                             "applied_at DOUBLE PRECISION NOT NULL)")
+            version = self._db.execute("SELECT count(*) FROM s2tts_schema").fetchone()[0]
+            self._check_version(version)
+            for i in range(version, len(MIGRATIONS)):
+                self._db.execute(self._ddl(MIGRATIONS[i]))
+                self._db.execute("INSERT INTO s2tts_schema (version, applied_at) VALUES (%s, %s)", (i + 1, time.time()))
+
+    def _execute(self, sql: str, args=()) -> list:
+        import psycopg
+
         with self._lock:
-            cur = self._db.execute("DELETE FROM voices WHERE name = ?", (name,))
-        return cur.rowcount > 0
+            for attempt in (0, 1):
+                try:
+                    if self._db is None or self._db.closed:
+                        self._connect()
+                    cur = self._db.execute(sql, args)
+                    return (cur.fetchall() if cur.description else []), cur.rowcount
+                except psycopg.OperationalError:
+                    if attempt or not sql.lstrip().upper().startswith("SELECT"):
+                        raise  # a write is not repeated blindly: it may have been applied
+                    self._db = None  # reconnect once (the server restarted) and read again
+
+    def _is_duplicate(self, e: Exception) -> bool:
+        import psycopg
+
+        return isinstance(e, psycopg.errors.UniqueViolation)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
