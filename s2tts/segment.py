@@ -1,0 +1,130 @@
+"""A request's text as the segments S2 Pro speaks one after another (issue 11, long-form speech and dialogue).
+
+Upstream fish-speech splits dialogue on `<|speaker:N|>` tags into turns, strips each turn, and groups turns
+into batches of at most 5 turns and `chunk_length` UTF-8 bytes, joined with `\\n`; each batch is one user turn.
+Here, the same, and beyond it:
+- text before the first tag is kept as a turn without a tag (upstream drops it silently);
+- a turn (or untagged text) longer than a batch is cut into pieces at the strongest boundary that fits: a sentence
+  end (also `。！？；` and `…`), else a clause mark, else whitespace, else any grapheme boundary (text without
+  spaces or punctuation). A cut never falls inside a grapheme (`regex`'s `\\X`: accents, emoji sequences, Hangul)
+  or a speaker tag, and the pieces of one turn concatenate to exactly its text: the text's own whitespace is
+  kept. Each batch line of a cut turn carries the turn's tag again, so its voice goes on.
+
+    batches("<|speaker:0|>Hi there.<|speaker:1|>Hello!", chunk_length=200)
+    -> ["<|speaker:0|>Hi there.\\n<|speaker:1|>Hello!"]
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import regex
+
+SPEAKER_TAG = re.compile(r"<\|speaker:(\d+)\|>")
+MAX_TURNS = 5  # upstream's turns per batch
+DEFAULT_CHUNK_LENGTH = 200  # upstream API's default chunk_length (bytes)
+
+# boundaries, strongest first: where a cut may go, as the end of a match
+_SENTENCE = regex.compile(r"(?:[.!?…]+[\"'”’)\]]*\s+|[。！？；]+[」』”’）]*\s*|\n\s*)")
+_CLAUSE = regex.compile(r"(?:[,;:]\s+|[、，：]\s*)")
+_SPACE = regex.compile(r"\s+")
+_GRAPHEME = regex.compile(r"\X")
+
+
+@dataclass(frozen=True)
+class Turn:
+    speaker: int | None  # None: text before the first speaker tag
+    text: str
+
+    def render(self) -> str:
+        return self.text if self.speaker is None else f"<|speaker:{self.speaker}|>{self.text}"
+
+
+def nbytes(s: str) -> int:
+    return len(s.encode("utf-8"))
+
+
+def split_turns(text: str) -> list[Turn]:
+    """Turns in order; each stripped as upstream does; empty ones dropped; text before the first tag kept."""
+    parts = SPEAKER_TAG.split(text)
+    turns = [Turn(None, parts[0].strip())] if parts[0].strip() else []
+    for n, body in zip(parts[1::2], parts[2::2]):
+        if body.strip():
+            turns.append(Turn(int(n), body.strip()))
+    return turns
+
+
+def _graphemes_ends(text: str) -> list[int]:
+    """Every index where a grapheme ends (a legal cut), ascending."""
+    return [m.end() for m in _GRAPHEME.finditer(text)]
+
+
+def split_text(text: str, max_bytes: int) -> list[str]:
+    """Pieces of `text`, each at most `max_bytes` UTF-8 bytes (a single grapheme longer than that stays whole),
+    whose concatenation is `text`; cut at the strongest boundary that fits (see the module's doc)."""
+    if max_bytes < 1:
+        raise ValueError("max_bytes must be at least 1")
+    pieces = []
+    while nbytes(text) > max_bytes:
+        ends = _graphemes_ends(text)
+        # the longest prefix that fits, in characters, on a grapheme boundary
+        fit, size = 0, 0
+        for e in ends:
+            size = nbytes(text[:e])
+            if size > max_bytes:
+                break
+            fit = e
+        if fit == 0:  # one grapheme is bigger than the budget: it goes alone
+            fit = ends[0]
+        cut = fit
+        legal = set(ends)
+        for pattern in (_SENTENCE, _CLAUSE, _SPACE):
+            best = max((m.end() for m in pattern.finditer(text, 0, fit) if 0 < m.end() <= fit and m.end() in legal),
+                       default=0)
+            if best:
+                cut = best
+                break
+        pieces.append(text[:cut])
+        text = text[cut:]
+    if text:
+        pieces.append(text)
+    return pieces
+
+
+def batches(text: str, chunk_length: int = DEFAULT_CHUNK_LENGTH, max_turns: int = MAX_TURNS) -> list[str]:
+    """The user-turn texts to generate one after another: at most `max_turns` turns and `chunk_length` UTF-8 bytes
+    each (a turn's tag included; a single grapheme longer than that is the only exception), turns joined with
+    `\\n`, one speaker tag per turn."""
+    if chunk_length < 16:
+        raise ValueError(f"chunk_length={chunk_length} is too small: at least 16 bytes (upstream's API uses 200)")
+    units: list[tuple[int, Turn]] = []  # (index of the original turn, a piece of it)
+    for i, turn in enumerate(split_turns(text)):
+        tag = nbytes(Turn(turn.speaker, "").render())
+        for piece in split_text(turn.text, max(1, chunk_length - tag)):
+            if piece.strip():
+                units.append((i, Turn(turn.speaker, piece)))
+    out: list[str] = []
+    group: list[tuple[int, Turn]] = []
+    for unit in units:
+        candidate = group + [unit]
+        if group and (len({i for i, _ in candidate}) > max_turns or nbytes(_render(candidate)) > chunk_length):
+            out.append(_render(group))
+            group = [unit]
+        else:
+            group = candidate
+    if group:
+        out.append(_render(group))
+    return out
+
+
+def _render(group: list[tuple[int, Turn]]) -> str:
+    """One batch's text: consecutive pieces of one turn make one line (with their own whitespace), each line with
+    its turn's tag, lines joined with `\n`."""
+    lines: list[tuple[int, Turn]] = []
+    for i, t in group:
+        if lines and lines[-1][0] == i:
+            lines[-1] = (i, Turn(t.speaker, lines[-1][1].text + t.text))
+        else:
+            lines.append((i, t))
+    return "\n".join(Turn(t.speaker, t.text.strip()).render() for _, t in lines)
