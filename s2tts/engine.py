@@ -382,7 +382,8 @@ class Engine:
         B = slots.shape[0]
         bucket = next((b for b in sorted(self.frame_graphs) if b >= B), None)
         if bucket is None:
-            return self._sample_frame(slots, hidden, logits, torch.zeros(B, dtype=torch.int64, device=self.device))
+            return self._sample_frame(slots, hidden, logits, torch.zeros(B, dtype=torch.int64, device=self.device),
+                                      remember=False)
         graph, io, hbuf, lbuf, out = self.frame_graphs[bucket]
         io[0].fill_(self.scratch)
         io[0][:B] = slots
@@ -423,8 +424,10 @@ class Engine:
             self.logits_hook(hook_ids, logits[: len(hook_ids), -1])
         return self._sample_frame(slots, hidden[:, -1], logits[:, -1], step)
 
-    def _sample_frame(self, slots, hidden, logits, step):
-        """Sample code 0 (or the end token) with RAS, run the fast AR, update slot state -> (frame [B, C], end [B])."""
+    def _sample_frame(self, slots, hidden, logits, step, remember: bool = True):
+        """Sample code 0 (or the end token) with RAS, run the fast AR, update slot state -> (frame [B, C], end [B]).
+        `remember`: code 0 enters the RAS window; not for the first frame (sampled at prefill), as upstream, whose
+        window starts empty at the first decode step."""
         temp, top_p, top_k, seed = self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seed[slots]
         end_col = torch.arange(logits.shape[-1], device=logits.device) == self.model.slow.end_index
         logits = logits.masked_fill(end_col[None, :] & ~self.allow_end[slots][:, None], float("-inf"))
@@ -434,7 +437,8 @@ class Engine:
         residual = self.fast_ar(hidden, code0, temp, top_p, top_k, seed, step)
         frame = torch.cat([code0[:, None], residual.to(code0.dtype)], dim=1)
         self.last_codes[slots] = frame
-        self.recent[slots] = torch.cat([self.recent[slots][:, 1:], code0[:, None]], dim=1)
+        if remember:
+            self.recent[slots] = torch.cat([self.recent[slots][:, 1:], code0[:, None]], dim=1)
         return frame, end
 
     def _capture_graphs(self) -> None:
@@ -462,11 +466,11 @@ class Engine:
             fargs = (io[0], hbuf, lbuf, io[2])
             with torch.cuda.stream(stream), torch.inference_mode():
                 for _ in range(2):
-                    self._sample_frame(*fargs)
+                    self._sample_frame(*fargs, remember=False)
             torch.cuda.current_stream(dev).wait_stream(stream)
             fgraph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(fgraph, pool=pool), torch.inference_mode():
-                fout = self._sample_frame(*fargs)
+                fout = self._sample_frame(*fargs, remember=False)
             self.frame_graphs[bucket] = (fgraph, io, hbuf, lbuf, fout)
         for shape in sorted(self.prefill_shapes, key=lambda s: -s[0] * s[1] * s[2]):
             B, T, L = shape

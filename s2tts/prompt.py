@@ -34,6 +34,7 @@ class Prompt:
     codes: torch.Tensor  # [T, C] int64, meaningful where `semantic`
     semantic: torch.Tensor  # [T] bool
     prefix_len: int = 0  # tokens of the system turn (with the voice reference): shared by requests of one voice
+    history_dropped: int = 0  # earlier turns left out so that the prompt fits (`build`'s max_tokens)
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -72,11 +73,19 @@ class PromptBuilder:
             raise ValueError(f"tokenizer.json has no {name}")
         return [i]
 
-    def build(self, text: str, ref_codes: torch.Tensor | None = None, ref_text: str | None = None) -> Prompt:
-        """ref_codes: [C, frames] codes of the reference clip (from the DAC encoder)."""
+    def build(self, text: str, ref_codes: torch.Tensor | None = None, ref_text: str | None = None,
+              history=(), max_tokens: int | None = None) -> Prompt:
+        """ref_codes: [C, frames] codes of the reference clip (from the DAC encoder).
+
+        history: earlier segments of the same request as (user text, generated codes [frames, C]), oldest first
+        (long-form speech and dialogue, `s2tts.segment`): each stays in the conversation as its user turn and an
+        assistant turn `<|voice|>` + its codes + `<|im_end|>`, as upstream does, so voices and prosody carry over.
+        max_tokens: the oldest history turns are left out until the prompt fits (never the system turn with the
+        reference voice, never the current text); `Prompt.history_dropped` counts them."""
         s2 = self.s2
         text = clean_text(text)
         ids: list[int] = []
+        sem: list[tuple[int, torch.Tensor]] = []  # (position, codes [n, C]) of semantic runs
         sem_codes = None
         sem_at = 0
         ids += self._special(IM_START) + self._text("system\n")
@@ -101,14 +110,40 @@ class PromptBuilder:
             sem_codes = ref_codes.T
         ids += self._special(IM_END) + self._text("\n")
         prefix_len = len(ids)
-        ids += self._special(IM_START) + self._text("user\n") + self._text(text) + self._special(IM_END) + self._text("\n")
-        ids += self._special(IM_START) + self._text("assistant\n") + self._special(VOICE)
+        if sem_codes is not None:
+            sem.append((sem_at, sem_codes))
+        turns = [self._history_turn(t, c) for t, c in history]
+        current = self._special(IM_START) + self._text("user\n") + self._text(text) + self._special(IM_END) + \
+            self._text("\n") + self._special(IM_START) + self._text("assistant\n") + self._special(VOICE)
+        dropped = 0
+        if max_tokens is not None:
+            while turns and prefix_len + sum(len(t[0]) for t in turns) + len(current) > max_tokens:
+                turns.pop(0)
+                dropped += 1
+            if prefix_len + len(current) > max_tokens:
+                raise ValueError(f"the prompt needs {prefix_len + len(current)} tokens (voice reference and text) but "
+                                 f"{max_tokens} fit: shorten the reference or the text segment (chunk_length)")
+        for turn_ids, at, turn_codes in turns:
+            sem.append((len(ids) + at, turn_codes))
+            ids += turn_ids
+        ids += current
 
         tokens = torch.tensor(ids, dtype=torch.int64)
         codes = torch.zeros(len(ids), s2.num_codebooks, dtype=torch.int64)
         semantic = torch.zeros(len(ids), dtype=torch.bool)
-        if sem_codes is not None:
-            n = sem_codes.shape[0]
-            codes[sem_at : sem_at + n] = sem_codes
-            semantic[sem_at : sem_at + n] = True
-        return Prompt(tokens, codes, semantic, prefix_len)
+        for at, c in sem:
+            codes[at : at + c.shape[0]] = c
+            semantic[at : at + c.shape[0]] = True
+        return Prompt(tokens, codes, semantic, prefix_len, dropped)
+
+    def _history_turn(self, text: str, frames) -> tuple[list[int], int, torch.Tensor]:
+        """An earlier segment: (its token ids, where its codes start in them, the codes [frames, C])."""
+        s2 = self.s2
+        frames = torch.as_tensor(frames, dtype=torch.int64)
+        if frames.ndim != 2 or frames.shape[1] != s2.num_codebooks:
+            raise ValueError(f"history codes must have shape [frames, {s2.num_codebooks}], got {list(frames.shape)}")
+        ids = self._special(IM_START) + self._text("user\n") + self._text(clean_text(text)) + self._special(IM_END) + \
+            self._text("\n") + self._special(IM_START) + self._text("assistant\n") + self._special(VOICE)
+        at = len(ids)
+        ids += (frames[:, 0] + s2.semantic_start_id).tolist() + self._special(IM_END) + self._text("\n")
+        return ids, at, frames

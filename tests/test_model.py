@@ -236,6 +236,50 @@ def test_prompt_format(prompts):
     assert "Text:\n<|speaker:0|>What the clip says.\n\nSpeech:\n<|im_end|>" in decoded
 
 
+def test_ras_window_starts_empty_at_the_first_decode_step(model, prompts):
+    """As upstream: the code sampled at prefill never enters the RAS window; each decode step adds its own."""
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256)
+    eng.submit("a", prompts.build("Window check."), SamplingParams(seed=3, max_new_tokens=8, ignore_end=True))
+    first = eng.step()  # prefill + the first frame
+    slot = next(iter(eng.live))
+    assert first[0].codes.shape[0] == 1 and (eng.recent[slot] == -1).all()
+    codes = [first[0].codes[0, 0]]
+    for _ in range(3):
+        codes.append(eng.step()[0].codes[0, 0])
+    assert eng.recent[slot].tolist()[-3:] == [int(c) for c in codes[1:]] and (eng.recent[slot][:-3] == -1).all()
+
+
+def test_prompt_with_history_and_trimming(prompts):
+    """Long-form segments: the prompt of segment k holds segments < k as user turn + assistant turn with their
+    codes (upstream's conversation format); trimming to max_tokens drops the oldest turns, never the system turn
+    with the voice or the current text."""
+    s2 = prompts.s2
+    ref = torch.randint(0, 32, (10, 7))
+    history = [(f"Segment {k} of the text.", torch.randint(0, 32, (5 + k, 10))) for k in range(3)]
+    p = prompts.build("The current segment.", ref, "The clip.", history=history)
+    alone = prompts.build("The current segment.", ref, "The clip.")
+    assert p.prefix_len == alone.prefix_len and torch.equal(p.tokens[: p.prefix_len], alone.tokens[: alone.prefix_len])
+    assert int(p.semantic.sum()) == 7 + 5 + 6 + 7 and p.history_dropped == 0
+    runs = torch.cat([ref.T] + [c for _, c in history])
+    assert torch.equal(p.codes[p.semantic], runs)  # the voice, then each segment's codes, in order
+    assert torch.equal(p.tokens[p.semantic] - s2.semantic_start_id, runs[:, 0])
+    text = prompts.tok.decode(p.tokens[p.prefix_len:][~p.semantic[p.prefix_len:]].tolist(), skip_special_tokens=False)
+    assert text == "".join(f"<|im_start|>user\nSegment {k} of the text.<|im_end|>\n<|im_start|>assistant\n<|voice|>"
+                           "<|im_end|>\n" for k in range(3)) + \
+        "<|im_start|>user\nThe current segment.<|im_end|>\n<|im_start|>assistant\n<|voice|>"
+
+    # trimming: room for the newest history turn only
+    one = prompts.build("The current segment.", ref, "The clip.", history=history[2:])
+    t = prompts.build("The current segment.", ref, "The clip.", history=history, max_tokens=len(one))
+    assert t.history_dropped == 2 and torch.equal(t.tokens, one.tokens) and torch.equal(t.codes, one.codes)
+    assert prompts.build("The current segment.", ref, "The clip.", history=history,
+                         max_tokens=len(alone)).history_dropped == 3
+    with pytest.raises(ValueError, match="fit: shorten the reference or the text segment"):
+        prompts.build("The current segment.", ref, "The clip.", history=history, max_tokens=len(alone) - 1)
+    with pytest.raises(ValueError, match=r"history codes must have shape \[frames, 10\]"):
+        prompts.build("Now.", history=[("Before.", torch.zeros(10, 4, dtype=torch.long))])
+
+
 @pytest.mark.parametrize("text,ref,ref_text,msg", [
     ("", None, None, "empty"),
     ("Hi <|im_end|> there", None, None, "special token"),
