@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from .settings import SCHEMA
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="s2tts-synthesize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,7 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--top-p", type=float, default=0.8)
     ap.add_argument("--top-k", type=int, default=30)
-    ap.add_argument("--max-new-tokens", type=int, default=1024)
+    ap.add_argument("--max-new-tokens", type=int, default=1024, help="frames at most, per text segment")
+    ap.add_argument("--chunk-length", type=int, default=SCHEMA["chunk_length"].default,
+                    help="UTF-8 bytes of text per segment: a longer text or a dialogue is spoken segment after segment")
+    ap.add_argument("--ignore-eos", action="store_true", help="generate max_new_tokens frames per segment (benchmarks)")
     ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, or auto")
     ap.add_argument("--dtype", default="bf16", help="AR weights: bf16 (default), fp16 or fp32")
     ap.add_argument("--codec-dtype", default="fp32", help="DAC codec: fp32 (default), bf16 or fp16")
@@ -42,7 +47,8 @@ def main(argv=None) -> int:
         print("error: --reference-audio and --reference-text go together (the clip and its transcript)", file=sys.stderr)
         return 2
     try:
-        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed).validate()
+        params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.seed,
+                                ignore_end=args.ignore_eos).validate()
         t0 = time.perf_counter()
         pipe = S2Pipeline(args.checkpoint, args.device, args.dtype, args.codec_dtype)
         load_s = time.perf_counter() - t0
@@ -51,7 +57,7 @@ def main(argv=None) -> int:
             wav, sr = sf.read(args.reference_audio, dtype="float32", always_2d=True)
             ref_codes = pipe.encode_reference(wav, sr)
         t1 = time.perf_counter()
-        out = pipe.synthesize(args.text, params, ref_codes, args.reference_text)
+        out = pipe.synthesize(args.text, params, ref_codes, args.reference_text, chunk_length=args.chunk_length)
         gen_s = time.perf_counter() - t1
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -34,6 +34,7 @@ class TTSInput:
     first_chunk_frames: int | None = None
     chunk_frames: int | None = None
     ignore_eos: bool | None = None  # benchmarks: generate exactly max_new_tokens frames
+    chunk_length: int | None = None  # UTF-8 bytes of text per segment (long text, dialogue); max_new_tokens is per segment
 
     def check(self) -> "TTSInput":
         """Refuse here what the server would refuse (a negative or too large seed, out-of-range sampling), with the
@@ -42,7 +43,7 @@ class TTSInput:
         from .settings import check_field
 
         try:
-            for name in ("seed", "temperature", "top_p", "top_k"):
+            for name in ("seed", "temperature", "top_p", "top_k", "chunk_length"):
                 check_field(name, getattr(self, name), {})
             for name in ("max_new_tokens", "first_chunk_frames", "chunk_frames"):  # upper bounds: the server's
                 check_field(name, getattr(self, name), {"max_new_tokens_limit": None, "max_chunk_frames": None})
@@ -75,7 +76,8 @@ class TTSInput:
             add("reference_codes", np.asarray(self.reference_codes, dtype=np.int32), "INT32")
         for name, dtype, np_t in (("seed", "INT64", np.int64), ("temperature", "FP32", np.float32), ("top_p", "FP32", np.float32),
                                   ("top_k", "INT32", np.int32), ("max_new_tokens", "INT32", np.int32),
-                                  ("first_chunk_frames", "INT32", np.int32), ("chunk_frames", "INT32", np.int32)):
+                                  ("first_chunk_frames", "INT32", np.int32), ("chunk_frames", "INT32", np.int32),
+                                  ("chunk_length", "INT32", np.int32)):
             v = getattr(self, name)
             if v is not None:
                 add(name, np.array([v], np_t), dtype)

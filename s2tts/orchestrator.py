@@ -35,6 +35,7 @@ import numpy as np
 from . import errors
 from .errors import S2Error
 from .lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
+from .segment import batches
 from .service import Stats, TTSRequest
 
 log = logging.getLogger("s2tts")
@@ -71,7 +72,8 @@ class Work:
 
     req: TTSRequest
     stats: Stats
-    rid: str = ""  # slow_ar's request id: "<client id>/<internal id>"
+    rid: str = ""  # slow_ar's request id: "<client id>/<internal id>" (".<k>" added for segment k > 0)
+    sid: str = ""  # the codec stream's id: one for all of a request's segments
     phase: str = "queued"  # queued | encoding | generating | decoding | done
     progress: float = field(default_factory=time.monotonic)
     generation_open: bool = False  # slow_ar has the request and no cancel was sent
@@ -129,7 +131,7 @@ class TTSService:
             log.info("%s: request %s refused: %s", self.name, client_id, e.wire())
             self.table.refuse(responder, e)
             return None
-        rec.state.rid = f"{client_id or 'request'}/{rec.iid}"
+        rec.state.rid = rec.state.sid = f"{client_id or 'request'}/{rec.iid}"
         self.pool.submit(self._serve, rec)
         return rec
 
@@ -144,54 +146,75 @@ class TTSService:
             if req.reference_audio is not None:
                 w.step("encoding")
                 ref_codes = self._call(ENCODER, self.down.encode, req.reference_audio, req.reference_sample_rate, rec.tag)
-            prompt = self.prompts.build(req.text, ref_codes, req.reference_text)
-            stats.prompt_tokens = len(prompt)
-            w.step("generating")
-            w.generation_open = True
-            stream = self._call(ENGINE, self.down.generate, w.rid, prompt, req)
-            while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
-                try:
-                    frames, reason, gstats = self._call(ENGINE, next, stream)
-                except StopIteration:
-                    w.generation_open, w.stream_done = False, True
-                    raise errors.internal("slow_ar ended the stream without a final response") from None
-                except S2Error:
-                    w.generation_open, w.stream_done = False, True  # an error response is slow_ar's final one
-                    raise
-                if reason:
-                    w.generation_open, w.stream_done = False, True
-                    stats.finish_reason = reason
-                    if gstats:
-                        stats.queue_s = gstats.get("queue_s")
+            segments = batches(req.text, req.chunk_length) or [req.text]  # long text / dialogue: one after another
+            history: list[tuple[str, np.ndarray]] = []  # earlier segments: (text, codes [frames, C])
+            base = w.rid
+            cut = False  # a segment hit max_new_tokens
+            for k, segment in enumerate(segments):
+                last = k == len(segments) - 1
+                prompt = self._prompt(segment, ref_codes, req, history)
+                stats.prompt_tokens = max(stats.prompt_tokens or 0, len(prompt))
+                if prompt.history_dropped:
+                    cut = True
+                    history = history[prompt.history_dropped:]
+                w.rid = base if k == 0 else f"{base}.{k}"  # slow_ar's id of this segment
                 w.step("generating")
-                if rec.closed:
-                    break
-                if rec.responder.is_cancelled():
-                    raise Cancelled()
-                if frames.shape[0]:
-                    stats.frames += frames.shape[0]
-                    w.step("decoding")
-                    audio = self._call(DECODER, self.down.decode, w.rid, frames, seq == 0, bool(reason))
-                    w.decoder_open = not reason
+                w.generation_open, w.stream_done = True, False
+                stream = self._call(ENGINE, self.down.generate, w.rid, prompt, req)
+                made: list[np.ndarray] = []
+                while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
+                    try:
+                        frames, reason, gstats = self._call(ENGINE, next, stream)
+                    except StopIteration:
+                        w.generation_open, w.stream_done = False, True
+                        raise errors.internal("slow_ar ended the stream without a final response") from None
+                    except S2Error:
+                        w.generation_open, w.stream_done = False, True  # an error response is slow_ar's final one
+                        raise
+                    if reason:
+                        w.generation_open, w.stream_done = False, True
+                        if gstats and k == 0:
+                            stats.queue_s = gstats.get("queue_s")
                     w.step("generating")
-                    stats.audio_sent(audio.size)
-                    if not rec.send(self.make_chunk(audio, frames, seq)):
+                    if rec.closed:
                         break
-                    now = time.monotonic()
-                    if seq and audio.size and not reason:  # not the first (prefill) nor the last (a remainder)
-                        self._observe_pace((now - last_sent) * self.s2.sample_rate / audio.size)
-                    last_sent = now
-                    seq += 1
-                if reason:
-                    self._close_decoder(w)
-                    w.step("done")
-                    if reason == "cancelled":
-                        log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
-                    if rec.finish(self.make_final(stats, seq), "ok"):
-                        log.info("%s: request %s done: %d frames, finish reason %s, first audio after %s s", self.name,
-                                 rec.tag, stats.frames, reason, None if stats.first_audio is None else
-                                 round(stats.first_audio - stats.started, 3))
+                    if rec.responder.is_cancelled():
+                        raise Cancelled()
+                    if frames.shape[0]:
+                        made.append(frames)
+                        stats.frames += frames.shape[0]
+                        w.step("decoding")
+                        # one codec stream for every segment: opened by the first chunk, ended by the last one
+                        audio = self._call(DECODER, self.down.decode, w.sid, frames, seq == 0, bool(reason) and last)
+                        w.decoder_open = not (reason and last)
+                        w.step("generating")
+                        stats.audio_sent(audio.size)
+                        if not rec.send(self.make_chunk(audio, frames, seq)):
+                            break
+                        now = time.monotonic()
+                        if seq and audio.size and not reason:  # not the first (prefill) nor the last (a remainder)
+                            self._observe_pace((now - last_sent) * self.s2.sample_rate / audio.size)
+                        last_sent = now
+                        seq += 1
+                    if reason:
+                        break
+                if rec.closed or not w.stream_done:
                     break
+                cut = cut or reason == "length"
+                if reason == "cancelled" or last:
+                    stats.finish_reason = "length" if cut and reason != "cancelled" else reason
+                    break
+                history.append((segment, np.concatenate(made) if made else np.zeros((0, self.s2.num_codebooks), np.int64)))
+            if w.stream_done and not rec.closed:
+                reason = stats.finish_reason
+                self._close_decoder(w)
+                w.step("done")
+                if reason == "cancelled":
+                    log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
+                if rec.finish(self.make_final(stats, seq), "ok"):
+                    log.info("%s: request %s done: %d frames in %d segment(s), finish reason %s, first audio after %s s",
+                             self.name, rec.tag, stats.frames, len(segments), reason,
+                             None if stats.first_audio is None else round(stats.first_audio - stats.started, 3))
         except Cancelled:
             stats.finish_reason = "cancelled"
             self._release(w, stream)  # cancel generation before answering
@@ -204,6 +227,12 @@ class TTSService:
                     "%s: request %s failed in %s: %s", self.name, rec.tag, w.phase, err.wire())
         finally:
             self._release(w, stream)
+
+    def _prompt(self, segment: str, ref_codes, req: TTSRequest, history: list):
+        """A segment's prompt beside the frames it may generate in slow_ar's sequence (the smaller of max_seq_len
+        and the checkpoint's)."""
+        room = min(self.v["max_seq_len"], self.s2.text.max_seq_len) - req.params.max_new_tokens - 1
+        return self.prompts.build_segment(segment, ref_codes, req.reference_text, history, room)
 
     def _observe_pace(self, r: float) -> None:
         self.pace = r if self.pace is None else 0.9 * self.pace + 0.1 * r
@@ -270,9 +299,9 @@ class TTSService:
             return
         w.decoder_open = False
         try:
-            self.down.decode(w.rid, np.zeros((0, self.s2.num_codebooks), np.int32), False, True)
+            self.down.decode(w.sid, np.zeros((0, self.s2.num_codebooks), np.int32), False, True)
         except Exception as e:  # noqa: BLE001 - its state is dropped when idle anyway
-            log.info("%s: codec stream %s not closed (%s)", self.name, w.rid, e)
+            log.info("%s: codec stream %s not closed (%s)", self.name, w.sid, e)
 
     # ---- supervision ------------------------------------------------------------------------
     def _supervise(self) -> None:

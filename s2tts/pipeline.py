@@ -10,8 +10,9 @@ import torch
 
 from .checkpoint import load_codec_from_dir, load_model, resolve_device
 from .engine import Engine
-from .prompt import PromptBuilder
+from .prompt import PromptBuilder, clean_text
 from .sampling import SamplingParams
+from .segment import DEFAULT_CHUNK_LENGTH, batches
 
 
 @dataclass
@@ -56,8 +57,22 @@ class S2Pipeline:
         c = torch.as_tensor(codes, dtype=torch.int64, device=self.device)[None]
         return self.codec.decode(c)[0, 0].float().cpu().numpy()
 
-    def synthesize(self, text: str, params: SamplingParams, ref_codes=None, ref_text: str | None = None) -> Synthesis:
-        prompt = self.prompts.build(text, ref_codes, ref_text)
-        codes, reason = self.engine.generate(prompt, params)
+    def synthesize(self, text: str, params: SamplingParams, ref_codes=None, ref_text: str | None = None,
+                   chunk_length: int = DEFAULT_CHUNK_LENGTH) -> Synthesis:
+        """As s2pro does: a text over `chunk_length` UTF-8 bytes (or a dialogue) segment after segment, each with
+        the earlier ones and their codes in context; `max_new_tokens` per segment; one decode of all the codes."""
+        segments = batches(clean_text(text), chunk_length) or [text]
+        room = min(self.engine.max_seq_len, self.s2.text.max_seq_len) - params.max_new_tokens - 1
+        history, parts, reasons, cut = [], [], [], False
+        for k, segment in enumerate(segments):
+            prompt = self.prompts.build_segment(segment, ref_codes, ref_text, history, room)
+            if prompt.history_dropped:
+                cut, history = True, history[prompt.history_dropped:]
+            codes, reason = self.engine.generate(prompt, params, request_id=f"offline-{k}")
+            parts.append(codes)
+            reasons.append(reason)
+            history.append((segment, codes.T))
+        codes = np.concatenate(parts, axis=1)
+        reason = "length" if cut or "length" in reasons else reasons[-1]
         audio = self.decode(codes) if codes.shape[1] else np.zeros(0, dtype=np.float32)
         return Synthesis(audio, self.sample_rate, codes, reason)

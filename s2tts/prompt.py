@@ -136,6 +136,21 @@ class PromptBuilder:
             semantic[at : at + c.shape[0]] = True
         return Prompt(tokens, codes, semantic, prefix_len, dropped)
 
+    def build_segment(self, segment: str, ref_codes=None, ref_text: str | None = None, history=(),
+                      room: int | None = None) -> Prompt:
+        """A long text's segment k (`s2tts.segment`): its prompt with as many of the earlier segments as fit in
+        `room` tokens (the sequence less the frames it may generate). Never fails for length: the first segment
+        is built as a single request always was (generation then stops with `length` when the sequence is full),
+        and a segment that does not fit beside any history goes without it."""
+        if not history or room is None:
+            return self.build(segment, ref_codes, ref_text)
+        try:
+            return self.build(segment, ref_codes, ref_text, history=history, max_tokens=room)
+        except ValueError:
+            prompt = self.build(segment, ref_codes, ref_text)
+            prompt.history_dropped = len(history)
+            return prompt
+
     def _history_turn(self, text: str, frames) -> tuple[list[int], int, torch.Tensor]:
         """An earlier segment: (its token ids, where its codes start in them, the codes [frames, C])."""
         s2 = self.s2

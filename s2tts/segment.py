@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 import regex
 
+from .settings import SCHEMA
+
 SPEAKER_TAG = re.compile(r"<\|speaker:(\d+)\|>")
 MAX_TURNS = 5  # upstream's turns per batch
-DEFAULT_CHUNK_LENGTH = 200  # upstream API's default chunk_length (bytes)
+DEFAULT_CHUNK_LENGTH = SCHEMA["chunk_length"].default  # bytes (upstream's API: 200)
 
 # boundaries, strongest first: where a cut may go, as the end of a match
 _SENTENCE = regex.compile(r"(?:[.!?…]+[\"'”’)\]]*\s+|[。！？；]+[」』”’）]*\s*|\n\s*)")

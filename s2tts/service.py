@@ -30,11 +30,12 @@ class Limits:
     default_first_chunk_frames: int = SCHEMA["first_chunk_frames"].default
     default_chunk_frames: int = SCHEMA["chunk_frames"].default
     max_chunk_frames: int = SCHEMA["max_chunk_frames"].default
+    default_chunk_length: int = SCHEMA["chunk_length"].default
 
     @classmethod
     def from_settings(cls, v: dict) -> "Limits":
         return cls(v["max_text_chars"], v["max_reference_seconds"], v["max_new_tokens_limit"], v["default_max_new_tokens"],
-                   v["first_chunk_frames"], v["chunk_frames"], v["max_chunk_frames"])
+                   v["first_chunk_frames"], v["chunk_frames"], v["max_chunk_frames"], v["chunk_length"])
 
     def as_settings(self) -> dict:
         """The limits keyed by setting name (what `settings.check_field` takes)."""
@@ -52,6 +53,7 @@ class TTSRequest:
     reference_sample_rate: int | None = None
     reference_text: str | None = None
     reference_codes: np.ndarray | None = None
+    chunk_length: int = SCHEMA["chunk_length"].default  # UTF-8 bytes of text per segment (`s2tts.segment`)
 
     def validate(self, limits: Limits, num_codebooks: int) -> "TTSRequest":
         """Raises S2Error(invalid_argument) naming the input to change."""
@@ -70,6 +72,7 @@ class TTSRequest:
             check_field(name, getattr(p, name), lim)
         check_field("first_chunk_frames", self.first_chunk_frames, lim)
         check_field("chunk_frames", self.chunk_frames, lim)
+        check_field("chunk_length", self.chunk_length, lim)
         has_audio = self.reference_audio is not None
         has_codes = self.reference_codes is not None
         if has_audio and has_codes:

@@ -104,7 +104,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder"), "let cuDNN use TF32 for the fp32 codec on GPUs "
             "(about 2x faster at batch 32-64)"),
     Setting("max_batch", int, 8, ("slow_ar",), "live requests decoded together (KV-cache slots)", min=1, max=1024),
-    Setting("max_seq_len", int, 4096, ("slow_ar",), "tokens per request (prompt + frames); KV memory = max_batch x "
+    Setting("max_seq_len", int, 4096, ("slow_ar", "s2pro"), "tokens per request (prompt + frames); KV memory = max_batch x "
             "max_seq_len x 147 KB (full-size model)", min=64, max=32768),
     Setting("max_queued_requests", int, 64, ("slow_ar",), "requests waiting for a KV slot; more are refused at once "
             "with `unavailable`", min=0, max=100000),
@@ -135,6 +135,9 @@ SETTINGS: tuple[Setting, ...] = (
             "`adaptive_chunks`)", min=1),
     Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
     Setting("max_text_chars", int, 2000, ("s2pro",), "longest text accepted (characters)", min=1),
+    Setting("chunk_length", int, 200, ("s2pro",), "default UTF-8 bytes of text per segment: a longer text (or a "
+            "dialogue) is spoken segment after segment, each with the earlier ones in context, in one audio stream "
+            "(upstream's API: 200)", min=16, max=100000),
     Setting("max_reference_seconds", float, 30.0, ("s2pro", "dac_encoder"), "longest reference clip accepted",
             min=0.5, max=600),
     Setting("default_max_new_tokens", int, 1024, ("s2pro",), "frames generated at most when a request does not say "
@@ -300,6 +303,7 @@ REQUEST_FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("first_chunk_frames", "first_chunk_frames", int, 1, None, max_setting="max_chunk_frames"),
     Field("chunk_frames", "chunk_frames", int, 1, None, max_setting="max_chunk_frames"),
     Field("ignore_eos", "ignore_eos", bool),
+    Field("chunk_length", "chunk_length", int, 16, 100000, doc="UTF-8 bytes of text per segment"),
 )}
 
 

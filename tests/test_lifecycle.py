@@ -6,6 +6,7 @@ files of the repository in-process through `tests/fake_triton.py` (a fake
 the engine step, the codec, a model's threads, its process, shutdown, deadlines, admission.
 """
 
+import json
 import subprocess
 import sys
 import threading
@@ -72,10 +73,10 @@ def test_failed_decode_while_admitting_loses_nothing(engine_parts):
     assert by["a"].finish_reason == FINISH_ERROR and "injected decode failure" in by["a"].error
     assert "c" not in by  # not touched: back at the head of the queue
     assert isinstance(eng.last_fault, RuntimeError)
-    assert eng.counts() == {"waiting": 1, "live": 0, "free_slots": 4}
+    assert eng.counts() == {"waiting": 1, "live": 0, "free_slots": 4, "kv_tokens": 0}
     rest = _run(eng)
     assert rest["c"][-1].finished and rest["c"][-1].finish_reason in ("end", "length")
-    assert eng.counts() == {"waiting": 0, "live": 0, "free_slots": 4}
+    assert eng.counts() == {"waiting": 0, "live": 0, "free_slots": 4, "kv_tokens": 0}
 
 
 def test_failed_prefill_ends_only_the_admitted(engine_parts):
@@ -594,3 +595,45 @@ def test_pull_stream_order_waiting_read_and_abandonment():
     # a waiting reader that its client cancelled cancels the stream
     c = hub.open("c", _Reader(cancelled=True))
     assert c.is_cancelled()
+
+
+def test_long_text_is_spoken_segment_after_segment_in_one_seamless_stream(harness_factory):
+    """A text longer than chunk_length: each segment is its own slow_ar generation whose prompt holds the earlier
+    segments with their codes; every chunk goes through one codec stream, so the streamed audio equals one whole
+    decode of all the request's codes (no gap or click at the joins)."""
+    from s2tts.codec_stream import StreamDecoder
+    from s2tts.segment import batches
+
+    h = harness_factory()
+    slow = h.models["slow_ar"].service
+    prompts = []
+    real_submit = slow.submit
+    slow.submit = lambda cid, resp, prompt, *a: (prompts.append(prompt), real_submit(cid, resp, prompt, *a))[1]
+    text = ("First sentence of a longer text. The second sentence follows it. A third one ends the first part. "
+            "Then the fourth sentence. And a fifth to close.")
+    segments = batches(text, 48)
+    assert len(segments) >= 3
+    req = _wait(h.request("s2pro", _tts_inputs(text, seed=4, max_new_tokens=5, ignore_eos=np.array([True]),
+                                               chunk_length=np.array([48], np.int32)), "long"))
+    assert _one_final(req) is None
+    chunks = [r for r in req.sender.responses if r.get("audio").size]
+    codes = np.concatenate([r.get("codes") for r in chunks])
+    stats = json.loads(req.sender.responses[-1].get("stats")[0])
+    assert codes.shape[0] == 5 * len(segments) == stats["frames"] and stats["finish_reason"] == "length"
+
+    # one generation per segment; segment k's prompt holds segments < k and the codes they produced
+    assert len(prompts) == len(segments)
+    made = 0
+    for k, p in enumerate(prompts):
+        assert int(p.semantic.sum()) == made
+        if made:
+            np.testing.assert_array_equal(p.codes[p.semantic].numpy(), codes[:made])
+        made += 5
+
+    # the stream is seamless: one whole decode of every code gives the same samples
+    codec = h.models["dac_decoder"].decoder.codec
+    whole = StreamDecoder(codec).decode_many([("all", "whole", codes, True, True)], now=0.0)["all"]
+    streamed = np.concatenate([r.get("audio") for r in chunks])
+    assert streamed.shape == whole.shape
+    np.testing.assert_allclose(streamed, whole, atol=1e-5, rtol=0)
+    _quiet(h)

@@ -219,3 +219,32 @@ def test_speech_metrics_move_with_requests(triton_server):
     assert b1[0] > b0[0] and b1[1] - b0[1] >= b1[0] - b0[0]  # each codec call decoded at least one stream
     ok = 's2tts_requests_finished_total{model="s2pro",outcome="ok"}'
     assert m[ok] >= before.get(ok, 0) + 2
+
+
+def test_dialogue_streams_segment_after_segment_seamlessly(triton_server, tiny_ckpt, tmp_path):
+    """A two-speaker dialogue over chunk_length: s2pro speaks it batch after batch (upstream's turn batching), each
+    with the earlier ones in context, through one codec stream: the streamed audio is one whole decode of all
+    its codes."""
+    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec_stream import StreamDecoder
+    from s2tts.segment import batches
+
+    text = "".join(f"<|speaker:{i % 2}|>Line {i} of the dialogue, spoken in turn. " for i in range(6))
+    n = len(batches(text, 64))
+    assert n >= 3
+    res = synth(triton_server, text=text, seed=2, max_new_tokens=4, ignore_eos=True, chunk_length=64)
+    assert res.stats["frames"] == 4 * n == res.codes.shape[1] and res.stats["finish_reason"] == "length"
+    codec = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
+    whole = StreamDecoder(codec).decode_many([("k", "s", res.codes.T.astype(np.int64), True, True)], now=0.0)["k"]
+    assert res.audio.shape == whole.shape
+    np.testing.assert_allclose(res.audio, whole, atol=1e-4, rtol=0)
+    # the offline CLI speaks it the same way: the same segments, context and codes
+    out = tmp_path / "dialogue.wav"
+    cmd = [sys.executable, "-m", "s2tts.cli", "--checkpoint", str(tiny_ckpt), "--text", text, "--out", str(out), "--seed", "2",
+           "--max-new-tokens", "4", "--ignore-eos", "--chunk-length", "64", "--device", "cpu", "--dtype", "fp32"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    offline, _ = sf.read(out, dtype="float32")
+    np.testing.assert_allclose(res.audio, offline, atol=2e-4, rtol=0)
+    with pytest.raises(TTSError, match="chunk_length"):
+        synth(triton_server, text="Too small.", chunk_length=4)

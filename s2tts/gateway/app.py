@@ -431,7 +431,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             text=p.input, request_id=_request_id(request),
             seed=p.seed if p.seed is not None else secrets.randbelow(2**63),
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
-            first_chunk_frames=p.first_chunk_frames, chunk_frames=p.chunk_frames)
+            first_chunk_frames=p.first_chunk_frames, chunk_frames=p.chunk_frames, chunk_length=p.chunk_length)
         if p.voice is not None:
             voice = await anyio.to_thread.run_sync(store.get, p.voice)
             if voice is None:

@@ -24,7 +24,7 @@ _FIELDS = {
     "stream",
     # S2 Pro extensions
     "ref_audio", "ref_text", "seed", "temperature", "top_p", "top_k", "max_new_tokens",
-    "first_chunk_frames", "chunk_frames",
+    "first_chunk_frames", "chunk_frames", "chunk_length",
 }
 
 
@@ -45,6 +45,7 @@ class SpeechParams:
     max_new_tokens: int | None = None
     first_chunk_frames: int | None = None
     chunk_frames: int | None = None
+    chunk_length: int | None = None  # UTF-8 bytes of text per segment (long text, dialogue)
 
 
 def _is_num(v) -> bool:
@@ -169,6 +170,6 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
                           "(with ref_audio, set voice to \"default\")", "voice")
 
     values = {name: _field(body, name, limits) for name in ("seed", "temperature", "top_p", "top_k", "max_new_tokens",
-                                                            "first_chunk_frames", "chunk_frames")}
+                                                            "first_chunk_frames", "chunk_frames", "chunk_length")}
     return SpeechParams(input=text, model=model, voice=voice, response_format=fmt, speed=speed,
                         stream_format=stream_format, ref_audio=ref_audio, ref_text=ref_text, **values)

@@ -170,6 +170,7 @@ class TritonPythonModel:
             params=params,
             first_chunk_frames=tu.scalar(request, "first_chunk_frames", int, L.default_first_chunk_frames),
             chunk_frames=tu.scalar(request, "chunk_frames", int, L.default_chunk_frames),
+            chunk_length=tu.scalar(request, "chunk_length", int, L.default_chunk_length),
             reference_audio=None if audio is None else audio.astype(np.float32).reshape(-1),
             reference_sample_rate=tu.scalar(request, "reference_sample_rate", int, None),
             reference_text=tu.scalar(request, "reference_text", str, None),
