@@ -266,3 +266,13 @@ def test_sqlite_store_from_before_versioning(tmp_path):
 def test_postgres_store_errors_say_what_to_do(postgres):
     with pytest.raises(RuntimeError, match="cannot reach the voice store postgresql://s2tts:\\*\\*\\*@127.0.0.1:1/x"):
         PostgresVoiceStore("postgresql://s2tts:secret@127.0.0.1:1/x")
+
+
+def test_parse_speech_chunk_length():
+    """`chunk_length` (UTF-8 bytes of text per segment) is passed on as given and checked against the one range."""
+    assert parse_speech({"input": "hi", "chunk_length": 64}, CFG).chunk_length == 64
+    assert parse_speech({"input": "hi"}, CFG).chunk_length is None  # the server's default
+    for bad in (4, 10**6, "64", 1.5):
+        with pytest.raises(APIError) as ei:
+            parse_speech({"input": "hi", "chunk_length": bad}, CFG)
+        assert ei.value.status == 400 and ei.value.param == "chunk_length"
