@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -35,6 +35,7 @@ class TTSInput:
     chunk_frames: int | None = None
     ignore_eos: bool | None = None  # benchmarks: generate exactly max_new_tokens frames
     chunk_length: int | None = None  # UTF-8 bytes of text per segment (long text, dialogue); max_new_tokens is per segment
+    voices: list | None = None  # several reference voices, one per speaker: [(transcript, codes [C, frames]), ...]
 
     def check(self) -> "TTSInput":
         """Refuse here what the server would refuse (a negative or too large seed, out-of-range sampling), with the
@@ -58,6 +59,17 @@ class TTSInput:
 
         if check:
             self.check()
+        if self.voices:  # upstream's format for several voices: one reference (s2tts.prompt.combine_voices)
+            from .segment import combine_voices
+
+            if self.reference_codes is not None or self.reference_audio is not None or self.reference_text is not None:
+                raise TTSError("give voices or one reference (reference_audio / reference_codes + reference_text), "
+                               "not both", "invalid_argument", "voices")
+            try:
+                text, codes = combine_voices(self.voices)
+            except ValueError as e:
+                raise TTSError(str(e), "invalid_argument", "voices") from None
+            return replace(self, voices=None, reference_text=text, reference_codes=codes).to_inputs(check=False)
 
         def add(name, arr, dtype):
             t = g.InferInput(name, list(arr.shape), dtype)

@@ -11,21 +11,19 @@ never cross part boundaries.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .config import IM_END, IM_START, VOICE, S2Config
+from .segment import SPEAKER_TAG as _SPEAKER
+from .segment import clean_text, combine_voices  # noqa: F401 - re-exported: prompts and their text go together
 
 SYSTEM_TTS = "convert the provided text to speech"
 SYSTEM_CLONE = "convert the provided text to speech reference to the following:\n\nText:\n"
 CLONE_SPEECH = "\n\nSpeech:\n"
 
-_SPEAKER = re.compile(r"<\|speaker:\d+\|>")
-_LEGACY_SPEAKER = re.compile(r"<speaker:(\d+)>")
-_SPECIAL = re.compile(r"<\|[^|<>]*\|>")
 
 
 @dataclass
@@ -38,19 +36,6 @@ class Prompt:
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
-
-
-def clean_text(text: str, what: str = "text") -> str:
-    """Normalise speaker tags; refuse other special-token markup (it would steer the model)."""
-    if not isinstance(text, str):
-        raise ValueError(f"{what} must be a string")
-    text = _LEGACY_SPEAKER.sub(r"<|speaker:\1|>", text).strip()
-    if not text:
-        raise ValueError(f"{what} is empty: give the words to speak")
-    bad = [m for m in _SPECIAL.findall(text) if not _SPEAKER.fullmatch(m)]
-    if bad:
-        raise ValueError(f"{what} contains the special token {bad[0]}: only <|speaker:N|> tags are allowed")
-    return text
 
 
 class PromptBuilder:

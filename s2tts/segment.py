@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import regex
 
 from .settings import SCHEMA
@@ -32,6 +33,42 @@ _SENTENCE = regex.compile(r"(?:[.!?…]+[\"'”’)\]]*\s+|[。！？；]+[」�
 _CLAUSE = regex.compile(r"(?:[,;:]\s+|[、，：]\s*)")
 _SPACE = regex.compile(r"\s+")
 _GRAPHEME = regex.compile(r"\X")
+
+
+_LEGACY_SPEAKER = re.compile(r"<speaker:(\d+)>")
+_SPECIAL = re.compile(r"<\|[^|<>]*\|>")
+
+
+def clean_text(text: str, what: str = "text") -> str:
+    """Normalise speaker tags; refuse other special-token markup (it would steer the model)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be a string")
+    text = _LEGACY_SPEAKER.sub(r"<|speaker:\1|>", text).strip()
+    if not text:
+        raise ValueError(f"{what} is empty: give the words to speak")
+    bad = [m for m in _SPECIAL.findall(text) if not SPEAKER_TAG.fullmatch(m)]
+    if bad:
+        raise ValueError(f"{what} contains the special token {bad[0]}: only <|speaker:N|> tags are allowed")
+    return text
+
+
+def combine_voices(voices) -> tuple[str, np.ndarray]:
+    """Several reference voices, one per speaker, as upstream puts them in one system turn: each transcript tagged
+    `<|speaker:i|>` (i its position; kept as it is when it has a tag already), joined with `\n`, and the codes
+    [num_codebooks, frames] of each concatenated in time. -> (reference_text, reference_codes); the prefix cache
+    then keys on the whole set."""
+    voices = list(voices)
+    if not voices:
+        raise ValueError("no voices to combine")
+    texts, codes = [], []
+    for i, (text, c) in enumerate(voices):
+        text = clean_text(text, f"reference_text of voice {i}")
+        texts.append(text if SPEAKER_TAG.search(text) else f"<|speaker:{i}|>{text}")
+        c = np.asarray(c)
+        if c.ndim != 2 or (codes and c.shape[0] != codes[0].shape[0]):
+            raise ValueError(f"voice {i}: codes must be [num_codebooks, frames] like the others, got {list(c.shape)}")
+        codes.append(c)
+    return "\n".join(texts), np.concatenate(codes, axis=1)
 
 
 @dataclass(frozen=True)

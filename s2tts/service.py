@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 
 from .errors import invalid
-from .prompt import clean_text
 from .sampling import SamplingParams
+from .segment import clean_text
 from .settings import SCHEMA, check_field
 
 

@@ -426,6 +426,41 @@ def test_voices_lifecycle_and_restart(triton, gw_dir, reference_wav, store, requ
         g.stop()
 
 
+def test_several_voices_one_per_speaker(gw, triton, gw_dir, reference_wav, tmp_path):
+    """voice as a list of registered names: one voice per speaker, in upstream's format (transcripts tagged
+    <|speaker:i|>, codes concatenated in one system turn): the same audio as a gRPC request with those voices, and
+    not the audio of the first voice alone."""
+    from s2tts.client import S2ProClient, TTSInput
+    from s2tts.gateway.voices import VoiceStore
+
+    t = np.arange(int(24000 * 1.5)) / 24000
+    second = tmp_path / "second.wav"
+    sf.write(second, (0.25 * np.sign(np.sin(2 * np.pi * 310 * t))).astype(np.float32), 24000, subtype="PCM_16")
+    assert _upload(gw, "alice", reference_wav).status_code == 200
+    assert _upload(gw, "bob", second, ref_text="A buzzing second voice.").status_code == 200
+    try:
+        text = "<|speaker:0|>Hello, this is the first voice.<|speaker:1|>And the second voice answers."
+        kw = dict(input=text, response_format="pcm", seed=3, max_new_tokens=8)
+        both, _ = speech_raw(gw.client(), voice=["alice", {"id": "bob"}], **kw)
+        one, _ = speech_raw(gw.client(), voice="alice", **kw)
+        assert both != one
+        store = VoiceStore(str(gw_dir / "voices.sqlite3"))
+        a, b = store.get("alice"), store.get("bob")
+        store.close()
+        with S2ProClient(triton.grpc_url) as c:
+            res = c.synthesize(TTSInput(text=text, voices=[(a.ref_text, a.codes), (b.ref_text, b.codes)], seed=3,
+                                        max_new_tokens=8))
+        got = np.frombuffer(both, "<i2").astype(np.float32) / 32768.0
+        assert got.shape == res.audio.shape and np.abs(got - res.audio).max() <= 2 / 32768  # the same audio, as 16-bit
+        r = httpx.post(f"{gw.url}/v1/audio/speech", json={**kw, "model": MODEL, "voice": ["alice", "nobody"]}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "voice_not_found" and "nobody" in r.text
+        r = httpx.post(f"{gw.url}/v1/audio/speech", json={**kw, "model": MODEL, "voice": ["alice", "default"]}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "voice"
+    finally:
+        for name in ("alice", "bob"):
+            httpx.delete(f"{gw.url}/v1/audio/voices/{name}", timeout=10)
+
+
 def test_two_gateways_share_voices_in_postgres(triton, gw_dir, reference_wav, postgres):
     """Two gateway replicas on one PostgreSQL database: a voice registered on one is listed and spoken on the other
     (the same audio as on the first), one name registered on both at the same moment is created once (200 + 409),

@@ -109,3 +109,18 @@ def test_bad_sizes_are_refused():
         batches("text", chunk_length=8)
     with pytest.raises(ValueError):
         split_text("text", 0)
+
+
+def test_several_voices_combine_as_upstream():
+    import numpy as np
+
+    from s2tts.segment import combine_voices
+
+    a, b = np.zeros((10, 3), np.int32), np.ones((10, 2), np.int32)
+    text, codes = combine_voices([("First voice speaking.", a), ("<speaker:7>Second voice.", b)])
+    assert text == "<|speaker:0|>First voice speaking.\n<|speaker:7|>Second voice."  # a tag given is kept
+    assert codes.shape == (10, 5) and (codes[:, :3] == 0).all() and (codes[:, 3:] == 1).all()  # concatenated in time
+    with pytest.raises(ValueError, match="like the others"):
+        combine_voices([("A.", a), ("B.", np.ones((9, 2)))])
+    with pytest.raises(ValueError, match="special token"):
+        combine_voices([("A <|im_end|>", a)])

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..segment import combine_voices
 from .audio_io import decode_audio, decode_data_url
 from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, make_encoder
@@ -433,13 +434,20 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
             first_chunk_frames=p.first_chunk_frames, chunk_frames=p.chunk_frames, chunk_length=p.chunk_length)
         if p.voice is not None:
-            voice = await anyio.to_thread.run_sync(store.get, p.voice)
-            if voice is None:
-                raise APIError(404, f"voice {p.voice!r} not found. S2 Pro has no built-in voices: register one with "
-                                    "POST /v1/audio/voices (GET /v1/audio/voices lists them), or leave voice out / "
-                                    "set it to \"default\" for no reference voice", param="voice", code="voice_not_found")
-            req.reference_codes = voice.codes
-            req.reference_text = voice.ref_text
+            names = p.voice if isinstance(p.voice, list) else [p.voice]
+            found = []
+            for name in names:
+                voice = await anyio.to_thread.run_sync(store.get, name)
+                if voice is None:
+                    raise APIError(404, f"voice {name!r} not found. S2 Pro has no built-in voices: register one with "
+                                        "POST /v1/audio/voices (GET /v1/audio/voices lists them), or leave voice out / "
+                                        "set it to \"default\" for no reference voice", param="voice",
+                                   code="voice_not_found")
+                found.append(voice)
+            if len(found) == 1:
+                req.reference_codes, req.reference_text = found[0].codes, found[0].ref_text
+            else:  # one voice per speaker, in upstream's format
+                req.reference_text, req.reference_codes = combine_voices([(v.ref_text, v.codes) for v in found])
         elif p.ref_audio is not None:
             data = decode_data_url(p.ref_audio)
             if len(data) > cfg.max_upload_bytes:

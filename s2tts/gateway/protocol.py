@@ -32,7 +32,7 @@ _FIELDS = {
 class SpeechParams:
     input: str
     model: str
-    voice: str | None  # a registered voice name; None: no reference (or inline ref_audio)
+    voice: str | list[str] | None  # a registered voice's name, or several (one per speaker); None: no reference
     response_format: str = "mp3"
     speed: float = 1.0
     stream_format: str | None = None  # None: whole file; "audio" | "sse": streamed
@@ -46,6 +46,36 @@ class SpeechParams:
     first_chunk_frames: int | None = None
     chunk_frames: int | None = None
     chunk_length: int | None = None  # UTF-8 bytes of text per segment (long text, dialogue)
+
+
+MAX_VOICES = 8  # voices in one request (one per speaker)
+
+
+def _voice_name(v):
+    if isinstance(v, dict):
+        if set(v) != {"id"} or not isinstance(v.get("id"), str):
+            raise bad_request('voice as an object must be {"id": "<voice name>"}', "voice")
+        v = v["id"]
+    if not isinstance(v, str):
+        raise bad_request('voice must be a string (a registered voice name or "default"), {"id": name}, or a list '
+                          "of names (one voice per speaker: the first is <|speaker:0|>)", "voice")
+    return v
+
+
+def _voice(voice):
+    """None (no reference), a registered voice's name, or a list of names: one voice per speaker, in order."""
+    if voice is None:
+        return None
+    if isinstance(voice, list):
+        names = [_voice_name(v) for v in voice]
+        if not 1 <= len(names) <= MAX_VOICES:
+            raise bad_request(f"voice as a list needs 1 to {MAX_VOICES} registered voice names (one per speaker), "
+                              f"got {len(names)}", "voice")
+        if any(n.strip().lower() in DEFAULT_VOICES for n in names):
+            raise bad_request('"default" means no voice: a list of voices holds registered names only', "voice")
+        return names if len(names) > 1 else names[0]
+    voice = _voice_name(voice)
+    return None if voice.strip().lower() in DEFAULT_VOICES else voice
 
 
 def _is_num(v) -> bool:
@@ -113,15 +143,7 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
         raise APIError(404, f"The model '{model}' does not exist: use '{cfg.served_model_name}' (GET /v1/models)",
                        param="model", code="model_not_found")
 
-    voice = body.get("voice")
-    if isinstance(voice, dict):
-        if set(voice) != {"id"} or not isinstance(voice.get("id"), str):
-            raise bad_request('voice as an object must be {"id": "<voice name>"}', "voice")
-        voice = voice["id"]
-    if voice is not None and not isinstance(voice, str):
-        raise bad_request('voice must be a string (a registered voice name or "default") or {"id": name}', "voice")
-    if voice is not None and voice.strip().lower() in DEFAULT_VOICES:
-        voice = None
+    voice = _voice(body.get("voice"))
 
     fmt = body.get("response_format")
     fmt = "mp3" if fmt is None else fmt
