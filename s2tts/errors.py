@@ -101,7 +101,9 @@ def internal(message: str) -> S2Error:
 # Untagged messages come from Triton itself or from a model process that died; these mean "the model
 # cannot serve now" rather than "your input is wrong".
 _UNAVAILABLE_HINTS = ("unknown model", "is not ready", "not healthy", "stub process", "failed to connect",
-                      "model is unavailable", "is not found", "unavailable")
+                      "model is unavailable", "is not found", "unavailable",
+                      # the connection to the server broke (gRPC's words): retry, on this server or another
+                      "stream removed", "socket closed", "connection reset", "goaway")
 
 
 def classify_untagged(message: str, triton_code: str | None = None) -> str:

@@ -324,6 +324,12 @@ class Metrics:
             m = self._metrics[key] = self._families[name].Metric(labels={"model": self.model, **labels}, **kw)
         return m
 
+    def declare(self, *names: str) -> None:
+        """Make these metrics' series now (a histogram at zero): Prometheus's rate() needs a series to exist before
+        its first event, or a dashboard shows nothing until the second."""
+        for name in names:
+            self._metric(name, {})
+
     def observe(self, name: str, value: float, **labels) -> None:
         """A histogram observation, sent at the next `flush`."""
         if name in self._families:

@@ -2,6 +2,7 @@
 gateway (`python -m s2tts.gateway`) in front of it."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,9 +31,10 @@ def tiny_server(ckpt, workdir, **settings):
         server.stop()
         # a model process that crashed (while serving or at unload) leaves faulthandler's report in the log
         log = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
-        if "Fatal Python error" in log:
-            i = log.index("Fatal Python error")
-            raise AssertionError(f"a model process crashed ({server.log_path}):\n{log[max(0, i - 2000):i + 3000]}")
+        crash = re.search(r"Fatal Python error|Signal \((?!15\)|2\))\d+\) received", log)  # a model's, or tritonserver's
+        if crash:
+            i = crash.start()
+            raise AssertionError(f"a server process crashed ({server.log_path}):\n{log[max(0, i - 2000):i + 3000]}")
 
 
 class Gateway:

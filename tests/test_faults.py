@@ -84,7 +84,7 @@ def test_model_process_killed_mid_stream(fault_server, victim):
     t.join(60)
     assert not t.is_alive(), "the stream hangs after its model died"
     err = results["long"]
-    assert isinstance(err, TTSError) and err.code == "unavailable", err  # classified, retryable
+    assert isinstance(err, TTSError) and err.code == "unavailable", f"{err!r}; server log:\n{s.log_tail(80)}"
     # s2pro reloads the dead model (readiness may drop meanwhile); then the server serves again
     deadline = time.time() + 120
     while time.time() < deadline:

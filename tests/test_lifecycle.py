@@ -111,6 +111,7 @@ def test_error_tags_round_trip():
     assert (back.code, back.param, back.message) == ("invalid_argument", "seed", "seed must be >= 0")
     assert isinstance(back, ValueError)
     assert errors.parse("Stub process 'slow_ar_0_0' is not healthy.").code == "unavailable"
+    assert errors.parse("Stream removed (Socket closed)").code == "unavailable"  # the connection broke: retry
     assert errors.model_is_dead("Stub process 'slow_ar_0_0' is not healthy.")
     assert errors.parse("something odd").code == "internal"
     assert errors.HTTP_STATUS["already_exists"] == 409 and errors.HTTP_STATUS["unavailable"] == 503

@@ -25,6 +25,7 @@ class TritonPythonModel:
         fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, v.codec_device, "fp32")
         self.decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback)
         self.metrics = tu.Metrics("dac_decoder")
+        self.metrics.declare("s2tts_codec_batch_size")
         self.log.info("dac_decoder ready: device=%s dtype=%s%s", next(codec.parameters()).device, dtype,
                       " (fp32 fallback for chunks that overflow)" if fallback is not None else "")
 

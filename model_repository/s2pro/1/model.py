@@ -126,6 +126,7 @@ class TritonPythonModel:
         self.s2 = S2Config.from_dir(v.checkpoint)
         self.limits = Limits.from_settings(v)
         self.metrics = tu.Metrics("s2pro")
+        self.metrics.declare("s2tts_time_to_first_audio_seconds", "s2tts_request_duration_seconds")
         self._sent = (0, 0)  # audio samples and frames sent to clients
         self._sent_lock = threading.Lock()
         self.service = TTSService(BLSDownstream(self.s2.num_codebooks), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
