@@ -309,6 +309,9 @@ def test_sticky_device_error_makes_slow_ar_unhealthy_and_s2pro_reloads_it(harnes
     for r in reqs:
         err = _one_final(_wait(r))
         assert err is not None and errors.parse(err.message()).code == "unavailable"
+    deadline = time.time() + 10  # the requests are failed first, then the model unloads itself
+    while time.time() < deadline and ("slow_ar", "unload") not in h.calls:
+        time.sleep(0.05)
     assert not slow.health.ok and ("slow_ar", "unload") in h.calls
     direct = _wait(h.request("slow_ar", {"input_ids": np.array([1, 2, 3], np.int32)}, "direct")) \
         if "slow_ar" in h.models else None
@@ -379,6 +382,9 @@ def test_a_dying_thread_fails_requests_and_health(harness_factory, loop):
         slow.outbox.get = die  # what the sender loop calls each pass
     err = _one_final(_wait(req))
     assert err is not None and errors.parse(err.message()).code == "unavailable"
+    deadline = time.time() + 10  # the requests are failed first, then the model unloads itself
+    while time.time() < deadline and ("slow_ar", "unload") not in h.calls:
+        time.sleep(0.05)
     assert not slow.health.ok and "thread died" in slow.health.reason and ("slow_ar", "unload") in h.calls
 
 
