@@ -31,7 +31,8 @@
 #   LEVEL_TIMEOUT           120                      loadgen: no new request starts after this long in a level
 #   BUDGET_S                570                      soft limit of the whole run: the clone and perf_analyzer phases
 #                                                    are skipped when less than 90 s of it is left
-#   DEVICE                  cuda                     server device (cpu: a smoke test of this script with a tiny CKPT)
+#   DEVICE                  cuda                     server device (cpu: a smoke test of this script with a tiny CKPT;
+#                                                    a list, e.g. cuda:0,cuda:1: one engine per GPU, perf/scale_gpus.sh)
 #   CKPT_SIZE               full                     size of a checkpoint written at $CKPT (tiny|full)
 #   USE_CARRIED             1                        0: ignore .whl/ and .gpu/ (use what $PYTHON has)
 #   PYTHON                  python3
@@ -174,7 +175,7 @@ phase checkpoint
 if [ -f "$CKPT/config.json" ]; then
   log "checkpoint $CKPT exists"
 else
-  "$PY" scripts/make_checkpoint.py "$CKPT" --size "$CKPT_SIZE" --device "$DEVICE"
+  "$PY" scripts/make_checkpoint.py "$CKPT" --size "$CKPT_SIZE" --device "${DEVICE%%,*}"
 fi
 du -sh "$CKPT" || true
 

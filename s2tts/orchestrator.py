@@ -20,6 +20,10 @@ s2pro also measures the pipeline's pace (seconds between a stream's audio chunks
 their audio, averaged over streams) and, while it has new measurements, reports it to slow_ar
 about once a second (`control` = `pace=R`): slow_ar's chunker must not outrun the slowest
 stage, which slow_ar's own step time does not see when the codec is the bottleneck.
+
+With several engines (`device` lists several devices: `s2tts.layout`), each request is placed on
+the replica with the fewest requests and stays there, codec stream included; a replica that is
+recovering takes no new requests while the others go on.
 """
 
 from __future__ import annotations
@@ -34,27 +38,28 @@ import numpy as np
 
 from . import errors
 from .errors import S2Error
+from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from .lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
 from .segment import batches
 from .service import Stats, TTSRequest
 
 log = logging.getLogger("s2tts")
 
-ENGINE, ENCODER, DECODER = "slow_ar", "dac_encoder", "dac_decoder"
-
 
 class Downstream(Protocol):
     def encode(self, audio: np.ndarray, sample_rate: int, tag: str) -> np.ndarray:
         """-> codes [num_codebooks, frames]; raises S2Error."""
 
-    def generate(self, rid: str, prompt, req: TTSRequest) -> Iterator[tuple[np.ndarray, str, dict | None]]:
-        """slow_ar's stream: (frames [n, C], finish reason or "", stats on the last); raises S2Error."""
+    def generate(self, engine: str, rid: str, prompt, req: TTSRequest) -> Iterator[tuple[np.ndarray, str, dict | None]]:
+        """The stream of slow_ar replica `engine`: (frames [n, C], finish reason or "", stats on the last); raises
+        S2Error."""
 
-    def control(self, rid: str, what: str) -> dict:
-        """slow_ar control request ("cancel" | "status") -> its JSON answer; raises S2Error."""
+    def control(self, engine: str, rid: str, what: str) -> dict:
+        """A control request to slow_ar replica `engine` ("cancel" | "status" | "pace=R") -> its answer; raises
+        S2Error."""
 
-    def decode(self, sid: str, frames: np.ndarray, start: bool, final: bool) -> np.ndarray:
-        """One chunk [n, C] of codec stream `sid` -> float32 audio; raises S2Error."""
+    def decode(self, decoder: str, sid: str, frames: np.ndarray, start: bool, final: bool) -> np.ndarray:
+        """One chunk [n, C] of codec stream `sid` on dac_decoder replica `decoder` -> float32 audio; raises S2Error."""
 
     def is_ready(self, model: str) -> bool: ...
 
@@ -73,6 +78,9 @@ class Work:
     req: TTSRequest
     stats: Stats
     rid: str = ""  # slow_ar's request id: "<client id>/<internal id>" (".<k>" added for segment k > 0)
+    replica: int = -1  # where the whole request runs (s2tts/layout.py): its engine and that engine's decoder
+    engine: str = ENGINE
+    decoder: str = DECODER
     sid: str = ""  # the codec stream's id: one for all of a request's segments
     phase: str = "queued"  # queued | encoding | generating | decoding | done
     progress: float = field(default_factory=time.monotonic)
@@ -97,6 +105,7 @@ class TTSService:
         self.name = name
         self.make_chunk, self.make_final = make_chunk, make_final
         self.table = RequestTable(name, make_error, limit=values["max_concurrent_requests"])
+        self.layout = Layout.from_values(values)
         # A pool, as the previous main had: fewer Python threads made and destroyed under load (see perf/RESULTS.md,
         # the soak); room above the admission limit for workers left waiting on a model that died.
         self.pool = WorkerPool(values["max_concurrent_requests"] + 16, "s2pro-worker")
@@ -120,7 +129,9 @@ class TTSService:
     def submit(self, client_id: str, responder: Responder, req: TTSRequest) -> Tracked | None:
         with self._lock:
             recovering = sorted(self.recovering)
-        if recovering:
+            up = [i for i in range(self.layout.replicas)
+                  if self.layout.engine(i) not in recovering and self.layout.decoder(i) not in recovering]
+        if not up or (ENCODER in recovering and req.reference_audio is not None):
             self.table.refuse(responder, errors.unavailable(
                 f"{', '.join(recovering)} is restarting after a fault; retry in a few seconds"))
             return None
@@ -131,9 +142,32 @@ class TTSService:
             log.info("%s: request %s refused: %s", self.name, client_id, e.wire())
             self.table.refuse(responder, e)
             return None
-        rec.state.rid = rec.state.sid = f"{client_id or 'request'}/{rec.iid}"
+        w: Work = rec.state
+        w.rid = w.sid = f"{client_id or 'request'}/{rec.iid}"
+        w.replica = self._place(req, up, rec)
+        w.engine, w.decoder = self.layout.engine(w.replica), self.layout.decoder(w.replica)
         self.pool.submit(self._serve, rec)
         return rec
+
+    def load(self, but: Tracked | None = None) -> list[int]:
+        """Requests in flight (not yet answered with their final response) on each replica."""
+        load = [0] * self.layout.replicas
+        for rec in self.table.live():
+            if rec is not but and not rec.closed and rec.state.replica >= 0:
+                load[rec.state.replica] += 1
+        return load
+
+    def _place(self, req: TTSRequest, up: list[int], rec: Tracked) -> int:
+        """The replica with the fewest requests in flight; among equals, the one this voice usually goes to (its
+        voice prefix is in that engine's prefix cache), then the next ones in order."""
+        if len(up) == 1:
+            return up[0]
+        first, n = self.layout.preferred(req.reference_text or ""), self.layout.replicas
+        with self._lock:  # one placement at a time, so that simultaneous arrivals see each other
+            load = self.load(but=rec)
+            i = min(up, key=lambda i: (load[i], (i - first) % n))
+            rec.state.replica = i
+        return i
 
     # ---- one request, on its worker thread --------------------------------------------------
     def _serve(self, rec: Tracked) -> None:
@@ -160,11 +194,11 @@ class TTSService:
                 w.rid = base if k == 0 else f"{base}.{k}"  # slow_ar's id of this segment
                 w.step("generating")
                 w.generation_open, w.stream_done = True, False
-                stream = self._call(ENGINE, self.down.generate, w.rid, prompt, req)
+                stream = self._call(w.engine, self.down.generate, w.engine, w.rid, prompt, req)
                 made: list[np.ndarray] = []
                 while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
                     try:
-                        frames, reason, gstats = self._call(ENGINE, next, stream)
+                        frames, reason, gstats = self._call(w.engine, next, stream)
                     except StopIteration:
                         w.generation_open, w.stream_done = False, True
                         raise errors.internal("slow_ar ended the stream without a final response") from None
@@ -185,7 +219,8 @@ class TTSService:
                         stats.frames += frames.shape[0]
                         w.step("decoding")
                         # one codec stream for every segment: opened by the first chunk, ended by the last one
-                        audio = self._call(DECODER, self.down.decode, w.sid, frames, seq == 0, bool(reason) and last)
+                        audio = self._call(w.decoder, self.down.decode, w.decoder, w.sid, frames, seq == 0,
+                                           bool(reason) and last)
                         w.decoder_open = not (reason and last)
                         w.step("generating")
                         stats.audio_sent(audio.size)
@@ -245,10 +280,11 @@ class TTSService:
         if r is None or n == samples or time.monotonic() - when < self.pace_report_s:
             return
         self._pace_reported = (time.monotonic(), n)
-        try:
-            self.down.control("", f"pace={r:.4f}")
-        except Exception as e:  # noqa: BLE001 - chunks then follow slow_ar's own pace
-            log.info("%s: pace not reported to slow_ar (%s)", self.name, e)
+        for i in range(self.layout.replicas):
+            try:
+                self.down.control(self.layout.engine(i), "", f"pace={r:.4f}")
+            except Exception as e:  # noqa: BLE001 - chunks then follow slow_ar's own pace
+                log.info("%s: pace not reported to %s (%s)", self.name, self.layout.engine(i), e)
 
     def _release(self, w: Work, stream) -> None:
         """Whatever the request still holds downstream: its codec stream, and its generation (cancelled, and its
@@ -288,10 +324,10 @@ class TTSService:
             return False
         w.generation_open = False
         try:
-            self.down.control(w.rid, "cancel")
+            self.down.control(w.engine, w.rid, "cancel")
             return True
         except Exception as e:  # noqa: BLE001 - slow_ar is gone: nothing left to cancel
-            log.info("%s: cancel of %s not delivered to slow_ar (%s)", self.name, w.rid, e)
+            log.info("%s: cancel of %s not delivered to %s (%s)", self.name, w.rid, w.engine, e)
             return False
 
     def _close_decoder(self, w: Work) -> None:
@@ -299,7 +335,7 @@ class TTSService:
             return
         w.decoder_open = False
         try:
-            self.down.decode(w.sid, np.zeros((0, self.s2.num_codebooks), np.int32), False, True)
+            self.down.decode(w.decoder, w.sid, np.zeros((0, self.s2.num_codebooks), np.int32), False, True)
         except Exception as e:  # noqa: BLE001 - its state is dropped when idle anyway
             log.info("%s: codec stream %s not closed (%s)", self.name, w.sid, e)
 
@@ -325,20 +361,20 @@ class TTSService:
 
     def _check_stalled(self, rec: Tracked) -> None:
         w: Work = rec.state
-        model = {"encoding": ENCODER, "decoding": DECODER}.get(w.phase, ENGINE)
-        if model == ENGINE and w.generation_open:
+        model = {"encoding": ENCODER, "decoding": w.decoder}.get(w.phase, w.engine)
+        if model == w.engine and w.generation_open:
             try:
-                status = self.down.control(w.rid, "status")
+                status = self.down.control(w.engine, w.rid, "status")
             except Exception as e:  # noqa: BLE001
-                err = errors.from_exception(e, ENGINE)
-                self._model_failed(ENGINE, err.message, force=True)
-                self._abort(rec, errors.unavailable(f"slow_ar stopped answering ({err.message})"))
+                err = errors.from_exception(e, w.engine)
+                self._model_failed(w.engine, err.message, force=True)
+                self._abort(rec, errors.unavailable(f"{w.engine} stopped answering ({err.message})"))
                 return
             if status.get("request") == "unknown":
-                self._abort(rec, errors.unavailable("slow_ar lost the request (it was restarted); retry"))
+                self._abort(rec, errors.unavailable(f"{w.engine} lost the request (it was restarted); retry"))
             else:
-                log.info("%s: request %s silent for %.0f s but %s in slow_ar", self.name, rec.tag,
-                         time.monotonic() - w.progress, status.get("request"))
+                log.info("%s: request %s silent for %.0f s but %s in %s", self.name, rec.tag,
+                         time.monotonic() - w.progress, status.get("request"), w.engine)
         elif not self.down.is_ready(model):
             self._model_failed(model, f"{model} is not ready", force=True)
             self._abort(rec, errors.unavailable(f"{model} stopped answering"))
@@ -369,9 +405,11 @@ class TTSService:
                 return
             self.recovering[model] = self.last_reload[model] = time.monotonic()
         log.error("%s: %s failed (%s): ending the requests that wait on it and reloading it", self.name, model, reason)
-        phases = {ENGINE: ("generating",), DECODER: ("generating", "decoding"), ENCODER: ("encoding",)}[model]
+        role = role_of(model)
+        phases = {ENGINE: ("generating",), DECODER: ("generating", "decoding"), ENCODER: ("encoding",)}[role]
         for rec in self.table.live():
-            if rec.state.phase in phases:
+            w: Work = rec.state
+            if w.phase in phases and model in (w.engine, w.decoder, ENCODER):
                 self._abort(rec, errors.unavailable(f"{model} failed while serving this request ({reason}); retry"))
         threading.Thread(target=self._reload, args=(model,), name=f"s2tts-reload-{model}", daemon=True).start()
 
@@ -402,4 +440,6 @@ class TTSService:
     def status(self) -> dict:
         with self._lock:
             recovering = sorted(self.recovering)
-        return {**self.table.stats(), "recovering": recovering, "worker_threads": self.pool.size}
+        load = self.load()
+        return {**self.table.stats(), "recovering": recovering, "worker_threads": self.pool.size,
+                "replicas": {self.layout.engine(i): load[i] for i in range(self.layout.replicas)}}

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
+from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from .settings import MODELS  # the repository's models, named once
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -44,12 +45,22 @@ def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REP
     missing = placeholders(src) - set(values)
     if missing:  # a template names a key the schema lacks: a bug here, not the caller's
         raise RuntimeError(f"config.pbtxt placeholders {sorted(missing)} are not in s2tts.settings.SETTINGS")
+    layout = Layout.from_values(values)
+    # each model's own device (s2pro keeps the lists: it places requests on the replicas)
+    placed = {**{n: {"device": d} for n, d in layout.models(ENGINE)},
+              **{n: {"codec_device": d} for n, d in layout.models(DECODER)},
+              "fast_ar": {"device": layout.engines[0]}, ENCODER: {"codec_device": layout.codecs[0]}}
+    targets = [(name, name) for name in models] + [(role_of(n), n) for n in layout.replica_models() if role_of(n) in models]
     if dst.exists():
         shutil.rmtree(dst)
-    for name in models:
-        shutil.copytree(src / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for template, name in targets:
+        shutil.copytree(src / template, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
         cfg = dst / name / "config.pbtxt"
-        cfg.write_text(_PLACEHOLDER.sub(lambda m: values[m.group(1)], cfg.read_text(encoding="utf-8")), encoding="utf-8")
+        own = {**values, **placed.get(name, {})}
+        text = _PLACEHOLDER.sub(lambda m: own[m.group(1)], cfg.read_text(encoding="utf-8"))
+        if name != template:  # a replica: the same model under its own name
+            text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
+        cfg.write_text(text, encoding="utf-8")
     return dst
 
 
@@ -194,6 +205,10 @@ def render_model_repository(dst: str | Path, settings: dict, models=None, base=N
         raise ValueError("backend=tensorrt needs a tritonserver with the TensorRT backend: run inside the "
                          "nvcr.io/nvidia/tritonserver container (the nvidia-pytriton wheel has only the Python backend); "
                          "backend=onnxruntime runs the same repository without TensorRT")
+    if backend != "python":
+        if Layout.from_values(repo_settings).replicas > 1:
+            raise ValueError(f"backend={backend} runs one engine: several devices (device={settings.get('device')}) "
+                             "need backend=python")
     repo = Path(base(Path(dst), repo_settings, models=models or MODELS))
     if backend != "python":
         from . import settings as schema
@@ -274,9 +289,14 @@ def validate_repository(repo: str | Path, manifest: dict | None = None, referenc
         target = params[name].get("engine_model")
         if target and target not in configs:
             problems.append(f"{name}: BLS target {target!r} is not in the repository")
-    for caller, callees in {"s2pro": ("slow_ar", "dac_decoder", "dac_encoder"), "slow_ar": ()}.items():
-        if caller in configs:
-            problems += [f"{caller}: calls {c!r}, which is not in the repository" for c in callees if c not in configs]
+    if "s2pro" in configs:
+        try:
+            layout = Layout.from_values(params["s2pro"])
+            callees = [ENCODER] + [n for role in (ENGINE, DECODER) for n, _ in layout.models(role)]
+        except Exception as e:  # noqa: BLE001 - S2Error: a bad device list
+            problems.append(f"s2pro: {e}")
+            callees = [ENGINE, DECODER, ENCODER]
+        problems += [f"s2pro: calls {c!r}, which is not in the repository" for c in callees if c not in configs]
     if "slow_ar" in configs and params["slow_ar"].get("fast_ar") == "bls" and "fast_ar" not in configs:
         problems.append("slow_ar: fast_ar=bls but there is no fast_ar model")
     if manifest is not None:

@@ -92,10 +92,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("address", str, "127.0.0.1", (), "the address tritonserver's HTTP, gRPC and metrics ports listen on when "
             "this project starts it; `0.0.0.0` exposes them (they have no authentication: the gateway's API key does "
             "not cover them)"),
-    Setting("device", str, "auto", ("slow_ar", "fast_ar"), "`cpu`, `cuda`, `cuda:N`, `auto` (CUDA when present): "
-            "the one CPU/GPU switch"),
-    Setting("codec_device", str, None, ("dac_encoder", "dac_decoder"), "put the codec elsewhere, e.g. `cuda:1` "
-            "(2-GPU profile)", derived_from="device"),
+    Setting("device", str, "auto", ("slow_ar", "fast_ar", "s2pro"), "`cpu`, `cuda`, `cuda:N`, `auto` (CUDA when "
+            "present): the one CPU/GPU switch. A comma-separated list runs one engine per entry (`cuda:0,cuda:1`: "
+            "`slow_ar` and `slow_ar_1`); s2pro spreads requests over them (README: Several GPUs)"),
+    Setting("codec_device", str, None, ("dac_encoder", "dac_decoder", "s2pro"), "where the codec runs, e.g. `cuda:1`; "
+            "a list gives one decoder per entry, engine i using decoder i mod their number (default: each engine's "
+            "codec beside it)", derived_from="device"),
     Setting("dtype", str, "bf16", ("slow_ar", "fast_ar"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
     Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder"), "codec precision; `auto`: fp16 for the "
             "decoder on a GPU (1.0% audio error, 1.5x TF32's speed; a chunk that overflows is decoded again in fp32 "
@@ -198,6 +200,12 @@ def check_rules(v: dict[str, Any]) -> None:
     need(v["fast_ar"] != "bls" or v["fast_ar_max_batch"] >= v["max_batch"],
          f"fast_ar_max_batch={v['fast_ar_max_batch']} is below max_batch={v['max_batch']}: with fast_ar=bls slow_ar "
          f"sends up to max_batch rows per call; raise fast_ar_max_batch or leave it unset", "fast_ar_max_batch")
+    from .layout import Layout
+
+    layout = Layout.from_values(v)  # raises on a bad device list
+    need(v["fast_ar"] != "bls" or layout.replicas == 1,
+         f"fast_ar=bls runs one fast_ar model, but device={v['device']} asks for {layout.replicas} engines: use "
+         "fast_ar=inprocess (the default) with several devices", "fast_ar")
     need(v["first_chunk_frames"] <= v["max_chunk_frames"] and v["chunk_frames"] <= v["max_chunk_frames"],
          f"first_chunk_frames={v['first_chunk_frames']} and chunk_frames={v['chunk_frames']} must be at most "
          f"max_chunk_frames={v['max_chunk_frames']}", "chunk_frames")

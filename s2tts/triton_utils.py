@@ -212,7 +212,7 @@ def read_waveform(request, max_seconds: float) -> tuple[np.ndarray, int]:
     return wav, sr
 
 
-def decode_chunk_requests(decoder, requests, now: float) -> list:
+def decode_chunk_requests(decoder, requests, now: float, name: str = "dac_decoder") -> list:
     """dac_decoder's execute over a StreamDecoder: one chunk per request (`codes` [1, frames, C], `stream_id`,
     `start`, `final`), decoded together; a bad request or a failed decode gets an error response (with its class),
     the others their audio."""
@@ -233,11 +233,11 @@ def decode_chunk_requests(decoder, requests, now: float) -> list:
                 raise invalid(f"codes must be [frames, num_codebooks], got {list(codes.shape)}", "codes")
             jobs.append((i, sid, codes.reshape(codes.shape[-2], codes.shape[-1]), start, final))
         except Exception as e:  # noqa: BLE001
-            results[i] = from_exception(e, "dac_decoder")
+            results[i] = from_exception(e, name)
     try:
         results.update(decoder.decode_many(jobs, now=now))
     except Exception as e:  # noqa: BLE001
-        err = from_exception(e, "dac_decoder")
+        err = from_exception(e, name)
         results.update({i: err for i, *_ in jobs if i not in results})
     out = []
     sids = {i: sid for i, sid, *_ in jobs}
@@ -246,8 +246,8 @@ def decode_chunk_requests(decoder, requests, now: float) -> list:
         if isinstance(r, np.ndarray):
             out.append(pb_utils.InferenceResponse(output_tensors=[tensor("audio", r[None])]))
         else:
-            err = r if isinstance(r, S2Error) else internal("dac_decoder: no result for this chunk")
-            logging.getLogger("s2tts").warning("dac_decoder: stream %s (request %s) failed: %s", sids.get(i, "?"),
+            err = r if isinstance(r, S2Error) else internal(f"{name}: no result for this chunk")
+            logging.getLogger("s2tts").warning("%s: stream %s (request %s) failed: %s", name, sids.get(i, "?"),
                                                requests[i].request_id(), err.wire())
             out.append(s2_error_response(err))
     return out

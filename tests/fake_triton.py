@@ -147,8 +147,14 @@ class ResponseIterator:
 
 
 class FakeTriton:
-    def __init__(self, repo: str | Path, models=("s2pro", "slow_ar", "dac_encoder", "dac_decoder")):
+    def __init__(self, repo: str | Path, models=None):
+        """`models`: default the pipeline's (s2pro, slow_ar, dac_encoder, dac_decoder, and their replicas)."""
         self.repo = Path(repo)
+        if models is None:
+            from s2tts.layout import role_of
+
+            models = [m for m in ("s2pro", "slow_ar", "dac_encoder", "dac_decoder") if (self.repo / m).is_dir()]
+            models += sorted(p.name for p in self.repo.iterdir() if p.is_dir() and role_of(p.name) != p.name)
         self.models: dict[str, object] = {}
         self.decoupled: dict[str, bool] = {}
         self.calls: list[tuple[str, str]] = []  # (model, what) for load/unload

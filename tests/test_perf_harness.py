@@ -117,3 +117,25 @@ def test_make_pa_inputs_and_perf_analyzer(triton_server, tiny_ckpt, tmp_path):
     assert "| fast_ar_b4 | 1 |" in summary and "| dac_decoder | 1 |" in summary and "rows/s" in summary, summary
     assert "| slow_ar | 1 |" in summary and "frames/s" in summary, summary
     assert summary in p.stdout
+
+
+def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/scale_gpus.sh end to end with `device=cpu` and `cpu,cpu` (what it runs as cuda:0 and cuda:0,cuda:1 on a
+    GPU host): both layouts serve every request, and the two-engine server loaded slow_ar_1 and dac_decoder_1."""
+    import tarfile
+
+    from servers import free_port
+
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPUS": "1 2", "C_PER_GPU": "1", "FRAMES": "6",
+           "DEVICE_TYPE": "cpu", "CKPT": str(tiny_ckpt), "CKPT_SIZE": "tiny", "PYTHON": sys.executable, "USE_CARRIED": "0",
+           "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"), "GRPC_PORT": str(free_port()),
+           "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port())}
+    _run(["bash", "perf/scale_gpus.sh"], timeout=600, env=env)
+    rows = json.loads((tmp_path / "out" / "scale.json").read_text())
+    assert [(r["engines"], r["concurrency"]) for r in rows] == [(1, 1), (2, 2)]
+    assert all(r["ok"] == r["requests"] > 0 and r["audio_s_per_s"] > 0 for r in rows), rows
+    assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
+    with tarfile.open(tmp_path / "out" / "g2.tar.gz") as tar:
+        log = tar.extractfile("g2/tritonserver.log").read().decode(errors="replace")
+    assert "successfully loaded 'slow_ar_1'" in log and "successfully loaded 'dac_decoder_1'" in log
+    assert "slow_ar_1 ready: device=cpu" in log and "dac_decoder_1 ready: device=cpu" in log

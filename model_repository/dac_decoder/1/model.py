@@ -18,19 +18,20 @@ from s2tts.codec_stream import StreamDecoder
 class TritonPythonModel:
     def initialize(self, args):
         v = settings.model_values(json.loads(args["model_config"]), "dac_decoder")
-        self.log = tu.setup_logging("dac_decoder")
+        self.name = args.get("model_name", "dac_decoder")  # dac_decoder_i: a replica (s2tts/layout.py)
+        self.log = tu.setup_logging(self.name)
         dtype = codec_dtype_for(v.codec_dtype, v.codec_device, "decoder")
         tu.codec_precision("fp32", v.codec_tf32)  # the fp32 codec, or the fallback of an fp16 one
         codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype)
         fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, v.codec_device, "fp32")
         self.decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback)
-        self.metrics = tu.Metrics("dac_decoder")
+        self.metrics = tu.Metrics(self.name)
         self.metrics.declare("s2tts_codec_batch_size")
-        self.log.info("dac_decoder ready: device=%s dtype=%s%s", next(codec.parameters()).device, dtype,
+        self.log.info("%s ready: device=%s dtype=%s%s", self.name, next(codec.parameters()).device, dtype,
                       " (fp32 fallback for chunks that overflow)" if fallback is not None else "")
 
     def execute(self, requests):
-        out = tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic())
+        out = tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic(), name=self.name)
         self.metrics.set("s2tts_codec_streams_open", len(self.decoder.states))
         self.metrics.count_to("s2tts_codec_fp32_redo_total", self.decoder.redone)
         batches, self.decoder.batches = self.decoder.batches, []

@@ -57,8 +57,9 @@ class BLSDownstream:
             _raise_for(resp, "dac_encoder")
         return pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().astype(np.int64)
 
-    def generate(self, rid, prompt, req: TTSRequest):
-        """slow_ar's chunks, pulled one request at a time (slow_ar is request-response: see its config.pbtxt)."""
+    def generate(self, engine, rid, prompt, req: TTSRequest):
+        """The chunks of slow_ar replica `engine`, pulled one request at a time (slow_ar is request-response: see
+        its config.pbtxt)."""
         p = req.params
         inputs = [
             tu.string_tensor("request_id", rid),
@@ -76,8 +77,8 @@ class BLSDownstream:
             tu.tensor("chunk_frames", np.array([req.chunk_frames], np.int32)),
         ]
         while True:
-            resp = self._slow_ar(rid, inputs)
-            _raise_for(resp, "slow_ar")
+            resp = self._slow_ar(engine, rid, inputs)
+            _raise_for(resp, engine)
             codes = pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().reshape(-1, self.C)
             reason = FINISH_NAMES.get(int(pb_utils.get_output_tensor_by_name(resp, "finish_reason").as_numpy().reshape(-1)[0]), "")
             stats = pb_utils.get_output_tensor_by_name(resp, "stats").as_numpy()
@@ -86,27 +87,27 @@ class BLSDownstream:
                 return
             inputs = [tu.string_tensor("request_id", rid), tu.string_tensor("control", "next")]
 
-    def control(self, rid, what):
-        resp = self._slow_ar(rid, [tu.string_tensor("request_id", rid), tu.string_tensor("control", what)])
-        _raise_for(resp, "slow_ar")
+    def control(self, engine, rid, what):
+        resp = self._slow_ar(engine, rid, [tu.string_tensor("request_id", rid), tu.string_tensor("control", what)])
+        _raise_for(resp, engine)
         if what != "status":
             return {}
         return decode_fields(pb_utils.get_output_tensor_by_name(resp, "stats").as_numpy(), STATUS_FIELDS)
 
     @staticmethod
-    def _slow_ar(rid, inputs):
-        return pb_utils.InferenceRequest(model_name="slow_ar", inputs=inputs, request_id=rid,
+    def _slow_ar(engine, rid, inputs):
+        return pb_utils.InferenceRequest(model_name=engine, inputs=inputs, request_id=rid,
                                          requested_output_names=["codes", "finish_reason", "stats"]).exec()
 
-    def decode(self, sid, frames, start, final):
+    def decode(self, decoder, sid, frames, start, final):
         req = pb_utils.InferenceRequest(
-            model_name="dac_decoder", requested_output_names=["audio"], request_id=sid,
+            model_name=decoder, requested_output_names=["audio"], request_id=sid,
             inputs=[tu.tensor("codes", frames[None].astype(np.int32)),
                     tu.tensor("stream_id", np.array([[sid.encode()]], dtype=object)),
                     tu.tensor("start", np.array([[start]], dtype=bool)),
                     tu.tensor("final", np.array([[final]], dtype=bool))])
         resp = req.exec()
-        _raise_for(resp, "dac_decoder")
+        _raise_for(resp, decoder)
         return pb_utils.get_output_tensor_by_name(resp, "audio").as_numpy().reshape(-1)
 
     def is_ready(self, model):

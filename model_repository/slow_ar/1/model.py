@@ -68,8 +68,8 @@ class TritonPythonModel:
                                      limit=v.max_batch + v.max_queued_requests, on_unhealthy=self._unload,
                                      on_tick=self._report,
                                      frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None)
-        self.log.info("slow_ar ready: device=%s dtype=%s max_batch=%d max_seq_len=%d cuda_graphs=%s prefix_cache=%d MiB "
-                      "batch_invariant=%s adaptive_chunks=%s", engine.device, engine.dtype, engine.max_batch, engine.max_seq_len,
+        self.log.info("%s ready: device=%s dtype=%s max_batch=%d max_seq_len=%d cuda_graphs=%s prefix_cache=%d MiB "
+                      "batch_invariant=%s adaptive_chunks=%s", self.name, engine.device, engine.dtype, engine.max_batch, engine.max_seq_len,
                       sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20, engine.batch_invariant, v.adaptive_chunks)
 
     def execute(self, requests):
