@@ -6,6 +6,11 @@ and state that sends an overflowing chunk to the fp32 fallback (`StreamDecoder._
 against the same without the check.
 
     python3 perf/bench_codec.py --checkpoint /tmp/s2full --chunk 16 --batches 1,8,32,64
+    python3 perf/bench_codec.py --checkpoint /tmp/s2full --served-only     # dac_decoder's paths alone
+
+`--served-only` times what dac_decoder runs per call (fp16 with the fp32 fallback, `StreamDecoder.decode_many`:
+numpy in, numpy out) for a batch of streams each sending its next chunk: wall and CPU milliseconds per call with
+each stream's own state (no pool, the earlier code), with the slot pool run eagerly, and with the pool's CUDA graphs.
 """
 import argparse
 import json
@@ -38,7 +43,11 @@ def main():
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--json")
+    ap.add_argument("--served-only", action="store_true")
+    ap.add_argument("--device", default="cuda", help="--served-only: cpu is a smoke test of this script")
     args = ap.parse_args()
+    if args.served_only:
+        return bench_served(args)
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec import StreamState
     from s2tts.codec_stream import StreamDecoder
@@ -86,6 +95,61 @@ def main():
             r["rel_err_vs_fp32"] = round(float((o - ref[r["batch"]]).norm() / ref[r["batch"]].norm()), 5)
         if "_codes" in r:
             r["encode_codes_equal_fp32"] = round(float((r.pop("_codes") == ref_codes).float().mean()), 4)
+        print(json.dumps(r), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def bench_served(args):
+    import time
+
+    import numpy as np
+
+    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec_stream import StreamDecoder
+
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    dev = args.device
+    sync = torch.cuda.synchronize if dev.startswith("cuda") else (lambda: None)
+    codec = load_codec_from_dir(args.checkpoint, dev, "fp16" if dev.startswith("cuda") else "fp32")
+    fallback = load_codec_from_dir(args.checkpoint, dev, "fp32")
+    cfg = codec.config
+    gen = np.random.default_rng(0)
+    n = args.chunk
+    rows = []
+    for label, pool, graphs in (("own_state", 0, False), ("pool_eager", 256, False), ("pool_graphs", 256, True)):
+        dec = StreamDecoder(codec, fallback=fallback, pool_size=pool, graphs=graphs)
+        if pool:
+            t0 = time.perf_counter()
+            made = dec.pool.warm([4, 8, n], max_batch=max(int(b) for b in args.batches.split(",")))
+            rows.append({"path": label, "warm_s": round(time.perf_counter() - t0, 2), "graphs": made,
+                         "pool_mib": round(dec.pool.bytes / 2**20)})
+        for b in (int(x) for x in args.batches.split(",")):
+            sids = [f"{label}-{b}-{i}" for i in range(b)]
+
+            def chunk():
+                return np.concatenate([gen.integers(0, cfg.semantic_codebook_size, (n, 1)),
+                                       gen.integers(0, cfg.codebook_size, (n, cfg.n_codebooks))], 1)
+
+            dec.decode_many([(i, s, chunk(), True, False) for i, s in enumerate(sids)], now=0.0)
+            walls, cpus = [], []
+            for k in range(12):
+                jobs = [(i, s, chunk(), False, False) for i, s in enumerate(sids)]
+                sync()
+                w, c = time.perf_counter(), time.process_time()
+                out = dec.decode_many(jobs, now=1.0 + k)
+                walls.append((time.perf_counter() - w) * 1e3)
+                cpus.append((time.process_time() - c) * 1e3)
+                assert all(isinstance(a, np.ndarray) and a.size == n * 2048 for a in out.values()), out
+            dec.decode_many([(i, s, np.zeros((0, cfg.n_codebooks + 1), np.int64), False, True) for i, s in enumerate(sids)],
+                            now=99.0)
+            wall, cpu = float(np.median(walls[2:])), float(np.median(cpus[2:]))
+            rows.append({"path": label, "batch": b, "chunk_frames": n, "wall_ms": round(wall, 2), "cpu_ms": round(cpu, 2),
+                         "audio_s_per_s": round(b * n * 2048 / 44100 / (wall / 1e3), 1)})
+        del dec
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    for r in rows:
         print(json.dumps(r), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))

@@ -9,12 +9,17 @@ started, already finished, or dropped after `idle_timeout_s`) is an error, never
 A codec computing in fp16 (the GPU default) can overflow. With a `fallback` (the same codec in
 fp32), a chunk whose audio or new state is not finite is decoded again in fp32 from the stream's
 previous state, and that stream stays in fp32 until it ends.
+
+With a `SlotPool` (the default in dac_decoder: `codec_max_streams` slots) every open stream's state is a row of
+one set of device tensors, and on a GPU each batch runs as a CUDA graph; streams beyond the pool's size, and those
+moved to fp32, keep a state of their own (`StreamState`) and run eagerly, as everything does with no pool.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,17 +30,26 @@ from .errors import S2Error, invalid
 log = logging.getLogger("s2tts")
 
 
+@dataclass
+class _Stream:
+    used: float  # when its last chunk came
+    slot: int | None = None  # its row in the pool, or
+    state: StreamState | None = None  # its own state (no pool, pool full, or moved to fp32)
+    fresh: bool = True  # nothing decoded yet: a pooled stream's row still holds an earlier stream's state
+
+
 class StreamDecoder:
-    def __init__(self, codec, idle_timeout_s: float = 600.0, fallback=None):
+    def __init__(self, codec, idle_timeout_s: float = 600.0, fallback=None, pool_size: int = 0, graphs: bool | None = None):
         self.codec = codec
         self.fallback = fallback  # the codec in fp32, when `codec` computes in fp16 / bf16
         self.idle_timeout_s = idle_timeout_s
-        self.states: dict[str, tuple[object, float]] = {}  # stream id -> (decoder state, last used)
+        self.states: dict[str, _Stream] = {}  # open streams by id
         self.in_fp32: set[str] = set()  # streams moved to the fallback after a non-finite chunk
         self.redone = 0  # chunks decoded again in fp32
         self.batches: list[int] = []  # streams decoded together, one entry per codec call since the host last took them
         self.device = next(codec.parameters()).device
         self.C = codec.config.num_codebooks
+        self.pool = SlotPool(codec, pool_size, graphs) if pool_size > 0 else None
 
     def _check(self, sid: str, codes: np.ndarray, start: bool) -> S2Error | None:
         if codes.ndim != 2 or codes.shape[1] != self.C:
@@ -48,6 +62,10 @@ class StreamDecoder:
                                         f"first chunk), already ended, or dropped after {self.idle_timeout_s:g} s "
                                         "without a chunk", "stream_id")
         return None
+
+    def _open(self, now: float) -> _Stream:
+        slot = self.pool.take() if self.pool is not None else None
+        return _Stream(now, slot=slot, state=None if slot is not None else self.codec.new_stream_state(1))
 
     @torch.inference_mode()
     def decode_many(self, jobs, now: float) -> dict:
@@ -64,48 +82,79 @@ class StreamDecoder:
                 out[key] = err
                 continue
             if start:
-                self.states[sid] = (self.codec.new_stream_state(1), now)
-            if codes.shape[0] == 0:
+                self.states[sid] = self._open(now)
+            st = self.states[sid]
+            st.used = now
+            n = codes.shape[0]
+            if n == 0:
                 out[key] = np.zeros(0, np.float32)
-                self.states[sid] = (self.states[sid][0], now)
+            elif st.slot is not None:
+                n_at = self.pool.padded(n) if final else n  # a graph's length; the padding decodes to nothing kept
+                if n_at > n:
+                    codes = np.concatenate([codes, np.zeros((n_at - n, codes.shape[1]), codes.dtype)])
+                groups[(n_at, "pool")].append((key, sid, codes, n))
             else:
-                groups[(codes.shape[0], sid in self.in_fp32)].append((key, sid, codes))
-        for (n, wide), group in groups.items():
+                groups[(n, "fp32" if sid in self.in_fp32 else "own")].append((key, sid, codes, n))
+        for (n, path), group in groups.items():
             codes = torch.as_tensor(np.stack([g[2] for g in group]), dtype=torch.int64, device=self.device)
             codes = codes.transpose(1, 2)  # the codec computes on [B, C, n]
-            states = [self.states[sid][0] for _, sid, _ in group]
             self.batches.append(len(group))
             try:
-                audio, new_states, finite = self._decode(self.fallback if wide else self.codec, codes, states,
-                                                         check=self.fallback is not None and not wide)
-                for b in np.flatnonzero(~finite):  # fp16 overflowed: this chunk again in fp32, and the rest of it
-                    key, sid, _ = group[b]
-                    wide_state = StreamState({k: t.float() if t.is_floating_point() else t
-                                              for k, t in states[b].tensors.items()})
-                    a, st, ok = self._decode(self.fallback, codes[b : b + 1], [wide_state], check=True)
-                    if not ok[0]:
-                        raise FloatingPointError(f"codec stream {sid!r}: the chunk's audio is not finite, in fp32 too")
-                    audio[b], new_states[b] = a[0], st[0]
-                    self.in_fp32.add(sid)
-                    self.redone += 1
-                    log.warning("dac_decoder: stream %s: a chunk of %d frames overflowed in %s; decoded again in fp32 "
-                                "(the stream stays in fp32)", sid, n, next(self.codec.parameters()).dtype)
+                if path == "pool":
+                    self._decode_pooled(group, codes, out)
+                else:
+                    self._decode_own(group, codes, out, wide=path == "fp32")
             except Exception as e:  # noqa: BLE001 - this group's streams fail; their state is gone
                 from .errors import from_exception
 
                 err = from_exception(e, "dac_decoder")
-                for key, sid, _ in group:
+                for key, sid, *_ in group:
                     out[key] = err
                     self._drop(sid)
-                continue
-            for b, (key, sid, _) in enumerate(group):
-                out[key] = audio[b]
-                self.states[sid] = (new_states[b], now)
         for key, sid, codes, start, final in jobs:
             if final and not isinstance(out.get(key), S2Error):
                 self._drop(sid)
         self._collect(now)
         return out
+
+    def _decode_pooled(self, group, codes, out) -> None:
+        streams = [self.states[sid] for _, sid, *_ in group]
+        audio, finite, old = self.pool.decode([s.slot for s in streams], codes, [not s.fresh for s in streams])
+        hop = audio.shape[1] // codes.shape[-1]
+        for b, ((key, sid, _, n), st) in enumerate(zip(group, streams)):
+            st.fresh = False
+            if not finite[b] and self.fallback is not None:  # fp16 overflowed: this chunk again in fp32, and the rest
+                wide = StreamState({k: v[b : b + 1].float() if v.is_floating_point() else v[b : b + 1].clone()
+                                    for k, v in old.items()})
+                audio_b, st.state = self._redo(sid, codes[b : b + 1], wide)
+                self.pool.give(st.slot)
+                st.slot = None
+                out[key] = audio_b[: n * hop]
+            else:
+                out[key] = audio[b, : n * hop]
+
+    def _decode_own(self, group, codes, out, wide: bool) -> None:
+        states = [self.states[sid].state for _, sid, *_ in group]
+        audio, new_states, finite = self._decode(self.fallback if wide else self.codec, codes, states,
+                                                 check=self.fallback is not None and not wide)
+        for b, (key, sid, *_) in enumerate(group):
+            st = self.states[sid]
+            st.fresh = False
+            if not finite[b]:  # fp16 overflowed: this chunk again in fp32, and the rest of it
+                wide_state = StreamState({k: t.float() if t.is_floating_point() else t for k, t in states[b].tensors.items()})
+                audio[b], new_states[b] = self._redo(sid, codes[b : b + 1], wide_state)
+            out[key] = audio[b]
+            st.state = new_states[b]
+
+    def _redo(self, sid: str, codes, wide_state: StreamState):
+        a, st, ok = self._decode(self.fallback, codes, [wide_state], check=True)
+        if not ok[0]:
+            raise FloatingPointError(f"codec stream {sid!r}: the chunk's audio is not finite, in fp32 too")
+        self.in_fp32.add(sid)
+        self.redone += 1
+        log.warning("dac_decoder: stream %s: a chunk of %d frames overflowed in %s; decoded again in fp32 "
+                    "(the stream stays in fp32)", sid, codes.shape[-1], next(self.codec.parameters()).dtype)
+        return a[0], st[0]
 
     @staticmethod
     def _decode(codec, codes, states: list[StreamState], check: bool):
@@ -128,11 +177,130 @@ class StreamDecoder:
         return host[:, :-1], new_states, host[:, -1] > 0
 
     def _drop(self, sid: str) -> None:
-        self.states.pop(sid, None)
+        st = self.states.pop(sid, None)
+        if st is not None and st.slot is not None:
+            self.pool.give(st.slot)
         self.in_fp32.discard(sid)
 
     def _collect(self, now: float) -> None:
         """Drop streams nobody finished (a client that vanished without a final chunk)."""
-        stale = [sid for sid, (_, t) in self.states.items() if now - t > self.idle_timeout_s]
+        stale = [sid for sid, st in self.states.items() if now - st.used > self.idle_timeout_s]
         for sid in stale:
             self._drop(sid)
+
+
+class SlotPool:
+    """The decoder states of up to `size` streams in one set of device tensors (row i = slot i, the extra last row
+    is scratch for the padded rows of a batch). A batch of B streams gathers its rows, decodes, and writes the new
+    states back in place: no per-stream tensors, no stack/split per call. On a GPU each (batch bucket, chunk length)
+    runs as one CUDA graph (up to `max_graphs`; other shapes run eagerly), which takes the CPU cost of launching the
+    codec's hundreds of small kernels per call (~14 ms, measured: perf/RESULTS.md) off the serving path.
+
+    The body also reports, per row, whether the audio and the new state are finite, and keeps the gathered old
+    states until the next call (the fp32 fallback decodes an overflowed chunk again from them)."""
+
+    BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+    def __init__(self, codec, size: int, graphs: bool | None = None):
+        proto = codec.new_stream_state(1).tensors
+        self.codec, self.size, self.scratch = codec, size, size
+        self.pool = {k: t.new_zeros((size + 1,) + tuple(t.shape[1:])) for k, t in proto.items()}
+        self.free = list(range(size - 1, -1, -1))
+        self.device = next(iter(self.pool.values())).device
+        self.C = codec.config.num_codebooks
+        self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.graphs: dict[tuple[int, int], tuple[object, dict]] = {}  # (batch bucket, frames) -> (graph, buffers)
+        self.lengths: list[int] = []  # the chunk lengths `warm` prepared
+        self._mempool = None
+
+    def take(self) -> int | None:
+        return self.free.pop() if self.free else None
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.pool.values())
+
+    def _buffers(self, B: int, n: int) -> dict:
+        return {"codes": torch.zeros(B, self.C, n, dtype=torch.int64, device=self.device),
+                "idx": torch.full((B,), self.scratch, dtype=torch.int64, device=self.device),
+                "keep": torch.zeros(B, dtype=torch.bool, device=self.device)}
+
+    def _body(self, bufs: dict) -> None:
+        idx, keep = bufs["idx"], bufs["keep"]
+        old = {}
+        for k, t in self.pool.items():
+            g = t.index_select(0, idx)
+            old[k] = torch.where(keep.view((-1,) + (1,) * (g.dim() - 1)), g, torch.zeros((), dtype=g.dtype, device=g.device))
+        audio, new = self.codec.decode_stream(bufs["codes"], StreamState(old))
+        for k, t in self.pool.items():
+            t.index_copy_(0, idx, new.tensors[k])
+        audio = audio[:, 0].float()
+        finite = audio.isfinite().all(dim=1)
+        for t in new.tensors.values():
+            if t.is_floating_point():
+                finite &= t.isfinite().flatten(1).all(dim=1)
+        bufs["out"] = torch.cat([audio, finite[:, None].float()], dim=1)
+        bufs["old"] = old
+
+    def _capture(self, Bp: int, n: int) -> None:
+        bufs = self._buffers(Bp, n)  # idx: all scratch, so the warm-up and capture write no stream's state
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._body(dict(bufs))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            if self._mempool is None:
+                self._mempool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool):
+                self._body(bufs)
+        except Exception as e:  # noqa: BLE001 - that shape runs eagerly
+            log.warning("dac_decoder: no CUDA graph for batch %d x %d frames (%s); it runs eagerly", Bp, n, e)
+            return
+        self.graphs[(Bp, n)] = (graph, bufs)
+
+    def warm(self, lengths: list[int], max_batch: int) -> int:
+        """Prepare these chunk lengths: on a GPU, capture a graph for each with every batch bucket up to
+        `max_batch` (other shapes run eagerly); a stream's final chunk of another length is padded to the next one
+        (the codec is causal: the frames added change no sample of the real ones). -> graphs made."""
+        self.lengths = sorted(set(lengths))
+        if self.use_graphs:
+            for n in self.lengths:
+                for Bp in self.BUCKETS:
+                    self._capture(Bp, n)
+                    if Bp >= max_batch:
+                        break
+        return len(self.graphs)
+
+    def padded(self, n: int) -> int:
+        """The length a final chunk of n frames decodes at."""
+        return next((L for L in self.lengths if L >= n), n)
+
+    def decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool]):
+        """codes [B, C, n] (device, int64) of the streams in `slots`; keep[b] False: start from a fresh state.
+        -> (audio float32 [B, n * hop] host, finite [B] host, old states {key: [B, ...]} on the device)."""
+        B, n = codes.shape[0], codes.shape[-1]
+        Bp = next((b for b in self.BUCKETS if b >= B), B)
+        idx = torch.tensor(slots + [self.scratch] * (Bp - B), dtype=torch.int64)
+        kp = torch.tensor(keep + [False] * (Bp - B), dtype=torch.bool)
+        g = self.graphs.get((Bp, n))
+        if g is None:
+            bufs = self._buffers(Bp, n)
+            bufs["codes"][:B] = codes
+            bufs["idx"].copy_(idx)
+            bufs["keep"].copy_(kp)
+            self._body(bufs)
+        else:
+            graph, bufs = g
+            bufs["codes"].zero_()
+            bufs["codes"][:B].copy_(codes)
+            bufs["idx"].copy_(idx)
+            bufs["keep"].copy_(kp)
+            graph.replay()
+        host = bufs["out"][:B].cpu().numpy()
+        return host[:, :-1], host[:, -1] > 0, {k: v[:B] for k, v in bufs["old"].items()}

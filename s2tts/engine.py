@@ -108,6 +108,7 @@ class Engine:
         self.scratch = max_batch
         model.slow.stack.setup_caches(max_batch + 1, self.max_seq_len, self.dtype, self.device)
         model.fast.setup_caches(max_batch + 1, self.dtype, self.device)
+        model.engine_owner = self  # the caches (and graphs over them) are this engine's until another is made
         self.fast_ar = fast_ar or InProcessFastAR(model, residual_size)
         if decode_kernel is None:
             from . import kernels
@@ -215,6 +216,9 @@ class Engine:
         of their prefill ends just them. Either way the step returns every output and frees every slot
         it took; the exception is kept in `last_fault` (None after a clean step) for the caller to judge.
         """
+        if self.model.engine_owner is not self:
+            raise RuntimeError("another Engine was made over this model since this one: its KV cache (and the CUDA "
+                               "graphs that read it) now belong to that one; use one Engine per model")
         outputs: list[Output] = []
         self.last_fault = None
         with self._lock:

@@ -129,6 +129,15 @@ class Chunker:
         self.emitted = 0  # chunks handed out
         self.sent = 0  # frames handed out
 
+    @staticmethod
+    def lengths(first: int, size: int) -> list[int]:
+        """The chunk lengths a chunker makes, besides a stream's last remainder: `first`, its doublings, `size`."""
+        out, n = {first, size}, min(first, size)
+        while n < size:
+            n = min(2 * n, size)
+            out.add(n)
+        return sorted(out)
+
     def next_size(self) -> int:
         if self.emitted == 0:
             return self.first

@@ -131,9 +131,9 @@ SETTINGS: tuple[Setting, ...] = (
             auto=True),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once; more are refused at "
             "once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
-    Setting("first_chunk_frames", int, 4, ("s2pro",), "default frames in the first audio chunk (1 frame = 2048 "
+    Setting("first_chunk_frames", int, 4, ("s2pro", "dac_decoder"), "default frames in the first audio chunk (1 frame = 2048 "
             "samples = 46 ms)", min=1),
-    Setting("chunk_frames", int, 16, ("s2pro",), "default frames in later chunks (the largest, with "
+    Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder"), "default frames in later chunks (the largest, with "
             "`adaptive_chunks`)", min=1),
     Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
     Setting("max_text_chars", int, 2000, ("s2pro",), "longest text accepted (characters)", min=1),
@@ -153,6 +153,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("auto_recover", bool, True, ("s2pro",), "reload a model of the pipeline whose process died or that "
             "reported an unrecoverable fault (needs --model-control-mode=explicit, which this project's launcher "
             "uses)"),
+    Setting("codec_max_streams", int, 256, ("dac_decoder",), "decoder states held in one pool on the codec's "
+            "device (4.4 MB a stream in fp16); on a GPU each batch of the default chunk lengths runs as a CUDA graph, "
+            "captured at start. Streams beyond it run eagerly on their own state; 0 = no pool", min=0, max=4096),
     Setting("codec_idle_timeout_s", float, 600.0, ("dac_decoder",), "decoder state of a stream that sends no chunk "
             "for this long is dropped", min=1),
 )

@@ -1,6 +1,7 @@
 """Many streams over one codec (what dac_decoder runs): batched chunks of equal length, per-stream state."""
 
 import numpy as np
+import pytest
 import torch
 
 from s2tts.checkpoint import load_codec_from_dir
@@ -8,9 +9,14 @@ from s2tts.codec_stream import StreamDecoder
 from s2tts.errors import S2Error
 
 
-def test_interleaved_batched_streams_equal_whole_decode(tiny_ckpt):
+# no pool; all pooled; two pooled and one on its own state; pooled with prepared lengths (final chunks padded)
+@pytest.mark.parametrize("pool_size,lengths", [(0, None), (8, None), (2, None), (8, [4, 8])])
+def test_interleaved_batched_streams_equal_whole_decode(tiny_ckpt, pool_size, lengths):
     codec = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
-    dec = StreamDecoder(codec)
+    dec = StreamDecoder(codec, pool_size=pool_size)
+    if lengths:
+        dec.pool.warm(lengths, max_batch=4)
+        assert dec.pool.padded(3) == 4 and dec.pool.padded(5) == 8 and dec.pool.padded(9) == 9
     gen = np.random.default_rng(0)
     n = {"a": 13, "b": 9, "c": 11}
     codes = {k: np.concatenate([gen.integers(0, 64, (1, f)), gen.integers(0, 32, (9, f))]) for k, f in n.items()}
@@ -26,7 +32,11 @@ def test_interleaved_batched_streams_equal_whole_decode(tiny_ckpt):
                 jobs.append((k, k, c, i == 0, i == len(sizes) - 1))
         for key, audio in dec.decode_many(jobs, now=float(i)).items():
             got[key].append(audio)
+        if lengths and i == 2:  # "a" ends with 5 frames and "c" with 3: padded to 8 and 4, not batched with 4s
+            assert dec.batches[-2:] == [1, 1]
     assert not dec.states  # every stream ended with a final chunk
+    if pool_size:
+        assert sorted(dec.pool.free) == list(range(pool_size))  # every slot came back
     for k in n:
         whole = codec.decode(torch.as_tensor(codes[k])[None])[0, 0].numpy()
         stream = np.concatenate(got[k])
@@ -73,12 +83,13 @@ def _overflowing_codec(tiny_ckpt, dtype):
     return codec
 
 
-def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog):
+@pytest.mark.parametrize("pool_size", [0, 4])
+def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog, pool_size):
     """Two streams in fp16, decoded together; one uses a code that overflows in its second chunk. That chunk is
     decoded again in fp32 from the stream's previous state and the stream stays fp32; the other stream stays fp16.
     Each stream's audio is finite and matches the fp32 codec to fp16's error."""
     ref, fp16 = _overflowing_codec(tiny_ckpt, "fp32"), _overflowing_codec(tiny_ckpt, "fp16")
-    dec = StreamDecoder(fp16, fallback=ref)
+    dec = StreamDecoder(fp16, fallback=ref, pool_size=pool_size)
     gen = np.random.default_rng(1)
     cool = np.concatenate([gen.integers(0, HOT, (1, 12)), gen.integers(0, 32, (9, 12))])
     hot = cool.copy()
@@ -93,6 +104,8 @@ def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog):
         assert dec.in_fp32 == ({"hot"} if i == 1 else set())  # after chunk 3 (final) the stream is gone
         assert dec.redone == (0 if i == 0 else 1)  # once: later chunks of "hot" run in fp32 from the start
     assert not dec.states and not dec.in_fp32
+    if pool_size:
+        assert sorted(dec.pool.free) == list(range(pool_size))
     assert "overflowed in torch.float16; decoded again in fp32" in caplog.text
     for k, c in codes.items():
         audio = np.concatenate(got[k])
@@ -104,6 +117,33 @@ def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog):
     bare = StreamDecoder(fp16)
     bare.decode_many([(0, "h", hot[:, :4].T, True, False)], now=0.0)
     assert not np.isfinite(bare.decode_many([(0, "h", hot[:, 4:8].T, False, False)], now=1.0)[0]).all()
+
+
+def test_pool_slots_are_reused_from_a_fresh_state(tiny_ckpt):
+    """A slot a finished stream gave back holds its last state: the next stream on it (even one whose first chunk
+    is empty) starts from a fresh state, and its audio equals a whole decode. Streams past the pool's size run on
+    their own state, batched apart, with the same result."""
+    codec = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
+    dec = StreamDecoder(codec, pool_size=1)
+    gen = np.random.default_rng(3)
+    a, b, c = (np.concatenate([gen.integers(0, 64, (1, 8)), gen.integers(0, 32, (9, 8))]) for _ in range(3))
+    got_a = [dec.decode_many([(0, "a", a[:, :4].T, True, False)], now=0.0)[0]]
+    got_a.append(dec.decode_many([(0, "a", a[:, 4:].T, False, True)], now=1.0)[0])
+    assert dec.pool.free == [0] and not dec.states
+    got_b = [dec.decode_many([(0, "b", np.zeros((0, 10), np.int64), True, False)], now=2.0)[0]]  # opens, decodes nothing
+    assert dec.states["b"].slot == 0 and dec.states["b"].fresh
+    both = dec.decode_many([(0, "b", b[:, :4].T, False, False), (1, "c", c[:, :4].T, True, False)], now=3.0)
+    assert dec.states["c"].slot is None and dec.states["c"].state is not None  # the pool is full: its own state
+    got_b.append(both[0])
+    got_c = [both[1]]
+    both = dec.decode_many([(0, "b", b[:, 4:].T, False, True), (1, "c", c[:, 4:].T, False, True)], now=4.0)
+    got_b.append(both[0])
+    got_c.append(both[1])
+    assert dec.batches[-2:] == [1, 1]  # pooled and own-state streams are decoded apart
+    for codes, got in ((a, got_a), (b, got_b), (c, got_c)):
+        whole = codec.decode(torch.as_tensor(codes)[None])[0, 0].numpy()
+        np.testing.assert_allclose(np.concatenate(got), whole, atol=1e-5)
+    assert dec.pool.free == [0] and not dec.states
 
 
 def test_codec_dtype_auto():

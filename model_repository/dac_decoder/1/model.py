@@ -13,6 +13,7 @@ from s2tts import settings
 from s2tts import triton_utils as tu
 from s2tts.checkpoint import codec_dtype_for, load_codec_from_dir
 from s2tts.codec_stream import StreamDecoder
+from s2tts.service import Chunker
 
 
 class TritonPythonModel:
@@ -24,7 +25,14 @@ class TritonPythonModel:
         tu.codec_precision("fp32", v.codec_tf32)  # the fp32 codec, or the fallback of an fp16 one
         codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype)
         fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, v.codec_device, "fp32")
-        self.decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback)
+        self.decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback,
+                                     pool_size=v.codec_max_streams)
+        if self.decoder.pool is not None:
+            t0 = time.monotonic()
+            lengths = Chunker.lengths(v.first_chunk_frames, v.chunk_frames)
+            graphs = self.decoder.pool.warm(lengths, max_batch=max(1, json.loads(args["model_config"]).get("max_batch_size", 1)))
+            self.log.info("%s: %d stream slots (%.0f MiB); chunk lengths %s prepared, %d CUDA graphs in %.1f s", self.name,
+                          self.decoder.pool.size, self.decoder.pool.bytes / 2**20, lengths, graphs, time.monotonic() - t0)
         self.metrics = tu.Metrics(self.name)
         self.metrics.declare("s2tts_codec_batch_size")
         self.log.info("%s ready: device=%s dtype=%s%s", self.name, next(codec.parameters()).device, dtype,
