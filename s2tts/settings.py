@@ -156,6 +156,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("codec_max_streams", int, 256, ("dac_decoder",), "decoder states held in one pool on the codec's "
             "device (4.4 MB a stream in fp16); on a GPU each batch of the default chunk lengths runs as a CUDA graph, "
             "captured at start. Streams beyond it run eagerly on their own state; 0 = no pool", min=0, max=4096),
+    Setting("codec_queue_delay_us", int, 3000, ("dac_decoder",), "how long dac_decoder's batcher waits for chunks of "
+            "other streams to decode them together (microseconds): longer makes bigger batches under load",
+            min=0, max=1000000),
     Setting("codec_idle_timeout_s", float, 600.0, ("dac_decoder",), "decoder state of a stream that sends no chunk "
             "for this long is dropped", min=1),
 )
