@@ -270,6 +270,7 @@ class SlotPool:
         (the codec is causal: the frames added change no sample of the real ones). -> graphs made."""
         self.lengths = sorted(set(lengths))
         if self.use_graphs:
+            torch.cuda.set_device(self.device)  # capture on this device (the current one is per thread)
             for n in self.lengths:
                 for Bp in self.BUCKETS:
                     self._capture(Bp, n)
@@ -282,6 +283,13 @@ class SlotPool:
         return next((L for L in self.lengths if L >= n), n)
 
     def decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool]):
+        """See `_decode`; on a GPU, with the pool's device current (graphs replay on the current device)."""
+        if self.device.type != "cuda":
+            return self._decode(slots, codes, keep)
+        with torch.cuda.device(self.device):
+            return self._decode(slots, codes, keep)
+
+    def _decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool]):
         """codes [B, C, n] (device, int64) of the streams in `slots`; keep[b] False: start from a fresh state.
         -> (audio float32 [B, n * hop] host, finite [B] host, old states {key: [B, ...]} on the device)."""
         B, n = codes.shape[0], codes.shape[-1]

@@ -104,6 +104,8 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         on_cuda = self.device.type == "cuda"
+        if on_cuda:  # Triton kernels and CUDA graphs run on the thread's current device: make it this one
+            torch.cuda.set_device(self.device)
         # one extra slot: padded rows of a CUDA-graph bucket read and write it, never a live request's
         self.scratch = max_batch
         model.slow.stack.setup_caches(max_batch + 1, self.max_seq_len, self.dtype, self.device)
@@ -205,8 +207,17 @@ class Engine:
         return list(self._waiting) + list(self.live.values())
 
     # ---- the loop ----------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list[Output]:
+        """See `_step`. On a GPU the step runs with the engine's device current (the current device is per thread;
+        Triton kernels and graphs launch on it, so an engine on cuda:1 stepped from a thread left on cuda:0 would hand
+        them pointers they cannot use)."""
+        if self.device.type != "cuda":
+            return self._step()
+        with torch.cuda.device(self.device):
+            return self._step()
+
+    @torch.inference_mode()
+    def _step(self) -> list[Output]:
         """One engine step, all or nothing per group of requests.
 
         Cancellations collected since the last step are applied first (so none is lost, whatever the
