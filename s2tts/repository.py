@@ -58,6 +58,8 @@ def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REP
         cfg = dst / name / "config.pbtxt"
         own = {**values, **placed.get(name, {})}
         text = _PLACEHOLDER.sub(lambda m: own[m.group(1)], cfg.read_text(encoding="utf-8"))
+        if template == DECODER:  # a structural field: the template keeps a number (it parses), rendering sets it
+            text = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {own['codec_queue_delay_us']}", text)
         if name != template:  # a replica: the same model under its own name
             text = re.sub(r'^name: "[^"]*"', f'name: "{name}"', text, count=1, flags=re.M)
         cfg.write_text(text, encoding="utf-8")

@@ -44,6 +44,9 @@ def test_render_fills_defaults_and_checks(tmp_path, tiny_ckpt):
     assert slow.parameters["cuda_graphs"].string_value == "auto" and slow.parameters["max_queued_requests"].string_value == "64"
     dec = parse_model_config(repo / "dac_decoder" / "config.pbtxt")
     assert dec.parameters["codec_device"].string_value == "auto"  # = device
+    assert dec.dynamic_batching.max_queue_delay_microseconds == 3000 == S.SCHEMA["codec_queue_delay_us"].default
+    slower = render_repository(tmp_path / "r2", {"checkpoint": str(tiny_ckpt), "codec_queue_delay_us": "12000"})
+    assert parse_model_config(slower / "dac_decoder" / "config.pbtxt").dynamic_batching.max_queue_delay_microseconds == 12000
     assert "${" not in "".join(p.read_text() for p in repo.glob("*/config.pbtxt"))
     s2 = parse_model_config(repo / "s2pro" / "config.pbtxt")
     assert s2.parameters["max_new_tokens_limit"].string_value == "2048"  # max_seq_len 4096 / 2 caps nothing
