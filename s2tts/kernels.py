@@ -232,7 +232,7 @@ if triton is not None:
         cum = tl.cumsum(e / tl.sum(e, axis=0), axis=0)
         top_p = tl.load(P + row)
         top_k = tl.load(K + row).to(tl.int32)
-        k = tl.where(top_k > 0, top_k, V)
+        k = tl.maximum(top_k, 1)  # 0: greedy, as upstream
         remove = ((cum > top_p) | (r >= k)) & (r != 0)
         remove = remove | (r >= V)
         t = tl.maximum(tl.load(T + row), 1e-5)

@@ -51,7 +51,7 @@ def _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int, k
     B, V = sorted_logits.shape
     cum = sorted_logits.softmax(-1).cumsum(-1)
     rank = torch.arange(V, device=sorted_logits.device)[None, :]
-    k = torch.where(top_k > 0, top_k, V)[:, None]
+    k = top_k.clamp_min(1)[:, None]  # top_k=0: only rank 0 survives (greedy), as upstream
     remove = (cum > top_p[:, None]) | (rank >= k)
     remove[:, 0] = False
     scaled = sorted_logits / temperature.clamp_min(1e-5)[:, None]
@@ -61,7 +61,7 @@ def _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int, k
 
 
 def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: bool = False) -> torch.Tensor:
-    """logits [B, V] float; temperature/top_p [B] float; top_k [B] int (0 = off); seed/step [B] int64 -> [B].
+    """logits [B, V] float; temperature/top_p [B] float; top_k [B] int (0 = greedy, as upstream); seed/step [B] int64 -> [B].
 
     As the reference: sort; top-p mask from the softmax of the un-tempered logits, and rank >= top_k
     masked; rank 0 always kept; then divide by max(T, 1e-5), softmax, exponential-race sample.

@@ -311,7 +311,7 @@ REQUEST_FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("seed", "seed", int, 0, 2**63 - 1, doc="random seed; unset: random (reported in the stats)"),
     Field("temperature", "temperature", float, 0.0, 2.0, default=0.8, doc="0 = greedy"),
     Field("top_p", "top_p", float, 0.0, 1.0, min_open=True, default=0.8),
-    Field("top_k", "top_k", int, 0, 4096, default=30, doc="0 = off"),
+    Field("top_k", "top_k", int, 0, 4096, default=30, doc="0 = greedy (upstream's meaning); 4096 = no top-k"),
     Field("max_new_tokens", "max_new_tokens", int, 1, None, max_setting="max_new_tokens_limit",
           doc="frames to generate at most"),
     Field("first_chunk_frames", "first_chunk_frames", int, 1, None, max_setting="max_chunk_frames"),

@@ -181,7 +181,7 @@ def test_length_limit_and_end_token(model, prompts):
     # force the end token: a logits bias through temperature 0 on a model whose head favours <|im_end|>
     reasons = set()
     for seed in range(40):
-        _, r = eng.generate(prompts.build("Any."), SamplingParams(seed=seed, max_new_tokens=30, temperature=1.0, top_p=1.0, top_k=0), request_id=f"s{seed}")
+        _, r = eng.generate(prompts.build("Any."), SamplingParams(seed=seed, max_new_tokens=30, temperature=1.0, top_p=1.0, top_k=4096), request_id=f"s{seed}")
         reasons.add(r)
     assert reasons == {"end", "length"}
 
@@ -206,12 +206,16 @@ def test_sampling_respects_top_k_and_is_counter_based():
     seed = torch.tensor([1, 2, 3])
     step = torch.tensor([0, 0, 5])
     t, p = torch.full((3,), 1.0), torch.ones(3)
-    k = torch.tensor([1, 5, 0])
+    k = torch.tensor([1, 5, 100])
     draws = torch.stack([sample(logits, t, p, k, seed, step + i, 0) for i in range(200)])
     assert (draws[:, 0] == logits[0].argmax()).all()  # top_k 1 = greedy
     top5 = set(logits[1].topk(5).indices.tolist())
     assert set(draws[:, 1].tolist()) <= top5 and len(set(draws[:, 1].tolist())) > 1
-    assert len(set(draws[:, 2].tolist())) > 20  # top_k 0 = off
+    assert len(set(draws[:, 2].tolist())) > 20  # top_k = vocabulary: no top-k
+    # top_k 0 is greedy, as upstream (only rank 0 survives), at any temperature
+    zero = torch.stack([sample(logits, torch.full((3,), 1.5), p, torch.zeros(3, dtype=torch.long), seed, step + i, 0)
+                        for i in range(50)])
+    assert (zero == logits.argmax(-1)).all()
     # row order does not matter: the same (seed, step) gives the same numbers
     u1 = uniform(seed, step, 0, 8)
     u2 = uniform(seed.flip(0), step.flip(0), 0, 8).flip(0)
