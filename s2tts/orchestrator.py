@@ -186,6 +186,8 @@ class TTSService:
             cut = False  # a segment hit max_new_tokens
             for k, segment in enumerate(segments):
                 last = k == len(segments) - 1
+                if k and rec.deadline is not None:  # the deadline is each segment's: a 100,000-character text is fine
+                    rec.deadline = time.monotonic() + self.v["request_timeout_s"]
                 prompt = self._prompt(segment, ref_codes, req, history)
                 stats.prompt_tokens = max(stats.prompt_tokens or 0, len(prompt))
                 if prompt.history_dropped:
@@ -351,9 +353,9 @@ class TTSService:
             if rec.closed:
                 continue
             if rec.deadline is not None and now >= rec.deadline:
-                self._abort(rec, S2Error("deadline_exceeded", f"the request ran longer than request_timeout_s="
-                                         f"{self.v['request_timeout_s']:g} s (in {w.phase}); shorten the text or lower "
-                                         "max_new_tokens, or raise the setting"))
+                self._abort(rec, S2Error("deadline_exceeded", f"the request (or its current text segment) ran longer "
+                                         f"than request_timeout_s={self.v['request_timeout_s']:g} s (in {w.phase}); "
+                                         "lower max_new_tokens or chunk_length, or raise the setting"))
                 continue
             if now - w.progress > self.v["stall_timeout_s"] and now - w.last_check > self.v["stall_timeout_s"]:
                 w.last_check = now

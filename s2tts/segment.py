@@ -33,6 +33,7 @@ _SENTENCE = regex.compile(r"(?:[.!?…]+[\"'”’)\]]*\s+|[。！？；]+[」�
 _CLAUSE = regex.compile(r"(?:[,;:]\s+|[、，：]\s*)")
 _SPACE = regex.compile(r"\s+")
 _GRAPHEME = regex.compile(r"\X")
+_MARGIN = 64  # characters past a cut's window, so that the grapheme at its edge is seen whole
 
 
 _LEGACY_SPEAKER = re.compile(r"<speaker:(\d+)>")
@@ -94,40 +95,43 @@ def split_turns(text: str) -> list[Turn]:
     return turns
 
 
-def _graphemes_ends(text: str) -> list[int]:
-    """Every index where a grapheme ends (a legal cut), ascending."""
-    return [m.end() for m in _GRAPHEME.finditer(text)]
-
-
 def split_text(text: str, max_bytes: int) -> list[str]:
     """Pieces of `text`, each at most `max_bytes` UTF-8 bytes (a single grapheme longer than that stays whole),
-    whose concatenation is `text`; cut at the strongest boundary that fits (see the module's doc)."""
+    whose concatenation is `text`; cut at the strongest boundary that fits (see the module's doc). Linear in the
+    text's length: each cut looks only at the next `max_bytes` characters (a piece of at most `max_bytes` bytes has
+    no more characters than that), plus a margin so that the grapheme at the window's edge is seen whole."""
     if max_bytes < 1:
         raise ValueError("max_bytes must be at least 1")
     pieces = []
-    while nbytes(text) > max_bytes:
-        ends = _graphemes_ends(text)
-        # the longest prefix that fits, in characters, on a grapheme boundary
-        fit, size = 0, 0
+    start = 0
+    while nbytes(text[start:]) > max_bytes:  # one C-level encode per cut: cheap even for 100,000 characters
+        window = text[start : start + max_bytes + _MARGIN]
+        whole = start + len(window) >= len(text)
+        ends = [m.end() for m in _GRAPHEME.finditer(window)]
+        if not whole and len(ends) > 1:
+            ends.pop()  # the last grapheme may go on past the window
+        # the longest prefix that fits, on a grapheme boundary
+        fit, size, prev = 0, 0, 0
         for e in ends:
-            size = nbytes(text[:e])
+            size += nbytes(window[prev:e])
+            prev = e
             if size > max_bytes:
                 break
             fit = e
         if fit == 0:  # one grapheme is bigger than the budget: it goes alone
-            fit = ends[0]
+            fit = _GRAPHEME.match(text, start).end() - start
         cut = fit
         legal = set(ends)
         for pattern in (_SENTENCE, _CLAUSE, _SPACE):
-            best = max((m.end() for m in pattern.finditer(text, 0, fit) if 0 < m.end() <= fit and m.end() in legal),
+            best = max((m.end() for m in pattern.finditer(window, 0, fit) if 0 < m.end() <= fit and m.end() in legal),
                        default=0)
             if best:
                 cut = best
                 break
-        pieces.append(text[:cut])
-        text = text[cut:]
-    if text:
-        pieces.append(text)
+        pieces.append(text[start : start + cut])
+        start += cut
+    if start < len(text):
+        pieces.append(text[start:])
     return pieces
 
 

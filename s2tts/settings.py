@@ -136,7 +136,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder"), "default frames in later chunks (the largest, with "
             "`adaptive_chunks`)", min=1),
     Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
-    Setting("max_text_chars", int, 2000, ("s2pro",), "longest text accepted (characters)", min=1),
+    Setting("max_text_chars", int, 100000, ("s2pro",), "longest text accepted (characters); a long text is spoken "
+            "segment after segment (`chunk_length`)", min=1, max=10000000),
     Setting("chunk_length", int, 200, ("s2pro",), "default UTF-8 bytes of text per segment: a longer text (or a "
             "dialogue) is spoken segment after segment, each with the earlier ones in context, in one audio stream "
             "(upstream's API: 200)", min=16, max=100000),
@@ -146,8 +147,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(unset: at most `max_new_tokens_limit`)", min=1),
     Setting("max_new_tokens_limit", int, 2048, ("s2pro",), "the most frames a request may ask for (unset: at most "
             "half of `max_seq_len`)", min=1),
-    Setting("request_timeout_s", float, 600.0, ("s2pro",), "a request still running after this long ends with "
-            "`deadline_exceeded` and its generation is cancelled", min=1),
+    Setting("request_timeout_s", float, 600.0, ("s2pro",), "a request, or each text segment of a long one, still "
+            "running after this long ends with `deadline_exceeded` and its generation is cancelled", min=1),
     Setting("stall_timeout_s", float, 20.0, ("s2pro",), "silence from slow_ar or the codec after which s2pro checks "
             "that they are alive (a dead model fails its requests with `unavailable`)", min=0.5),
     Setting("auto_recover", bool, True, ("s2pro",), "reload a model of the pipeline whose process died or that "

@@ -431,6 +431,24 @@ def test_deadline(harness_factory):
     _quiet(h)
 
 
+def test_deadline_is_per_text_segment(harness_factory):
+    """A long text runs longer than request_timeout_s in all, each of its segments well within it: it completes. The
+    same time spent in one segment still ends the request (test_deadline)."""
+    h = harness_factory(request_timeout_s=3, chunk_frames=2)
+    dec = h.models["dac_decoder"]
+    decode = dec.execute
+    dec.execute = lambda requests: (time.sleep(0.3), decode(requests))[1]  # 3 chunks a segment: ~1 s each
+    text = "First sentence here. Second one follows. The third sentence. And a fourth one. A fifth to end."
+    t0 = time.monotonic()
+    req = _wait(h.request("s2pro", _tts_inputs(text, max_new_tokens=6, ignore_eos=np.array([True]),
+                                               chunk_length=np.array([24], np.int32)), "long"), 60)
+    took = time.monotonic() - t0
+    assert _one_final(req) is None
+    stats = json.loads(req.sender.responses[-1].get("stats")[0])
+    assert stats["frames"] == 6 * 5 and took > 3, (stats, took)  # five segments, longer than the timeout in all
+    _quiet(h)
+
+
 def test_admission_full(harness_factory):
     h = harness_factory(max_concurrent_requests=1)
     a = h.request("s2pro", _tts_inputs(max_new_tokens=200, ignore_eos=np.array([True])), "a")

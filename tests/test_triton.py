@@ -96,7 +96,7 @@ def test_cancel_mid_stream(triton_server):
 
 BAD = [  # (inputs, the input the error names, words of its message)
     (dict(text=""), "text", "text is empty"),
-    (dict(text="x" * 2001), "text", "over the limit of 2000"),
+    (dict(text="x" * 100001), "text", "over the limit of 100000"),
     (dict(text="hi", temperature=5.0), "temperature", "temperature=5.0 is out of range"),
     (dict(text="hi", top_p=0.0), "top_p", "top_p=0.0 is out of range"),
     (dict(text="hi", max_new_tokens=0), "max_new_tokens", "max_new_tokens=0 is out of range"),
