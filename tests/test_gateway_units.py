@@ -116,12 +116,13 @@ def test_parse_speech_defaults_and_voice_forms():
     p = parse_speech({"input": "hi", "seed": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 50.0},
                      CFG)
     assert (p.seed, p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (3, 0.7, 0.9, 20, 50)
+    assert len(parse_speech({"input": "A long book. " * 7000}, CFG).input) > 90000  # long-form text is one request
 
 
 @pytest.mark.parametrize("body,status,param", [
     ([], 400, None),
     ({"input": "  "}, 400, "input"),
-    ({"input": "x" * 5000}, 400, "input"),
+    ({"input": "x" * 100001}, 400, "input"),  # max_text_chars (100,000 by default)
     ({"input": "hi", "model": "tts-1"}, 404, "model"),
     ({"input": "hi", "voice": 3}, 400, "voice"),
     ({"input": "hi", "voice": {"name": "x"}}, 400, "voice"),
