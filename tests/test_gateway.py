@@ -452,6 +452,12 @@ def test_several_voices_one_per_speaker(gw, triton, gw_dir, reference_wav, tmp_p
                                         max_new_tokens=8))
         got = np.frombuffer(both, "<i2").astype(np.float32) / 32768.0
         assert got.shape == res.audio.shape and np.abs(got - res.audio).max() <= 2 / 32768  # the same audio, as 16-bit
+        # the same two voices as inline clips (ref_audio / ref_text lists, one per speaker): encoded by the gateway
+        url = lambda p: "data:audio/wav;base64," + base64.b64encode(Path(p).read_bytes()).decode()  # noqa: E731
+        inline, _ = speech_raw(gw.client(), ref_audio=[url(reference_wav), url(second)],
+                               ref_text=[REF_TEXT, "A buzzing second voice."], **kw)
+        inline = np.frombuffer(inline, "<i2").astype(np.float32) / 32768.0
+        assert inline.shape == got.shape and np.abs(inline - got).max() <= 2 / 32768
         r = httpx.post(f"{gw.url}/v1/audio/speech", json={**kw, "model": MODEL, "voice": ["alice", "nobody"]}, timeout=60)
         assert r.status_code == 404 and r.json()["error"]["code"] == "voice_not_found" and "nobody" in r.text
         r = httpx.post(f"{gw.url}/v1/audio/speech", json={**kw, "model": MODEL, "voice": ["alice", "default"]}, timeout=60)

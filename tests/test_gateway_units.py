@@ -117,6 +117,8 @@ def test_parse_speech_defaults_and_voice_forms():
                      CFG)
     assert (p.seed, p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (3, 0.7, 0.9, 20, 50)
     assert len(parse_speech({"input": "A long book. " * 7000}, CFG).input) > 90000  # long-form text is one request
+    two = parse_speech({"input": "hi", "ref_audio": ["data:a", "data:b"], "ref_text": ["one", "two"]}, CFG)
+    assert (two.ref_audio, two.ref_text, two.voice) == (["data:a", "data:b"], ["one", "two"], None)
 
 
 @pytest.mark.parametrize("body,status,param", [
@@ -134,6 +136,12 @@ def test_parse_speech_defaults_and_voice_forms():
     ({"input": "hi", "stream": False, "stream_format": "sse"}, 400, "stream"),
     ({"input": "hi", "voice": "bob", "ref_audio": "data:audio/wav;base64,AAAA", "ref_text": "t"}, 400, "voice"),
     ({"input": "hi", "extra_thing": 1}, 400, "extra_thing"),
+    ({"input": "hi", "ref_audio": ["data:audio/wav;base64,AAAA"], "ref_text": "t"}, 400, "ref_text"),
+    ({"input": "hi", "ref_audio": ["data:audio/wav;base64,AAAA"] * 2, "ref_text": ["t"]}, 400, "ref_text"),
+    ({"input": "hi", "ref_audio": ["data:audio/wav;base64,AAAA", " "], "ref_text": ["t", "u"]}, 400, "ref_audio"),
+    ({"input": "hi", "ref_audio": ["data:audio/wav;base64,AAAA"] * 2, "ref_text": ["t", ""]}, 400, "ref_text"),
+    ({"input": "hi", "ref_audio": ["data:audio/wav;base64,AAAA"] * 9, "ref_text": ["t"] * 9}, 400, "ref_audio"),
+    ({"input": "hi", "voice": "bob", "ref_audio": ["data:audio/wav;base64,AAAA"], "ref_text": ["t"]}, 400, "voice"),
 ])
 def test_parse_speech_rejects(body, status, param):
     with pytest.raises(APIError) as ei:

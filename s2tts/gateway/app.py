@@ -448,16 +448,26 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                 req.reference_codes, req.reference_text = found[0].codes, found[0].ref_text
             else:  # one voice per speaker, in upstream's format
                 req.reference_text, req.reference_codes = combine_voices([(v.ref_text, v.codes) for v in found])
+        elif isinstance(p.ref_audio, list):  # inline clips, one per speaker: encoded here, combined as registered ones
+            voices = []
+            for i, (url, text) in enumerate(zip(p.ref_audio, p.ref_text)):
+                x, sr = await _inline_clip(url, f"ref_audio[{i}]", limits)
+                voices.append((text, await backend.encode_reference(x, sr)))
+            req.reference_text, req.reference_codes = combine_voices(voices)
         elif p.ref_audio is not None:
-            data = decode_data_url(p.ref_audio)
-            if len(data) > cfg.max_upload_bytes:
-                raise APIError(413, f"ref_audio is {len(data) / 2**20:.1f} MiB; audio files are limited to "
-                                    f"{cfg.max_upload_bytes / 2**20:.1f} MiB: send a shorter or smaller file",
-                               param="ref_audio", code="payload_too_large")
-            x, sr = await anyio.to_thread.run_sync(decode_audio, data, "ref_audio")
-            _check_reference_length(x, sr, cfg, "ref_audio", limits)
+            x, sr = await _inline_clip(p.ref_audio, "ref_audio", limits)
             req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, p.ref_text
         return SpeechResponse(state, p, req)
+
+    async def _inline_clip(url: str, what: str, limits: dict):
+        data = decode_data_url(url)
+        if len(data) > cfg.max_upload_bytes:
+            raise APIError(413, f"{what} is {len(data) / 2**20:.1f} MiB; audio files are limited to "
+                                f"{cfg.max_upload_bytes / 2**20:.1f} MiB: send a shorter or smaller file",
+                           param="ref_audio", code="payload_too_large")
+        x, sr = await anyio.to_thread.run_sync(decode_audio, data, "ref_audio")
+        _check_reference_length(x, sr, cfg, "ref_audio", limits)
+        return x, sr
 
     # ---- voices ------------------------------------------------------------------------------
     @app.post("/v1/audio/voices")

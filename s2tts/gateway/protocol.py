@@ -37,7 +37,7 @@ class SpeechParams:
     speed: float = 1.0
     stream_format: str | None = None  # None: whole file; "audio" | "sse": streamed
     ref_audio: str | None = None
-    ref_text: str | None = None
+    ref_text: str | None = None  # (ref_audio, ref_text as lists: one inline voice per speaker)
     seed: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -76,6 +76,24 @@ def _voice(voice):
         return names if len(names) > 1 else names[0]
     voice = _voice_name(voice)
     return None if voice.strip().lower() in DEFAULT_VOICES else voice
+
+
+def _inline_voices(ref_audio, ref_text) -> tuple[list[str], list[str]]:
+    """ref_audio and ref_text as lists: clip i (a base64 data URL) and its transcript are speaker i's voice."""
+    if not isinstance(ref_audio, list) or not isinstance(ref_text, list) or len(ref_audio) != len(ref_text):
+        raise bad_request("several inline voices (one per speaker) need ref_audio and ref_text as lists of the same "
+                          "length: clip i and its transcript are <|speaker:i|>'s voice", "ref_text"
+                          if isinstance(ref_audio, list) else "ref_audio")
+    if not 1 <= len(ref_audio) <= MAX_VOICES:
+        raise bad_request(f"ref_audio as a list needs 1 to {MAX_VOICES} clips (one per speaker), got {len(ref_audio)}",
+                          "ref_audio")
+    for i, (a, t) in enumerate(zip(ref_audio, ref_text)):
+        if not isinstance(a, str) or not a.strip():
+            raise bad_request(f"ref_audio[{i}] must be a base64 data URL string (data:audio/wav;base64,...)", "ref_audio")
+        if not isinstance(t, str) or not t.strip():
+            raise bad_request(f"ref_text[{i}] must be the transcript of ref_audio[{i}], a non-empty string", "ref_text",
+                              code="missing_ref_text")
+    return ref_audio, ref_text
 
 
 def _is_num(v) -> bool:
@@ -177,11 +195,13 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
 
     ref_audio = body.get("ref_audio")
     ref_text = body.get("ref_text")
-    if ref_audio is not None and (not isinstance(ref_audio, str) or not ref_audio.strip()):
+    if isinstance(ref_audio, list) or isinstance(ref_text, list):  # inline clips, one per speaker
+        ref_audio, ref_text = _inline_voices(ref_audio, ref_text)
+    elif ref_audio is not None and (not isinstance(ref_audio, str) or not ref_audio.strip()):
         raise bad_request("ref_audio must be a base64 data URL string (data:audio/wav;base64,...)", "ref_audio")
-    if ref_text is not None and not isinstance(ref_text, str):
+    if ref_text is not None and not isinstance(ref_text, (str, list)):
         raise bad_request("ref_text must be a string: the transcript of ref_audio", "ref_text")
-    if ref_audio is not None and not (ref_text or "").strip():
+    if isinstance(ref_audio, str) and not (ref_text or "").strip():
         raise bad_request("ref_text is required with ref_audio: send the transcript of the reference audio",
                           "ref_text", code="missing_ref_text")
     if ref_audio is None and ref_text is not None:
