@@ -40,7 +40,7 @@ from . import errors
 from .errors import S2Error
 from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from .lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
-from .segment import batches
+from .segment import batches, overall_finish_reason
 from .service import Stats, TTSRequest
 
 log = logging.getLogger("s2tts")
@@ -88,6 +88,9 @@ class Work:
     stream_done: bool = False  # slow_ar's stream reached its final response
     decoder_open: bool = False
     last_check: float = 0.0
+    stream: Any = None  # the segment's slow_ar stream being read
+    seq: int = 0  # audio chunks sent
+    last_sent: float = 0.0  # when the last one went (the pipeline's pace)
 
     def step(self, phase: str) -> None:
         self.phase, self.progress = phase, time.monotonic()
@@ -173,8 +176,6 @@ class TTSService:
     def _serve(self, rec: Tracked) -> None:
         w: Work = rec.state
         req, stats = w.req, w.stats
-        seq = 0
-        stream = None
         try:
             ref_codes = req.reference_codes
             if req.reference_audio is not None:
@@ -183,8 +184,10 @@ class TTSService:
             segments = batches(req.text, req.chunk_length) or [req.text]  # long text / dialogue: one after another
             history: list[tuple[str, np.ndarray]] = []  # earlier segments: (text, codes [frames, C])
             base = w.rid
-            cut = False  # a segment hit max_new_tokens
+            cut = False  # a segment hit max_new_tokens, or the context dropped earlier segments
             for k, segment in enumerate(segments):
+                if rec.closed:  # ended elsewhere between segments
+                    break
                 last = k == len(segments) - 1
                 if k and rec.deadline is not None:  # the deadline is each segment's: a 100,000-character text is fine
                     rec.deadline = time.monotonic() + self.v["request_timeout_s"]
@@ -194,52 +197,12 @@ class TTSService:
                     cut = True
                     history = history[prompt.history_dropped:]
                 w.rid = base if k == 0 else f"{base}.{k}"  # slow_ar's id of this segment
-                w.step("generating")
-                w.generation_open, w.stream_done = True, False
-                stream = self._call(w.engine, self.down.generate, w.engine, w.rid, prompt, req)
-                made: list[np.ndarray] = []
-                while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
-                    try:
-                        frames, reason, gstats = self._call(w.engine, next, stream)
-                    except StopIteration:
-                        w.generation_open, w.stream_done = False, True
-                        raise errors.internal("slow_ar ended the stream without a final response") from None
-                    except S2Error:
-                        w.generation_open, w.stream_done = False, True  # an error response is slow_ar's final one
-                        raise
-                    if reason:
-                        w.generation_open, w.stream_done = False, True
-                        if gstats and k == 0:
-                            stats.queue_s = gstats.get("queue_s")
-                    w.step("generating")
-                    if rec.closed:
-                        break
-                    if rec.responder.is_cancelled():
-                        raise Cancelled()
-                    if frames.shape[0]:
-                        made.append(frames)
-                        stats.frames += frames.shape[0]
-                        w.step("decoding")
-                        # one codec stream for every segment: opened by the first chunk, ended by the last one
-                        audio = self._call(w.decoder, self.down.decode, w.decoder, w.sid, frames, seq == 0,
-                                           bool(reason) and last)
-                        w.decoder_open = not (reason and last)
-                        w.step("generating")
-                        stats.audio_sent(audio.size)
-                        if not rec.send(self.make_chunk(audio, frames, seq)):
-                            break
-                        now = time.monotonic()
-                        if seq and audio.size and not reason:  # not the first (prefill) nor the last (a remainder)
-                            self._observe_pace((now - last_sent) * self.s2.sample_rate / audio.size)
-                        last_sent = now
-                        seq += 1
-                    if reason:
-                        break
-                if rec.closed or not w.stream_done:
+                made, reason = self._segment(rec, prompt, first=k == 0, last=last)
+                if reason is None:  # the request ended elsewhere (deadline, shutdown, a dead model) or its client left
                     break
                 cut = cut or reason == "length"
                 if reason == "cancelled" or last:
-                    stats.finish_reason = "length" if cut and reason != "cancelled" else reason
+                    stats.finish_reason = overall_finish_reason(reason, cut)
                     break
                 history.append((segment, np.concatenate(made) if made else np.zeros((0, self.s2.num_codebooks), np.int64)))
             if w.stream_done and not rec.closed:
@@ -248,22 +211,70 @@ class TTSService:
                 w.step("done")
                 if reason == "cancelled":
                     log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
-                if rec.finish(self.make_final(stats, seq), "ok"):
+                if rec.finish(self.make_final(stats, w.seq), "ok"):
                     log.info("%s: request %s done: %d frames in %d segment(s), finish reason %s, first audio after %s s",
                              self.name, rec.tag, stats.frames, len(segments), reason,
                              None if stats.first_audio is None else round(stats.first_audio - stats.started, 3))
         except Cancelled:
             stats.finish_reason = "cancelled"
-            self._release(w, stream)  # cancel generation before answering
+            self._release(w)  # cancel generation before answering
             log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
-            rec.finish(self.make_final(stats, seq), "cancelled")
+            rec.finish(self.make_final(stats, w.seq), "cancelled")
         except Exception as e:  # noqa: BLE001 - every other exit: one final error, downstream released
             err = errors.from_exception(e, self.name)
             if rec.fail(err):
                 (log.info if err.code == "invalid_argument" else log.warning)(
                     "%s: request %s failed in %s: %s", self.name, rec.tag, w.phase, err.wire())
         finally:
-            self._release(w, stream)
+            self._release(w)
+
+    def _segment(self, rec: Tracked, prompt, first: bool, last: bool) -> tuple[list[np.ndarray], str | None]:
+        """One text segment: its generation in slow_ar, each chunk decoded in the request's codec stream (one for
+        every segment: opened by the first chunk, ended by the last segment's last) and sent. -> (its frames, its
+        finish reason; None when the request ended elsewhere or the client left). Raises Cancelled or S2Error."""
+        w: Work = rec.state
+        stats = w.stats
+        w.step("generating")
+        w.generation_open, w.stream_done = True, False
+        w.stream = self._call(w.engine, self.down.generate, w.engine, w.rid, prompt, w.req)
+        made: list[np.ndarray] = []
+        while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
+            try:
+                frames, reason, gstats = self._call(w.engine, next, w.stream)
+            except StopIteration:
+                w.generation_open, w.stream_done = False, True
+                raise errors.internal("slow_ar ended the stream without a final response") from None
+            except S2Error:
+                w.generation_open, w.stream_done = False, True  # an error response is slow_ar's final one
+                raise
+            if reason:
+                w.generation_open, w.stream_done = False, True
+                if gstats and first:
+                    stats.queue_s = gstats.get("queue_s")
+            w.step("generating")
+            if rec.closed:
+                return made, None
+            if rec.responder.is_cancelled():
+                raise Cancelled()
+            if frames.shape[0]:
+                made.append(frames)
+                stats.frames += frames.shape[0]
+                w.step("decoding")
+                audio = self._call(w.decoder, self.down.decode, w.decoder, w.sid, frames, w.seq == 0,
+                                   bool(reason) and last)
+                w.decoder_open = not (reason and last)
+                w.step("generating")
+                stats.audio_sent(audio.size)
+                if not rec.send(self.make_chunk(audio, frames, w.seq)):
+                    return made, None
+                now = time.monotonic()
+                if w.seq and audio.size and not reason:  # not the first (prefill) nor the last (a remainder)
+                    self._observe_pace((now - w.last_sent) * self.s2.sample_rate / audio.size)
+                w.last_sent = now
+                w.seq += 1
+            if reason:
+                return made, reason
+        return made, None
 
     def _prompt(self, segment: str, ref_codes, req: TTSRequest, history: list):
         """A segment's prompt beside the frames it may generate in slow_ar's sequence (the smaller of max_seq_len
@@ -288,15 +299,15 @@ class TTSService:
             except Exception as e:  # noqa: BLE001 - chunks then follow slow_ar's own pace
                 log.info("%s: pace not reported to %s (%s)", self.name, self.layout.engine(i), e)
 
-    def _release(self, w: Work, stream) -> None:
+    def _release(self, w: Work) -> None:
         """Whatever the request still holds downstream: its codec stream, and its generation (cancelled, and its
         stream read to the end so that no BLS stream stays open; if slow_ar died this thread waits there for good,
         holding nothing)."""
         self._close_decoder(w)
         self._end_generation(w)
-        if stream is not None and not w.stream_done:
+        if w.stream is not None and not w.stream_done:
             w.stream_done = True
-            self._drain(stream)
+            self._drain(w.stream)
 
     def _drain(self, stream) -> None:
         """Read a cancelled slow_ar stream to its final response, so that no BLS stream stays open here."""

@@ -12,7 +12,7 @@ from .checkpoint import load_codec_from_dir, load_model, resolve_device
 from .engine import Engine
 from .prompt import PromptBuilder, clean_text
 from .sampling import SamplingParams
-from .segment import DEFAULT_CHUNK_LENGTH, batches
+from .segment import DEFAULT_CHUNK_LENGTH, batches, overall_finish_reason
 
 
 @dataclass
@@ -63,16 +63,16 @@ class S2Pipeline:
         the earlier ones and their codes in context; `max_new_tokens` per segment; one decode of all the codes."""
         segments = batches(clean_text(text), chunk_length) or [text]
         room = min(self.engine.max_seq_len, self.s2.text.max_seq_len) - params.max_new_tokens - 1
-        history, parts, reasons, cut = [], [], [], False
+        history, parts, reason, cut = [], [], "", False
         for k, segment in enumerate(segments):
             prompt = self.prompts.build_segment(segment, ref_codes, ref_text, history, room)
             if prompt.history_dropped:
                 cut, history = True, history[prompt.history_dropped:]
             codes, reason = self.engine.generate(prompt, params, request_id=f"offline-{k}")
+            cut = cut or reason == "length"
             parts.append(codes)
-            reasons.append(reason)
             history.append((segment, codes.T))
         codes = np.concatenate(parts, axis=1)
-        reason = "length" if cut or "length" in reasons else reasons[-1]
+        reason = overall_finish_reason(reason, cut)
         audio = self.decode(codes) if codes.shape[1] else np.zeros(0, dtype=np.float32)
         return Synthesis(audio, self.sample_rate, codes, reason)

@@ -161,6 +161,12 @@ def batches(text: str, chunk_length: int = DEFAULT_CHUNK_LENGTH, max_turns: int 
     return out
 
 
+def overall_finish_reason(last: str, cut: bool) -> str:
+    """A segmented request's finish reason: its last segment's, but `length` when anything was cut on the way (a
+    segment hit max_new_tokens, or the context dropped earlier segments); a cancel stays `cancelled`."""
+    return "length" if cut and last != "cancelled" else last
+
+
 def _render(group: list[tuple[int, Turn]]) -> str:
     """One batch's text: consecutive pieces of one turn make one line (with their own whitespace), each line with
     its turn's tag, lines joined with `\n`."""
