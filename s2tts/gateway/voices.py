@@ -228,9 +228,7 @@ class PostgresVoiceStore(VoiceStore):
         self._migrate()
 
     def describe(self) -> str:
-        import re as _re
-
-        return _re.sub(r"//([^:@/]+):[^@/]*@", r"//\1:***@", self.url)  # no password in messages
+        return re.sub(r"//([^:@/]+):[^@/]*@", r"//\1:***@", self.url)  # no password in messages
 
     def _connect(self):
         import psycopg
