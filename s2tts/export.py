@@ -67,7 +67,8 @@ def sample_from_uniforms(logits, temperature, top_p, top_k, u, vocab: int) -> to
     sorted_logits, order = logits.topk(vocab, dim=-1)
     cum = sorted_logits.softmax(-1).cumsum(-1)
     rank = torch.arange(vocab, device=logits.device)[None, :]
-    k = top_k.clamp_min(1)[:, None]  # 0: greedy, as upstream
+    k = torch.where(top_k > 0, top_k, torch.ones_like(top_k))[:, None]  # 0: greedy, as upstream (Where: TensorRT's
+    # operator table has no INT32 Clip)
     remove = ((cum > top_p[:, None]) | (rank >= k)) & (rank > 0)
     scaled = sorted_logits / temperature.clamp_min(1e-5)[:, None]
     probs = scaled.masked_fill(remove, float("-inf")).softmax(-1)
