@@ -7,6 +7,8 @@ dac_decoder; in tests: anything with the same methods). Each admitted request ru
 worker thread of a pool and ends in exactly one final response (`lifecycle.Tracked`); the
 worker checks the client's cancel at each response from slow_ar. A supervisor thread
 watches every request in flight:
+- a request whose worker has waited on a model for 0.5 s is checked for a client cancel, and
+  ended at once if so (its admission slot frees without waiting for slow_ar's next chunk);
 - past `request_timeout_s` the request ends with `deadline_exceeded`;
 - after `stall_timeout_s` of silence from the model it waits on, s2pro asks slow_ar whether
   the request is alive; a model that does not answer (its process died) or lost the request
@@ -88,6 +90,7 @@ class Work:
     stream_done: bool = False  # slow_ar's stream reached its final response
     decoder_open: bool = False
     last_check: float = 0.0
+    last_cancel_check: float = 0.0
     stream: Any = None  # the segment's slow_ar stream being read
     seq: int = 0  # audio chunks sent
     last_sent: float = 0.0  # when the last one went (the pipeline's pace)
@@ -113,6 +116,7 @@ class TTSService:
         # the soak); room above the admission limit for workers left waiting on a model that died.
         self.pool = WorkerPool(values["max_concurrent_requests"] + 16, "s2pro-worker")
         self.supervise_s = supervise_s
+        self.cancel_check_s = 0.5  # a request waiting this long on a model: the supervisor checks for a cancel
         self.on_tick = on_tick  # called every supervisor pass (metrics)
         self.recovering: dict[str, float] = {}  # model -> when its reload started
         self.last_reload: dict[str, float] = {}
@@ -368,9 +372,27 @@ class TTSService:
                                          f"than request_timeout_s={self.v['request_timeout_s']:g} s (in {w.phase}); "
                                          "lower max_new_tokens or chunk_length, or raise the setting"))
                 continue
+            if now - w.progress > self.cancel_check_s and now - w.last_cancel_check > self.cancel_check_s:
+                w.last_cancel_check = now  # its worker waits on a model: it would see a cancel only after that
+                if rec.responder.is_cancelled():
+                    self._end_cancelled(rec)
+                    continue
             if now - w.progress > self.v["stall_timeout_s"] and now - w.last_check > self.v["stall_timeout_s"]:
                 w.last_check = now
                 self._check_stalled(rec)
+
+    def _end_cancelled(self, rec: Tracked) -> None:
+        """A client cancelled while the request's worker waits on a model: its final response now (so its admission
+        slot is free at once), its generation cancelled; the worker finds the request closed when its call returns."""
+        w: Work = rec.state
+        w.stats.finish_reason = "cancelled"
+        if not rec.finish(self.make_final(w.stats, w.seq), "cancelled"):
+            return
+        log.info("%s: request cancelled by the client (%s, after %d frames, while %s)", self.name, rec.tag,
+                 w.stats.frames, w.phase)
+        self._end_generation(w)
+        if w.phase != "decoding":
+            self._close_decoder(w)
 
     def _check_stalled(self, rec: Tracked) -> None:
         w: Work = rec.state

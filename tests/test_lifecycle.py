@@ -449,6 +449,31 @@ def test_deadline_is_per_text_segment(harness_factory):
     _quiet(h)
 
 
+def test_cancel_while_waiting_on_a_slow_engine_frees_admission_at_once(harness_factory):
+    """A client cancels while its worker waits seconds for slow_ar's next chunk: the supervisor ends the request
+    within about a second (its final response, generation cancelled), so the one admission slot takes a new request
+    long before that chunk would have come."""
+    h = harness_factory(max_concurrent_requests=1, chunk_frames=16, first_chunk_frames=2)
+    slow = h.models["slow_ar"].service
+    slow.engine.fault_hook = lambda phase, reqs: time.sleep(0.3)  # 16 frames: ~5 s to the second chunk
+    req = h.request("s2pro", _tts_inputs(max_new_tokens=200, ignore_eos=np.array([True])), "leaving")
+    deadline = time.time() + 30
+    while not req.sender.responses and time.time() < deadline:
+        time.sleep(0.01)
+    assert req.sender.responses, "no first chunk"
+    t0 = time.monotonic()
+    req.cancelled = True
+    _wait(req, 10)
+    took = time.monotonic() - t0
+    assert _one_final(req) is None and took < 2.5, took  # the next chunk was ~5 s away
+    stats = json.loads(req.sender.responses[-1].get("stats")[0])
+    assert stats["finish_reason"] == "cancelled"
+    slow.engine.fault_hook = None
+    nxt = _wait(h.request("s2pro", _tts_inputs("Right after.", max_new_tokens=6), "next"), 60)
+    assert _one_final(nxt) is None  # admitted: the cancelled request no longer holds the slot
+    _quiet(h)
+
+
 def test_admission_full(harness_factory):
     h = harness_factory(max_concurrent_requests=1)
     a = h.request("s2pro", _tts_inputs(max_new_tokens=200, ignore_eos=np.array([True])), "a")
