@@ -124,9 +124,7 @@ class StreamDecoder:
         for b, ((key, sid, _, n), st) in enumerate(zip(group, streams)):
             st.fresh = False
             if not finite[b] and self.fallback is not None:  # fp16 overflowed: this chunk again in fp32, and the rest
-                wide = StreamState({k: v[b : b + 1].float() if v.is_floating_point() else v[b : b + 1].clone()
-                                    for k, v in old.items()})
-                audio_b, st.state = self._redo(sid, codes[b : b + 1], wide)
+                audio_b, st.state = self._redo(sid, codes[b : b + 1], {k: v[b : b + 1] for k, v in old.items()})
                 self.pool.give(st.slot)
                 st.slot = None
                 out[key] = audio_b[: n * hop]
@@ -141,13 +139,14 @@ class StreamDecoder:
             st = self.states[sid]
             st.fresh = False
             if not finite[b]:  # fp16 overflowed: this chunk again in fp32, and the rest of it
-                wide_state = StreamState({k: t.float() if t.is_floating_point() else t for k, t in states[b].tensors.items()})
-                audio[b], new_states[b] = self._redo(sid, codes[b : b + 1], wide_state)
+                audio[b], new_states[b] = self._redo(sid, codes[b : b + 1], states[b].tensors)
             out[key] = audio[b]
             st.state = new_states[b]
 
-    def _redo(self, sid: str, codes, wide_state: StreamState):
-        a, st, ok = self._decode(self.fallback, codes, [wide_state], check=True)
+    def _redo(self, sid: str, codes, state: dict):
+        """The chunk again in fp32 from the stream's state before it (its tensors, widened here)."""
+        wide = StreamState({k: t.float() if t.is_floating_point() else t for k, t in state.items()})
+        a, st, ok = self._decode(self.fallback, codes, [wide], check=True)
         if not ok[0]:
             raise FloatingPointError(f"codec stream {sid!r}: the chunk's audio is not finite, in fp32 too")
         self.in_fp32.add(sid)
@@ -169,11 +168,7 @@ class StreamDecoder:
         audio = audio[:, 0].float()
         if not check:
             return audio.cpu().numpy(), new_states, np.ones(len(states), bool)
-        finite = audio.isfinite().all(dim=1)
-        for t in state.tensors.values():
-            if t.is_floating_point():
-                finite &= t.isfinite().flatten(1).all(dim=1)
-        host = torch.cat([audio, finite[:, None].float()], dim=1).cpu().numpy()
+        host = _with_finite(audio, state.tensors).cpu().numpy()
         return host[:, :-1], new_states, host[:, -1] > 0
 
     def _drop(self, sid: str) -> None:
@@ -189,11 +184,21 @@ class StreamDecoder:
             self._drop(sid)
 
 
+def _with_finite(audio: torch.Tensor, state: dict) -> torch.Tensor:
+    """audio [B, samples] float32 -> [B, samples + 1]: the last column 1.0 where the row's audio and new state are
+    all finite (it travels to the host with the audio, in one copy)."""
+    finite = audio.isfinite().all(dim=1)
+    for t in state.values():
+        if t.is_floating_point():
+            finite &= t.isfinite().flatten(1).all(dim=1)
+    return torch.cat([audio, finite[:, None].float()], dim=1)
+
+
 class SlotPool:
     """The decoder states of up to `size` streams in one set of device tensors (row i = slot i, the extra last row
     is scratch for the padded rows of a batch). A batch of B streams gathers its rows, decodes, and writes the new
     states back in place: no per-stream tensors, no stack/split per call. On a GPU each (batch bucket, chunk length)
-    runs as one CUDA graph (up to `max_graphs`; other shapes run eagerly), which takes the CPU cost of launching the
+    runs as one CUDA graph (the shapes `warm` prepared; others run eagerly), which takes the CPU cost of launching the
     codec's hundreds of small kernels per call (~14 ms, measured: perf/RESULTS.md) off the serving path.
 
     The body also reports, per row, whether the audio and the new state are finite, and keeps the gathered old
@@ -208,7 +213,7 @@ class SlotPool:
         self.free = list(range(size - 1, -1, -1))
         self.device = next(iter(self.pool.values())).device
         self.C = codec.config.num_codebooks
-        self.use_graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.use_graphs = self.device.type == "cuda" and graphs is not False  # CUDA graphs need a GPU
         self.graphs: dict[tuple[int, int], tuple[object, dict]] = {}  # (batch bucket, frames) -> (graph, buffers)
         self.lengths: list[int] = []  # the chunk lengths `warm` prepared
         self._mempool = None
@@ -237,12 +242,7 @@ class SlotPool:
         audio, new = self.codec.decode_stream(bufs["codes"], StreamState(old))
         for k, t in self.pool.items():
             t.index_copy_(0, idx, new.tensors[k])
-        audio = audio[:, 0].float()
-        finite = audio.isfinite().all(dim=1)
-        for t in new.tensors.values():
-            if t.is_floating_point():
-                finite &= t.isfinite().flatten(1).all(dim=1)
-        bufs["out"] = torch.cat([audio, finite[:, None].float()], dim=1)
+        bufs["out"] = _with_finite(audio[:, 0].float(), new.tensors)
         bufs["old"] = old
 
     def _capture(self, Bp: int, n: int) -> None:
@@ -296,19 +296,14 @@ class SlotPool:
         Bp = next((b for b in self.BUCKETS if b >= B), B)
         idx = torch.tensor(slots + [self.scratch] * (Bp - B), dtype=torch.int64)
         kp = torch.tensor(keep + [False] * (Bp - B), dtype=torch.bool)
-        g = self.graphs.get((Bp, n))
-        if g is None:
-            bufs = self._buffers(Bp, n)
-            bufs["codes"][:B] = codes
-            bufs["idx"].copy_(idx)
-            bufs["keep"].copy_(kp)
-            self._body(bufs)
-        else:
-            graph, bufs = g
-            bufs["codes"].zero_()
-            bufs["codes"][:B].copy_(codes)
-            bufs["idx"].copy_(idx)
-            bufs["keep"].copy_(kp)
+        graph, bufs = self.graphs.get((Bp, n)) or (None, self._buffers(Bp, n))
+        bufs["codes"][B:].zero_()  # padded rows (a graph's buffer holds the last call's)
+        bufs["codes"][:B].copy_(codes)
+        bufs["idx"].copy_(idx)
+        bufs["keep"].copy_(kp)
+        if graph is not None:
             graph.replay()
+        else:
+            self._body(bufs)
         host = bufs["out"][:B].cpu().numpy()
         return host[:, :-1], host[:, -1] > 0, {k: v[:B] for k, v in bufs["old"].items()}
