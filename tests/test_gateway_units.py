@@ -119,6 +119,8 @@ def test_parse_speech_defaults_and_voice_forms():
     assert len(parse_speech({"input": "A long book. " * 7000}, CFG).input) > 90000  # long-form text is one request
     two = parse_speech({"input": "hi", "ref_audio": ["data:a", "data:b"], "ref_text": ["one", "two"]}, CFG)
     assert (two.ref_audio, two.ref_text, two.voice) == (["data:a", "data:b"], ["one", "two"], None)
+    one = parse_speech({"input": "hi", "ref_audio": ["data:a"], "ref_text": ["one"]}, CFG)
+    assert (one.ref_audio, one.ref_text) == ("data:a", "one")  # as a one-name voice list: one voice, no speaker tag
 
 
 @pytest.mark.parametrize("body,status,param", [

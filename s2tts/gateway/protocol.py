@@ -78,8 +78,9 @@ def _voice(voice):
     return None if voice.strip().lower() in DEFAULT_VOICES else voice
 
 
-def _inline_voices(ref_audio, ref_text) -> tuple[list[str], list[str]]:
-    """ref_audio and ref_text as lists: clip i (a base64 data URL) and its transcript are speaker i's voice."""
+def _inline_voices(ref_audio, ref_text) -> tuple[list[str] | str, list[str] | str]:
+    """ref_audio and ref_text as lists: clip i (a base64 data URL) and its transcript are speaker i's voice. One of
+    each is the single-clip form (as a one-name voice list is one voice: no speaker tag added)."""
     if not isinstance(ref_audio, list) or not isinstance(ref_text, list) or len(ref_audio) != len(ref_text):
         raise bad_request("several inline voices (one per speaker) need ref_audio and ref_text as lists of the same "
                           "length: clip i and its transcript are <|speaker:i|>'s voice", "ref_text"
@@ -93,7 +94,7 @@ def _inline_voices(ref_audio, ref_text) -> tuple[list[str], list[str]]:
         if not isinstance(t, str) or not t.strip():
             raise bad_request(f"ref_text[{i}] must be the transcript of ref_audio[{i}], a non-empty string", "ref_text",
                               code="missing_ref_text")
-    return ref_audio, ref_text
+    return (ref_audio, ref_text) if len(ref_audio) > 1 else (ref_audio[0], ref_text[0])
 
 
 def _is_num(v) -> bool:
