@@ -18,7 +18,8 @@ from s2tts.service import Chunker
 
 class TritonPythonModel:
     def initialize(self, args):
-        v = settings.model_values(json.loads(args["model_config"]), "dac_decoder")
+        cfg = json.loads(args["model_config"])
+        v = settings.model_values(cfg, "dac_decoder")
         self.name = args.get("model_name", "dac_decoder")  # dac_decoder_i: a replica (s2tts/layout.py)
         self.log = tu.setup_logging(self.name)
         dtype = codec_dtype_for(v.codec_dtype, v.codec_device, "decoder")
@@ -30,7 +31,7 @@ class TritonPythonModel:
         if self.decoder.pool is not None:
             t0 = time.monotonic()
             lengths = Chunker.lengths(v.first_chunk_frames, v.chunk_frames)
-            graphs = self.decoder.pool.warm(lengths, max_batch=max(1, json.loads(args["model_config"]).get("max_batch_size", 1)))
+            graphs = self.decoder.pool.warm(lengths, max_batch=max(1, cfg.get("max_batch_size", 1)))
             self.log.info("%s: %d stream slots (%.0f MiB); chunk lengths %s prepared, %d CUDA graphs in %.1f s", self.name,
                           self.decoder.pool.size, self.decoder.pool.bytes / 2**20, lengths, graphs, time.monotonic() - t0)
         self.metrics = tu.Metrics(self.name)
