@@ -1,10 +1,17 @@
 """Continuous-batching generation engine for S2 Pro (slow AR + fast AR).
 
-Each live request owns a slot of the static KV cache and its own sampling state
-(seed, temperature, ... in per-slot device tensors). `step()` admits waiting requests
-(batched prefill, which also yields their first frame), then runs one batched decode
-step for every other live request, and returns what each request produced. A frame is
-one slow-AR token plus the fast AR's residual codes: `[num_codebooks]` codes.
+Each live request owns a slot (a row of the KV block table and of the per-slot sampling
+state: seed, temperature, ... in device tensors) and the KV blocks it has filled
+(s2tts/paged.py): blocks for its prompt at admission, one more each time it crosses a
+block boundary, all freed when it ends. `step()` admits waiting requests (batched prefill,
+which also yields their first frame), then runs one batched decode step for every other
+live request, and returns what each request produced. A frame is one slow-AR token plus
+the fast AR's residual codes: `[num_codebooks]` codes.
+
+When the pool runs out of blocks for the running requests, the prefix cache gives its
+blocks back first; then the request admitted last is preempted: its blocks are freed and it
+waits at the head of the queue, to be prefilled again with the frames it has produced as
+part of its prompt and go on where it stopped (same seed and steps: its stream just pauses).
 
 Thread-safety: `submit` and `cancel` may be called from any thread; `step` from one.
 """
@@ -37,6 +44,10 @@ class Request:
     slot: int = -1
     length: int = 0  # tokens in this request's KV cache
     generated: int = 0  # frames produced
+    frames: list = field(default_factory=list)  # the frames produced, kept to resume after a preemption
+    preemptions: int = 0
+    start: int = 0  # prompt tokens already in its blocks at admission (a cached voice prefix)
+    prefix_key: str | None = None  # set when its prefilled prefix should enter the prefix cache
     max_new: int = 0
     seed: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
@@ -85,9 +96,13 @@ class Engine:
     def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
                  fast_ar=None, max_prefill_tokens: int = 8192, cuda_graphs: bool | None = None,
                  decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0,
-                 prefill_buckets: bool | None = None, batch_invariant: bool = False):
+                 prefill_buckets: bool | None = None, batch_invariant: bool = False, kv_block_tokens: int = 32,
+                 kv_cache_tokens: int | None = None):
         """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
         None = on when the model is on a CUDA device.
+
+        KV cache: a pool of `kv_cache_tokens` positions (default `max_batch` x `max_seq_len`: every slot can fill
+        its sequence) in blocks of `kv_block_tokens` (0: one block of `max_seq_len` per request, the slot layout).
 
         `batch_invariant`: a request's numbers do not depend on the requests beside it. Every decode step
         runs at one shape (`max_batch` rows, keys up to `max_seq_len`; padding rows use the scratch slot),
@@ -100,7 +115,6 @@ class Engine:
         self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_invariant = batch_invariant
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         on_cuda = self.device.type == "cuda"
@@ -108,7 +122,19 @@ class Engine:
             torch.cuda.set_device(self.device)
         # one extra slot: padded rows of a CUDA-graph bucket read and write it, never a live request's
         self.scratch = max_batch
-        model.slow.stack.setup_caches(max_batch + 1, self.max_seq_len, self.dtype, self.device)
+        block = kv_block_tokens or self.max_seq_len
+        kv_tokens = kv_cache_tokens or max_batch * self.max_seq_len
+        if kv_tokens < self.max_seq_len:
+            raise ValueError(f"kv_cache_tokens={kv_tokens} cannot hold one request of max_seq_len={self.max_seq_len} "
+                             "tokens: raise kv_cache_tokens or lower max_seq_len")
+        stack = model.slow.stack
+        self.blocks = stack.setup_caches(max_batch + 1, self.max_seq_len, self.dtype, self.device, block_size=block,
+                                         num_blocks=-(-kv_tokens // block) + 1)
+        c = s2.text
+        self.block_bytes = 2 * c.n_layer * c.n_local_heads * block * c.head_dim * stack.k_pool.element_size()
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache.bind(self.blocks, self.block_bytes, stack.copy_blocks)
+        self.preemptions = 0
         model.fast.setup_caches(max_batch + 1, self.dtype, self.device)
         model.engine_owner = self  # the caches (and graphs over them) are this engine's until another is made
         self.fast_ar = fast_ar or InProcessFastAR(model, residual_size)
@@ -239,19 +265,11 @@ class Engine:
                 for r in self._waiting:
                     (outputs.append(Output(r.id, self._empty(), True, FINISH_CANCELLED)) if r.id in cancels else kept.append(r))
                 self._waiting = kept
-            admitted = []
-            budget = self.max_prefill_tokens
-            while self._waiting and self._free and (not admitted or len(self._waiting[0].prompt) <= budget):
-                r = self._waiting.popleft()
-                budget -= len(r.prompt)
-                r.slot = self._free.pop()
-                r.admitted_at = time.monotonic()
-                admitted.append(r)
-            for r in admitted:
-                self.live[r.slot] = r
             for r in [r for r in self.live.values() if r.id in cancels]:
                 outputs.append(Output(r.id, self._empty(), True, FINISH_CANCELLED))
                 self._release(r)
+            self._grow()
+            admitted = self._admit()
             decoding = sorted(s for s, r in self.live.items() if r not in admitted)
         if decoding:
             reqs = [self.live[s] for s in decoding]
@@ -278,6 +296,74 @@ class Engine:
                 outputs += self._fail([r for r in admitted if r.slot in self.live and self.live[r.slot] is r], e)
         return outputs
 
+    def _grow(self) -> None:
+        """Give every live request that crosses into a new block this step its block (the table row updated before
+        the step runs); when blocks are short, drop cached prefixes, then preempt the request admitted last."""
+        pool = self.blocks
+        needy = [r for r in self.live.values() if r.length // pool.block_size >= pool.holds(r.slot)]
+        if not needy:
+            return
+        self.prefix_cache.evict_until(len(needy))
+        while len(needy) > pool.free:
+            victim = max(self.live.values(), key=lambda r: (r.admitted_at, r.slot))
+            self._preempt(victim)
+            if victim in needy:
+                needy.remove(victim)
+        pool.extend(list(zip([r.slot for r in needy], pool.alloc(len(needy)))))
+
+    def _preempt(self, r: Request) -> None:
+        """Free the request's slot and blocks; it waits at the head of the queue to resume (see the module doc)."""
+        self._release(r)
+        r.slot, r.length, r.start, r.prefix_key = -1, 0, 0, None
+        r.preemptions += 1
+        self.preemptions += 1
+        self._waiting.appendleft(r)
+
+    def _admit(self) -> list[Request]:
+        """Take waiting requests into free slots while the prefill budget and the KV pool allow (in order: a request
+        short of blocks waits, and so do those behind it); give each its prompt's blocks, a cached prefix shared."""
+        pool, admitted = self.blocks, []
+        budget = self.max_prefill_tokens
+        while self._waiting and self._free:
+            r = self._waiting[0]
+            n = len(self._source(r))
+            if admitted and n > budget:
+                break
+            need = pool.blocks_for(n)  # enough with or without a prefix hit
+            if need > pool.free:
+                self.prefix_cache.evict_until(need)
+                if need > pool.free:
+                    break
+            self._waiting.popleft()
+            budget -= n
+            r.slot = self._free.pop()
+            if r.admitted_at is None:
+                r.admitted_at = time.monotonic()
+            self.live[r.slot] = r
+            self._place(r, n)
+            admitted.append(r)
+        return admitted
+
+    def _place(self, r: Request, n: int) -> None:
+        """The request's first blocks: a cached voice prefix's (shared), then fresh ones for the rest of its prompt."""
+        pool = self.blocks
+        key = self.prefix_cache.key(r.prompt)
+        hit = self.prefix_cache.get(key)
+        blocks = self.prefix_cache.attach(hit) if hit is not None else []
+        r.start = hit.length if hit is not None else 0
+        r.prefix_key = key if hit is None else None
+        blocks += pool.alloc(pool.blocks_for(n) - len(blocks))
+        pool.assign(r.slot, blocks)
+
+    def _source(self, r: Request) -> Prompt:
+        """What a request prefills: its prompt, and after a preemption also the frames it has produced."""
+        if not r.frames:
+            return r.prompt
+        frames = torch.from_numpy(np.concatenate(r.frames)).long()
+        p = r.prompt
+        return Prompt(torch.cat([p.tokens, frames[:, 0] + self.s2.semantic_start_id]), torch.cat([p.codes, frames]),
+                      torch.cat([p.semantic, torch.ones(len(frames), dtype=torch.bool)]), p.prefix_len, p.history_dropped)
+
     def _fail(self, reqs: list[Request], e: BaseException) -> list[Output]:
         with self._lock:
             for r in reqs:
@@ -291,6 +377,7 @@ class Engine:
     def _release(self, r: Request) -> None:
         if r.slot >= 0 and self.live.get(r.slot) is r:
             del self.live[r.slot]
+            self.blocks.free_slot(r.slot)
             self._free.append(r.slot)
 
     def _set_slot_params(self, reqs: list[Request]) -> torch.Tensor:
@@ -305,41 +392,47 @@ class Engine:
         return slots
 
     def _prefill(self, reqs: list[Request]) -> list[Output]:
-        """Batched prefill (right-padded) of the new requests; a cached voice prefix is copied, not recomputed.
+        """Batched prefill (right-padded) of the new requests, each from where its blocks start (a cached voice
+        prefix is shared, not recomputed); a resumed request (preempted earlier) is prefilled on its own, and so is
+        a prompt longer than `max_prefill_tokens`, in chunks of that many tokens (attention memory stays bounded).
 
         With prefill buckets (GPU), the batch is padded to a captured (batch, tokens, keys) shape and replayed
         as a CUDA graph; otherwise it runs eagerly at its own shape."""
-        if self.batch_invariant and len(reqs) > 1:
+        resumed = any(r.frames for r in reqs)
+        long = any(len(self._source(r)) - r.start > self.max_prefill_tokens for r in reqs)
+        if len(reqs) > 1 and (resumed or long or self.batch_invariant):
             return [o for r in reqs for o in self._prefill([r])]
         slots = self._set_slot_params(reqs)
-        layers = self.model.slow.layers
-        keys = [self.prefix_cache.key(r.prompt) for r in reqs]
-        starts, fresh = [], []
-        for r, key in zip(reqs, keys):
-            hit = self.prefix_cache.get(key)
-            if hit is not None:
-                for li, layer in enumerate(layers):
-                    layer.attention.cache.k[r.slot, :, : hit.length] = hit.k[li]
-                    layer.attention.cache.v[r.slot, :, : hit.length] = hit.v[li]
-            starts.append(hit.length if hit is not None else 0)
-            fresh.append(hit is None)
-        if self.batch_invariant and starts[0] == 0 and 0 < reqs[0].prompt.prefix_len < len(reqs[0].prompt):
-            P = reqs[0].prompt.prefix_len  # the voice prefix by itself: the same keys and values as a cache hit
-            self._prefill_pass(reqs, [0], [P])
+        sources = [self._source(r) for r in reqs]
+        starts = [r.start for r in reqs]
+        r0 = reqs[0]
+        if self.batch_invariant and starts[0] == 0 and 0 < r0.prompt.prefix_len < len(r0.prompt):
+            P = r0.prompt.prefix_len  # the voice prefix by itself: the same keys and values as a cache hit
+            self._prefill_pass(reqs, sources, [0], [P])
             starts = [P]
-        hidden, logits = self._prefill_pass(reqs, starts, [len(r.prompt) for r in reqs])
-        for r, key, new in zip(reqs, keys, fresh):
-            r.length = len(r.prompt)
-            if key is not None and new:
-                P = r.prompt.prefix_len
-                self.prefix_cache.put(key, torch.stack([la.attention.cache.k[r.slot, :, :P] for la in layers]),
-                                      torch.stack([la.attention.cache.v[r.slot, :, :P] for la in layers]))
+        while len(sources[0]) - starts[0] > self.max_prefill_tokens:  # a long prompt, in chunks: bounded memory
+            end = starts[0] + self.max_prefill_tokens
+            self._prefill_pass(reqs, sources, starts, [end])
+            starts = [end]
+        hidden, logits = self._prefill_pass(reqs, sources, starts, [len(p) for p in sources])
+        for r, src in zip(reqs, sources):
+            r.length = len(src)
+            if r.prefix_key is not None:
+                self.prefix_cache.put(r.prefix_key, self.blocks.owned[r.slot], r.prompt.prefix_len)
+                r.prefix_key = None
         if self.logits_hook is not None:
             self.logits_hook([r.id for r in reqs], logits)
-        frame, end = self._first_frame(slots, hidden, logits)
+        if resumed:  # go on at step `generated`, the RAS window as it was (code 0 of the decoded frames)
+            r = r0
+            recent = [-1] * RAS_WINDOW + [int(f[0, 0]) for f in r.frames[1:]]
+            self.recent[r.slot] = torch.tensor(recent[-RAS_WINDOW:], dtype=torch.int64, device=self.device)
+            step = torch.full((1,), r.generated, dtype=torch.int64, device=self.device)
+            frame, end = self._sample_frame(slots, hidden, logits, step)
+        else:
+            frame, end = self._first_frame(slots, hidden, logits)
         return self._emit(reqs, frame, end)
 
-    def _prefill_pass(self, reqs: list[Request], starts: list[int], ends: list[int]):
+    def _prefill_pass(self, reqs: list[Request], sources: list[Prompt], starts: list[int], ends: list[int]):
         """Prefill prompt tokens [start, end) of each request into its slot -> hidden, logits at each row's last."""
         dev, C = self.device, self.s2.num_codebooks
         lens = [e - s for s, e in zip(starts, ends)]
@@ -354,7 +447,8 @@ class Engine:
         for i, r in enumerate(reqs):
             s0, n = starts[i], lens[i]
             e = ends[i]
-            tokens[i, :n], codes[i, :n], semantic[i, :n] = r.prompt.tokens[s0:e], r.prompt.codes[s0:e], r.prompt.semantic[s0:e]
+            p = sources[i]
+            tokens[i, :n], codes[i, :n], semantic[i, :n] = p.tokens[s0:e], p.codes[s0:e], p.semantic[s0:e]
             row_slots[i], last[i] = r.slot, n - 1
             pos[i] += s0
         pos = pos.clamp(max=self.max_seq_len - 1)
@@ -460,7 +554,8 @@ class Engine:
         """Capture `_decode_core` once per batch bucket, on the scratch slot, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
         dev = self.device
-        buckets = (self.max_batch,) if self.batch_invariant else [b for b in self.GRAPH_BUCKETS if b <= self.max_batch]
+        buckets = (self.max_batch,) if self.batch_invariant else \
+            sorted({b for b in self.GRAPH_BUCKETS if b < self.max_batch} | {self.max_batch})
         for bucket in sorted(buckets, reverse=True):
             io = torch.zeros(3, bucket, dtype=torch.int64, device=dev)
             io[0] = self.scratch
@@ -515,7 +610,9 @@ class Engine:
             else:
                 r.generated += 1
                 done = r.generated >= r.max_new
-                o = Output(r.id, host[i : i + 1, :-1].astype(np.int32), done, FINISH_LENGTH if done else None)
+                codes = host[i : i + 1, :-1].astype(np.int32)
+                r.frames.append(codes)
+                o = Output(r.id, codes, done, FINISH_LENGTH if done else None)
                 if done:
                     done_reqs.append(r)
             if first and r.admitted_at is not None:
@@ -538,10 +635,16 @@ class Engine:
                 self._release(r)
         return [Output(r.id, self._empty(), True, FINISH_ERROR, error=message) for r in reqs]
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.blocks.capacity * self.blocks.block_size
+
     def counts(self) -> dict:
         with self._lock:
             return {"waiting": len(self._waiting), "live": len(self.live), "free_slots": len(self._free),
-                    "kv_tokens": sum(r.length for r in self.live.values())}
+                    "kv_tokens": sum(r.length for r in self.live.values()),
+                    "kv_blocks_used": self.blocks.used, "kv_blocks_total": self.blocks.capacity,
+                    "preemptions": self.preemptions}
 
     # ---- convenience for offline use ----------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str = "offline") -> tuple[np.ndarray, str]:

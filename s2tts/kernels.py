@@ -1,8 +1,9 @@
 """GPU kernels written in Triton.
 
-`decode_attention`: one query token per request against that request's slot of the
-static KV cache, reading only the request's own keys (its length comes from a device
-tensor, so the kernel runs inside a CUDA graph whose lengths change every step). One
+`decode_attention`: one query token per request against that request's keys in the paged
+KV cache (s2tts/paged.py: each key's block looked up in the request's row of the block
+table), reading only the request's own keys (its length comes from a device tensor, so
+the kernel runs inside a CUDA graph whose lengths change every step). One
 program per (request, KV head) serves the query heads of that GQA group together, with
 an online softmax over key tiles.
 
@@ -28,12 +29,12 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        Q, K, V, O, Slots, Lens, scale,
+        Q, K, V, O, Table, Slots, Lens, scale,
         stride_qb, stride_qh,
-        stride_ks, stride_kh, stride_kl,
-        stride_vs, stride_vh, stride_vl,
-        stride_ob, stride_oh,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+        stride_kb, stride_kh, stride_kl,
+        stride_vb, stride_vh, stride_vl,
+        stride_ob, stride_oh, stride_t,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -44,45 +45,49 @@ if triton is not None:
         gmask = g < GROUP
         heads = kvh * GROUP + g
         q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
-        k_base = K + slot * stride_ks + kvh * stride_kh
-        v_base = V + slot * stride_vs + kvh * stride_vh
+        row_table = Table + slot * stride_t
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
         for start in range(0, length, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             nmask = n < length
-            k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=nmask[:, None], other=0.0)
+            blk = tl.load(row_table + n // BS, mask=nmask, other=0).to(tl.int64)  # each key's physical block
+            off = n % BS
+            k = tl.load(K + blk[:, None] * stride_kb + kvh * stride_kh + off[:, None] * stride_kl + d[None, :],
+                        mask=nmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=nmask[:, None], other=0.0)
+            v = tl.load(V + blk[:, None] * stride_vb + kvh * stride_vh + off[:, None] * stride_vl + d[None, :],
+                        mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m = m_new
         out = acc / l_sum[:, None]
         tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=gmask[:, None])
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     lengths: torch.Tensor, block_n: int = 64) -> torch.Tensor:
-    """q [B, H, D]; k/v_cache [slots, K, L, D]; slots [B]; lengths [B] (keys 0..len-1 are visible) -> [B, H, D]."""
+def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+    """q [B, H, D]; `cache` a paged KVCache (k/v [blocks, K, block_size, D], table [slots, max_blocks]); slots [B];
+    lengths [B] (keys 0..len-1 are visible) -> [B, H, D]."""
     if triton is None:
         raise RuntimeError("decode_attention needs the `triton` package")
     B, H, D = q.shape
-    n_kv = k_cache.shape[1]
+    k, v, table = cache.k, cache.v, cache.table
+    n_kv = k.shape[1]
     group = H // n_kv
     q = q.contiguous()
     out = torch.empty_like(q)
     _decode_attention_kernel[(B, n_kv)](
-        q, k_cache, v_cache, out, slots, lengths, D ** -0.5,
+        q, k, v, out, table, slots, lengths, D ** -0.5,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n,
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), table.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, BS=cache.block_size,
         num_warps=4,
     )
     return out
@@ -121,11 +126,12 @@ if triton is not None:
         tl.store(O + row * stride_o + cols, (s * u).to(O.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _qk_rope_cache_kernel(QKV, QW, KW, ROPE, Pos, Slots, QO, KC, VC, stride_qkv, stride_qo_b, stride_qo_h,
-                              stride_cs, stride_ch, stride_cl, eps,
-                              H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr):
+    def _qk_rope_cache_kernel(QKV, QW, KW, ROPE, Pos, Slots, Table, QO, KC, VC, stride_qkv, stride_qo_b, stride_qo_h,
+                              stride_cb, stride_ch, stride_cl, stride_t, eps,
+                              H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
+                              BS: tl.constexpr):
         """One program per (row, head): heads < H are query heads (-> QO); the rest are KV heads
-        (k normed + rotated, and v, written into the cache at the row's slot and position)."""
+        (k normed + rotated, and v, written into the paged cache at the row's slot and position)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         half = tl.arange(0, D // 2)
@@ -157,7 +163,8 @@ if triton is not None:
         else:
             kvh = h - H
             slot = tl.load(Slots + b).to(tl.int64)
-            dst = slot * stride_cs + kvh * stride_ch + pos * stride_cl
+            blk = tl.load(Table + slot * stride_t + pos // BS).to(tl.int64)
+            dst = blk * stride_cb + kvh * stride_ch + (pos % BS) * stride_cl
             tl.store(KC + dst + 2 * half, re.to(KC.dtype.element_ty))
             tl.store(KC + dst + 2 * half + 1, ro.to(KC.dtype.element_ty))
             d = tl.arange(0, D)
@@ -193,17 +200,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.reshape(*shape[:-1], I)
 
 
-def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, k_cache, v_cache, n_head: int, n_kv: int, head_dim: int, eps: float,
+def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv: int, head_dim: int, eps: float,
                   qk_norm: bool) -> torch.Tensor:
-    """One decode token per row. qkv [B, (H+2K)*D]; rope [L, D/2, 2] float32; pos/slots [B].
-    Returns q [B, H, D] (normed, rotated); writes rotated k and v into the caches at (slot, pos)."""
+    """One token per row. qkv [B, (H+2K)*D]; rope [L, D/2, 2] float32; pos/slots [B]; `cache` a paged KVCache.
+    Returns q [B, H, D] (normed, rotated); writes rotated k and v into the cache at (slot, pos)."""
     B = qkv.shape[0]
     q = torch.empty(B, n_head, head_dim, dtype=qkv.dtype, device=qkv.device)
     dummy = q if q_w is None else q_w
+    k_cache, v_cache, table = cache.k, cache.v, cache.table
+    assert k_cache.stride() == v_cache.stride()
     _qk_rope_cache_kernel[(B, n_head + n_kv)](
-        qkv, q_w if q_w is not None else dummy, k_w if k_w is not None else dummy, rope, pos, slots, q, k_cache, v_cache,
-        qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
-        H=n_head, KVH=n_kv, D=head_dim, QK_NORM=qk_norm, num_warps=1)
+        qkv, q_w if q_w is not None else dummy, k_w if k_w is not None else dummy, rope, pos, slots, table, q, k_cache,
+        v_cache, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        table.stride(0), eps, H=n_head, KVH=n_kv, D=head_dim, QK_NORM=qk_norm, BS=cache.block_size, num_warps=1)
     return q
 
 

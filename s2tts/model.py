@@ -1,7 +1,7 @@
 """The S2 Pro dual-AR transformer: a Qwen3-shaped slow AR and a 4-layer fast AR.
 
-Plain PyTorch, gpt-fast style: static KV caches allocated once (`setup_caches`),
-positions passed as tensors, so the decode step has fixed shapes. Nothing here
+Plain PyTorch, gpt-fast style: KV pools allocated once (`setup_caches`; paged, see
+s2tts/paged.py), positions passed as tensors, so the decode step has fixed shapes. Nothing here
 knows about serving.
 
 Shapes: B batch, S tokens, H query heads, K kv heads, D head dim, C codebooks.
@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ARConfig, S2Config
+from .paged import BlockPool
 
 
 class RMSNorm(nn.Module):
@@ -50,20 +51,29 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).to(x.dtype)
 
 
-class KVCache(nn.Module):
-    """Per-layer static cache: [slots, K, max_seq, D]. A slot belongs to one request."""
+class KVCache:
+    """One layer's view of its stack's paged KV pool (s2tts/paged.py): k/v [blocks, K, block_size, D] and the
+    stack's block table [slots, max_blocks]; position p of a slot is row p % block_size of its block
+    table[slot, p // block_size]."""
 
-    def __init__(self, slots: int, n_kv: int, max_seq: int, head_dim: int, dtype, device):
-        super().__init__()
-        shape = (slots, n_kv, max_seq, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor, block_size: int):
+        self.k, self.v, self.table, self.block_size = k, v, table, block_size
 
     def write(self, slots: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # slots [B], pos [B, S], k/v [B, S, K, D]
-        b_idx = slots[:, None].expand_as(pos)
-        self.k[b_idx, :, pos] = k
-        self.v[b_idx, :, pos] = v
+        blk = self.table[slots[:, None], pos // self.block_size].long()
+        off = pos % self.block_size
+        self.k[blk, :, off] = k
+        self.v[blk, :, off] = v
+
+    def read(self, slots: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions 0..length-1 of each slot: [B, K, length, D] each (a gathered copy)."""
+        nb = -(-length // self.block_size)
+        blocks = self.table[slots, :nb].long()  # [B, nb]
+        B, (_, K, bs, D) = slots.shape[0], self.k.shape
+        k = self.k[blocks].transpose(1, 2).reshape(B, K, nb * bs, D)[:, :, :length]
+        v = self.v[blocks].transpose(1, 2).reshape(B, K, nb * bs, D)[:, :, :length]
+        return k, v
 
 
 def attend(q, k, v, q_pos, kv_len_max: int):
@@ -105,12 +115,12 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).reshape(B * S, -1)
         rows_slot = slots if S == 1 else slots.repeat_interleave(S)
         q = qk_rope_cache(qkv, self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
-                          self.rope, pos.reshape(-1), rows_slot, self.cache.k, self.cache.v, c.n_head, c.n_local_heads,
+                          self.rope, pos.reshape(-1), rows_slot, self.cache, c.n_head, c.n_local_heads,
                           c.head_dim, c.norm_eps, c.qk_norm)
         if S == 1 and self.decode_kernel:
-            out = decode_attention(q, self.cache.k, self.cache.v, slots, pos[:, 0] + 1)
+            out = decode_attention(q, self.cache, slots, pos[:, 0] + 1)
             return self.wo(out.reshape(B, 1, c.q_size))
-        kc, vc = self.cache.k[slots, :, :kv_len_max], self.cache.v[slots, :, :kv_len_max]
+        kc, vc = self.cache.read(slots, kv_len_max)
         out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)
         return self.wo(out.transpose(1, 2).reshape(B, S, c.q_size))
 
@@ -133,11 +143,11 @@ class Attention(nn.Module):
             from .kernels import decode_attention
 
             self.cache.write(slots, pos, k, v)
-            out = decode_attention(q[:, 0], self.cache.k, self.cache.v, slots, pos[:, 0] + 1)
+            out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0] + 1)
             return self.wo(out.reshape(B, 1, c.q_size))
         else:
             self.cache.write(slots, pos, k, v)
-            kc, vc = self.cache.k[slots, :, :kv_len_max], self.cache.v[slots, :, :kv_len_max]
+            kc, vc = self.cache.read(slots, kv_len_max)
             out = attend(q.transpose(1, 2), kc, vc, pos, kv_len_max)
         return self.wo(out.transpose(1, 2).reshape(B, S, c.q_size))
 
@@ -201,10 +211,32 @@ class Stack(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.register_buffer("rope", rope_table(rope_len, cfg.head_dim, cfg.rope_base), persistent=False)
 
-    def setup_caches(self, slots: int, max_seq: int, dtype, device) -> None:
+    def setup_caches(self, slots: int, max_seq: int, dtype, device, block_size: int | None = None,
+                     num_blocks: int | None = None) -> BlockPool:
+        """One paged KV pool for every layer (s2tts/paged.py), `num_blocks` blocks of `block_size` positions,
+        and a block table of `slots` rows covering `max_seq` positions; blocks are handed out by the caller.
+        Without `block_size`: one block of `max_seq` positions per slot, each slot holding its own for good."""
         c = self.cfg
-        for layer in self.layers:
-            layer.attention.cache = KVCache(slots, c.n_local_heads, max_seq, c.head_dim, dtype, device)
+        fixed = block_size is None
+        if fixed:
+            block_size, num_blocks = max_seq, slots + 1
+        self.blocks = BlockPool(num_blocks, block_size, slots, max_seq, device)
+        shape = (c.n_layer, num_blocks, c.n_local_heads, block_size, c.head_dim)
+        self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
+        for li, layer in enumerate(self.layers):
+            layer.attention.cache = KVCache(self.k_pool[li], self.v_pool[li], self.blocks.table, block_size)
+        if fixed:
+            for s in range(slots):
+                self.blocks.assign(s, self.blocks.alloc(1))
+        return self.blocks
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks src[i] -> dst[i] in every layer (keys and values)."""
+        s = torch.tensor(src, device=self.k_pool.device)
+        d = torch.tensor(dst, device=self.k_pool.device)
+        self.k_pool[:, d] = self.k_pool[:, s]
+        self.v_pool[:, d] = self.v_pool[:, s]
 
     def run(self, x, pos, slots=None, kv_len_max=None):
         """x [B, S, dim] -> final-normed hidden [B, S, dim]."""

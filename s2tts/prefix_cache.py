@@ -1,9 +1,14 @@
-"""KV cache of prompt prefixes (the system turn that carries a voice's reference codes).
+"""KV cache of prompt prefixes (the system turn that carries a voice's reference codes), by block reference.
 
-Requests that clone the same voice share the first `prompt.prefix_len` tokens. Their keys and
-values, for every slow-AR layer, are kept here after the first request prefills them; a later
-request copies them into its own cache slot and prefills only the rest of its prompt. LRU under
-a byte budget; entries are keyed by a hash of the prefix's tokens and codes.
+Requests that clone the same voice share the first `prompt.prefix_len` tokens. After the first such
+request prefills them, an entry here holds that request's full KV blocks of the prefix by reference
+(s2tts/paged.py counts references) and a private copy of the last, partial block (the request goes on
+writing its own tokens into that one). A later request of the voice starts with the entry's full blocks
+in its block table (shared, never written: it writes only positions past the prefix) and its own copy
+of the partial block, and prefills only the rest of its prompt.
+
+LRU under a byte budget (every block an entry holds counts, shared or not); entries are keyed by a hash of
+the prefix's tokens and codes. A block goes back to the pool when its last holder lets go.
 """
 
 from __future__ import annotations
@@ -12,32 +17,35 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import torch
-
 from .prompt import Prompt
 
 
 @dataclass
 class PrefixEntry:
-    k: torch.Tensor  # [layers, K, P, D]
-    v: torch.Tensor
-    length: int
-
-    @property
-    def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+    blocks: list[int]  # the prefix's full blocks (shared), then a private copy of its partial last block if any
+    length: int  # tokens
 
 
 class PrefixCache:
     def __init__(self, max_bytes: int, min_tokens: int = 32):
         self.max_bytes, self.min_tokens = max_bytes, min_tokens
         self.entries: OrderedDict[str, PrefixEntry] = OrderedDict()
-        self.bytes = 0
+        self.held = 0  # blocks held by entries
         self.hits = self.misses = 0
+        self.pool = self.copy = None
+        self.block_bytes = 1
+
+    def bind(self, pool, block_bytes: int, copy) -> None:
+        """Use `pool`'s blocks (a BlockPool); `copy(src, dst)` copies blocks on the device."""
+        self.pool, self.block_bytes, self.copy = pool, block_bytes, copy
+
+    @property
+    def bytes(self) -> int:
+        return self.held * self.block_bytes
 
     def key(self, prompt: Prompt) -> str | None:
         n = prompt.prefix_len
-        if self.max_bytes <= 0 or n < self.min_tokens or n >= len(prompt):
+        if self.max_bytes < self.block_bytes or n < self.min_tokens or n >= len(prompt):
             return None
         h = hashlib.sha1(prompt.tokens[:n].numpy().tobytes())
         h.update(prompt.codes[:n].numpy().tobytes())
@@ -54,14 +62,50 @@ class PrefixCache:
         self.hits += 1
         return e
 
-    def put(self, key: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    def attach(self, e: PrefixEntry) -> list[int]:
+        """The blocks a request of this prefix starts with: the full ones shared, a fresh copy of the partial one.
+        The caller has checked that the pool has a free block for the copy."""
+        full, rest = divmod(e.length, self.pool.block_size)
+        shared = e.blocks[:full]
+        self.pool.retain(shared)
+        if not rest:
+            return list(shared)
+        own = self.pool.alloc(1)
+        self.copy([e.blocks[full]], own)
+        return shared + own
+
+    def put(self, key: str, blocks: list[int], length: int) -> None:
+        """Keep the prefix of `length` tokens held by a request's `blocks` (nothing if it does not fit the budget
+        or the pool has no block for the partial copy)."""
         if key in self.entries:
             return
-        e = PrefixEntry(k, v, k.shape[2])
-        if e.nbytes > self.max_bytes:
+        full, rest = divmod(length, self.pool.block_size)
+        n = full + (1 if rest else 0)
+        if n * self.block_bytes > self.max_bytes:
             return
-        self.entries[key] = e
-        self.bytes += e.nbytes
-        while self.bytes > self.max_bytes:
-            _, old = self.entries.popitem(last=False)
-            self.bytes -= old.nbytes
+        while self.entries and (self.held + n) * self.block_bytes > self.max_bytes:
+            self._evict_one()
+        if rest and self.pool.free == 0:
+            return
+        shared = blocks[:full]
+        self.pool.retain(shared)
+        own = []
+        if rest:
+            own = self.pool.alloc(1)
+            self.copy([blocks[full]], own)
+        self.entries[key] = PrefixEntry(shared + own, length)
+        self.held += n
+
+    def evict_until(self, free_blocks: int) -> None:
+        """Drop least recently used entries until the pool has `free_blocks` free (or no entry is left)."""
+        while self.entries and self.pool.free < free_blocks:
+            self._evict_one()
+
+    def clear(self) -> None:
+        while self.entries:
+            self._evict_one()
+
+    def _evict_one(self) -> None:
+        _, e = self.entries.popitem(last=False)
+        self.pool.release(e.blocks)
+        self.held -= len(e.blocks)

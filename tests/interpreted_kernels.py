@@ -21,16 +21,25 @@ def rel(a, b):
 
 def check_ops():
     torch.manual_seed(0)
-    # decode attention vs plain softmax attention, ragged lengths, GQA 4:1
-    B, H, KV, D, L, S = 3, 8, 2, 16, 40, 5
-    q, k, v = torch.randn(B, H, D), torch.randn(S, KV, L, D), torch.randn(S, KV, L, D)
+    # decode attention over a paged cache vs plain softmax attention, ragged lengths, GQA 4:1, blocks of 8
+    # scattered through the pool (and one block size that is not a power of two)
+    from s2tts.model import KVCache
+
+    B, H, KV, D, S = 3, 8, 2, 16, 5
+    q = torch.randn(B, H, D)
     slots, lens = torch.tensor([4, 0, 2]), torch.tensor([1, 17, 40])
-    out = kernels.decode_attention(q, k, v, slots, lens, block_n=16)
-    for b in range(B):
-        kk = k[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
-        vv = v[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
-        ref = torch.softmax((q[b][:, None] @ kk.transpose(1, 2))[:, 0] * D ** -0.5, -1)[:, None] @ vv
-        assert rel(out[b], ref[:, 0]) < 1e-5, ("attention", b, rel(out[b], ref[:, 0]))
+    for BS in (8, 10):
+        nb = -(-40 // BS)
+        kpool, vpool = torch.randn(S * nb + 1, KV, BS, D), torch.randn(S * nb + 1, KV, BS, D)
+        table = (torch.randperm(S * nb) + 1).reshape(S, nb).int()
+        k = kpool[table.long()].transpose(1, 2).reshape(S, KV, nb * BS, D)  # each slot's keys in logical order
+        v = vpool[table.long()].transpose(1, 2).reshape(S, KV, nb * BS, D)
+        out = kernels.decode_attention(q, KVCache(kpool, vpool, table, BS), slots, lens, block_n=16)
+        for b in range(B):
+            kk = k[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
+            vv = v[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
+            ref = torch.softmax((q[b][:, None] @ kk.transpose(1, 2))[:, 0] * D ** -0.5, -1)[:, None] @ vv
+            assert rel(out[b], ref[:, 0]) < 1e-5, ("attention", BS, b, rel(out[b], ref[:, 0]))
     # rms norm (+ residual add) and silu*mul against the module code
     from s2tts.model import RMSNorm
 
@@ -63,13 +72,15 @@ def check_ops():
 
 
 def check_engine(ckpt):
-    """The whole engine with every Triton kernel on gives the logits and codes of the plain PyTorch path."""
+    """The whole engine with every Triton kernel on (paged cache, blocks of 8) gives the logits and codes of the
+    plain PyTorch path over the slot layout."""
     pb = PromptBuilder.from_dir(ckpt)
     prompts = [pb.build(t) for t in ("Kernel check one.", "A second, longer kernel check prompt.")]
     results = []
     for kern in (False, True):
         model = load_model(ckpt, "cpu", "fp32")
-        eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=kern, fused_kernels=kern)
+        eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
+                     fused_kernels=kern, kv_block_tokens=8 if kern else 0)
         logits = {}
         eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
         for i, p in enumerate(prompts):

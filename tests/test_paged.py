@@ -1,0 +1,221 @@
+"""The paged KV cache (s2tts/paged.py) on the tiny checkpoint, fp32, CPU: the same logits and codes as the slot
+layout, blocks allocated as requests grow and all given back (finish, cancel, error), voice prefixes shared by
+reference, admission that waits for blocks, and preemption that resumes a request where it stopped."""
+
+import numpy as np
+import pytest
+import torch
+
+from s2tts.checkpoint import load_model
+from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
+from s2tts.paged import BlockPool
+from s2tts.prompt import PromptBuilder
+from s2tts.sampling import SamplingParams
+
+RESIDUAL = 32
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return load_model(tiny_ckpt, "cpu", "fp32")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_ckpt):
+    return PromptBuilder.from_dir(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def requests(prompts):
+    ref = torch.randint(0, 32, (10, 45), generator=torch.Generator().manual_seed(3))
+    texts = ["Short one.", "A somewhat longer sentence to speak.", "Third, with a voice.", "Fourth, same voice."]
+    built = [prompts.build(texts[0]), prompts.build(texts[1]), prompts.build(texts[2], ref, "Reference words."),
+             prompts.build(texts[3], ref, "Reference words.")]
+    # ignore_end + distinct lengths: every request crosses several block boundaries
+    return [(f"r{i}", p, SamplingParams(seed=10 + i, max_new_tokens=12 + 5 * i, ignore_end=True))
+            for i, p in enumerate(built)]
+
+
+def _run(eng, reqs, stagger=True, on_step=None):
+    """Submit (with `stagger`, one request per step) and step until done -> ({id: codes}, {id: [logits]},
+    {id: reason})."""
+    logits, codes, reasons = {}, {}, {}
+    eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
+    pending = list(reqs)
+    while pending or eng.has_work():
+        for rid, p, sp in (pending[:1] if stagger else pending):
+            eng.submit(rid, p, sp)
+        pending = pending[1:] if stagger else []
+        for o in eng.step():
+            codes.setdefault(o.request_id, []).append(o.codes)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        if on_step is not None:
+            on_step(eng)
+    return {k: np.concatenate(v) for k, v in codes.items()}, logits, reasons
+
+
+def _engine(model, **kw):
+    kw.setdefault("max_batch", 4)
+    kw.setdefault("max_seq_len", 512)
+    kw.setdefault("prefix_cache_bytes", 64 << 20)
+    return Engine(model, residual_size=RESIDUAL, **kw)
+
+
+def _assert_same(a, b):
+    (ca, la, _), (cb, lb, _) = a, b
+    assert ca.keys() == cb.keys()
+    for rid in ca:
+        np.testing.assert_array_equal(ca[rid], cb[rid])
+        assert len(la[rid]) == len(lb[rid])
+        for x, y in zip(la[rid], lb[rid]):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_paged_cache_gives_the_slot_layouts_logits(model, requests):
+    """Blocks of 8 and 32 positions against one block of max_seq_len per request (the slot layout): the same
+    logits at every step and the same codes, with requests joining mid-run and a voice prefix cached."""
+    slot = _run(_engine(model, kv_block_tokens=0), requests)
+    for bs in (8, 32):
+        eng = _engine(model, kv_block_tokens=bs)
+        paged = _run(eng, requests)
+        _assert_same(paged, slot)
+        assert eng.prefix_cache.hits == 1
+    assert {rid: len(c) for rid, c in slot[0].items()} == {rid: sp.max_new_tokens for rid, _, sp in requests}
+
+
+def test_blocks_follow_each_requests_length_and_all_come_back(model, requests):
+    eng = _engine(model, kv_block_tokens=8)
+    pool = eng.blocks
+    seen = []
+
+    def check(e):
+        for r in e.live.values():  # a request holds the blocks of the positions written so far, no more
+            assert pool.holds(r.slot) == pool.blocks_for(max(r.length, 1)) or \
+                pool.holds(r.slot) == pool.blocks_for(r.length + 1), (r.id, r.length, pool.holds(r.slot))
+        held = sum(pool.holds(s) for s in e.live)
+        seen.append(held)
+
+    _run(eng, requests, on_step=check)
+    assert max(seen) > min(seen) and max(seen) < pool.capacity  # grew and shrank, far below the pool
+    # every block is free again except the cached voice prefix's (shared full blocks + a private partial copy)
+    assert eng.counts()["live"] == 0 and pool.used == eng.prefix_cache.held > 0
+    eng.prefix_cache.clear()
+    assert pool.used == 0 and pool.free == pool.capacity and not any(pool.refs[1:])
+    assert not pool.owned and int(pool.table.abs().sum()) == 0  # every table row points at the null block
+
+
+@pytest.mark.parametrize("bs", [8, 12])  # the tiny voice prefix is 104 tokens: whole blocks of 8, 8 + a part of 12
+def test_voice_prefix_blocks_are_shared_by_reference(model, requests, bs):
+    eng = _engine(model, kv_block_tokens=bs, max_batch=2)
+    (_, v1, sp1), (_, v2, sp2) = requests[2], requests[3]
+    eng.generate(v1, sp1, request_id="v1")
+    (entry,) = eng.prefix_cache.entries.values()
+    full, part = divmod(v1.prefix_len, bs)
+    assert full >= 5 and len(entry.blocks) == full + (part > 0)  # full blocks shared, a partial one copied
+    shared = entry.blocks[:full]
+    eng.submit("v2", v2, sp2)
+    eng.step()  # admitted and prefilled from the cached prefix
+    (r,) = eng.live.values()
+    assert r.start == v1.prefix_len and eng.prefix_cache.hits == 1
+    assert eng.blocks.owned[r.slot][:full] == shared  # the same physical blocks, not copies
+    assert all(eng.blocks.refs[b] == 2 for b in shared)
+    if part:
+        assert eng.blocks.owned[r.slot][full] != entry.blocks[full]  # its own copy, which it writes on from there
+    while eng.has_work():
+        eng.step()
+    assert all(eng.blocks.refs[b] == 1 for b in shared)  # the cache's reference is the one left
+
+
+def test_cancel_and_errors_give_every_block_back(model, requests):
+    eng = _engine(model, kv_block_tokens=8, prefix_cache_bytes=0)
+    for rid, p, sp in requests[:3]:
+        eng.submit(rid, p, sp)
+    for _ in range(4):
+        eng.step()
+    assert eng.blocks.used > 0
+    eng.cancel("r1")
+    outs = {o.request_id: o for o in eng.step()}
+    assert outs["r1"].finish_reason == FINISH_CANCELLED
+    eng.fault_hook = lambda phase, reqs: (_ for _ in ()).throw(RuntimeError("injected")) if phase == "decode" else None
+    outs = {o.request_id: o for o in eng.step()}
+    eng.fault_hook = None
+    assert {outs["r0"].finish_reason, outs["r2"].finish_reason} == {FINISH_ERROR}
+    assert eng.counts()["live"] == 0 and eng.blocks.used == 0 and not any(eng.blocks.refs[1:])
+    eng.submit("again", requests[3][1], requests[3][2])
+    eng.fail_all("shutting down")
+    assert eng.blocks.used == 0
+
+
+def test_a_request_waits_for_blocks_then_runs(model, requests):
+    """A pool that holds one request at a time (admission counts blocks, not just slots)."""
+    (_, p0, sp0), (_, p1, sp1) = requests[0], requests[1]
+    need = max(len(p0) + sp0.max_new_tokens, len(p1) + sp1.max_new_tokens)
+    eng = _engine(model, kv_block_tokens=8, max_seq_len=need + 8, kv_cache_tokens=need + 8, prefix_cache_bytes=0)
+    eng.submit("a", p0, sp0)
+    eng.step()
+    eng.submit("b", p1, sp1)
+    waited = 0
+    done = {}
+    while eng.has_work():
+        c = eng.counts()
+        waited += c["live"] == 1 and c["waiting"] == 1
+        for o in eng.step():
+            done.setdefault(o.request_id, []).append(o)
+    assert waited > 0
+    assert [o.finished for o in done["a"]][-1] and [o.finished for o in done["b"]][-1]
+    assert sum(len(o.codes) for o in done["b"]) == sp1.max_new_tokens
+
+
+def test_preempted_requests_resume_with_the_same_codes(model, requests):
+    """A pool too small for all four requests to grow: the request admitted last is preempted (its blocks
+    freed), resumes later from its prompt plus the frames it had made, and every request ends with the codes
+    of an unhurried run."""
+    big = _run(_engine(model, kv_block_tokens=8, prefix_cache_bytes=0), requests, stagger=False)
+    longest = max(len(p) + sp.max_new_tokens for _, p, sp in requests)
+    eng = _engine(model, kv_block_tokens=8, max_seq_len=longest + 8, kv_cache_tokens=longest + 80,
+                  prefix_cache_bytes=0)
+    small = _run(eng, requests, stagger=False)
+    assert eng.preemptions > 0
+    for rid in big[0]:
+        np.testing.assert_array_equal(small[0][rid], big[0][rid])
+    assert small[2] == big[2]
+    assert eng.blocks.used == 0
+
+
+def test_pool_must_hold_one_full_request(model):
+    with pytest.raises(ValueError, match="kv_cache_tokens=100 cannot hold one request of max_seq_len=512"):
+        _engine(model, kv_cache_tokens=100)
+
+
+def test_block_pool_bookkeeping():
+    pool = BlockPool(6, 4, slots=3, max_seq=16, device="cpu")
+    assert pool.capacity == 5 and pool.max_blocks == 4
+    a = pool.alloc(2)
+    pool.assign(0, a)
+    pool.extend([(0, pool.alloc(1)[0])])
+    assert pool.holds(0) == 3 and pool.table[0, :3].tolist() == pool.owned[0] and pool.table[0, 3] == 0
+    pool.retain(a[:1])
+    pool.free_slot(0)
+    assert pool.free == 4 and pool.refs[a[0]] == 1  # the retained block stays out of the free list
+    pool.release(a[:1])
+    assert pool.free == 5
+    with pytest.raises(MemoryError):
+        pool.alloc(6)
+    with pytest.raises(RuntimeError, match="released twice"):
+        pool.release(a[:1])
+
+
+def test_long_prompts_prefill_in_chunks_with_the_same_result(model, requests):
+    """max_prefill_tokens=16: every prompt (36-130 tokens) is prefilled 16 tokens at a time into its blocks, with
+    the logits and codes of a prefill in one pass."""
+    whole = _run(_engine(model, kv_block_tokens=8), requests)
+    eng = _engine(model, kv_block_tokens=8, max_prefill_tokens=16)
+    passes, inner = [], eng._prefill_pass
+    eng._prefill_pass = lambda reqs, src, starts, ends: passes.append(max(e - s for s, e in zip(starts, ends))) or \
+        inner(reqs, src, starts, ends)
+    chunked = _run(eng, requests)
+    assert min(len(p) for _, p, _ in requests) > 32
+    todo = [len(p) for _, p, _ in requests[:3]] + [len(requests[3][1]) - requests[3][1].prefix_len]  # r3: prefix hit
+    assert max(passes) <= 16 and len(passes) == sum(-(-n // 16) for n in todo)
+    _assert_same(chunked, whole)
