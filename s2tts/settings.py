@@ -106,8 +106,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder"), "let cuDNN use TF32 for the fp32 codec on GPUs "
             "(about 2x faster at batch 32-64)"),
     Setting("max_batch", int, 8, ("slow_ar",), "live requests decoded together (KV-cache slots)", min=1, max=1024),
-    Setting("max_seq_len", int, 4096, ("slow_ar", "s2pro"), "tokens per request (prompt + frames); KV memory = max_batch x "
-            "max_seq_len x 147 KB (full-size model)", min=64, max=32768),
+    Setting("max_seq_len", int, 4096, ("slow_ar", "s2pro"), "tokens per request (prompt + frames); a request holds KV "
+            "memory only for the tokens it has (`kv_cache_tokens`)", min=64, max=32768),
+    Setting("kv_cache_tokens", int, None, ("slow_ar",), "the KV cache's size in tokens, shared by all requests in "
+            "blocks (147 KB a token on the full-size model); a request holds the blocks of the tokens it has. When "
+            "running requests outgrow it the one admitted last pauses and resumes where it stopped (unset: "
+            "max_batch x 2048, at least max_seq_len)", min=64),
+    Setting("kv_block_tokens", int, 32, ("slow_ar",), "tokens per KV-cache block; 0 = one block of max_seq_len per "
+            "request (the unpaged slot layout)", min=0, max=32768),
     Setting("max_queued_requests", int, 64, ("slow_ar",), "requests waiting for a KV slot; more are refused at once "
             "with `unavailable`", min=0, max=100000),
     Setting("fast_ar", str, "inprocess", ("slow_ar",), "`inprocess`, or `bls` (call the `fast_ar` model per frame)",
@@ -194,6 +200,8 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
         out["max_new_tokens_limit"] = min(out["max_new_tokens_limit"], out["max_seq_len"] // 2)
     if given.get("default_max_new_tokens") in (None, ""):
         out["default_max_new_tokens"] = min(out["default_max_new_tokens"], out["max_new_tokens_limit"])
+    if out["kv_cache_tokens"] is None:
+        out["kv_cache_tokens"] = max(out["max_seq_len"], out["max_batch"] * 2048)
     check_rules(out)
     return out
 
@@ -219,6 +227,9 @@ def check_rules(v: dict[str, Any]) -> None:
     need(v["default_max_new_tokens"] <= v["max_new_tokens_limit"],
          f"default_max_new_tokens={v['default_max_new_tokens']} is above max_new_tokens_limit="
          f"{v['max_new_tokens_limit']}", "default_max_new_tokens")
+    need(v["kv_cache_tokens"] >= v["max_seq_len"],
+         f"kv_cache_tokens={v['kv_cache_tokens']} cannot hold one request of max_seq_len={v['max_seq_len']} tokens: "
+         "raise kv_cache_tokens or lower max_seq_len", "kv_cache_tokens")
     need(v["max_new_tokens_limit"] < v["max_seq_len"],
          f"max_new_tokens_limit={v['max_new_tokens_limit']} must be below max_seq_len={v['max_seq_len']} (the prompt "
          "shares the sequence): raise max_seq_len or lower max_new_tokens_limit", "max_new_tokens_limit")

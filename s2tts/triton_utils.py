@@ -273,7 +273,10 @@ METRICS = {  # name -> (kind, help[, histogram buckets])
     "s2tts_engine_slots_used": ("gauge", "slow_ar KV-cache slots in use"),
     "s2tts_engine_slots_total": ("gauge", "slow_ar KV-cache slots (max_batch)"),
     "s2tts_engine_kv_tokens": ("gauge", "slow_ar tokens held in the KV cache by live requests"),
-    "s2tts_engine_kv_capacity_tokens": ("gauge", "slow_ar KV-cache capacity in tokens (max_batch x max_seq_len)"),
+    "s2tts_engine_kv_capacity_tokens": ("gauge", "slow_ar KV-cache capacity in tokens (kv_cache_tokens, whole blocks)"),
+    "s2tts_engine_kv_blocks_used": ("gauge", "slow_ar KV-cache blocks held (live requests and cached voice prefixes)"),
+    "s2tts_engine_preemptions_total": ("counter", "slow_ar requests paused because the KV cache ran out of blocks "
+                                       "(each resumes where it stopped; raise kv_cache_tokens if this grows)"),
     "s2tts_engine_prefix_cache_hits_total": ("counter", "slow_ar prompts whose voice prefix was in the prefix cache"),
     "s2tts_engine_prefix_cache_misses_total": ("counter", "slow_ar prompts with a voice prefix that had to be prefilled"),
     "s2tts_engine_streams_open": ("gauge", "slow_ar streams whose reader has not taken the last chunk yet"),

@@ -224,7 +224,9 @@ def test_speech_metrics_move_with_requests(triton_server):
     hits, misses = ('s2tts_engine_prefix_cache_hits_total{model="slow_ar"}', 's2tts_engine_prefix_cache_misses_total{model="slow_ar"}')
     assert m.get(misses, 0) >= before.get(misses, 0) + 1 and m.get(hits, 0) >= before.get(hits, 0) + 1
     assert m['s2tts_engine_slots_total{model="slow_ar"}'] == 8  # max_batch
-    assert m['s2tts_engine_kv_capacity_tokens{model="slow_ar"}'] == 8 * 4096 and 's2tts_engine_kv_tokens{model="slow_ar"}' in m
+    assert m['s2tts_engine_kv_capacity_tokens{model="slow_ar"}'] == 8 * 2048 and 's2tts_engine_kv_tokens{model="slow_ar"}' in m
+    assert m['s2tts_engine_kv_blocks_used{model="slow_ar"}'] >= 1  # the cached voice prefix holds its blocks
+    assert m['s2tts_engine_preemptions_total{model="slow_ar"}'] == 0
     b0, b1 = _histogram(before, "s2tts_codec_batch_size", "dac_decoder"), _histogram(m, "s2tts_codec_batch_size", "dac_decoder")
     assert b1[0] > b0[0] and b1[1] - b0[1] >= b1[0] - b0[0]  # each codec call decoded at least one stream
     ok = 's2tts_requests_finished_total{model="s2pro",outcome="ok"}'

@@ -54,6 +54,8 @@ class TritonPythonModel:
             residual_size=codec_codebook_sizes(v.checkpoint)[1],
             max_batch=v.max_batch,
             max_seq_len=v.max_seq_len,
+            kv_cache_tokens=v.kv_cache_tokens,
+            kv_block_tokens=v.kv_block_tokens,
             fast_ar=BLSFastAR() if v.fast_ar == "bls" else None,
             prefix_cache_bytes=v.prefix_cache_mb << 20,
             max_prefill_tokens=v.max_prefill_tokens,
@@ -68,9 +70,11 @@ class TritonPythonModel:
                                      limit=v.max_batch + v.max_queued_requests, on_unhealthy=self._unload,
                                      on_tick=self._report,
                                      frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None)
-        self.log.info("%s ready: device=%s dtype=%s max_batch=%d max_seq_len=%d cuda_graphs=%s prefix_cache=%d MiB "
-                      "batch_invariant=%s adaptive_chunks=%s", self.name, engine.device, engine.dtype, engine.max_batch, engine.max_seq_len,
-                      sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20, engine.batch_invariant, v.adaptive_chunks)
+        self.log.info("%s ready: device=%s dtype=%s max_batch=%d max_seq_len=%d kv_cache=%d tokens in blocks of %d "
+                      "cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s adaptive_chunks=%s", self.name, engine.device,
+                      engine.dtype, engine.max_batch, engine.max_seq_len, engine.kv_capacity_tokens,
+                      engine.blocks.block_size, sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20,
+                      engine.batch_invariant, v.adaptive_chunks)
 
     def execute(self, requests):
         for request in requests:
@@ -170,7 +174,9 @@ class TritonPythonModel:
         self.metrics.set("s2tts_engine_slots_used", counts["live"])
         self.metrics.set("s2tts_engine_slots_total", service.engine.max_batch)
         self.metrics.set("s2tts_engine_kv_tokens", counts["kv_tokens"])
-        self.metrics.set("s2tts_engine_kv_capacity_tokens", service.engine.max_batch * service.engine.max_seq_len)
+        self.metrics.set("s2tts_engine_kv_capacity_tokens", service.engine.kv_capacity_tokens)
+        self.metrics.set("s2tts_engine_kv_blocks_used", counts["kv_blocks_used"])
+        self.metrics.count_to("s2tts_engine_preemptions_total", counts["preemptions"])
         cache = service.engine.prefix_cache
         self.metrics.count_to("s2tts_engine_prefix_cache_hits_total", cache.hits)
         self.metrics.count_to("s2tts_engine_prefix_cache_misses_total", cache.misses)
