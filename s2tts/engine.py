@@ -92,17 +92,23 @@ class Engine:
     PREFILL_BATCH = (1, 2, 4)
     PREFILL_TOKENS = (32, 64, 128, 256)
     PREFILL_KEYS = (512, 1024)
+    SPLIT_FROM = 2048  # keys of the longest request above which a decode step splits each row's keys
 
     def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
                  fast_ar=None, max_prefill_tokens: int = 8192, cuda_graphs: bool | None = None,
                  decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0,
                  prefill_buckets: bool | None = None, batch_invariant: bool = False, kv_block_tokens: int = 32,
-                 kv_cache_tokens: int | None = None):
+                 kv_cache_tokens: int | None = None, decode_splits: int | None = None):
         """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
         None = on when the model is on a CUDA device.
 
         KV cache: a pool of `kv_cache_tokens` positions (default `max_batch` x `max_seq_len`: every slot can fill
         its sequence) in blocks of `kv_block_tokens` (0: one block of `max_seq_len` per request, the slot layout).
+        `decode_splits`: programs that share one request's keys in the decode-attention kernel (a power of two;
+        default: 1 up to max_seq_len 2048, then one per 2048 tokens of max_seq_len, at most 16), so that a long
+        context is read by many programs at once. A step uses them only while some request has more than
+        SPLIT_FROM tokens (their extra programs cost ~15% of a step of short requests); with `batch_invariant`,
+        always.
 
         `batch_invariant`: a request's numbers do not depend on the requests beside it. Every decode step
         runs at one shape (`max_batch` rows, keys up to `max_seq_len`; padding rows use the scratch slot),
@@ -142,9 +148,15 @@ class Engine:
             from . import kernels
 
             decode_kernel = on_cuda and kernels.available()
+        if decode_splits is None:
+            decode_splits = min(16, 1 << max(0, -(-self.max_seq_len // 2048) - 1).bit_length())
+        if decode_splits < 1 or decode_splits & (decode_splits - 1):
+            raise ValueError(f"decode_splits={decode_splits}: use a power of two")
+        self.decode_splits = decode_splits
         for stack in (model.slow.stack, model.fast.stack):
             for layer in stack.layers:
                 layer.attention.decode_kernel = decode_kernel
+                layer.attention.decode_splits = 1
         if fused_kernels is None:
             fused_kernels = decode_kernel
         from .model import use_triton_kernels
@@ -167,7 +179,7 @@ class Engine:
         self.seed = torch.zeros(n, dtype=torch.int64, device=dev)
         self.allow_end = torch.ones(n, dtype=torch.bool, device=dev)
 
-        self.graphs: dict[int, tuple] = {}  # batch bucket -> captured decode step
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (batch bucket, decode splits) -> captured decode step
         self.frame_graphs: dict[int, tuple] = {}  # batch bucket -> captured first frame after prefill
         self.prefill_graphs: dict[tuple, tuple] = {}  # (batch, tokens, keys) -> captured prefill
         if cuda_graphs is None:
@@ -507,14 +519,16 @@ class Engine:
         B = len(reqs)
         host = [slot_list, [r.length for r in reqs], [r.generated for r in reqs]]
         rows = self.max_batch if self.batch_invariant else B  # the step's shape
-        bucket = next((b for b in sorted(self.graphs) if b >= rows), None)
+        splits = self._splits_for(max(host[1]) + 1)
+        bucket = next((b for b, n in sorted(self.graphs) if b >= rows and n == splits), None)
         pad = (rows if bucket is None else bucket) - B  # padding rows: the scratch slot, position 0, step 0
         padded = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
         if bucket is not None:
-            graph, io, out = self.graphs[bucket]
+            graph, io, out = self.graphs[(bucket, splits)]
             io.copy_(torch.tensor(padded, dtype=torch.int64), non_blocking=True)
             graph.replay()
         else:
+            self._use_splits(splits)
             io = torch.tensor(padded, dtype=torch.int64, device=self.device)
             kv_len_max = self.max_seq_len if self.batch_invariant else max(host[1]) + 1
             out = self._decode_core(io[0], io[1][:, None], io[2], kv_len_max=kv_len_max, hook_ids=[r.id for r in reqs])
@@ -522,6 +536,14 @@ class Engine:
         for r in reqs:
             r.length += 1
         return self._emit(reqs, frame, end)
+
+    def _splits_for(self, keys: int) -> int:
+        """Decode splits of a step whose longest request attends to `keys` keys."""
+        return self.decode_splits if self.batch_invariant or keys > self.SPLIT_FROM else 1
+
+    def _use_splits(self, n: int) -> None:
+        for layer in self.model.slow.layers:
+            layer.attention.decode_splits = n
 
     def _decode_core(self, slots, pos, step, kv_len_max, hook_ids=None):
         """One batched decode step on the device (what the CUDA graphs capture): slots [B], pos [B, 1], step [B]."""
@@ -556,20 +578,23 @@ class Engine:
         dev = self.device
         buckets = (self.max_batch,) if self.batch_invariant else \
             sorted({b for b in self.GRAPH_BUCKETS if b < self.max_batch} | {self.max_batch})
+        variants = sorted({self._splits_for(1), self._splits_for(self.max_seq_len)})
         for bucket in sorted(buckets, reverse=True):
             io = torch.zeros(3, bucket, dtype=torch.int64, device=dev)
             io[0] = self.scratch
             args = (io[0], io[1][:, None], io[2], None)
             stream = torch.cuda.Stream(dev)
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):
-                    self._decode_core(*args)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                out = self._decode_core(*args)
-            self.graphs[bucket] = (graph, io, out)
+            for splits in variants:  # one graph per way of splitting the keys (they share io)
+                self._use_splits(splits)
+                stream.wait_stream(torch.cuda.current_stream(dev))
+                with torch.cuda.stream(stream), torch.inference_mode():
+                    for _ in range(2):
+                        self._decode_core(*args)
+                torch.cuda.current_stream(dev).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                    out = self._decode_core(*args)
+                self.graphs[(bucket, splits)] = (graph, io, out)
             # the first frame of newly prefilled requests: sampling + fast AR from given hidden/logits
             hbuf = torch.zeros(bucket, self.s2.text.dim, dtype=self.dtype, device=dev)
             lbuf = torch.zeros(bucket, self.s2.num_semantic + 1, dtype=torch.float32, device=dev)

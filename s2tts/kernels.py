@@ -29,17 +29,27 @@ if triton is not None:
 
     @triton.jit
     def _decode_attention_kernel(
-        Q, K, V, O, Table, Slots, Lens, scale,
+        Q, K, V, O, Table, Slots, Lens, MidO, MidML, scale,
         stride_qb, stride_qh,
         stride_kb, stride_kh, stride_kl,
         stride_vb, stride_vh, stride_vl,
         stride_ob, stride_oh, stride_t,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
+        SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     ):
+        """Program (row b, KV head, split): the split's share of the row's keys (whole tiles of BLOCK_N, at least
+        MIN_SPLIT keys). A row that one split covers is finished here (result straight to O, as with SPLITS=1);
+        otherwise each split's unnormalised sum and its (max, sum of weights) go to MidO/MidML for
+        `_decode_combine_kernel`."""
         b = tl.program_id(0)
         kvh = tl.program_id(1)
+        sp = tl.program_id(2)
         slot = tl.load(Slots + b).to(tl.int64)
         length = tl.load(Lens + b)
+        per = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+        direct = (length <= per).to(tl.int32)  # one split holds the whole row
+        lo = sp * per
+        hi = tl.minimum(lo + per, length)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, D)
         gmask = g < GROUP
@@ -49,9 +59,9 @@ if triton is not None:
         m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_sum = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, D], tl.float32)
-        for start in range(0, length, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            nmask = n < length
+            nmask = n < hi
             blk = tl.load(row_table + n // BS, mask=nmask, other=0).to(tl.int64)  # each key's physical block
             off = n % BS
             k = tl.load(K + blk[:, None] * stride_kb + kvh * stride_kh + off[:, None] * stride_kl + d[None, :],
@@ -66,13 +76,53 @@ if triton is not None:
                         mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m = m_new
-        out = acc / l_sum[:, None]
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty), mask=gmask[:, None])
+        if SPLITS == 1:
+            out = acc / l_sum[:, None]
+            tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                     mask=gmask[:, None])
+        else:
+            out = acc / l_sum[:, None]
+            finish = gmask & (g * 0 + direct * (sp == 0).to(tl.int32) > 0)
+            tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
+                     mask=finish[:, None])
+            H = tl.num_programs(1) * GROUP
+            mid = (b * H + heads) * SPLITS + sp  # [GROUP_PAD]
+            split = gmask & (g * 0 + direct == 0)
+            tl.store(MidO + mid[:, None] * D + d[None, :], acc, mask=split[:, None])
+            tl.store(MidML + mid * 2, m, mask=split)
+            tl.store(MidML + mid * 2 + 1, l_sum, mask=split)
+
+    @triton.jit
+    def _decode_combine_kernel(MidO, MidML, O, Lens, stride_ob, stride_oh, H, D: tl.constexpr, SPLITS: tl.constexpr,
+                               BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+        """Program (row b, head h): the softmax-weighted sum of the splits' partial results (rows that one split
+        finished are left alone)."""
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        length = tl.load(Lens + b)
+        per = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+        sp = tl.arange(0, SPLITS)
+        d = tl.arange(0, D)
+        used = sp * per < length  # splits that held keys (the others wrote nothing)
+        base = (b * H + h) * SPLITS + sp
+        m = tl.load(MidML + base * 2, mask=used, other=float("-inf"))
+        l_sum = tl.load(MidML + base * 2 + 1, mask=used, other=0.0)
+        acc = tl.load(MidO + base[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
+        m_all = tl.max(m, axis=0)
+        w = tl.where(used, tl.exp(m - m_all), 0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l_sum * w, axis=0)
+        tl.store(O + b * stride_ob + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d * 0 + length > per)
 
 
-def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch.Tensor, block_n: int = 64) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch.Tensor, block_n: int = 64,
+                     splits: int = 1, min_split: int = 1024) -> torch.Tensor:
     """q [B, H, D]; `cache` a paged KVCache (k/v [blocks, K, block_size, D], table [slots, max_blocks]); slots [B];
-    lengths [B] (keys 0..len-1 are visible) -> [B, H, D]."""
+    lengths [B] (keys 0..len-1 are visible) -> [B, H, D].
+
+    `splits` > 1 (a power of two): each row's keys are shared among up to that many programs per KV head (at least
+    `min_split` keys each), whose partial results are then combined (flash-decoding), so a long context is read by
+    many programs at once rather than by one; a row that fits one split is done as with `splits=1`. A row's result
+    depends on its own length only, never on its neighbours."""
     if triton is None:
         raise RuntimeError("decode_attention needs the `triton` package")
     B, H, D = q.shape
@@ -81,15 +131,23 @@ def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch
     group = H // n_kv
     q = q.contiguous()
     out = torch.empty_like(q)
-    _decode_attention_kernel[(B, n_kv)](
-        q, k, v, out, table, slots, lengths, D ** -0.5,
+    if splits > 1:
+        mid_o = torch.empty(B, H, splits, D, dtype=torch.float32, device=q.device)
+        mid_ml = torch.empty(B, H, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        mid_o = mid_ml = out
+    _decode_attention_kernel[(B, n_kv, splits)](
+        q, k, v, out, table, slots, lengths, mid_o, mid_ml, D ** -0.5,
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, BS=cache.block_size,
-        num_warps=4,
+        SPLITS=splits, MIN_SPLIT=min_split, num_warps=4,
     )
+    if splits > 1:
+        _decode_combine_kernel[(B, H)](mid_o, mid_ml, out, lengths, out.stride(0), out.stride(1), H, D=D, SPLITS=splits,
+                                       BLOCK_N=block_n, MIN_SPLIT=min_split, num_warps=1)
     return out
 
 

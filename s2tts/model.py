@@ -102,6 +102,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
         self.cache: KVCache | None = None
         self.decode_kernel = False  # use the Triton decode-attention kernel for one-token steps (set by the engine)
+        self.decode_splits = 1  # programs sharing one row's keys in that kernel (set by the engine per step)
+        self.decode_min_split = 1024  # keys each of them takes at least
         self.fused = False  # fused q/k norm + RoPE + cache write kernel (see use_triton_kernels)
         self.rope: torch.Tensor | None = None  # the stack's table, set by use_triton_kernels
 
@@ -118,7 +120,8 @@ class Attention(nn.Module):
                           self.rope, pos.reshape(-1), rows_slot, self.cache, c.n_head, c.n_local_heads,
                           c.head_dim, c.norm_eps, c.qk_norm)
         if S == 1 and self.decode_kernel:
-            out = decode_attention(q, self.cache, slots, pos[:, 0] + 1)
+            out = decode_attention(q, self.cache, slots, pos[:, 0] + 1, splits=self.decode_splits,
+                                   min_split=self.decode_min_split)
             return self.wo(out.reshape(B, 1, c.q_size))
         kc, vc = self.cache.read(slots, kv_len_max)
         out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)
@@ -143,7 +146,8 @@ class Attention(nn.Module):
             from .kernels import decode_attention
 
             self.cache.write(slots, pos, k, v)
-            out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0] + 1)
+            out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0] + 1, splits=self.decode_splits,
+                                   min_split=self.decode_min_split)
             return self.wo(out.reshape(B, 1, c.q_size))
         else:
             self.cache.write(slots, pos, k, v)

@@ -34,12 +34,16 @@ def check_ops():
         table = (torch.randperm(S * nb) + 1).reshape(S, nb).int()
         k = kpool[table.long()].transpose(1, 2).reshape(S, KV, nb * BS, D)  # each slot's keys in logical order
         v = vpool[table.long()].transpose(1, 2).reshape(S, KV, nb * BS, D)
-        out = kernels.decode_attention(q, KVCache(kpool, vpool, table, BS), slots, lens, block_n=16)
-        for b in range(B):
-            kk = k[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
-            vv = v[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
-            ref = torch.softmax((q[b][:, None] @ kk.transpose(1, 2))[:, 0] * D ** -0.5, -1)[:, None] @ vv
-            assert rel(out[b], ref[:, 0]) < 1e-5, ("attention", BS, b, rel(out[b], ref[:, 0]))
+        # 4 splits of at least 16 keys: length 1 and 17 fit one split (finished there), 40 takes three (combined);
+        # with at least 8 keys each, 17 takes two and 40 three
+        for splits, least in ((1, 1), (4, 16), (4, 8)):
+            out = kernels.decode_attention(q, KVCache(kpool, vpool, table, BS), slots, lens, block_n=16, splits=splits,
+                                           min_split=least)
+            for b in range(B):
+                kk = k[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
+                vv = v[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
+                ref = torch.softmax((q[b][:, None] @ kk.transpose(1, 2))[:, 0] * D ** -0.5, -1)[:, None] @ vv
+                assert rel(out[b], ref[:, 0]) < 1e-5, ("attention", BS, splits, least, b, rel(out[b], ref[:, 0]))
     # rms norm (+ residual add) and silu*mul against the module code
     from s2tts.model import RMSNorm
 
@@ -72,15 +76,19 @@ def check_ops():
 
 
 def check_engine(ckpt):
-    """The whole engine with every Triton kernel on (paged cache, blocks of 8) gives the logits and codes of the
-    plain PyTorch path over the slot layout."""
+    """The whole engine with every Triton kernel on (paged cache, blocks of 8, keys split between up to 4 programs) gives
+    the logits and codes of the plain PyTorch path over the slot layout."""
     pb = PromptBuilder.from_dir(ckpt)
     prompts = [pb.build(t) for t in ("Kernel check one.", "A second, longer kernel check prompt.")]
     results = []
     for kern in (False, True):
         model = load_model(ckpt, "cpu", "fp32")
         eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
-                     fused_kernels=kern, kv_block_tokens=8 if kern else 0)
+                     fused_kernels=kern, kv_block_tokens=8 if kern else 0, decode_splits=4 if kern else None)
+        if kern:  # split every row's keys (a real server splits only past 2048 keys, in parts of at least 1024)
+            eng.SPLIT_FROM = 0
+            for layer in model.slow.layers:
+                layer.attention.decode_min_split = 16
         logits = {}
         eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
         for i, p in enumerate(prompts):
