@@ -55,6 +55,19 @@ def steady_steps(eng, reqs, window):
     return (times[len(times) // 2] * 1e3 if times else None), len(times)
 
 
+def release(model) -> None:
+    """Free an engine's KV pool and CUDA graphs before the next one is made (the model holds the pool and its owner)."""
+    import gc
+
+    model.engine_owner = None
+    for stack in (model.slow.stack, model.fast.stack):
+        stack.k_pool = stack.v_pool = stack.blocks = None
+        for layer in stack.layers:
+            layer.attention.cache = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
@@ -67,6 +80,7 @@ def main():
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--max-seq", type=int, default=1024, help="max_seq_len of the step-time comparison")
     ap.add_argument("--prefill-tokens", type=int, default=4096)
+    ap.add_argument("--splits", default="auto,1", help="decode_splits values for the mixed load (auto: the engine's rule)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script on a tiny checkpoint")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -111,12 +125,12 @@ def main():
     short_reqs = [(f"s{i}", p, params(i)) for i, p in enumerate(shorts)]
     rows = {"weights_gib": round(weights_gib, 2), "kv_bytes_per_token": token_bytes, "device": torch.cuda.get_device_name()}
 
-    # 1. slot layout vs paged blocks, 64 short streams, same max_seq_len
-    for name, block in (("slot", 0), ("paged", args.block)):
-        torch.cuda.empty_cache()
+    # 1. slot layout vs paged blocks, 64 short streams, same max_seq_len (and paged with 16 decode splits: its cost)
+    for name, block, splits in (("slot", 0, None), ("paged", args.block, None), ("paged_splits16", args.block, 16)):
+        release(model)
         torch.cuda.reset_peak_memory_stats()
         eng = Engine(model, residual, max_batch=args.short, max_seq_len=args.max_seq, max_prefill_tokens=args.prefill_tokens,
-                     kv_block_tokens=block)
+                     kv_block_tokens=block, decode_splits=splits)
         print(f"{name}: engine ready ({eng.kv_capacity_tokens} KV tokens)", flush=True)
         step_ms, n = steady_steps(eng, short_reqs, args.window)
         rows[f"{name}_step_ms"] = round(step_ms, 3)
@@ -132,28 +146,32 @@ def main():
     long_tokens = args.long_tokens + args.frames
     pool = int((args.short * short_tokens + args.long * long_tokens) * 1.05)
     max_seq = min(c.max_seq_len, long_tokens + 64)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    eng = Engine(model, residual, max_batch=args.short + args.long, max_seq_len=max_seq,
-                 max_prefill_tokens=args.prefill_tokens, kv_block_tokens=args.block, kv_cache_tokens=max(pool, max_seq))
-    init_s = time.perf_counter() - t0
-    print(f"mixed: engine ready ({eng.kv_capacity_tokens} KV tokens, {init_s:.1f} s)", flush=True)
     mixed = [(f"l{i}", p, params(1000 + i)) for i, p in enumerate(longs)] + short_reqs
-    t0 = time.perf_counter()
-    step_ms, n = steady_steps(eng, mixed, args.window)
-    free, total = torch.cuda.mem_get_info()
-    rows.update({
-        "mixed_streams": len(mixed), "mixed_kv_pool_tokens": eng.kv_capacity_tokens,
-        "mixed_kv_pool_gib": round(eng.kv_capacity_tokens * token_bytes / 2**30, 2),
-        "mixed_step_ms": round(step_ms, 3) if step_ms else None, "mixed_steps_timed": n,
-        "mixed_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "mixed_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
-        "mixed_device_used_gib": round((total - free) / 2**30, 2),
-        "mixed_preemptions": eng.preemptions, "mixed_init_s": round(init_s, 1),
-        "mixed_run_s": round(time.perf_counter() - t0, 1),
-    })
-    print(json.dumps(rows), flush=True)
+    for splits in args.splits.split(","):
+        release(model)
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        eng = Engine(model, residual, max_batch=args.short + args.long, max_seq_len=max_seq,
+                     max_prefill_tokens=args.prefill_tokens, kv_block_tokens=args.block, kv_cache_tokens=max(pool, max_seq),
+                     decode_splits=None if splits == "auto" else int(splits))
+        init_s = time.perf_counter() - t0
+        print(f"mixed: engine ready ({eng.kv_capacity_tokens} KV tokens, {init_s:.1f} s)", flush=True)
+        t0 = time.perf_counter()
+        step_ms, n = steady_steps(eng, mixed, args.window)
+        free, total = torch.cuda.mem_get_info()
+        tag = f"mixed_splits{eng.decode_splits}"
+        rows.update({
+            "mixed_streams": len(mixed), "mixed_kv_pool_tokens": eng.kv_capacity_tokens,
+            "mixed_kv_pool_gib": round(eng.kv_capacity_tokens * token_bytes / 2**30, 2),
+            f"{tag}_step_ms": round(step_ms, 3) if step_ms else None, f"{tag}_steps_timed": n,
+            f"{tag}_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            f"{tag}_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+            f"{tag}_device_used_gib": round((total - free) / 2**30, 2),
+            f"{tag}_preemptions": eng.preemptions, f"{tag}_init_s": round(init_s, 1),
+            f"{tag}_run_s": round(time.perf_counter() - t0, 1),
+        })
+        print(json.dumps(rows), flush=True)
+        del eng
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

@@ -114,7 +114,7 @@ log "host $(hostname), repo $ROOT, results $RES, work $WORK"
 { nvidia-smi || true; } | tee "$WORK/details/nvidia-smi.txt"
 "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda, "| gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)' \
   | tee "$WORK/details/python.txt"
-git log -1 --format='commit %H %s' 2>/dev/null | tee "$WORK/details/commit.txt" || true
+{ git log -1 --format='commit %H %s' 2>/dev/null; git diff --quiet HEAD 2>/dev/null || echo " + uncommitted changes to: $(git diff --name-only HEAD 2>/dev/null | tr '\n' ' ')"; } | tr -d '\n' | tee "$WORK/details/commit.txt" || true
 git status --short 2>/dev/null >"$WORK/details/git-status.txt" || true
 
 # ------------------------------------------------------------------------------------------------ 2. carried software
