@@ -116,6 +116,7 @@ class EngineService:
                              name="s2tts-sender", daemon=True),
         ]
         self._last_poll = 0.0
+        self._preemptions_logged, self._preemption_log_at = 0, 0.0
         for t in self.threads:
             t.start()
 
@@ -173,6 +174,16 @@ class EngineService:
         return out
 
     # ---- the engine thread ------------------------------------------------------------------
+    def _note_preemptions(self) -> None:
+        """Say when the KV cache ran short and requests were paused (at most every 10 s: it can happen every step)."""
+        n = self.engine.preemptions
+        now = time.monotonic()
+        if n > self._preemptions_logged and now - self._preemption_log_at >= 10.0:
+            log.warning("%s: the KV cache ran out of blocks: %d request(s) paused to resume where they stopped (%d so "
+                        "far; kv_cache_tokens=%d: raise it if this repeats)", self.name, n - self._preemptions_logged,
+                        n, self.engine.kv_capacity_tokens)
+            self._preemptions_logged, self._preemption_log_at = n, now
+
     def _engine_pass(self) -> None:
         if not self.engine.wait_for_work(timeout=0.5) or self.stop.is_set():
             return
@@ -185,6 +196,7 @@ class EngineService:
         if decoding and self.engine.last_fault is None:
             dt = time.monotonic() - t0
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+        self._note_preemptions()
         fault = self.engine.last_fault
         if fault is None:
             self.step_faults = 0

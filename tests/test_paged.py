@@ -219,3 +219,43 @@ def test_long_prompts_prefill_in_chunks_with_the_same_result(model, requests):
     todo = [len(p) for _, p, _ in requests[:3]] + [len(requests[3][1]) - requests[3][1].prefix_len]  # r3: prefix hit
     assert max(passes) <= 16 and len(passes) == sum(-(-n // 16) for n in todo)
     _assert_same(chunked, whole)
+
+
+class _Responder:
+    def __init__(self):
+        self.sent, self.finals = [], 0
+
+    def send(self, response, final):
+        self.sent.append(response)
+        self.finals += final
+
+    def is_cancelled(self):
+        return False
+
+
+def test_service_says_when_requests_were_paused(model, requests, s2_log):
+    """Through the engine service (what slow_ar runs): a pool too small for four growing requests pauses some,
+    every request still gets all its frames, and the log says what to raise."""
+    import time
+
+    from s2tts.engine_service import EngineService
+
+    longest = max(len(p) + sp.max_new_tokens for _, p, sp in requests)
+    eng = _engine(model, kv_block_tokens=8, max_seq_len=longest + 8, kv_cache_tokens=longest + 80, prefix_cache_bytes=0)
+    svc = EngineService(eng, lambda codes, reason, stats: (codes, reason), lambda e: ("error", e.code))
+    try:
+        responders = {}
+        for rid, p, sp in requests:
+            responders[rid] = _Responder()
+            assert svc.submit(rid, responders[rid], p, sp, first_chunk_frames=4, chunk_frames=8) is not None
+        deadline = time.monotonic() + 120
+        while any(r.finals == 0 for r in responders.values()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        svc.shutdown()
+    assert eng.preemptions > 0
+    for rid, _, sp in requests:
+        sent = responders[rid].sent
+        assert responders[rid].finals == 1 and sent[-1][1] == "length"
+        assert sum(len(codes) for codes, _ in sent) == sp.max_new_tokens
+    assert "the KV cache ran out of blocks" in s2_log.text and "raise it if this repeats" in s2_log.text
