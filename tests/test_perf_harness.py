@@ -139,3 +139,17 @@ def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
         log = tar.extractfile("g2/tritonserver.log").read().decode(errors="replace")
     assert "successfully loaded 'slow_ar_1'" in log and "successfully loaded 'dac_decoder_1'" in log
     assert "slow_ar_1 ready: device=cpu" in log and "dac_decoder_1 ready: device=cpu" in log
+
+
+def test_paged_mixed_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/paged_mixed.py end to end on the tiny model: both layouts timed, the mixed load with long prompts run
+    with and without split keys, and the JSON it writes."""
+    out = tmp_path / "paged.json"
+    _run([sys.executable, "perf/paged_mixed.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--short", "4",
+          "--long", "2", "--long-tokens", "300", "--frames", "30", "--window", "5", "--max-seq", "512",
+          "--json", str(out)], timeout=600)
+    r = json.loads(out.read_text())
+    for key in ("slot_step_ms", "paged_step_ms", "paged_splits16_step_ms", "mixed_splits1_step_ms"):
+        assert r[key] > 0, key
+    assert r["mixed_streams"] == 6 and r["mixed_splits1_steps_timed"] == 5 and r["mixed_splits1_preemptions"] == 0
+    assert r["mixed_kv_pool_tokens"] >= 4 * 30 + 2 * 330
