@@ -21,6 +21,21 @@ def tiny_ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
 
 
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    """The tiny model in fp32 on the CPU (one per test module: engines made over it take its caches)."""
+    from s2tts.checkpoint import load_model
+
+    return load_model(tiny_ckpt, "cpu", "fp32")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_ckpt):
+    from s2tts.prompt import PromptBuilder
+
+    return PromptBuilder.from_dir(tiny_ckpt)
+
+
 @pytest.fixture
 def s2_log(caplog):
     caplog.set_level(logging.INFO, logger="s2tts")

@@ -11,20 +11,9 @@ from safetensors.torch import load_file, save_file
 from s2tts.checkpoint import INDEX_FILE, load_model
 from s2tts.config import CheckpointError, S2Config
 from s2tts.engine import Engine
-from s2tts.prompt import PromptBuilder
 from s2tts.sampling import SamplingParams, sample, uniform
 
 RESIDUAL = 32  # the tiny codec's residual codebook size
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt):
-    return load_model(tiny_ckpt, "cpu", "fp32")
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_ckpt):
-    return PromptBuilder.from_dir(tiny_ckpt)
 
 
 def _copy(tiny_ckpt, tmp_path):

@@ -6,23 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.checkpoint import load_model
 from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
 from s2tts.paged import BlockPool
-from s2tts.prompt import PromptBuilder
 from s2tts.sampling import SamplingParams
 
 RESIDUAL = 32
-
-
-@pytest.fixture(scope="module")
-def model(tiny_ckpt):
-    return load_model(tiny_ckpt, "cpu", "fp32")
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_ckpt):
-    return PromptBuilder.from_dir(tiny_ckpt)
 
 
 @pytest.fixture(scope="module")
