@@ -24,6 +24,7 @@ def tiny_server(ckpt, workdir, **settings):
 
     server = TritonServer(ckpt, {"device": "cpu", "dtype": "fp32", **{k: str(v) for k, v in settings.items()}},
                           workdir=workdir)
+    server.upstream_aborts = 0  # aborts of the kind UPSTREAM_ABORT that a test provoked and handled (see there)
     server.start(timeout=300)
     try:
         yield server
@@ -31,10 +32,20 @@ def tiny_server(ckpt, workdir, **settings):
         server.stop()
         # a model process that crashed (while serving or at unload) leaves faulthandler's report in the log
         log = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
-        crash = re.search(r"Fatal Python error|Signal \((?!15\)|2\))\d+\) received", log)  # a model's, or tritonserver's
-        if crash:
+        allowed = server.upstream_aborts
+        for crash in re.finditer(r"Fatal Python error|Signal \((?!15\)|2\))\d+\) received", log):  # a model's, or tritonserver's
             i = crash.start()
+            if allowed and UPSTREAM_ABORT in log[max(0, i - 500):i]:
+                allowed -= 1
+                continue
             raise AssertionError(f"a server process crashed ({server.log_path}):\n{log[max(0, i - 2000):i + 3000]}")
+
+
+# Triton 24.10's Python backend: when a model's stub process is killed while it holds a lock of the shared memory
+# it shares with tritonserver, tritonserver itself aborts with this (triton-inference-server/server#8882,
+# python_backend#446). Tests that SIGKILL a model process meet it now and then; they restart the server, try
+# again, and count it (`upstream_aborts`) so that tiny_server's crash check accepts exactly those.
+UPSTREAM_ABORT = "boost::interprocess::lock_exception"
 
 
 class Gateway:
