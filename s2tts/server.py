@@ -181,6 +181,11 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        elif self.proc is not None:  # tritonserver died (an abort, a kill): its model processes, in its process
+            try:                     # group, may live on without it
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         if getattr(self, "_log", None):
             self._log.close()
         if self.own_workdir and self.proc is not None and self.proc.poll() is not None:

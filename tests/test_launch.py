@@ -53,3 +53,38 @@ def test_server_removes_its_temporary_folder_on_sigterm(tiny_ckpt):
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_stopping_a_dead_server_ends_its_model_processes(tiny_ckpt, tmp_path):
+    """tritonserver killed outright (as when it aborts): stop() still ends the model processes it left behind. A
+    stub notices its parent's death by itself only if it is not stuck; here one is stopped (SIGSTOP) to stand for
+    a stuck one (one was left so, holding memory, after an abort in CI)."""
+    import os
+    import signal
+    import time
+
+    from s2tts.server import TritonServer
+
+    server = TritonServer(tiny_ckpt, {"device": "cpu", "dtype": "fp32"}, free_port(), free_port(), free_port(),
+                          workdir=tmp_path / "w")
+    server.start(timeout=300)
+
+    def stubs():
+        out = subprocess.run(["pgrep", "-f", f"{tmp_path / 'w'}/model_repository/"], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    left = []
+    try:
+        assert len(stubs()) >= 5  # one Python backend stub per model
+        os.kill(stubs()[0], signal.SIGSTOP)
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(30)
+        server.stop()
+        deadline = time.time() + 10
+        while stubs() and time.time() < deadline:
+            time.sleep(0.2)
+        left = stubs()
+    finally:
+        for pid in stubs():  # whatever the outcome, leave nothing behind
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"model processes left after stop(): {left}"
