@@ -24,9 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-KV_TOKEN_BYTES = None  # filled from the model: 2 x layers x kv heads x head dim x 2 bytes
-
-
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -106,7 +103,6 @@ def main():
     model = load_model(ck, args.device, "bf16" if cuda else "fp32")
     s2 = model.s2
     c = s2.text
-    token_bytes = 2 * c.n_layer * c.n_local_heads * c.head_dim * 2
     weights_gib = torch.cuda.memory_allocated() / 2**30
     print(f"loaded: {weights_gib:.2f} GiB of weights", flush=True)
     residual = codec_codebook_sizes(ck)[1]
@@ -123,7 +119,7 @@ def main():
         return SamplingParams(seed=i, max_new_tokens=args.frames, ignore_end=True)
 
     short_reqs = [(f"s{i}", p, params(i)) for i, p in enumerate(shorts)]
-    rows = {"weights_gib": round(weights_gib, 2), "kv_bytes_per_token": token_bytes, "device": torch.cuda.get_device_name()}
+    rows = {"weights_gib": round(weights_gib, 2), "device": torch.cuda.get_device_name()}
 
     # 1. slot layout vs paged blocks, 64 short streams, same max_seq_len (and paged with 16 decode splits: its cost)
     for name, block, splits in (("slot", 0, None), ("paged", args.block, None), ("paged_splits16", args.block, 16)):
@@ -136,7 +132,8 @@ def main():
         rows[f"{name}_step_ms"] = round(step_ms, 3)
         rows[f"{name}_steps_timed"] = n
         rows[f"{name}_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        rows[f"{name}_kv_pool_gib"] = round(eng.kv_capacity_tokens * token_bytes / 2**30, 2)
+        rows[f"{name}_kv_pool_gib"] = round(eng.blocks.capacity * eng.block_bytes / 2**30, 2)
+        rows["kv_bytes_per_token"] = eng.block_bytes // eng.blocks.block_size
         print(json.dumps(rows), flush=True)
         del eng
     rows["paged_vs_slot_step"] = round(rows["paged_step_ms"] / rows["slot_step_ms"], 4)
@@ -162,7 +159,7 @@ def main():
         tag = f"mixed_splits{eng.decode_splits}"
         rows.update({
             "mixed_streams": len(mixed), "mixed_kv_pool_tokens": eng.kv_capacity_tokens,
-            "mixed_kv_pool_gib": round(eng.kv_capacity_tokens * token_bytes / 2**30, 2),
+            "mixed_kv_pool_gib": round(eng.blocks.capacity * eng.block_bytes / 2**30, 2),
             f"{tag}_step_ms": round(step_ms, 3) if step_ms else None, f"{tag}_steps_timed": n,
             f"{tag}_peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             f"{tag}_peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),

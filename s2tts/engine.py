@@ -45,7 +45,6 @@ class Request:
     length: int = 0  # tokens in this request's KV cache
     generated: int = 0  # frames produced
     frames: list = field(default_factory=list)  # the frames produced, kept to resume after a preemption
-    preemptions: int = 0
     start: int = 0  # prompt tokens already in its blocks at admission (a cached voice prefix)
     prefix_key: str | None = None  # set when its prefilled prefix should enter the prefix cache
     max_new: int = 0
@@ -136,10 +135,8 @@ class Engine:
         stack = model.slow.stack
         self.blocks = stack.setup_caches(max_batch + 1, self.max_seq_len, self.dtype, self.device, block_size=block,
                                          num_blocks=-(-kv_tokens // block) + 1)
-        c = s2.text
-        self.block_bytes = 2 * c.n_layer * c.n_local_heads * block * c.head_dim * stack.k_pool.element_size()
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        self.prefix_cache.bind(self.blocks, self.block_bytes, stack.copy_blocks)
+        self.block_bytes = 2 * stack.k_pool[:, 0].nbytes  # keys and values of one block in every layer
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, self.blocks, self.block_bytes, stack.copy_blocks)
         self.preemptions = 0
         model.fast.setup_caches(max_batch + 1, self.dtype, self.device)
         model.engine_owner = self  # the caches (and graphs over them) are this engine's until another is made
@@ -149,7 +146,7 @@ class Engine:
 
             decode_kernel = on_cuda and kernels.available()
         if decode_splits is None:
-            decode_splits = min(16, 1 << max(0, -(-self.max_seq_len // 2048) - 1).bit_length())
+            decode_splits = min(16, 1 << max(0, -(-self.max_seq_len // self.SPLIT_FROM) - 1).bit_length())
         if decode_splits < 1 or decode_splits & (decode_splits - 1):
             raise ValueError(f"decode_splits={decode_splits}: use a power of two")
         self.decode_splits = decode_splits
@@ -327,7 +324,6 @@ class Engine:
         """Free the request's slot and blocks; it waits at the head of the queue to resume (see the module doc)."""
         self._release(r)
         r.slot, r.length, r.start, r.prefix_key = -1, 0, 0, None
-        r.preemptions += 1
         self.preemptions += 1
         self._waiting.appendleft(r)
 
@@ -338,7 +334,7 @@ class Engine:
         budget = self.max_prefill_tokens
         while self._waiting and self._free:
             r = self._waiting[0]
-            n = len(self._source(r))
+            n = self._source_len(r)
             if admitted and n > budget:
                 break
             need = pool.blocks_for(n)  # enough with or without a prefix hit
@@ -366,6 +362,11 @@ class Engine:
         r.prefix_key = key if hit is None else None
         blocks += pool.alloc(pool.blocks_for(n) - len(blocks))
         pool.assign(r.slot, blocks)
+
+    @staticmethod
+    def _source_len(r: Request) -> int:
+        """len(self._source(r)), without building it (one token per frame produced)."""
+        return len(r.prompt) + len(r.frames)
 
     def _source(self, r: Request) -> Prompt:
         """What a request prefills: its prompt, and after a preemption also the frames it has produced."""
@@ -411,7 +412,7 @@ class Engine:
         With prefill buckets (GPU), the batch is padded to a captured (batch, tokens, keys) shape and replayed
         as a CUDA graph; otherwise it runs eagerly at its own shape."""
         resumed = any(r.frames for r in reqs)
-        long = any(len(self._source(r)) - r.start > self.max_prefill_tokens for r in reqs)
+        long = any(self._source_len(r) - r.start > self.max_prefill_tokens for r in reqs)
         if len(reqs) > 1 and (resumed or long or self.batch_invariant):
             return [o for r in reqs for o in self._prefill([r])]
         slots = self._set_slot_params(reqs)

@@ -28,6 +28,11 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def _split_keys(length, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+        """Keys per split of a row of `length` keys: whole tiles, at least MIN_SPLIT."""
+        return tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+
+    @triton.jit
     def _decode_attention_kernel(
         Q, K, V, O, Table, Slots, Lens, MidO, MidML, scale,
         stride_qb, stride_qh,
@@ -46,7 +51,7 @@ if triton is not None:
         sp = tl.program_id(2)
         slot = tl.load(Slots + b).to(tl.int64)
         length = tl.load(Lens + b)
-        per = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+        per = _split_keys(length, SPLITS, BLOCK_N, MIN_SPLIT)
         direct = (length <= per).to(tl.int32)  # one split holds the whole row
         lo = sp * per
         hi = tl.minimum(lo + per, length)
@@ -76,12 +81,11 @@ if triton is not None:
                         mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m = m_new
+        out = acc / l_sum[:, None]
         if SPLITS == 1:
-            out = acc / l_sum[:, None]
             tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
                      mask=gmask[:, None])
         else:
-            out = acc / l_sum[:, None]
             finish = gmask & (g * 0 + direct * (sp == 0).to(tl.int32) > 0)
             tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(O.dtype.element_ty),
                      mask=finish[:, None])
@@ -100,7 +104,7 @@ if triton is not None:
         b = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.load(Lens + b)
-        per = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N, MIN_SPLIT)
+        per = _split_keys(length, SPLITS, BLOCK_N, MIN_SPLIT)
         sp = tl.arange(0, SPLITS)
         d = tl.arange(0, D)
         used = sp * per < length  # splits that held keys (the others wrote nothing)

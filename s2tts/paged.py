@@ -25,8 +25,6 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class BlockPool:
-    NULL = 0
-
     def __init__(self, num_blocks: int, block_size: int, slots: int, max_seq: int, device):
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")

@@ -27,17 +27,14 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, min_tokens: int = 32):
+    def __init__(self, max_bytes: int, pool, block_bytes: int, copy, min_tokens: int = 32):
+        """Entries hold blocks of `pool` (a BlockPool), `block_bytes` each; `copy(src, dst)` copies blocks on the
+        device."""
         self.max_bytes, self.min_tokens = max_bytes, min_tokens
+        self.pool, self.block_bytes, self.copy = pool, block_bytes, copy
         self.entries: OrderedDict[str, PrefixEntry] = OrderedDict()
         self.held = 0  # blocks held by entries
         self.hits = self.misses = 0
-        self.pool = self.copy = None
-        self.block_bytes = 1
-
-    def bind(self, pool, block_bytes: int, copy) -> None:
-        """Use `pool`'s blocks (a BlockPool); `copy(src, dst)` copies blocks on the device."""
-        self.pool, self.block_bytes, self.copy = pool, block_bytes, copy
 
     @property
     def bytes(self) -> int:
