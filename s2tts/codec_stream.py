@@ -171,6 +171,15 @@ class StreamDecoder:
         host = _with_finite(audio, state.tensors).cpu().numpy()
         return host[:, :-1], new_states, host[:, -1] > 0
 
+    def joins(self, n: int) -> bool:
+        """Whether a chunk of n frames decodes as fast as its parts would: any length without CUDA graphs, else a
+        length the pool prepared (others run eagerly)."""
+        return self.pool is None or not self.pool.use_graphs or n in self.pool.lengths
+
+    def close(self, sid: str) -> None:
+        """End stream `sid` (its state dropped) if it is open."""
+        self._drop(sid)
+
     def _drop(self, sid: str) -> None:
         st = self.states.pop(sid, None)
         if st is not None and st.slot is not None:

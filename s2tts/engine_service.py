@@ -5,6 +5,14 @@ in order and polls for cancellation, so IPC never stalls the device loop. Frames
 grouped per request as it asked (`first_chunk_frames`, then `chunk_frames`): one
 response per audio chunk, then one final response with the finish reason and stats.
 
+With a `codec` (`codec_stream.StreamDecoder`: `codec_in_engine`), the engine thread also decodes: after each
+step, the chunks every stream finished in that step go to the codec in one call (batched per chunk length),
+and each response carries its audio beside its codes, so no chunk makes a round trip to another process. A
+request names its codec stream (`CodecStream`: several requests, one per text segment, can continue one
+stream); the stream closes with the request's last chunk when `final`, and whenever the request ends otherwise.
+A request's first chunk is decoded at once (time to first audio); later chunks wait up to `codec_batch_steps`
+steps, so that the codec takes the chunks of many streams in one call instead of a few in every step.
+
 Requests are tracked by `lifecycle.RequestTable` under internal ids (the engine sees
 only those); the caller's id serves for cancellation, status and log lines. Every
 outcome ends in exactly one final response. Faults:
@@ -74,27 +82,73 @@ def decode_fields(arr, fields) -> dict:
 
 
 @dataclass
+class CodecStream:
+    """Which decoder stream a request's audio continues (with an in-engine codec)."""
+
+    sid: str
+    start: bool = True  # the request's first chunk opens the stream (else it continues an earlier request's)
+    final: bool = True  # the request's last chunk closes it (else a later request continues it)
+
+
+@dataclass
 class StreamState:
     chunker: Chunker
     queue_s: float | None = None
     frames: int = 0
     prompt_tokens: int = 0
+    codec: CodecStream | None = None
+    codec_open: bool = False  # the codec stream holds state for this request (opened, or continued)
+
+
+@dataclass
+class LoopStats:
+    """What the engine thread's passes spent, logged every `every_s` (with an in-engine codec)."""
+
+    passes: int = 0
+    steps: int = 0
+    step_s: float = 0.0
+    codec_s: float = 0.0
+    codec_calls: int = 0
+    codec_chunks: int = 0
+    since: float = 0.0
+    every_s: float = 30.0
+
+    def add(self, step_s: float, rest_s: float, name: str) -> None:
+        now = time.monotonic()
+        if not self.since:
+            self.since = now
+        self.steps += 1
+        self.step_s += step_s
+        self.codec_s += rest_s
+        if now - self.since >= self.every_s and self.codec_calls:
+            log.info("%s: last %.0f s: %d steps of %.1f ms, then %.1f ms a step routing and decoding audio (%d codec "
+                     "calls, %.1f chunks a call)", name, now - self.since, self.steps, 1e3 * self.step_s / self.steps,
+                     1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_chunks / self.codec_calls)
+            self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_chunks = 0, 0.0, 0.0, 0, 0
+            self.since = now
 
 
 class EngineService:
-    """`make_response(codes [n, C] int32, finish_reason, stats dict | None) -> response` and
-    `make_error(S2Error) -> response` build the transport's responses."""
+    """`make_response(codes [n, C] int32, finish_reason, stats dict | None, audio float32 [samples] | None) ->
+    response` and `make_error(S2Error) -> response` build the transport's responses."""
 
-    def __init__(self, engine: Engine, make_response: Callable[[np.ndarray, str, dict | None], Any],
+    def __init__(self, engine: Engine, make_response: Callable[..., Any],
                  make_error: Callable[[S2Error], Any], name: str = "slow_ar", limit: int | None = None,
                  on_unhealthy: Callable[[str], None] | None = None, cancel_poll_s: float = 0.05,
                  max_step_faults: int = 3, on_tick: Callable[["EngineService"], None] | None = None,
-                 frame_seconds: float | None = None):
+                 frame_seconds: float | None = None, codec=None, codec_batch_steps: int = 1):
         """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`service.Chunker`);
-        None: fixed chunks."""
+        None: fixed chunks. `codec` (a `codec_stream.StreamDecoder`): decode audio here (see the module's doc)."""
         self.engine = engine
+        self.codec = codec
+        self._codec_closing: list[str] = []  # codec streams to close, asked from other threads (engine thread only
+        self._codec_lock = threading.Lock()  # touches the decoder)
+        self._codec_states: dict[str, StreamState] = {}  # engine request id -> its state, until its last output
+        self.codec_batch_steps = max(1, codec_batch_steps)
+        self._held: list[list] = []  # routed items waiting for the next codec call (in order)
+        self.loop = LoopStats()
         self.frame_seconds = frame_seconds
-        self.step_s: float | None = None  # moving average of the wall time of a step that decoded (one frame each)
+        self.step_s: float | None = None  # moving average of a decoding pass's wall time (step, and codec if here)
         self.downstream_pace: tuple[float, float] | None = None  # (pace, when) reported by the caller (s2pro)
         self.downstream_pace_ttl_s = 5.0
         self.name = name
@@ -122,13 +176,18 @@ class EngineService:
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, client_id: str, responder: Responder, prompt: Prompt, params: SamplingParams,
-               first_chunk_frames: int, chunk_frames: int) -> Tracked | None:
+               first_chunk_frames: int, chunk_frames: int, codec_stream: CodecStream | None = None) -> Tracked | None:
         """Admit a request (its responses go to `responder`). A refusal (duplicate id, full, unhealthy, a request
-        the engine can never run) is answered on `responder` with one final error; returns None then."""
+        the engine can never run) is answered on `responder` with one final error; returns None then. With an
+        in-engine codec, `codec_stream` says which decoder stream the audio continues (None: a stream of its own)."""
         try:
             pace = self.pace if self.frame_seconds else None
             rec = self.table.open(client_id, responder,
                                   state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace), prompt_tokens=len(prompt)))
+            if self.codec is not None:
+                rec.state.codec = codec_stream or CodecStream(f"{self.name}/{rec.iid}")
+                rec.state.codec_open = not rec.state.codec.start
+                self._codec_states[str(rec.iid)] = rec.state
         except S2Error as e:
             log.info("%s: request %s refused: %s", self.name, client_id, e.wire())
             self.table.refuse(responder, e)
@@ -138,6 +197,7 @@ class EngineService:
         except Exception as e:  # noqa: BLE001 - e.g. a prompt longer than the KV cache
             err = errors.from_exception(e, self.name)
             log.info("%s: request %s refused: %s", self.name, rec.tag, err.wire())
+            self._codec_states.pop(str(rec.iid), None)
             rec.fail(err)
             return None
         log.info("%s: request %s admitted: %d prompt tokens, max_new_tokens=%d", self.name, rec.tag, len(prompt),
@@ -150,6 +210,13 @@ class EngineService:
             return False
         self.engine.cancel(str(rec.iid))
         return True
+
+    def close_codec(self, sid: str) -> None:
+        """Close codec stream `sid` if it is open (a caller that will not continue it); the engine thread does it."""
+        if self.codec is not None:
+            with self._codec_lock:
+                self._codec_closing.append(sid)
+            self.engine.wake()
 
     def pace(self) -> float:
         """The pace chunks follow: seconds to make a second of a stream's audio, the slower of the engine's own
@@ -185,6 +252,8 @@ class EngineService:
             self._preemptions_logged, self._preemption_log_at = n, now
 
     def _engine_pass(self) -> None:
+        if self.codec is not None:
+            self._close_codec_streams()
         if not self.engine.wait_for_work(timeout=0.5) or self.stop.is_set():
             return
         if not self.health.ok:  # nothing runs on an unhealthy device; drop whatever arrived meanwhile
@@ -193,11 +262,8 @@ class EngineService:
         t0 = time.monotonic()
         decoding = bool(self.engine.live)
         outputs = self.engine.step()
-        if decoding and self.engine.last_fault is None:
-            dt = time.monotonic() - t0
-            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
-        self._note_preemptions()
         fault = self.engine.last_fault
+        self._note_preemptions()
         if fault is None:
             self.step_faults = 0
         else:
@@ -209,32 +275,148 @@ class EngineService:
             else:
                 log.warning("%s: engine step failed (%s: %s); the requests it touched end with an error", self.name,
                             type(fault).__name__, fault)
-        for o in outputs:
-            self._route(o)
+        t1 = time.monotonic()
+        ready = [r for o in outputs for r in self._route(o)]
+        if self.codec is not None:
+            ready = self._batch_for_codec(ready)
+            if ready:
+                self._decode(ready)
+        for rec, kind, codes, reason, stats, audio in ready:
+            if kind == "error":
+                self.outbox.put((rec, "error", stats, None))
+            else:
+                self.outbox.put((rec, kind, self.make_response(codes, reason, stats, audio), reason or None))
+        if decoding and fault is None:
+            t2 = time.monotonic()
+            dt = t2 - t0
+            self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+            self.loop.add(t1 - t0, t2 - t1, self.name)
 
-    def _route(self, o: Output) -> None:
+    def _batch_for_codec(self, ready: list[list]) -> list[list]:
+        """What to decode in this pass: a request's first chunk at once (time to first audio), everything else
+        every `codec_batch_steps` steps (all streams' chunks in one call), and all of it when the engine has
+        nothing left to run. A request's items keep their order."""
+        self.loop.passes += 1
+        tick = self.loop.passes % self.codec_batch_steps == 0 or not self.engine.has_work()
+        held_recs = {id(item[0]) for item in self._held}
+        now = []
+        for item in ready:
+            rec, st = item[0], item[0].state
+            first = item[1] == "chunk" and st.chunker.emitted == 1 and id(rec) not in held_recs
+            if tick or first or item[1] == "error":
+                now.append(item)
+            else:
+                self._held.append(item)
+                held_recs.add(id(rec))
+        if tick:
+            now, self._held = self._held + now, []
+        return now
+
+    def _route(self, o: Output) -> list[list]:
+        """One request's output -> what to send: [record, "chunk" | "final" | "error", codes, finish reason,
+        stats (the S2Error for "error"), audio (None until decoded)] items."""
         rec = self.table.get(int(o.request_id))
+        codec_state = self._codec_states.pop(o.request_id, None) if o.finished else None
         if rec is None or rec.closed:  # ended elsewhere (shutdown, unhealthy): make sure the engine lets go too
             if not o.finished:
                 self.engine.cancel(o.request_id)
-            return
+            elif codec_state is not None:
+                self._end_codec(codec_state)
+            return []
         st: StreamState = rec.state
         if o.queue_s is not None:
             st.queue_s = o.queue_s
         if o.finish_reason == FINISH_ERROR:
             err = errors.from_exception(o.exception, self.name) if o.exception is not None else \
                 errors.internal(f"{self.name}: {o.error}")
-            self.outbox.put((rec, "error", err, None))
-            return
+            self._end_codec(st)
+            return [[rec, "error", None, "", err, None]]
         st.frames += o.codes.shape[0]
-        for chunk in st.chunker.add(o.codes):
-            self.outbox.put((rec, "chunk", self.make_response(chunk, "", None), None))
+        out = [[rec, "chunk", chunk, "", None, None] for chunk in st.chunker.add(o.codes)]
         if o.finished:
             tail = st.chunker.flush()
             codes = tail if tail is not None else np.zeros((0, self.C), np.int32)
             stats = {"frames": st.frames, "queue_s": None if st.queue_s is None else round(st.queue_s, 4),
                      "prompt_tokens": st.prompt_tokens, "finish_reason": o.finish_reason}
-            self.outbox.put((rec, "final", self.make_response(codes, o.finish_reason, stats), o.finish_reason))
+            out.append([rec, "final", codes, o.finish_reason, stats, None])
+        return out
+
+    # ---- the in-engine codec (engine thread only) -------------------------------------------
+    def _decode(self, ready: list[list]) -> None:
+        """The chunks of this pass through the codec, all streams in one call; each item gets its audio, or becomes
+        an error (its request cancelled). A stream's consecutive chunks go as one where the codec decodes that
+        length as well (`StreamDecoder.joins`). A cancelled request's last codes are not decoded: its stream just
+        closes."""
+        jobs: list[list] = []  # [item indices, stream id, codes, start, final]
+        last: dict[str, list] = {}  # stream id -> its latest job
+        for i, (rec, kind, codes, reason, _stats, _audio) in enumerate(ready):
+            st: StreamState = rec.state
+            ready[i][5] = np.zeros(0, np.float32)
+            if kind == "error":
+                continue
+            if reason == "cancelled":
+                self._end_codec(st)
+                continue
+            final = kind == "final" and st.codec.final
+            if codes.shape[0] == 0 and not (final and st.codec_open):
+                continue
+            job = last.get(st.codec.sid)
+            if job is not None and not job[4] and (codes.shape[0] == 0 or self.codec.joins(job[2].shape[0] + codes.shape[0])):
+                job[0].append(i)
+                job[2] = np.concatenate([job[2], codes])
+                job[4] = final
+            else:
+                job = last[st.codec.sid] = [[i], st.codec.sid, codes, not st.codec_open, final]
+                jobs.append(job)
+            st.codec_open = not final
+        while jobs:  # one job per stream in a call (a stream's chunks that did not join go in order)
+            now, later, seen = [], [], set()
+            for job in jobs:
+                (later if job[1] in seen else now).append(job)
+                seen.add(job[1])
+            self.loop.codec_calls += 1
+            self.loop.codec_chunks += len(now)
+            try:
+                audio = self.codec.decode_many([(k, *job[1:]) for k, job in enumerate(now)], time.monotonic())
+            except Exception as e:  # noqa: BLE001 - the codec failed as a whole: these requests end, the service goes on
+                err = errors.from_exception(e, self.name)
+                audio = {k: err for k in range(len(now))}
+            for k, job in enumerate(now):
+                a = audio.get(k)
+                if isinstance(a, np.ndarray) and len(job[0]) > 1:  # split back at the items' frames
+                    hop = a.size // max(1, job[2].shape[0])
+                    bounds = np.cumsum([ready[i][2].shape[0] * hop for i in job[0]])[:-1]
+                    for i, part in zip(job[0], np.split(a, bounds)):
+                        self._take_audio(ready[i], part)
+                else:
+                    for i in job[0]:
+                        self._take_audio(ready[i], a)
+            jobs = later
+
+    def _take_audio(self, item: list, audio) -> None:
+        rec = item[0]
+        if isinstance(audio, np.ndarray):
+            item[5] = audio
+            return
+        err = audio if isinstance(audio, S2Error) else errors.internal(f"{self.name}: the codec returned no audio")
+        log.warning("%s: request %s: audio decode failed: %s", self.name, rec.tag, err.wire())
+        self._end_codec(rec.state)
+        if item[1] == "chunk":
+            self.engine.cancel(str(rec.iid))
+        item[1:5] = ["error", None, "", err]
+
+    def _end_codec(self, st: StreamState) -> None:
+        """Close the request's codec stream unless a later request continues it (then only after a normal end)."""
+        if st.codec is not None and st.codec_open:
+            st.codec_open = False
+            with self._codec_lock:
+                self._codec_closing.append(st.codec.sid)
+
+    def _close_codec_streams(self) -> None:
+        with self._codec_lock:
+            sids, self._codec_closing = self._codec_closing, []
+        for sid in sids:
+            self.codec.close(sid)
 
     # ---- the sender thread ------------------------------------------------------------------
     def _send_pass(self) -> None:

@@ -52,9 +52,11 @@ class Downstream(Protocol):
     def encode(self, audio: np.ndarray, sample_rate: int, tag: str) -> np.ndarray:
         """-> codes [num_codebooks, frames]; raises S2Error."""
 
-    def generate(self, engine: str, rid: str, prompt, req: TTSRequest) -> Iterator[tuple[np.ndarray, str, dict | None]]:
-        """The stream of slow_ar replica `engine`: (frames [n, C], finish reason or "", stats on the last); raises
-        S2Error."""
+    def generate(self, engine: str, rid: str, prompt, req: TTSRequest,
+                 codec: tuple[str, bool, bool]) -> Iterator[tuple[np.ndarray, np.ndarray | None, str, dict | None]]:
+        """The stream of slow_ar replica `engine`: (frames [n, C], their audio if slow_ar decoded it (codec_in_engine)
+        else None, finish reason or "", stats on the last); raises S2Error. `codec` = (codec stream id, the first
+        chunk opens it, the last chunk closes it), for a slow_ar that decodes."""
 
     def control(self, engine: str, rid: str, what: str) -> dict:
         """A control request to slow_ar replica `engine` ("cancel" | "status" | "pace=R") -> its answer; raises
@@ -88,7 +90,8 @@ class Work:
     progress: float = field(default_factory=time.monotonic)
     generation_open: bool = False  # slow_ar has the request and no cancel was sent
     stream_done: bool = False  # slow_ar's stream reached its final response
-    decoder_open: bool = False
+    decoder_open: bool = False  # a dac_decoder stream is open
+    engine_codec_open: bool = False  # slow_ar decodes this request's audio and may hold its codec stream open
     last_check: float = 0.0
     last_cancel_check: float = 0.0
     stream: Any = None  # the segment's slow_ar stream being read
@@ -240,11 +243,11 @@ class TTSService:
         stats = w.stats
         w.step("generating")
         w.generation_open, w.stream_done = True, False
-        w.stream = self._call(w.engine, self.down.generate, w.engine, w.rid, prompt, w.req)
+        w.stream = self._call(w.engine, self.down.generate, w.engine, w.rid, prompt, w.req, (w.sid, w.seq == 0, last))
         made: list[np.ndarray] = []
         while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
             try:
-                frames, reason, gstats = self._call(w.engine, next, w.stream)
+                frames, audio, reason, gstats = self._call(w.engine, next, w.stream)
             except StopIteration:
                 w.generation_open, w.stream_done = False, True
                 raise errors.internal("slow_ar ended the stream without a final response") from None
@@ -263,11 +266,14 @@ class TTSService:
             if frames.shape[0]:
                 made.append(frames)
                 stats.frames += frames.shape[0]
-                w.step("decoding")
-                audio = self._call(w.decoder, self.down.decode, w.decoder, w.sid, frames, w.seq == 0,
-                                   bool(reason) and last)
-                w.decoder_open = not (reason and last)
-                w.step("generating")
+                if audio is not None:  # slow_ar decoded it (codec_in_engine); it ends the codec stream with `last`
+                    w.engine_codec_open = not (reason and last)
+                else:
+                    w.step("decoding")
+                    audio = self._call(w.decoder, self.down.decode, w.decoder, w.sid, frames, w.seq == 0,
+                                       bool(reason) and last)
+                    w.decoder_open = not (reason and last)
+                    w.step("generating")
                 stats.audio_sent(audio.size)
                 if not rec.send(self.make_chunk(audio, frames, w.seq)):
                     return made, None
@@ -277,6 +283,8 @@ class TTSService:
                 w.last_sent = now
                 w.seq += 1
             if reason:
+                if last or reason == "cancelled":  # slow_ar closed its codec stream, if it decodes
+                    w.engine_codec_open = False
                 return made, reason
         return made, None
 
@@ -316,7 +324,7 @@ class TTSService:
     def _drain(self, stream) -> None:
         """Read a cancelled slow_ar stream to its final response, so that no BLS stream stays open here."""
         try:
-            for _frames, reason, _stats in stream:
+            for _frames, _audio, reason, _stats in stream:
                 if reason:
                     return
         except Exception:  # noqa: BLE001 - an error response also ends it
@@ -348,6 +356,12 @@ class TTSService:
             return False
 
     def _close_decoder(self, w: Work) -> None:
+        if w.engine_codec_open:  # slow_ar keeps the stream open for a next segment that will not come
+            w.engine_codec_open = False
+            try:
+                self.down.control(w.engine, w.sid, "close_codec")
+            except Exception as e:  # noqa: BLE001 - its state is dropped when idle anyway
+                log.info("%s: codec stream %s not closed in %s (%s)", self.name, w.sid, w.engine, e)
         if not w.decoder_open:
             return
         w.decoder_open = False

@@ -47,7 +47,8 @@ def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REP
         raise RuntimeError(f"config.pbtxt placeholders {sorted(missing)} are not in s2tts.settings.SETTINGS")
     layout = Layout.from_values(values)
     # each model's own device (s2pro keeps the lists: it places requests on the replicas)
-    placed = {**{n: {"device": d} for n, d in layout.models(ENGINE)},
+    placed = {**{n: {"device": d, "codec_device": layout.codecs[i % len(layout.codecs)]}
+                 for i, (n, d) in enumerate(layout.models(ENGINE))},
               **{n: {"codec_device": d} for n, d in layout.models(DECODER)},
               "fast_ar": {"device": layout.engines[0]}, ENCODER: {"codec_device": layout.codecs[0]}}
     targets = [(name, name) for name in models] + [(role_of(n), n) for n in layout.replica_models() if role_of(n) in models]
@@ -192,6 +193,7 @@ def split_backend_settings(settings: dict) -> tuple[dict, str, str | None]:
         raise ValueError("engine_dir is only used with backend=tensorrt or backend=onnxruntime")
     if backend != "python":
         settings.setdefault("fast_ar", "bls")
+        settings.setdefault("codec_in_engine", "false")  # their codec is the dac_decoder model
     return settings, backend, engine_dir
 
 

@@ -95,15 +95,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("device", str, "auto", ("slow_ar", "fast_ar", "s2pro"), "`cpu`, `cuda`, `cuda:N`, `auto` (CUDA when "
             "present): the one CPU/GPU switch. A comma-separated list runs one engine per entry (`cuda:0,cuda:1`: "
             "`slow_ar` and `slow_ar_1`); s2pro spreads requests over them (README: Several GPUs)"),
-    Setting("codec_device", str, None, ("dac_encoder", "dac_decoder", "s2pro"), "where the codec runs, e.g. `cuda:1`; "
+    Setting("codec_device", str, None, ("dac_encoder", "dac_decoder", "s2pro", "slow_ar"), "where the codec runs, e.g. `cuda:1`; "
             "a list gives one decoder per entry, engine i using decoder i mod their number (default: each engine's "
             "codec beside it)", derived_from="device"),
     Setting("dtype", str, "bf16", ("slow_ar", "fast_ar"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
-    Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder"), "codec precision; `auto`: fp16 for the "
+    Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar"), "codec precision; `auto`: fp16 for the "
             "decoder on a GPU (1.0% audio error, 1.5x TF32's speed; a chunk that overflows is decoded again in fp32 "
             "and its stream stays fp32), fp32 for the encoder and on a CPU. `fp32` is the exact one",
             choices=("auto", "fp32", "fp16", "bf16")),
-    Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder"), "let cuDNN use TF32 for the fp32 codec on GPUs "
+    Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder", "slow_ar"), "let cuDNN use TF32 for the fp32 codec on GPUs "
             "(about 2x faster at batch 32-64)"),
     Setting("max_batch", int, 8, ("slow_ar",), "live requests decoded together (KV-cache slots)", min=1, max=1024),
     Setting("max_seq_len", int, 4096, ("slow_ar", "s2pro"), "tokens per request (prompt + frames); a request holds KV "
@@ -133,13 +133,22 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "
             "any others (every decode step at `max_batch` rows, each prompt prefilled on its own); costs the padded "
             "rows at low load (perf/RESULTS.md)"),
+    Setting("codec_in_engine", bool, None, ("slow_ar",), "decode audio in slow_ar's own loop: after each step, the "
+            "chunks all streams finished go through the codec in one batched call and leave with their codes, with no "
+            "round trip to `dac_decoder` per chunk. `auto`: on when the engine runs on a GPU and its codec on the same "
+            "device (one GPU: the AR and the codec share it either way); off on a CPU (separate processes use more "
+            "cores), with `codec_device` elsewhere, and with backend=tensorrt/onnxruntime (their codec is the "
+            "`dac_decoder` model)", auto=True),
+    Setting("codec_batch_steps", int, 4, ("slow_ar",), "with codec_in_engine, a stream's chunks after its first wait up "
+            "to this many engine steps, so that one codec call decodes the chunks of many streams (its first chunk "
+            "goes at once)", min=1, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar",), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once; more are refused at "
             "once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
-    Setting("first_chunk_frames", int, 4, ("s2pro", "dac_decoder"), "default frames in the first audio chunk (1 frame = 2048 "
+    Setting("first_chunk_frames", int, 4, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk (1 frame = 2048 "
             "samples = 46 ms)", min=1),
-    Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder"), "default frames in later chunks (the largest, with "
+    Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder", "slow_ar"), "default frames in later chunks (the largest, with "
             "`adaptive_chunks`)", min=1),
     Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
     Setting("max_text_chars", int, 100000, ("s2pro",), "longest text accepted (characters); a long text is spoken "
@@ -160,13 +169,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("auto_recover", bool, True, ("s2pro",), "reload a model of the pipeline whose process died or that "
             "reported an unrecoverable fault (needs --model-control-mode=explicit, which this project's launcher "
             "uses)"),
-    Setting("codec_max_streams", int, 256, ("dac_decoder",), "decoder states held in one pool on the codec's "
+    Setting("codec_max_streams", int, 256, ("dac_decoder", "slow_ar"), "decoder states held in one pool on the codec's "
             "device (4.4 MB a stream in fp16); on a GPU each batch of the default chunk lengths runs as a CUDA graph, "
             "captured at start. Streams beyond it run eagerly on their own state; 0 = no pool", min=0, max=4096),
     Setting("codec_queue_delay_us", int, 3000, ("dac_decoder",), "how long dac_decoder's batcher waits for chunks of "
             "other streams to decode them together (microseconds): longer makes bigger batches under load",
             min=0, max=1000000),
-    Setting("codec_idle_timeout_s", float, 600.0, ("dac_decoder",), "decoder state of a stream that sends no chunk "
+    Setting("codec_idle_timeout_s", float, 600.0, ("dac_decoder", "slow_ar"), "decoder state of a stream that sends no chunk "
             "for this long is dropped", min=1),
 )
 SCHEMA: dict[str, Setting] = {s.key: s for s in SETTINGS}

@@ -284,9 +284,11 @@ METRICS = {  # name -> (kind, help[, histogram buckets])
                                   "stream); above the audio of one frame, streams fall behind real time"),
     "s2tts_stream_pace": ("gauge", "s2pro's moving average of the seconds between a stream's audio chunks per second "
                           "of their audio; at 1 or more, streams play slower than real time"),
-    "s2tts_codec_streams_open": ("gauge", "dac_decoder streams whose decoder state is held"),
-    "s2tts_codec_batch_size": ("histogram", "dac_decoder streams decoded together in one codec call", BATCH_BUCKETS),
-    "s2tts_codec_fp32_redo_total": ("counter", "dac_decoder chunks that overflowed in fp16 and were decoded again in fp32"),
+    "s2tts_codec_streams_open": ("gauge", "dac_decoder (or slow_ar, codec_in_engine) streams whose decoder state is held"),
+    "s2tts_codec_batch_size": ("histogram", "dac_decoder (or slow_ar, codec_in_engine) streams decoded together in one codec "
+                               "call", BATCH_BUCKETS),
+    "s2tts_codec_fp32_redo_total": ("counter", "dac_decoder (or slow_ar, codec_in_engine) chunks that overflowed in fp16 and were "
+                                    "decoded again in fp32"),
     "s2tts_model_healthy": ("gauge", "1 while the model serves, 0 after an unrecoverable fault"),
 }
 

@@ -230,7 +230,7 @@ def test_service_says_when_requests_were_paused(model, requests, s2_log):
 
     longest = max(len(p) + sp.max_new_tokens for _, p, sp in requests)
     eng = _engine(model, kv_block_tokens=8, max_seq_len=longest + 8, kv_cache_tokens=longest + 80, prefix_cache_bytes=0)
-    svc = EngineService(eng, lambda codes, reason, stats: (codes, reason), lambda e: ("error", e.code))
+    svc = EngineService(eng, lambda codes, reason, stats, audio: (codes, reason), lambda e: ("error", e.code))
     try:
         responders = {}
         for rid, p, sp in requests:

@@ -1,7 +1,8 @@
 """s2pro: the decoupled BLS model clients call.
 
 text (+ reference audio or codes + transcript) -> prompt -> `slow_ar` stream of frames
--> `dac_decoder` (stateful per stream, so chunks join without seams) -> audio responses,
+-> `dac_decoder` (stateful per stream, so chunks join without seams) -> audio responses
+(or, with codec_in_engine, slow_ar's chunks arrive with their audio: no dac_decoder call),
 then one final response with stats. A thin adapter: `s2tts.orchestrator.TTSService`
 owns each request's life (worker thread, deadlines, cancellation, recovery); this file
 parses tensors, builds responses and makes the BLS calls (`BLSDownstream`).
@@ -57,9 +58,10 @@ class BLSDownstream:
             _raise_for(resp, "dac_encoder")
         return pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().astype(np.int64)
 
-    def generate(self, engine, rid, prompt, req: TTSRequest):
+    def generate(self, engine, rid, prompt, req: TTSRequest, codec):
         """The chunks of slow_ar replica `engine`, pulled one request at a time (slow_ar is request-response: see
-        its config.pbtxt)."""
+        its config.pbtxt); their audio too when slow_ar decodes it (codec_in_engine), in codec stream `codec`
+        = (id, start, final)."""
         p = req.params
         inputs = [
             tu.string_tensor("request_id", rid),
@@ -75,6 +77,9 @@ class BLSDownstream:
             tu.tensor("ignore_eos", np.array([p.ignore_end])),
             tu.tensor("first_chunk_frames", np.array([req.first_chunk_frames], np.int32)),
             tu.tensor("chunk_frames", np.array([req.chunk_frames], np.int32)),
+            tu.string_tensor("codec_stream", codec[0]),
+            tu.tensor("codec_start", np.array([codec[1]])),
+            tu.tensor("codec_final", np.array([codec[2]])),
         ]
         while True:
             resp = self._slow_ar(engine, rid, inputs)
@@ -82,7 +87,8 @@ class BLSDownstream:
             codes = pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().reshape(-1, self.C)
             reason = FINISH_NAMES.get(int(pb_utils.get_output_tensor_by_name(resp, "finish_reason").as_numpy().reshape(-1)[0]), "")
             stats = pb_utils.get_output_tensor_by_name(resp, "stats").as_numpy()
-            yield codes, reason, decode_fields(stats, STATS_FIELDS) if stats.size else None
+            audio = pb_utils.get_output_tensor_by_name(resp, "audio").as_numpy().reshape(-1)
+            yield codes, audio if audio.size else None, reason, decode_fields(stats, STATS_FIELDS) if stats.size else None
             if reason:
                 return
             inputs = [tu.string_tensor("request_id", rid), tu.string_tensor("control", "next")]
@@ -97,7 +103,7 @@ class BLSDownstream:
     @staticmethod
     def _slow_ar(engine, rid, inputs):
         return pb_utils.InferenceRequest(model_name=engine, inputs=inputs, request_id=rid,
-                                         requested_output_names=["codes", "finish_reason", "stats"]).exec()
+                                         requested_output_names=["codes", "finish_reason", "stats", "audio"]).exec()
 
     def decode(self, decoder, sid, frames, start, final):
         req = pb_utils.InferenceRequest(

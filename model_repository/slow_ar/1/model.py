@@ -10,6 +10,10 @@ that request; `control`="status" answers with the engine's health and where that
 (waiting / live / unknown) in `stats`; `control`="pace=R" (from s2pro) tells the chunker the
 pipeline's pace. Everything but codes travels as numbers (`s2tts.engine_service.FINISH_CODES`,
 `STATS_FIELDS`, `STATUS_FIELDS`). Request-response, not decoupled: see config.pbtxt.
+
+With `codec_in_engine` (auto: on a GPU with the codec beside the engine) this process also loads the codec
+and every answer carries its chunk's audio, decoded in the engine's loop (`EngineService`); `control`=
+"close_codec" with a codec stream's id closes that stream (a caller that will not continue it).
 """
 
 import itertools
@@ -20,11 +24,14 @@ import triton_python_backend_utils as pb_utils
 
 from s2tts import errors, settings
 from s2tts import triton_utils as tu
-from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
+from s2tts.checkpoint import codec_codebook_sizes, codec_dtype_for, codec_frame_seconds, load_codec_from_dir, load_model
+from s2tts.checkpoint import resolve_device
+from s2tts.codec_stream import StreamDecoder
 from s2tts.engine import Engine, HostFastAR
-from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, EngineService, encode_fields
+from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, EngineService, encode_fields
 from s2tts.lifecycle import PullStreams
 from s2tts.prompt import Prompt
+from s2tts.service import Chunker
 
 
 class BLSFastAR(HostFastAR):
@@ -63,18 +70,52 @@ class TritonPythonModel:
             batch_invariant=v.batch_invariant,
         )
         self.C = model.s2.num_codebooks
+        codec = self._codec(v, engine) if self._codec_here(v, engine) else None
         self.streams = PullStreams(self.name, tu.s2_error_response, idle_timeout_s=v.stream_idle_timeout_s)
         self._anonymous = itertools.count(1)
         self.metrics = tu.Metrics(self.name)
+        if codec is not None:
+            self.metrics.declare("s2tts_codec_batch_size")
         self.service = EngineService(engine, self._response, tu.s2_error_response, name=self.name,
                                      limit=v.max_batch + v.max_queued_requests, on_unhealthy=self._unload,
                                      on_tick=self._report,
-                                     frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None)
+                                     frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
+                                     codec=codec, codec_batch_steps=v.codec_batch_steps)
         self.log.info("%s ready: device=%s dtype=%s max_batch=%d max_seq_len=%d kv_cache=%d tokens in blocks of %d "
-                      "cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s adaptive_chunks=%s", self.name, engine.device,
-                      engine.dtype, engine.max_batch, engine.max_seq_len, engine.kv_capacity_tokens,
-                      engine.blocks.block_size, sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20,
-                      engine.batch_invariant, v.adaptive_chunks)
+                      "cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s adaptive_chunks=%s codec_in_engine=%s",
+                      self.name, engine.device, engine.dtype, engine.max_batch, engine.max_seq_len,
+                      engine.kv_capacity_tokens, engine.blocks.block_size, sorted(engine.graphs),
+                      engine.prefix_cache.max_bytes >> 20, engine.batch_invariant, v.adaptive_chunks, codec is not None)
+
+    @staticmethod
+    def _codec_here(v, engine) -> bool:
+        """`codec_in_engine`; auto: on a GPU, with the codec on the engine's own device."""
+        if v.codec_in_engine is not None:
+            return v.codec_in_engine
+        codec = resolve_device(v.codec_device)
+        return engine.device.type == "cuda" and codec.type == "cuda" and (codec.index or 0) == (engine.device.index or 0)
+
+    def _codec(self, v, engine):
+        """The decoder (fp16 on a GPU by default, with its fp32 fallback) on the engine's device, its stream pool
+        warmed for the chunk lengths the chunker makes, at up to max_batch streams per call."""
+        import time
+
+        import torch
+
+        t0 = time.monotonic()
+        dtype = codec_dtype_for(v.codec_dtype, engine.device, "decoder")
+        torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
+        codec = load_codec_from_dir(v.checkpoint, engine.device, dtype)
+        fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, engine.device, "fp32")
+        decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback,
+                                pool_size=v.codec_max_streams)
+        graphs = 0
+        if decoder.pool is not None:
+            graphs = decoder.pool.warm(Chunker.lengths(v.first_chunk_frames, v.chunk_frames), max_batch=v.max_batch)
+        self.log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s", self.name,
+                      dtype, " (fp32 fallback)" if fallback is not None else "", v.codec_max_streams, graphs,
+                      time.monotonic() - t0)
+        return decoder
 
     def execute(self, requests):
         for request in requests:
@@ -86,7 +127,7 @@ class TritonPythonModel:
                 if control:
                     self._control(control, rid, sender)
                     continue
-                prompt, params, first, size = self._parse(request)
+                prompt, params, first, size, codec_stream = self._parse(request)
             except Exception as e:  # noqa: BLE001 - never let one request take the model down
                 err = errors.from_exception(e, self.name)
                 self.log.info("slow_ar: request %s refused: %s", rid, err.wire())
@@ -97,7 +138,7 @@ class TritonPythonModel:
                 first = size = params.max_new_tokens + 1
             stream = self.streams.open(rid, sender)
             if stream is not None:
-                self.service.submit(rid, stream, prompt, params, first, size)
+                self.service.submit(rid, stream, prompt, params, first, size, codec_stream)
         return None
 
     def _control(self, control, rid, sender):
@@ -114,18 +155,21 @@ class TritonPythonModel:
                 raise errors.invalid(f"control={control!r}: pace=R needs a number", "control") from None
             self.service.set_downstream_pace(r)
             sender.send(self._answer(np.array([r], np.float32)), True)
+        elif control == "close_codec":  # rid: the codec stream's id
+            self.service.close_codec(rid)
+            sender.send(self._answer(np.zeros(0, np.float32)), True)
         elif control == "status":
             status = self.service.status(rid)
             if status.get("request") == "unknown" and self.streams.get(rid) is not None:
                 status["request"] = "live"  # generation ended, its last chunks not read yet
             sender.send(self._answer(encode_fields(status, STATUS_FIELDS)), True)
         else:
-            raise errors.invalid(f"control={control!r}: use next, cancel, status or pace=R (or leave it out to "
-                                 "generate)", "control")
+            raise errors.invalid(f"control={control!r}: use next, cancel, status, pace=R or close_codec (or leave it "
+                                 "out to generate)", "control")
 
     def _answer(self, stats):
         """A control request's answer: no codes, the numbers in `stats`."""
-        return self._response(np.zeros((0, self.C), np.int32), "", None, stats)
+        return self._response(np.zeros((0, self.C), np.int32), "", None, raw_stats=stats)
 
     def _parse(self, request):
         import torch
@@ -155,16 +199,21 @@ class TritonPythonModel:
         for name, val in (("first_chunk_frames", first), ("chunk_frames", size)):
             if val < 1:
                 raise errors.invalid(f"{name} must be at least 1 (got {val})", name)
-        return prompt, params, first, size
+        sid = tu.scalar(request, "codec_stream", str, "")
+        codec_stream = CodecStream(sid, tu.scalar(request, "codec_start", bool, True),
+                                   tu.scalar(request, "codec_final", bool, True)) if sid else None
+        return prompt, params, first, size, codec_stream
 
-    def _response(self, codes, reason, stats, raw_stats=None):
-        """Every answer carries all three outputs (a request-response model answers what was asked)."""
+    def _response(self, codes, reason, stats, audio=None, raw_stats=None):
+        """Every answer carries all four outputs (a request-response model answers what was asked); `audio` is
+        empty unless the codec runs here."""
         if raw_stats is None:
             raw_stats = encode_fields(stats, STATS_FIELDS) if stats is not None else np.zeros(0, np.float32)
         return pb_utils.InferenceResponse(output_tensors=[
             tu.tensor("codes", np.ascontiguousarray(codes, dtype=np.int32)),
             tu.tensor("finish_reason", np.array([FINISH_CODES[reason]], np.int32)),
-            tu.tensor("stats", raw_stats)])
+            tu.tensor("stats", raw_stats),
+            tu.tensor("audio", np.zeros(0, np.float32) if audio is None else np.ascontiguousarray(audio, np.float32))])
 
     def _report(self, service):
         counts = service.engine.counts()
@@ -182,6 +231,14 @@ class TritonPythonModel:
         self.metrics.count_to("s2tts_engine_prefix_cache_misses_total", cache.misses)
         if service.step_s is not None:
             self.metrics.set("s2tts_engine_step_seconds", round(service.step_s, 4))
+        if service.codec is not None:  # codec_in_engine: the codec's metrics, under this model's name
+            codec = service.codec
+            self.metrics.set("s2tts_codec_streams_open", len(codec.states))
+            self.metrics.count_to("s2tts_codec_fp32_redo_total", codec.redone)
+            batches, codec.batches = codec.batches, []
+            for b in batches:
+                self.metrics.observe("s2tts_codec_batch_size", b)
+            self.metrics.flush()
 
     def _unload(self, reason):
         tu.unload_self(self.name, self.log)

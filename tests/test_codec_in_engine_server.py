@@ -1,0 +1,116 @@
+"""codec_in_engine through a real tritonserver (tiny checkpoint, CPU): slow_ar decodes the audio in its own loop and
+s2pro never calls dac_decoder; the streamed audio is the offline CLI's, a dialogue spoken in several segments is one
+seamless decode through one codec stream, concurrent streams match their solo runs, and every codec stream is closed
+after a cancel."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from s2tts.client import S2ProClient, TTSInput, read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+FRAME = 2048
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    from servers import tiny_server
+
+    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("triton_codec_in_engine"), max_batch=8, max_seq_len=2048,
+                     chunk_frames=8, codec_in_engine="true") as s:
+        yield s
+
+
+def synth(server, **kw):
+    with S2ProClient(server.grpc_url) as c:
+        return c.synthesize(TTSInput(**kw))
+
+
+def _inferences(server, model: str) -> int:
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/{model}/stats", timeout=5) as r:
+        return int(json.loads(r.read())["model_stats"][0]["inference_stats"]["success"]["count"])
+
+
+def _gauge(server, name: str, model: str) -> float:
+    return read_metrics(server.metrics_url).get(f'{name}{{model="{model}"}}', -1.0)
+
+
+def test_audio_comes_from_slow_ar_and_equals_the_offline_cli(server, tiny_ckpt, tmp_path):
+    assert "codec in the engine's loop" in server.log_tail(2000)
+    before = _inferences(server, "dac_decoder")
+    kw = dict(text="The same seed gives the same audio.", seed=1234, max_new_tokens=24, temperature=0.9, top_p=0.9,
+              top_k=20)
+    res = synth(server, first_chunk_frames=3, **kw)
+    assert _inferences(server, "dac_decoder") == before  # no chunk went to dac_decoder
+    assert res.chunks[0].codes.shape[0] == 3 and len(res.chunks) > 2
+    assert all(c.audio.size == c.codes.shape[0] * FRAME for c in res.chunks)
+    out = tmp_path / "cli.wav"
+    cmd = [sys.executable, "-m", "s2tts.cli", "--checkpoint", str(tiny_ckpt), "--text", kw["text"], "--out", str(out),
+           "--seed", "1234", "--max-new-tokens", "24", "--temperature", "0.9", "--top-p", "0.9", "--top-k", "20",
+           "--device", "cpu", "--dtype", "fp32"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    offline, sr = sf.read(out, dtype="float32")
+    assert sr == 44100 and offline.shape == res.audio.shape
+    np.testing.assert_allclose(res.audio, offline, atol=2e-4, rtol=0)
+
+
+def test_dialogue_segments_continue_one_codec_stream(server, tiny_ckpt):
+    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec_stream import StreamDecoder
+    from s2tts.segment import batches
+
+    text = "".join(f"<|speaker:{i % 2}|>Line {i} of the dialogue, spoken in turn. " for i in range(6))
+    n = len(batches(text, 64))
+    assert n >= 3
+    res = synth(server, text=text, seed=2, max_new_tokens=4, ignore_eos=True, chunk_length=64)
+    assert res.stats["frames"] == 4 * n == res.codes.shape[1]
+    codec = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
+    whole = StreamDecoder(codec).decode_many([("k", "s", res.codes.T.astype(np.int64), True, True)], now=0.0)["k"]
+    assert res.audio.shape == whole.shape
+    np.testing.assert_allclose(res.audio, whole, atol=1e-4, rtol=0)
+    deadline = time.monotonic() + 10
+    while _gauge(server, "s2tts_codec_streams_open", "slow_ar") != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _gauge(server, "s2tts_codec_streams_open", "slow_ar") == 0
+
+
+def test_concurrent_streams_match_alone(server):
+    seeds, texts = [5, 6, 7], ["First voice.", "Second, longer sentence here.", "Third one."]
+    alone = [synth(server, text=t, seed=s, max_new_tokens=20) for t, s in zip(texts, seeds)]
+    together = [None] * 3
+
+    def run(i):
+        together[i] = synth(server, text=texts[i], seed=seeds[i], max_new_tokens=20)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_allclose(a.audio, b.audio, atol=2e-4, rtol=0)
+
+
+def test_cancel_closes_the_codec_stream(server):
+    with S2ProClient(server.grpc_url) as c:
+        got = list(c.stream(TTSInput(text="Cancel me part way through.", seed=3, max_new_tokens=400, temperature=0.0,
+                                     first_chunk_frames=2, chunk_frames=2), cancel_after_chunks=2))
+    assert len(got) == 2 and all(g.audio.size == g.codes.shape[0] * FRAME for g in got)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_gauge(server, "s2tts_codec_streams_open", "slow_ar") != 0
+                                           or _gauge(server, "s2tts_engine_slots_used", "slow_ar") != 0):
+        time.sleep(0.2)
+    assert _gauge(server, "s2tts_codec_streams_open", "slow_ar") == 0
+    res = synth(server, text="A following request completes.", seed=4, max_new_tokens=10)
+    assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * FRAME
