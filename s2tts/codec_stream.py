@@ -39,7 +39,8 @@ class _Stream:
 
 
 class StreamDecoder:
-    def __init__(self, codec, idle_timeout_s: float = 600.0, fallback=None, pool_size: int = 0, graphs: bool | None = None):
+    def __init__(self, codec, idle_timeout_s: float = 600.0, fallback=None, pool_size: int = 0, graphs: bool | None = None,
+                 buckets: tuple[int, ...] | None = None):
         self.codec = codec
         self.fallback = fallback  # the codec in fp32, when `codec` computes in fp16 / bf16
         self.idle_timeout_s = idle_timeout_s
@@ -49,7 +50,7 @@ class StreamDecoder:
         self.batches: list[int] = []  # streams decoded together, one entry per codec call since the host last took them
         self.device = next(codec.parameters()).device
         self.C = codec.config.num_codebooks
-        self.pool = SlotPool(codec, pool_size, graphs) if pool_size > 0 else None
+        self.pool = SlotPool(codec, pool_size, graphs, buckets) if pool_size > 0 else None
 
     def _check(self, sid: str, codes: np.ndarray, start: bool) -> S2Error | None:
         if codes.ndim != 2 or codes.shape[1] != self.C:
@@ -215,7 +216,9 @@ class SlotPool:
 
     BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
-    def __init__(self, codec, size: int, graphs: bool | None = None):
+    def __init__(self, codec, size: int, graphs: bool | None = None, buckets: tuple[int, ...] | None = None):
+        if buckets is not None:
+            self.BUCKETS = tuple(sorted(set(buckets)))
         proto = codec.new_stream_state(1).tensors
         self.codec, self.size, self.scratch = codec, size, size
         self.pool = {k: t.new_zeros((size + 1,) + tuple(t.shape[1:])) for k, t in proto.items()}

@@ -97,7 +97,7 @@ class Engine:
                  fast_ar=None, max_prefill_tokens: int = 8192, cuda_graphs: bool | None = None,
                  decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0,
                  prefill_buckets: bool | None = None, batch_invariant: bool = False, kv_block_tokens: int = 32,
-                 kv_cache_tokens: int | None = None, decode_splits: int | None = None):
+                 kv_cache_tokens: int | None = None, decode_splits: int | None = None, admit_every: int = 1):
         """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
         None = on when the model is on a CUDA device.
 
@@ -114,11 +114,17 @@ class Engine:
         each admitted request is prefilled on its own, and a voice prefix is always prefilled by itself, so
         a prefix-cache hit leaves the same keys and values as a miss. Matrix products then see the same
         shapes for every step of a request, whatever runs beside it; sampling is already per request
-        (seed, step). The cost is the padded rows at low load."""
+        (seed, step). The cost is the padded rows at low load.
+
+        `admit_every`: while requests are decoding, waiting ones join only every this many steps, so that arrivals
+        spread over those steps are prefilled together (one pass over the weights instead of one each; a request
+        waits at most that many steps more). An idle engine admits at once."""
         s2 = model.s2
         self.model, self.s2 = model, s2
         self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
         self.max_prefill_tokens = max_prefill_tokens
+        self.admit_every = max(1, admit_every)
+        self._steps_since_admit = 0
         self.batch_invariant = batch_invariant
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -332,6 +338,10 @@ class Engine:
         short of blocks waits, and so do those behind it); give each its prompt's blocks, a cached prefix shared."""
         pool, admitted = self.blocks, []
         budget = self.max_prefill_tokens
+        self._steps_since_admit += 1
+        if self.live and self._steps_since_admit < self.admit_every:
+            return admitted
+        self._steps_since_admit = 0
         while self._waiting and self._free:
             r = self._waiting[0]
             n = self._source_len(r)

@@ -111,7 +111,7 @@ class LoopStats:
     codec_calls: int = 0
     codec_chunks: int = 0
     since: float = 0.0
-    every_s: float = 30.0
+    every_s: float = 10.0
 
     def add(self, step_s: float, rest_s: float, name: str) -> None:
         now = time.monotonic()
@@ -145,6 +145,9 @@ class EngineService:
         self._codec_lock = threading.Lock()  # touches the decoder)
         self._codec_states: dict[str, StreamState] = {}  # engine request id -> its state, until its last output
         self.codec_batch_steps = max(1, codec_batch_steps)
+        # later chunks may wait codec_batch_steps - 1 steps more than a first one, and a step's own codec call
+        # delays its chunks by about one more: the chunker keeps that many frames of room (service.Chunker)
+        self.chunk_lag = self.codec_batch_steps if codec is not None else 0
         self._held: list[list] = []  # routed items waiting for the next codec call (in order)
         self.loop = LoopStats()
         self.frame_seconds = frame_seconds
@@ -183,7 +186,8 @@ class EngineService:
         try:
             pace = self.pace if self.frame_seconds else None
             rec = self.table.open(client_id, responder,
-                                  state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace), prompt_tokens=len(prompt)))
+                                  state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace, lag=self.chunk_lag),
+                                                    prompt_tokens=len(prompt)))
             if self.codec is not None:
                 rec.state.codec = codec_stream or CodecStream(f"{self.name}/{rec.iid}")
                 rec.state.codec_open = not rec.state.codec.start

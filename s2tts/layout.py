@@ -39,6 +39,17 @@ def parse_devices(value: str | None, key: str = "device") -> tuple[str, ...]:
     return items
 
 
+def _concrete(device: str) -> tuple[str, int]:
+    """"auto" / "cuda" / "cuda:N" / "cpu" -> (type, index): auto is CUDA when torch sees a GPU (the launcher's view,
+    as the models' own `auto` is)."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = device.partition(":")
+    return kind, int(index or 0)
+
+
 def replica_name(role: str, i: int) -> str:
     return role if i == 0 else f"{role}_{i}"
 
@@ -82,6 +93,11 @@ class Layout:
     def replica_models(self) -> list[str]:
         """The names beyond the five plain models."""
         return [name for role in (ENGINE, DECODER) for name, _ in self.models(role)[1:]]
+
+    def codec_beside_engines(self) -> bool:
+        """Every engine on a GPU with its codec on that same GPU: what `codec_in_engine=auto` turns on for."""
+        devs = [(_concrete(e), _concrete(self.codecs[i % len(self.codecs)])) for i, e in enumerate(self.engines)]
+        return all(e[0] == "cuda" and e == c for e, c in devs)
 
     def preferred(self, key: str) -> int:
         """The replica a voice (its reference transcript, or "" for none) goes to when loads are equal."""

@@ -7,6 +7,7 @@ decides what is valid and when a chunk of frames is decoded.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -113,20 +114,25 @@ class Chunker:
 
     The first chunk is `first` frames (time to first audio); later ones are at most `size`. With `pace` (a callable
     giving the production real-time factor r now: seconds of work per second of audio, as the engine measures it),
-    later chunks grow only as fast as playback allows. A client plays from the first chunk; frames come one every
+    later chunks grow only as fast as playback allows, and under load the first chunk grows: its audio must last
+    while the next chunk is made and about two steps more (a prefill, a codec call: the jitter that made streams
+    run dry at their second chunk at c=64), F_1 >= 2 r / (1 - r), rounded up to a chunk length. A client plays from the first chunk; frames come one every
     r frame-durations, so the chunk ending at frame F' arrives F' r after the start while playback needs it by
     (F_1 r + F), F being the frames sent before it and F_1 the first chunk's: F' <= F_1 + F / r. `safety` (< 1)
-    leaves room for the codec's time and jitter. Sizes are `first` times a power of two, or `size` (few distinct
+    leaves room for the codec's time and jitter, `lag` (frames) for a delay of later chunks that the first does not
+    have (chunks held to be decoded together with other streams'). Sizes are `first` times a power of two, or `size` (few distinct
     chunk lengths, so the codec still batches chunks of many streams together). At a pace no cadence keeps up with
     (r >= safety), and without `pace`, later chunks are `size`: the fewest codec calls.
     """
 
-    def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8):
+    def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8,
+                 lag: int = 0):
         self.first, self.size = first, size
-        self.pace, self.safety = pace, safety
+        self.pace, self.safety, self.lag = pace, safety, lag
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
         self.emitted = 0  # chunks handed out
+        self.first_sent = first  # the first chunk's length
         self.sent = 0  # frames handed out
 
     @staticmethod
@@ -138,15 +144,22 @@ class Chunker:
             out.add(n)
         return sorted(out)
 
+    def first_size(self) -> int:
+        if self.pace is None:
+            return self.first
+        r = self.pace()
+        need = self.first if r >= 1.0 else max(self.first, math.ceil(2 * r / (1 - r)))
+        return next((n for n in self.lengths(self.first, self.size) if n >= need), max(self.first, self.size))
+
     def next_size(self) -> int:
         if self.emitted == 0:
-            return self.first
+            return self.first_size()
         if self.pace is None:
             return self.size
         r = self.pace()
         if r >= self.safety:  # no cadence keeps up at this pace: favour throughput
             return self.size
-        bound = self.first + self.safety * self.sent / max(r, 1e-3) - self.sent
+        bound = self.first_sent + self.safety * self.sent / max(r, 1e-3) - self.sent - self.lag
         n = min(self.first, self.size)
         while n < self.size and min(2 * n, self.size) <= bound:
             n = min(2 * n, self.size)
@@ -162,6 +175,8 @@ class Chunker:
         while self.n_pending >= k:
             allf = np.concatenate(self.pending, axis=0)
             out.append(allf[:k])
+            if not self.emitted:
+                self.first_sent = k
             self.pending = [allf[k:]] if allf.shape[0] > k else []
             self.n_pending -= k
             self.emitted += 1

@@ -124,22 +124,27 @@ SETTINGS: tuple[Setting, ...] = (
             "reused by later requests of that voice; 0 = off", min=0),
     Setting("max_prefill_tokens", int, 4096, ("slow_ar",), "prompt tokens prefilled per engine step (bounds the "
             "stall of running streams)", min=16),
+    Setting("admit_every_steps", int, 1, ("slow_ar",), "while streams are decoding, new requests join the batch only "
+            "every this many steps, so that their prefills run together (one pass over the weights for several "
+            "prompts); each waits at most that many steps more for its first audio", min=1, max=64),
     Setting("adaptive_chunks", bool, True, ("slow_ar",), "later chunks grow from `first_chunk_frames` to "
             "`chunk_frames` only as fast as playback allows at the measured pace (the slower of slow_ar's step and the "
-            "whole pipeline's, reported by s2pro), so a stream played from its first chunk does not run dry under "
-            "load; false: every later chunk is `chunk_frames`"),
+            "whole pipeline's, reported by s2pro), and under load the first chunk grows to the next chunk length that "
+            "covers the second's making, so a stream played from its first chunk does not run dry; false: the first "
+            "chunk is `first_chunk_frames` and every later one `chunk_frames`"),
     Setting("stream_idle_timeout_s", float, 60.0, ("slow_ar",), "a stream whose reader (s2pro) takes none of its "
             "responses for this long is cancelled and dropped", min=1),
     Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "
             "any others (every decode step at `max_batch` rows, each prompt prefilled on its own); costs the padded "
             "rows at low load (perf/RESULTS.md)"),
-    Setting("codec_in_engine", bool, None, ("slow_ar",), "decode audio in slow_ar's own loop: after each step, the "
-            "chunks all streams finished go through the codec in one batched call and leave with their codes, with no "
-            "round trip to `dac_decoder` per chunk. `auto`: on when the engine runs on a GPU and its codec on the same "
-            "device (one GPU: the AR and the codec share it either way); off on a CPU (separate processes use more "
-            "cores), with `codec_device` elsewhere, and with backend=tensorrt/onnxruntime (their codec is the "
-            "`dac_decoder` model)", auto=True),
-    Setting("codec_batch_steps", int, 4, ("slow_ar",), "with codec_in_engine, a stream's chunks after its first wait up "
+    Setting("codec_in_engine", bool, None, ("slow_ar", "dac_decoder"), "decode audio in slow_ar's own loop: after "
+            "each step, the chunks all streams finished go through the codec in batched calls and leave with their "
+            "codes, with no round trip to `dac_decoder` per chunk (which then serves direct callers only, eagerly, "
+            "without its stream pool). `auto`: on when every engine runs on a GPU with its codec on that same device "
+            "(one GPU: the AR and the codec share it either way); off on a CPU (separate processes use more cores), "
+            "with `codec_device` elsewhere, and with backend=tensorrt/onnxruntime (their codec is the `dac_decoder` "
+            "model)", auto=True),
+    Setting("codec_batch_steps", int, 1, ("slow_ar",), "with codec_in_engine, a stream's chunks after its first wait up "
             "to this many engine steps, so that one codec call decodes the chunks of many streams (its first chunk "
             "goes at once)", min=1, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar",), "CUDA graphs for the decode step; on by default on a GPU",
@@ -212,6 +217,10 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
     if out["kv_cache_tokens"] is None:
         out["kv_cache_tokens"] = max(out["max_seq_len"], out["max_batch"] * 2048)
     check_rules(out)
+    if out["codec_in_engine"] is None:  # decided here, so that slow_ar and dac_decoder agree
+        from .layout import Layout
+
+        out["codec_in_engine"] = Layout.from_values(out).codec_beside_engines()
     return out
 
 

@@ -37,6 +37,23 @@ def test_device_lists():
     assert two.preferred("a voice") == two.preferred("a voice")
 
 
+def test_codec_in_engine_is_decided_once_from_the_layout(tiny_ckpt):
+    """auto: on when every engine has its codec on its own GPU; the rendered value is what slow_ar and dac_decoder
+    both read (so dac_decoder knows to skip its stream pool)."""
+    from s2tts import settings as S
+
+    def decided(**kw):
+        return S.resolve({"checkpoint": str(tiny_ckpt), **kw})["codec_in_engine"]
+
+    assert decided(device="cuda:0") is True
+    assert decided(device="cuda:0,cuda:1") is True
+    assert decided(device="cuda:0", codec_device="cuda:1") is False  # the codec on a second GPU: dac_decoder
+    assert decided(device="cuda:0,cuda:1", codec_device="cuda:0") is False  # engine 1's codec is on GPU 0
+    assert decided(device="cpu") is False and decided(device="cpu,cpu") is False
+    assert decided(device="cuda:0", codec_in_engine="false") is False
+    assert decided(device="cpu", codec_in_engine="true") is True  # a test's choice: the CPU can run it too
+
+
 def _render(tiny_ckpt, tmp_path, **settings):
     from s2tts.repository import render_repository
 
@@ -60,6 +77,7 @@ def test_rendered_replicas(tiny_ckpt, tmp_path):
     assert params["slow_ar"]["device"] == params["slow_ar_1"]["device"] == params["fast_ar"]["device"] == "cpu"
     assert params["dac_decoder_1"]["codec_device"] == params["dac_encoder"]["codec_device"] == "cpu"
     assert params["s2pro"]["device"] == params["s2pro"]["codec_device"] == "cpu,cpu"
+    assert params["slow_ar_1"]["codec_in_engine"] == "false" and params["slow_ar_1"]["codec_device"] == "cpu"
     assert (repo / "slow_ar_1" / "1" / "model.py").read_text() == (repo / "slow_ar" / "1" / "model.py").read_text()
     assert validate_repository(repo) == []
     (repo / "dac_decoder_1" / "config.pbtxt").unlink()

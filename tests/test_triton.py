@@ -31,7 +31,9 @@ def test_stream_in_order_with_final_stats(triton_server):
     stats = finals[0].stats
     assert [c.sequence for c in chunks] == list(range(len(chunks)))
     assert chunks and all(c.audio.size > 0 and c.sample_rate == 44100 for c in chunks)
-    assert chunks[0].codes.shape[0] == 3 and chunks[0].audio.size == 3 * FRAME  # the first chunk is small
+    # the first chunk is small: 3 frames, or the next chunk length (5) when the measured pace is slow enough that
+    # playback from 3 frames would run dry (adaptive_chunks; CPU paces vary, tests/test_service.py pins the rule)
+    assert chunks[0].codes.shape[0] in (3, 5) and chunks[0].audio.size == chunks[0].codes.shape[0] * FRAME
     # later chunks: 3 (the first size) or 5 (the cap), as fast as the engine's pace allows (adaptive_chunks)
     assert all(c.codes.shape[0] in (3, 5) for c in chunks[1:-1])
     total = sum(c.audio.size for c in chunks)
@@ -54,7 +56,7 @@ def test_stream_equals_offline_cli(triton_server, tiny_ckpt, tmp_path):
     offline, sr = sf.read(out, dtype="float32")
     assert sr == 44100
     info = json.loads(p.stdout.strip().splitlines()[-1])
-    assert info["frames"] == res.stats["frames"] and len(res.chunks) > 2
+    assert info["frames"] == res.stats["frames"] and len(res.chunks) >= 2
     assert offline.shape == res.audio.shape
     np.testing.assert_allclose(res.audio, offline, atol=2e-4, rtol=0)
 

@@ -26,8 +26,10 @@ class TritonPythonModel:
         tu.codec_precision("fp32", v.codec_tf32)  # the fp32 codec, or the fallback of an fp16 one
         codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype)
         fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, v.codec_device, "fp32")
+        # with codec_in_engine slow_ar decodes the served streams: this model serves direct callers only, eagerly,
+        # without the pool's memory and CUDA graphs
         self.decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback,
-                                     pool_size=v.codec_max_streams)
+                                     pool_size=0 if v.codec_in_engine else v.codec_max_streams)
         if self.decoder.pool is not None:
             t0 = time.monotonic()
             lengths = Chunker.lengths(v.first_chunk_frames, v.chunk_frames)

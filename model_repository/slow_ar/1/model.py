@@ -68,6 +68,7 @@ class TritonPythonModel:
             max_prefill_tokens=v.max_prefill_tokens,
             cuda_graphs=v.cuda_graphs,
             batch_invariant=v.batch_invariant,
+            admit_every=v.admit_every_steps,
         )
         self.C = model.s2.num_codebooks
         codec = self._codec(v, engine) if self._codec_here(v, engine) else None

@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""slow_ar's serving loop with the codec in it (`EngineService(codec=...)`, codec_in_engine), no Triton: the ceiling
+of what tritonserver can serve from one process, and where a pass's time goes.
+
+    python perf/bench_loop.py --checkpoint /tmp/s2-full --make-full --streams 64 --seconds 20 --batch-steps 1,4,8
+
+`--streams` requests are kept in flight (closed loop: a finished request is replaced at once), each generating
+`--frames` frames (random weights never stop; `--frames-jitter` and `--stagger-ms` put streams out of step, as
+real clients are). For each `--batch-steps` value: audio seconds delivered per second
+(responses with audio, counted between the first --warm-s and the end), the pass time split into the step and the
+rest (routing + codec), codec calls and chunks per call, and the stall fraction (a request whose chunks, played from
+its first one, would run dry; the same rule as perf/loadgen.py). On a CPU with the tiny checkpoint it is a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from loadgen import _stall  # noqa: E402 - the same rule as the Triton load generator
+
+
+class _Client:
+    """One request's responses as a client would see them: arrival time and audio seconds of every chunk."""
+
+    def __init__(self, sample_rate: int):
+        self.sr = sample_rate
+        self.arrivals: list[float] = []
+        self.durations: list[float] = []
+        self.done = threading.Event()
+        self.error = None
+
+    def send(self, response, final):
+        kind, audio = response
+        if kind == "error":
+            self.error = audio
+        elif audio is not None and audio.size:
+            self.arrivals.append(time.monotonic())
+            self.durations.append(audio.size / self.sr)
+        if final:
+            self.done.set()
+
+    def is_cancelled(self):
+        return False
+
+    def stalled(self) -> bool:
+        return _stall(self.arrivals, self.durations)[0]
+
+
+def _stall_points(clients) -> dict:
+    """Where streams ran dry: {chunk index of the first late chunk: requests}."""
+    out: dict[int, int] = {}
+    for c in clients:
+        for k in range(2, len(c.arrivals) + 1):
+            if _stall(c.arrivals[:k], c.durations[:k])[0]:
+                out[k - 1] = out.get(k - 1, 0) + 1
+                break
+    return dict(sorted(out.items()))
+
+
+def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets):
+    from s2tts.codec_stream import StreamDecoder
+    from s2tts.engine import Engine
+    from s2tts.engine_service import EngineService
+    from s2tts.sampling import SamplingParams
+    from s2tts.service import Chunker
+
+    cuda = model.s2 is not None and next(model.parameters()).device.type == "cuda"
+    eng = Engine(model, residual, max_batch=args.streams, max_seq_len=args.max_seq_len,
+                 kv_cache_tokens=args.kv_cache_tokens, prefix_cache_bytes=0, admit_every=admit_every)
+    decoder = StreamDecoder(codec, fallback=fallback, pool_size=2 * args.streams, buckets=buckets)
+    if cuda:
+        decoder.pool.warm(Chunker.lengths(args.first, args.chunk), max_batch=args.streams)
+    svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", audio), lambda e: ("error", e.wire()),
+                        frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps)
+    if args.chunk_lag >= 0:
+        svc.chunk_lag = args.chunk_lag
+    clients: list[_Client] = []
+    lock = threading.Lock()
+    n = [0]
+
+    def submit():
+        with lock:
+            i = n[0]
+            n[0] += 1
+        c = _Client(sample_rate)
+        clients.append(c)
+        frames = args.frames + (int(rng.integers(-args.frames_jitter, args.frames_jitter + 1)) if args.frames_jitter else 0)
+        sp = SamplingParams(seed=i, max_new_tokens=max(1, frames), ignore_end=True)
+        svc.submit(f"q{i}", c, prompts[i % len(prompts)], sp, args.first, args.chunk)
+        return c
+
+    rng = np.random.default_rng(0)
+    live = []
+    for _ in range(args.streams):  # --stagger-ms apart: streams out of step, as clients arrive
+        live.append(submit())
+        time.sleep(args.stagger_ms / 1e3)
+    t0 = time.monotonic()
+    svc.loop.every_s = 1e9  # measured here instead
+    base = None
+    while time.monotonic() - t0 < args.seconds:
+        time.sleep(0.01)
+        if base is None and time.monotonic() - t0 >= args.warm_s:
+            base = (time.monotonic(), sum(sum(c.durations) for c in clients), svc.loop.steps, svc.loop.step_s,
+                    svc.loop.codec_s, svc.loop.codec_calls, svc.loop.codec_chunks)
+        for k, c in enumerate(live):
+            if c.done.is_set():
+                live[k] = submit()
+    t1 = time.monotonic()
+    audio = sum(sum(c.durations) for c in clients)
+    L = svc.loop
+    steps = max(1, L.steps - base[2])
+    calls = max(1, L.codec_calls - base[5])
+    svc.shutdown()
+    finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
+    errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
+    out = {"batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every, "buckets": len(decoder.pool.BUCKETS),
+           "streams": args.streams, "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
+           "step_ms": round(1e3 * (L.step_s - base[3]) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - base[4]) / steps, 2),
+           "codec_calls_per_step": round((L.codec_calls - base[5]) / steps, 3),
+           "chunks_per_call": round((L.codec_chunks - base[6]) / calls, 1),
+           "requests_done": len(finished), "stall_fraction": round(sum(c.stalled() for c in finished) / max(1, len(finished)), 3),
+           "stall_at_chunk": _stall_points(finished), "chunks_per_request": round(
+               sum(len(c.arrivals) for c in finished) / max(1, len(finished)), 1),
+           "errors": len(errors)}
+    if errors:
+        out["first_error"] = errors[0]
+    del svc, eng, decoder
+    if cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--make-full", action="store_true", help="write a full-size random checkpoint there if missing")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--frames", type=int, default=100)
+    ap.add_argument("--frames-jitter", type=int, default=0, help="each request's frames: --frames +- this (uniform)")
+    ap.add_argument("--stagger-ms", type=float, default=0.0, help="between the first --streams submissions")
+    ap.add_argument("--first", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=16)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--warm-s", type=float, default=5.0)
+    ap.add_argument("--batch-steps", default="1,4,8")
+    ap.add_argument("--admit-every", default="1", help="Engine admit_every values to try (with the first --batch-steps)")
+    ap.add_argument("--buckets", default="", help="'|'-separated codec batch bucket lists to try (default: the pool's)")
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--kv-cache-tokens", type=int, default=16384)
+    ap.add_argument("--chunk-lag", type=int, default=-1, help="the chunker's lag in frames (default: the service's)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir, load_model
+    from s2tts.config import S2Config
+    from s2tts.prompt import PromptBuilder
+
+    ck = Path(args.checkpoint)
+    if args.make_full and not (ck / "config.json").is_file():
+        from s2tts.tiny import write_checkpoint
+
+        write_checkpoint(ck, "full", seed=0, device=args.device)
+    cuda = args.device.startswith("cuda")
+    model = load_model(ck, args.device, "bf16" if cuda else "fp32")
+    codec = load_codec_from_dir(ck, args.device, "fp16" if cuda else "fp32")
+    fallback = load_codec_from_dir(ck, args.device, "fp32") if cuda else None
+    s2 = S2Config.from_dir(ck)
+    pb = PromptBuilder.from_dir(ck, s2)
+    prompts = [pb.build(f"Stream number {i} says a sentence of ordinary length for the benchmark.") for i in range(16)]
+    rows = []
+    steps = [int(x) for x in args.batch_steps.split(",")]
+    admits = [int(x) for x in args.admit_every.split(",")]
+    bucket_sets = [tuple(int(b) for b in x.split(",")) for x in args.buckets.split("|")] if args.buckets else [None]
+    combos = [(bs, admits[0], bucket_sets[0]) for bs in steps] + [(steps[0], a, bucket_sets[0]) for a in admits[1:]] + \
+        [(steps[0], admits[0], b) for b in bucket_sets[1:]]
+    for bs, admit, buckets in combos:
+        rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,
+                        codec_frame_seconds(ck), bs, admit, buckets))
+        print(json.dumps(rows[-1]), flush=True)
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
