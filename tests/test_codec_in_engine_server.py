@@ -114,3 +114,15 @@ def test_cancel_closes_the_codec_stream(server):
     assert _gauge(server, "s2tts_codec_streams_open", "slow_ar") == 0
     res = synth(server, text="A following request completes.", seed=4, max_new_tokens=10)
     assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * FRAME
+
+
+def test_voice_clone_decodes_in_the_engine(server):
+    """A clone from reference audio: dac_encoder encodes it, slow_ar speaks and decodes; dac_decoder stays idle and
+    the audio is as long as the frames."""
+    t = np.arange(int(44100 * 1.5)) / 44100
+    ref = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    before = _inferences(server, "dac_decoder")
+    res = synth(server, text="Cloned voice.", reference_audio=ref, reference_sample_rate=44100,
+                reference_text="A humming tone.", seed=9, max_new_tokens=12, ignore_eos=True)
+    assert res.stats["frames"] == 12 and res.audio.size == 12 * FRAME and np.isfinite(res.audio).all()
+    assert _inferences(server, "dac_encoder") >= 1 and _inferences(server, "dac_decoder") == before
