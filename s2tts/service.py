@@ -114,15 +114,16 @@ class Chunker:
 
     The first chunk is `first` frames (time to first audio); later ones are at most `size`. With `pace` (a callable
     giving the production real-time factor r now: seconds of work per second of audio, as the engine measures it),
-    later chunks grow only as fast as playback allows, and under load the first chunk grows: its audio must last
-    while the next chunk is made and about two steps more (a prefill, a codec call: the jitter that made streams
-    run dry at their second chunk at c=64), F_1 >= 2 r / (1 - r), rounded up to a chunk length. A client plays from the first chunk; frames come one every
+    later chunks grow only as fast as playback allows. A client plays from the first chunk; frames come one every
     r frame-durations, so the chunk ending at frame F' arrives F' r after the start while playback needs it by
     (F_1 r + F), F being the frames sent before it and F_1 the first chunk's: F' <= F_1 + F / r. `safety` (< 1)
-    leaves room for the codec's time and jitter, `lag` (frames) for a delay of later chunks that the first does not
-    have (chunks held to be decoded together with other streams'). Sizes are `first` times a power of two, or `size` (few distinct
-    chunk lengths, so the codec still batches chunks of many streams together). At a pace no cadence keeps up with
-    (r >= safety), and without `pace`, later chunks are `size`: the fewest codec calls.
+    leaves room for the codec's time and jitter, `lag` (frames) for a delay of later chunks that the first does
+    not have (chunks held to be decoded together with other streams'). Under load the first chunk grows too: its
+    audio must last while the next chunk is made and about two steps more (a prefill, a codec call: the jitter
+    that made streams run dry at their second chunk at c=64), F_1 >= 2 r / (1 - r), rounded up to a chunk length.
+    Sizes are `first` times a power of two, or `size` (few distinct chunk lengths, so the codec still batches
+    chunks of many streams together). At a pace no cadence keeps up with (r >= safety), and without `pace`, later
+    chunks are `size`: the fewest codec calls.
     """
 
     def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8,

@@ -176,7 +176,8 @@ SETTINGS: tuple[Setting, ...] = (
             "uses)"),
     Setting("codec_max_streams", int, 256, ("dac_decoder", "slow_ar"), "decoder states held in one pool on the codec's "
             "device (4.4 MB a stream in fp16); on a GPU each batch of the default chunk lengths runs as a CUDA graph, "
-            "captured at start. Streams beyond it run eagerly on their own state; 0 = no pool", min=0, max=4096),
+            "captured at start. Streams beyond it run eagerly on their own state; 0 = no pool (slow_ar with "
+            "codec_in_engine: at most 2 x max_batch)", min=0, max=4096),
     Setting("codec_queue_delay_us", int, 3000, ("dac_decoder",), "how long dac_decoder's batcher waits for chunks of "
             "other streams to decode them together (microseconds): longer makes bigger batches under load",
             min=0, max=1000000),

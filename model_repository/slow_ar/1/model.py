@@ -108,13 +108,14 @@ class TritonPythonModel:
         torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
         codec = load_codec_from_dir(v.checkpoint, engine.device, dtype)
         fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, engine.device, "fp32")
-        decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback,
-                                pool_size=v.codec_max_streams)
+        # streams open here: the live requests, and a long text's stream between two of its segments
+        slots = min(v.codec_max_streams, 2 * v.max_batch)
+        decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback, pool_size=slots)
         graphs = 0
         if decoder.pool is not None:
             graphs = decoder.pool.warm(Chunker.lengths(v.first_chunk_frames, v.chunk_frames), max_batch=v.max_batch)
         self.log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s", self.name,
-                      dtype, " (fp32 fallback)" if fallback is not None else "", v.codec_max_streams, graphs,
+                      dtype, " (fp32 fallback)" if fallback is not None else "", slots, graphs,
                       time.monotonic() - t0)
         return decoder
 
