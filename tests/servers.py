@@ -99,3 +99,29 @@ class Gateway:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+
+
+def assert_together_as_alone(server, texts, seeds, max_new_tokens=20):
+    """Each request gives the same codes and audio when run alone and when all run at once (batched in one engine,
+    their chunks decoded side by side); returns the solo results."""
+    import threading
+
+    import numpy as np
+
+    from s2tts.client import S2ProClient, TTSInput
+
+    def synth(i):
+        with S2ProClient(server.grpc_url) as c:
+            return c.synthesize(TTSInput(text=texts[i], seed=seeds[i], max_new_tokens=max_new_tokens))
+
+    alone = [synth(i) for i in range(len(texts))]
+    together = [None] * len(texts)
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, synth(i))) for i in range(len(texts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for a, b in zip(alone, together):
+        np.testing.assert_array_equal(a.codes, b.codes)
+        np.testing.assert_allclose(a.audio, b.audio, atol=2e-4, rtol=0)
+    return alone

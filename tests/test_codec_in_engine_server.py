@@ -6,7 +6,6 @@ after a cancel."""
 import json
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -85,21 +84,9 @@ def test_dialogue_segments_continue_one_codec_stream(server, tiny_ckpt):
 
 
 def test_concurrent_streams_match_alone(server):
-    seeds, texts = [5, 6, 7], ["First voice.", "Second, longer sentence here.", "Third one."]
-    alone = [synth(server, text=t, seed=s, max_new_tokens=20) for t, s in zip(texts, seeds)]
-    together = [None] * 3
+    from servers import assert_together_as_alone
 
-    def run(i):
-        together[i] = synth(server, text=texts[i], seed=seeds[i], max_new_tokens=20)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    for a, b in zip(alone, together):
-        np.testing.assert_array_equal(a.codes, b.codes)
-        np.testing.assert_allclose(a.audio, b.audio, atol=2e-4, rtol=0)
+    assert_together_as_alone(server, ["First voice.", "Second, longer sentence here.", "Third one."], [5, 6, 7])
 
 
 def test_cancel_closes_the_codec_stream(server):

@@ -139,17 +139,10 @@ def test_streams_close_on_cancel_and_on_request(model, prompts, tiny_ckpt, codec
 def test_a_codec_failure_ends_only_its_requests(model, prompts, tiny_ckpt, codec):
     """The codec raising on a call: the requests in that call end with an error naming the decode, the service
     stays healthy, and the next request gets its audio."""
+    from injection import fail_on_call
+
     decoder = StreamDecoder(codec, pool_size=4)
-    real = decoder.decode_many
-    calls = {"n": 0}
-
-    def flaky(jobs, now):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("codec kernel failed")
-        return real(jobs, now)
-
-    decoder.decode_many = flaky
+    decoder.decode_many = fail_on_call(decoder.decode_many, 2, "codec kernel failed")
     svc = _service(model, tiny_ckpt, decoder)
     bad, good = _Responder(), _Responder()
     try:

@@ -331,17 +331,10 @@ def test_sticky_device_error_makes_slow_ar_unhealthy_and_s2pro_reloads_it(harnes
 
 def test_codec_fails_on_chunk_k_stops_generation(harness_factory):
     h = harness_factory()
+    from injection import fail_on_call
+
     dec = h.models["dac_decoder"].decoder
-    real = dec.decode_many
-    calls = {"n": 0}
-
-    def flaky(jobs, now):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected codec failure on chunk 2")
-        return real(jobs, now)
-
-    dec.decode_many = flaky
+    dec.decode_many = fail_on_call(dec.decode_many, 2, "injected codec failure on chunk 2")
     req = _wait(h.request("s2pro", _tts_inputs(max_new_tokens=400, ignore_eos=np.array([True])), "codec"))
     err = _one_final(req)
     assert err is not None and "injected codec failure" in err.message()

@@ -62,22 +62,10 @@ def test_stream_equals_offline_cli(triton_server, tiny_ckpt, tmp_path):
 
 
 def test_concurrent_streams_match_alone(triton_server):
-    seeds = [5, 6, 7, 8]
+    from servers import assert_together_as_alone
+
     texts = ["First voice.", "Second, longer sentence here.", "Third one.", "Fourth request, also fine."]
-    alone = [synth(triton_server, text=t, seed=s, max_new_tokens=20) for t, s in zip(texts, seeds)]
-    together = [None] * 4
-
-    def run(i):
-        together[i] = synth(triton_server, text=texts[i], seed=seeds[i], max_new_tokens=20)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    for a, b in zip(alone, together):
-        np.testing.assert_array_equal(a.codes, b.codes)
-        np.testing.assert_allclose(a.audio, b.audio, atol=2e-4, rtol=0)
+    alone = assert_together_as_alone(triton_server, texts, [5, 6, 7, 8])
     assert not np.array_equal(alone[0].codes[:, :3], alone[1].codes[:, :3])
 
 
