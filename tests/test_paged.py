@@ -247,3 +247,25 @@ def test_service_says_when_requests_were_paused(model, requests, s2_log):
         assert responders[rid].finals == 1 and sent[-1][1] == "length"
         assert sum(len(codes) for codes, _ in sent) == sp.max_new_tokens
     assert "the KV cache ran out of blocks" in s2_log.text and "raise it if this repeats" in s2_log.text
+
+
+def test_admissions_grouped_every_n_steps_while_busy(model, requests):
+    """admit_every=3: while requests decode, arrivals join only every third step (prefilled together); an idle
+    engine admits at once; every request still gets the codes it gets when admitted at once."""
+    plain = _run(_engine(model, kv_block_tokens=8), requests)
+    eng = _engine(model, kv_block_tokens=8, admit_every=3)
+    joined, prefills, inner = {}, [], eng._prefill
+    eng._prefill = lambda reqs: prefills.append([r.id for r in reqs]) or inner(reqs)
+    step = [0]
+
+    def note(e):
+        step[0] += 1
+        for r in e.live.values():
+            joined.setdefault(r.id, step[0])
+
+    grouped = _run(eng, requests, on_step=note)
+    assert joined["r0"] == 1  # idle engine: at once
+    assert all(joined[rid] % 3 == 1 for rid in ("r1", "r2", "r3"))  # then only every third step
+    assert prefills == [["r0"], ["r1", "r2", "r3"]]  # submitted one a step, prefilled together
+    for rid in plain[0]:
+        np.testing.assert_array_equal(grouped[0][rid], plain[0][rid])

@@ -153,3 +153,18 @@ def test_paged_mixed_script_on_the_cpu(tiny_ckpt, tmp_path):
         assert r[key] > 0, key
     assert r["mixed_streams"] == 6 and r["mixed_splits1_steps_timed"] == 5 and r["mixed_splits1_preemptions"] == 0
     assert r["mixed_kv_pool_tokens"] >= 4 * 30 + 2 * 330
+
+
+def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/bench_loop.py end to end on the tiny model: the serving loop with the codec, streams out of step, two
+    codec-batching settings and held admissions; every row delivered audio from finished requests, with no error."""
+    out = tmp_path / "loop.json"
+    _run([sys.executable, "perf/bench_loop.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--streams", "3",
+          "--frames", "12", "--frames-jitter", "3", "--stagger-ms", "20", "--seconds", "4", "--warm-s", "1",
+          "--batch-steps", "1,4", "--admit-every", "1,2", "--json", str(out)], timeout=600)
+    rows = json.loads(out.read_text())
+    assert [(r["batch_steps"], r["admit_every"]) for r in rows] == [(1, 1), (4, 1), (1, 2)]
+    for r in rows:
+        assert r["audio_s_per_s"] > 0 and r["requests_done"] > 0 and r["errors"] == 0, r
+        assert r["step_ms"] > 0 and r["chunks_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
+        assert sum(r["stall_at_chunk"].values()) == round(r["stall_fraction"] * r["requests_done"])
