@@ -137,10 +137,15 @@ def parse(message: str, triton_code: str | None = None) -> S2Error:
     return make(classify_untagged(message, triton_code), message)
 
 
+GAVE_UP = "is unavailable after an unrecoverable fault"  # a model's own verdict (lifecycle.Health): it unloads itself
+
+
 def model_is_dead(message: str) -> bool:
-    """Triton's words for a Python model whose process is gone (it never answers again until reloaded)."""
+    """Triton's words for a Python model whose process is gone, or the model's own verdict after an unrecoverable
+    fault (`GAVE_UP`): either way it never answers again until reloaded. (Its self-unload may not have made Triton
+    report it not ready yet when its requests fail, so readiness alone does not tell.)"""
     low = (message or "").lower()
-    return "stub process" in low and ("not healthy" in low or "unhealthy" in low)
+    return ("stub process" in low and ("not healthy" in low or "unhealthy" in low)) or GAVE_UP in low
 
 
 def from_exception(exc: BaseException, where: str = "") -> S2Error:

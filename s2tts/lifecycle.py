@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from .errors import S2Error, invalid, unavailable
+from .errors import GAVE_UP, S2Error, invalid, unavailable
 
 log = logging.getLogger("s2tts")
 
@@ -114,7 +114,7 @@ class Health:
         return True
 
     def error(self) -> S2Error:
-        return unavailable(f"{self.name} is unavailable after an unrecoverable fault ({self.reason}); "
+        return unavailable(f"{self.name} {GAVE_UP} ({self.reason}); "
                            "it is being restarted or needs a restart of the server")
 
     def check(self) -> None:

@@ -728,7 +728,9 @@ def test_api_key_overload_and_disconnect(triton, gw_dir, long_take):
 
 
 def test_concurrent_requests_under_the_limit(client):
-    """Two at once (the default limit is 8) both succeed and equal their sequential answers."""
+    """Two at once (the default limit is 8) both succeed and equal their sequential answers: the same samples to 1 LSB
+    (under load the first audio chunk may be longer, adaptive_chunks, and a different chunk split rounds a few
+    samples the other way)."""
     seq = [speech_raw(client, response_format="pcm", seed=s, max_new_tokens=8)[0] for s in (41, 42)]
     out = [None, None]
 
@@ -740,4 +742,7 @@ def test_concurrent_requests_under_the_limit(client):
         t.start()
     for t in threads:
         t.join(120)
-    assert out == seq and seq[0] != seq[1]
+    for got, want in zip(out, seq):
+        got, want = np.frombuffer(got, "<i2").astype(int), np.frombuffer(want, "<i2").astype(int)
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1
+    assert seq[0] != seq[1]

@@ -114,6 +114,13 @@ def test_error_tags_round_trip():
     assert errors.parse("Stub process 'slow_ar_0_0' is not healthy.").code == "unavailable"
     assert errors.parse("Stream removed (Socket closed)").code == "unavailable"  # the connection broke: retry
     assert errors.model_is_dead("Stub process 'slow_ar_0_0' is not healthy.")
+    from s2tts.lifecycle import Health
+
+    gone = Health("slow_ar")
+    gone.fail("unrecoverable device error")
+    # a model's own verdict, as its failed requests carry it to s2pro: dead, whether or not Triton says so yet
+    assert errors.model_is_dead(errors.parse(gone.error().wire()).message)
+    assert not errors.model_is_dead("slow_ar: the device ran out of memory for this request")
     assert errors.parse("something odd").code == "internal"
     assert errors.HTTP_STATUS["already_exists"] == 409 and errors.HTTP_STATUS["unavailable"] == 503
 
