@@ -226,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # before anything can be printed: a SIGTERM sent as soon as the "ready" line shows must find the handler, or the
+    # default action kills this process and leaves tritonserver and the rendered folder behind
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
         settings = parse_settings(args.set)
         if args.device:
@@ -240,8 +244,6 @@ def main(argv=None) -> int:
         return 1
     print(f"tritonserver ready in {time.monotonic() - t0:.1f} s: gRPC {server.grpc_url}, HTTP {server.http_url}, "
           f"log {server.log_path}", flush=True)
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
         while not stop["now"] and server.proc.poll() is None:
             time.sleep(0.5)
