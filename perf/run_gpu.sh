@@ -38,7 +38,7 @@
 #   PYTHON                  python3
 #
 # Results in $OUT (few files, so that all of them come back from a device run):
-#   summary.md            the tables: loadgen (plain, clone) and perf_analyzer
+#   summary.md            the tables: loadgen (plain, clone) and perf_analyzer; slow_ar's loop log lines
 #   loadgen.json          loadgen_clone.json      per level numbers + per request records
 #   run.log               everything printed, with timestamps and each phase's time
 #   tritonserver.log      the server's log
@@ -242,6 +242,12 @@ if [ "$PA" = 1 ] && time_left perf_analyzer; then
   { echo "## perf_analyzer"; echo; cat "$WORK/details/pa/pa_summary.md" 2>/dev/null || echo "(no results)"; echo; } >>"$RES/summary.md"
 fi
 phase ""
+
+# slow_ar's own account of its loop (codec_in_engine: every 10 s under load, a step's time and the codec's)
+if grep -q "routing and decoding" "$WORK/server/tritonserver.log" 2>/dev/null; then
+  { echo "## slow_ar's loop, from its log"; echo
+    grep -o "slow_ar: last .*" "$WORK/server/tritonserver.log" | sed 's/^/- /'; echo; } >>"$RES/summary.md"
+fi
 
 echo
 cat "$RES/summary.md"
