@@ -194,6 +194,22 @@ class StreamDecoder:
             self._drop(sid)
 
 
+def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, idle_timeout_s: float,
+                        lengths: list[int], max_batch: int) -> tuple[StreamDecoder, str, int]:
+    """The decoder a server runs (dac_decoder, or slow_ar with codec_in_engine): `codec_dtype` as it resolves for the
+    decoder on `device` (`auto`: fp16 on a GPU), with the fp32 codec as its fallback when that is not fp32, and a
+    pool of `pool_size` stream slots warmed for these chunk lengths at up to `max_batch` streams a call (CUDA graphs
+    on a GPU). The caller sets the process's fp32 precision (TF32) first. -> (decoder, dtype, graphs captured)."""
+    from .checkpoint import codec_dtype_for, load_codec_from_dir
+
+    dtype = codec_dtype_for(codec_dtype, device, "decoder")
+    codec = load_codec_from_dir(checkpoint, device, dtype)
+    fallback = None if dtype == "fp32" else load_codec_from_dir(checkpoint, device, "fp32")
+    decoder = StreamDecoder(codec, idle_timeout_s=idle_timeout_s, fallback=fallback, pool_size=pool_size)
+    graphs = decoder.pool.warm(lengths, max_batch=max(1, max_batch)) if decoder.pool is not None else 0
+    return decoder, dtype, graphs
+
+
 def _with_finite(audio: torch.Tensor, state: dict) -> torch.Tensor:
     """audio [B, samples] float32 -> [B, samples + 1]: the last column 1.0 where the row's audio and new state are
     all finite (it travels to the host with the audio, in one copy)."""

@@ -81,9 +81,13 @@ class Layout:
     def engine(self, i: int) -> str:
         return replica_name(ENGINE, i)
 
+    def codec_of(self, i: int) -> int:
+        """Which codec (dac_decoder replica, and its device in `codecs`) engine i's streams use."""
+        return i % len(self.codecs)
+
     def decoder(self, i: int) -> str:
         """The dac_decoder that engine i's streams use."""
-        return replica_name(DECODER, i % len(self.codecs))
+        return replica_name(DECODER, self.codec_of(i))
 
     def models(self, role: str) -> list[tuple[str, str]]:
         """(model name, device) of every replica of `role` (slow_ar or dac_decoder)."""
@@ -96,7 +100,7 @@ class Layout:
 
     def codec_beside_engines(self) -> bool:
         """Every engine on a GPU with its codec on that same GPU: what `codec_in_engine=auto` turns on for."""
-        devs = [(_concrete(e), _concrete(self.codecs[i % len(self.codecs)])) for i, e in enumerate(self.engines)]
+        devs = [(_concrete(e), _concrete(self.codecs[self.codec_of(i)])) for i, e in enumerate(self.engines)]
         return all(e[0] == "cuda" and e == c for e, c in devs)
 
     def preferred(self, key: str) -> int:

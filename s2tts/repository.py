@@ -47,7 +47,7 @@ def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REP
         raise RuntimeError(f"config.pbtxt placeholders {sorted(missing)} are not in s2tts.settings.SETTINGS")
     layout = Layout.from_values(values)
     # each model's own device (s2pro keeps the lists: it places requests on the replicas)
-    placed = {**{n: {"device": d, "codec_device": layout.codecs[i % len(layout.codecs)]}
+    placed = {**{n: {"device": d, "codec_device": layout.codecs[layout.codec_of(i)]}
                  for i, (n, d) in enumerate(layout.models(ENGINE))},
               **{n: {"codec_device": d} for n, d in layout.models(DECODER)},
               "fast_ar": {"device": layout.engines[0]}, ENCODER: {"codec_device": layout.codecs[0]}}

@@ -363,6 +363,15 @@ class Metrics:
             except Exception:  # noqa: BLE001
                 pass
 
+    def report_codec(self, decoder) -> None:
+        """A `codec_stream.StreamDecoder`'s numbers: streams open, chunks redone in fp32, and the batch size of every
+        codec call since the last report (sent at the next `flush`)."""
+        self.set("s2tts_codec_streams_open", len(decoder.states))
+        self.count_to("s2tts_codec_fp32_redo_total", decoder.redone)
+        batches, decoder.batches = decoder.batches, []
+        for b in batches:
+            self.observe("s2tts_codec_batch_size", b)
+
     def count_to(self, name: str, total: float, **labels) -> None:
         """Bring a counter up to `total` (the models keep their own totals)."""
         key = (name, tuple(sorted(labels.items())))

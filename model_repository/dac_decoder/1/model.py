@@ -11,8 +11,7 @@ import time
 
 from s2tts import settings
 from s2tts import triton_utils as tu
-from s2tts.checkpoint import codec_dtype_for, load_codec_from_dir
-from s2tts.codec_stream import StreamDecoder
+from s2tts.codec_stream import open_stream_decoder
 from s2tts.service import Chunker
 
 
@@ -22,32 +21,25 @@ class TritonPythonModel:
         v = settings.model_values(cfg, "dac_decoder")
         self.name = args.get("model_name", "dac_decoder")  # dac_decoder_i: a replica (s2tts/layout.py)
         self.log = tu.setup_logging(self.name)
-        dtype = codec_dtype_for(v.codec_dtype, v.codec_device, "decoder")
         tu.codec_precision("fp32", v.codec_tf32)  # the fp32 codec, or the fallback of an fp16 one
-        codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype)
-        fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, v.codec_device, "fp32")
+        t0 = time.monotonic()
+        lengths = Chunker.lengths(v.first_chunk_frames, v.chunk_frames)
         # with codec_in_engine slow_ar decodes the served streams: this model serves direct callers only, eagerly,
         # without the pool's memory and CUDA graphs
-        self.decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback,
-                                     pool_size=0 if v.codec_in_engine else v.codec_max_streams)
+        self.decoder, dtype, graphs = open_stream_decoder(
+            v.checkpoint, v.codec_device, v.codec_dtype, 0 if v.codec_in_engine else v.codec_max_streams,
+            v.codec_idle_timeout_s, lengths, cfg.get("max_batch_size", 1))
         if self.decoder.pool is not None:
-            t0 = time.monotonic()
-            lengths = Chunker.lengths(v.first_chunk_frames, v.chunk_frames)
-            graphs = self.decoder.pool.warm(lengths, max_batch=max(1, cfg.get("max_batch_size", 1)))
             self.log.info("%s: %d stream slots (%.0f MiB); chunk lengths %s prepared, %d CUDA graphs in %.1f s", self.name,
                           self.decoder.pool.size, self.decoder.pool.bytes / 2**20, lengths, graphs, time.monotonic() - t0)
         self.metrics = tu.Metrics(self.name)
         self.metrics.declare("s2tts_codec_batch_size")
-        self.log.info("%s ready: device=%s dtype=%s%s", self.name, next(codec.parameters()).device, dtype,
-                      " (fp32 fallback for chunks that overflow)" if fallback is not None else "")
+        self.log.info("%s ready: device=%s dtype=%s%s", self.name, self.decoder.device, dtype,
+                      " (fp32 fallback for chunks that overflow)" if self.decoder.fallback is not None else "")
 
     def execute(self, requests):
         out = tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic(), name=self.name)
-        self.metrics.set("s2tts_codec_streams_open", len(self.decoder.states))
-        self.metrics.count_to("s2tts_codec_fp32_redo_total", self.decoder.redone)
-        batches, self.decoder.batches = self.decoder.batches, []
-        for b in batches:
-            self.metrics.observe("s2tts_codec_batch_size", b)
+        self.metrics.report_codec(self.decoder)
         self.metrics.flush()
         return out
 

@@ -24,11 +24,11 @@ import triton_python_backend_utils as pb_utils
 
 from s2tts import errors, settings
 from s2tts import triton_utils as tu
-from s2tts.checkpoint import codec_codebook_sizes, codec_dtype_for, codec_frame_seconds, load_codec_from_dir, load_model
-from s2tts.checkpoint import resolve_device
-from s2tts.codec_stream import StreamDecoder
+from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
+from s2tts.codec_stream import open_stream_decoder
 from s2tts.engine import Engine, HostFastAR
 from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, EngineService, encode_fields
+from s2tts.layout import Layout
 from s2tts.lifecycle import PullStreams
 from s2tts.prompt import Prompt
 from s2tts.service import Chunker
@@ -90,32 +90,27 @@ class TritonPythonModel:
 
     @staticmethod
     def _codec_here(v, engine) -> bool:
-        """`codec_in_engine`; auto: on a GPU, with the codec on the engine's own device."""
+        """`codec_in_engine` as rendering decided it; a config left unrendered takes the same rule (layout.py)."""
         if v.codec_in_engine is not None:
             return v.codec_in_engine
-        codec = resolve_device(v.codec_device)
-        return engine.device.type == "cuda" and codec.type == "cuda" and (codec.index or 0) == (engine.device.index or 0)
+        return Layout((str(engine.device),), (v.codec_device or str(engine.device),)).codec_beside_engines()
 
     def _codec(self, v, engine):
-        """The decoder (fp16 on a GPU by default, with its fp32 fallback) on the engine's device, its stream pool
-        warmed for the chunk lengths the chunker makes, at up to max_batch streams per call."""
+        """The served stream decoder (`codec_stream.open_stream_decoder`) on the engine's device, warmed for the chunk
+        lengths the chunker makes, at up to max_batch streams per call."""
         import time
 
         import torch
 
         t0 = time.monotonic()
-        dtype = codec_dtype_for(v.codec_dtype, engine.device, "decoder")
         torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
-        codec = load_codec_from_dir(v.checkpoint, engine.device, dtype)
-        fallback = None if dtype == "fp32" else load_codec_from_dir(v.checkpoint, engine.device, "fp32")
         # streams open here: the live requests, and a long text's stream between two of its segments
         slots = min(v.codec_max_streams, 2 * v.max_batch)
-        decoder = StreamDecoder(codec, idle_timeout_s=v.codec_idle_timeout_s, fallback=fallback, pool_size=slots)
-        graphs = 0
-        if decoder.pool is not None:
-            graphs = decoder.pool.warm(Chunker.lengths(v.first_chunk_frames, v.chunk_frames), max_batch=v.max_batch)
+        decoder, dtype, graphs = open_stream_decoder(v.checkpoint, engine.device, v.codec_dtype, slots,
+                                                     v.codec_idle_timeout_s,
+                                                     Chunker.lengths(v.first_chunk_frames, v.chunk_frames), v.max_batch)
         self.log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s", self.name,
-                      dtype, " (fp32 fallback)" if fallback is not None else "", slots, graphs,
+                      dtype, " (fp32 fallback)" if decoder.fallback is not None else "", slots, graphs,
                       time.monotonic() - t0)
         return decoder
 
@@ -234,12 +229,7 @@ class TritonPythonModel:
         if service.step_s is not None:
             self.metrics.set("s2tts_engine_step_seconds", round(service.step_s, 4))
         if service.codec is not None:  # codec_in_engine: the codec's metrics, under this model's name
-            codec = service.codec
-            self.metrics.set("s2tts_codec_streams_open", len(codec.states))
-            self.metrics.count_to("s2tts_codec_fp32_redo_total", codec.redone)
-            batches, codec.batches = codec.batches, []
-            for b in batches:
-                self.metrics.observe("s2tts_codec_batch_size", b)
+            self.metrics.report_codec(service.codec)
             self.metrics.flush()
 
     def _unload(self, reason):
