@@ -87,7 +87,7 @@ def profile(eng, batch):
     return {
         "slow_ar_ms": round(graph_time_ms(lambda: model.slow(x, pos, slots)), 3),
         "fast_ar_ms": round(graph_time_ms(lambda: eng.fast_ar(hidden, code0, t, p, k, sd, step)), 3),
-        "full_step_ms": round(graph_time_ms(lambda: eng._decode_core(slots, pos, step, None)), 3),
+        "full_step_ms": round(graph_time_ms(lambda: eng._decode_core(slots, pos, step)), 3),
     }
 
 
@@ -145,10 +145,10 @@ def kernel_profile(eng, batch, path):
     step = torch.zeros(batch, dtype=torch.int64, device=dev)
     with torch.inference_mode():
         for _ in range(3):
-            eng._decode_core(slots, pos, step, None)
+            eng._decode_core(slots, pos, step)
         torch.cuda.synchronize()
         with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng._decode_core(slots, pos, step, None)
+            eng._decode_core(slots, pos, step)
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     Path(path).write_text(table)

@@ -67,7 +67,8 @@ def _stall_points(clients) -> dict:
     return dict(sorted(out.items()))
 
 
-def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets):
+def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
+        prefill_tokens, uniform=0.5):
     from s2tts.codec_stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine_service import EngineService
@@ -76,7 +77,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
 
     cuda = model.s2 is not None and next(model.parameters()).device.type == "cuda"
     eng = Engine(model, residual, max_batch=args.streams, max_seq_len=args.max_seq_len,
-                 kv_cache_tokens=args.kv_cache_tokens, prefix_cache_bytes=0, admit_every=admit_every)
+                 kv_cache_tokens=args.kv_cache_tokens, prefix_cache_bytes=0, admit_every=admit_every,
+                 max_prefill_tokens=prefill_tokens)
     decoder = StreamDecoder(codec, fallback=fallback, pool_size=2 * args.streams, buckets=buckets)
     if cuda:
         decoder.pool.warm(Chunker.lengths(args.first, args.chunk), max_batch=args.streams)
@@ -84,6 +86,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
                         frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps)
     if args.chunk_lag >= 0:
         svc.chunk_lag = args.chunk_lag
+    svc.uniform_chunks_from = uniform
     clients: list[_Client] = []
     lock = threading.Lock()
     n = [0]
@@ -123,7 +126,10 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     svc.shutdown()
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
-    out = {"batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every, "buckets": len(decoder.pool.BUCKETS),
+    out = {"batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
+           "prefill_tokens": prefill_tokens, "uniform_from": uniform,
+           "passes_per_step": round(eng.passes / max(1, svc.loop.steps), 2),
+           "buckets": len(decoder.pool.BUCKETS),
            "streams": args.streams, "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
            "step_ms": round(1e3 * (L.step_s - base[3]) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - base[4]) / steps, 2),
            "codec_calls_per_step": round((L.codec_calls - base[5]) / steps, 3),
@@ -155,6 +161,11 @@ def main() -> int:
     ap.add_argument("--warm-s", type=float, default=5.0)
     ap.add_argument("--batch-steps", default="1,4,8")
     ap.add_argument("--admit-every", default="1", help="Engine admit_every values to try (with the first --batch-steps)")
+    ap.add_argument("--prefill-tokens", default="512", help="Engine max_prefill_tokens values to try (with the first "
+                    "of the others)")
+    ap.add_argument("--uniform-from", default="", help="comma-separated paces from which later chunks keep the "
+                    "first chunk's length (Chunker(uniform_from=), default 0.5; 1 = never), each tried with the first "
+                    "of the others")
     ap.add_argument("--buckets", default="", help="'|'-separated codec batch bucket lists to try (default: the pool's)")
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--kv-cache-tokens", type=int, default=16384)
@@ -182,11 +193,17 @@ def main() -> int:
     steps = [int(x) for x in args.batch_steps.split(",")]
     admits = [int(x) for x in args.admit_every.split(",")]
     bucket_sets = [tuple(int(b) for b in x.split(",")) for x in args.buckets.split("|")] if args.buckets else [None]
-    combos = [(bs, admits[0], bucket_sets[0]) for bs in steps] + [(steps[0], a, bucket_sets[0]) for a in admits[1:]] + \
-        [(steps[0], admits[0], b) for b in bucket_sets[1:]]
-    for bs, admit, buckets in combos:
+    prefills = [int(x) for x in args.prefill_tokens.split(",")]
+    first = (steps[0], admits[0], bucket_sets[0], prefills[0])
+    combos = [(bs, *first[1:]) for bs in steps] + [(first[0], a, *first[2:]) for a in admits[1:]] + \
+        [(*first[:2], b, first[3]) for b in bucket_sets[1:]] + [(*first[:3], p) for p in prefills[1:]]
+    for bs, admit, buckets, prefill in combos:
         rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,
-                        codec_frame_seconds(ck), bs, admit, buckets))
+                        codec_frame_seconds(ck), bs, admit, buckets, prefill))
+        print(json.dumps(rows[-1]), flush=True)
+    for u in [float(x) for x in args.uniform_from.split(",") if x]:
+        rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,
+                        codec_frame_seconds(ck), *first, uniform=u))
         print(json.dumps(rows[-1]), flush=True)
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))

@@ -3,10 +3,17 @@
 Each live request owns a slot (a row of the KV block table and of the per-slot sampling
 state: seed, temperature, ... in device tensors) and the KV blocks it has filled
 (s2tts/paged.py): blocks for its prompt at admission, one more each time it crosses a
-block boundary, all freed when it ends. `step()` admits waiting requests (batched prefill,
-which also yields their first frame), then runs one batched decode step for every other
-live request, and returns what each request produced. A frame is one slow-AR token plus
-the fast AR's residual codes: `[num_codebooks]` codes.
+block boundary, all freed when it ends. A frame is one slow-AR token plus the fast AR's
+residual codes: `[num_codebooks]` codes.
+
+`step()` runs one pass over the slow AR's weights in which every token is a row with its own
+slot and position: one row per decoding request (its last frame) and, within a budget of
+`max_prefill_tokens`, the next prompt tokens of requests being prefilled (chunked prefill: a long
+prompt takes several steps, arrivals never get a pass of their own). Attention reads each row's
+keys from the paged cache up to its own position, so prompt rows are causal. Then one batch
+samples code 0 and runs the fast AR for every decoding request and every request whose prompt
+ended in this step (its first frame). The pass is captured as a CUDA graph per row bucket, the
+sampling per batch bucket.
 
 When the pool runs out of blocks for the running requests, the prefix cache gives its
 blocks back first; then the request admitted last is preempted: its blocks are freed and it
@@ -51,6 +58,7 @@ class Request:
     seed: int = 0
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None  # when it got a KV slot
+    source: Prompt | None = None  # what it still prefills (prompt, and produced frames after a preemption); None: decoding
 
 
 @dataclass
@@ -86,42 +94,48 @@ class HostFastAR:
 
 
 class Engine:
-    GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
-    # prefill graphs: (batch, prompt tokens, keys) shapes; keys > tokens serve prompts after a cached voice prefix
-    PREFILL_BATCH = (1, 2, 4)
-    PREFILL_TOKENS = (32, 64, 128, 256)
-    PREFILL_KEYS = (512, 1024)
-    SPLIT_FROM = 2048  # keys of the longest request above which a decode step splits each row's keys
+    # rows of a pass (decode rows + prompt tokens) and of a sampling batch are padded to one of these (CUDA graphs)
+    ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1536, 2048,
+                   3072, 4096, 6144, 8192)
+    SPLIT_FROM = 2048  # keys of the longest row above which a pass splits each row's keys
+    # a pass's rows on the device, one column per row: [_F_ROWS + num_codebooks, rows] int64
+    _SLOT, _POS, _TOKEN, _SEMANTIC, _FROM_LAST, _SRC, _DST, _F_ROWS = range(8)
 
     def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
-                 fast_ar=None, max_prefill_tokens: int = 8192, cuda_graphs: bool | None = None,
+                 fast_ar=None, max_prefill_tokens: int = 512, cuda_graphs: bool | None = None,
                  decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0,
-                 prefill_buckets: bool | None = None, batch_invariant: bool = False, kv_block_tokens: int = 32,
+                 row_buckets: bool | None = None, batch_invariant: bool = False, kv_block_tokens: int = 32,
                  kv_cache_tokens: int | None = None, decode_splits: int | None = None, admit_every: int = 1):
         """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
-        None = on when the model is on a CUDA device.
+        None = on when the model is on a CUDA device. `row_buckets` (default: with `cuda_graphs`): pad every pass and
+        sampling batch to a bucket of ROW_BUCKETS (the shapes the graphs are captured at).
+
+        `max_prefill_tokens`: prompt tokens a step adds to its pass (chunked prefill). It bounds how much arrivals
+        lengthen the step of the running streams, and sets the largest pass: `max_batch` + this many rows.
 
         KV cache: a pool of `kv_cache_tokens` positions (default `max_batch` x `max_seq_len`: every slot can fill
         its sequence) in blocks of `kv_block_tokens` (0: one block of `max_seq_len` per request, the slot layout).
-        `decode_splits`: programs that share one request's keys in the decode-attention kernel (a power of two;
+        `decode_splits`: programs that share one row's keys in the attention kernel (a power of two;
         default: 1 up to max_seq_len 2048, then one per 2048 tokens of max_seq_len, at most 16), so that a long
-        context is read by many programs at once. A step uses them only while some request has more than
-        SPLIT_FROM tokens (their extra programs cost ~15% of a step of short requests); with `batch_invariant`,
+        context is read by many programs at once. A pass uses them only while some row has more than
+        SPLIT_FROM keys (their extra programs cost ~15% of a step of short requests); with `batch_invariant`,
         always.
 
-        `batch_invariant`: a request's numbers do not depend on the requests beside it. Every decode step
-        runs at one shape (`max_batch` rows, keys up to `max_seq_len`; padding rows use the scratch slot),
-        each admitted request is prefilled on its own, and a voice prefix is always prefilled by itself, so
-        a prefix-cache hit leaves the same keys and values as a miss. Matrix products then see the same
-        shapes for every step of a request, whatever runs beside it; sampling is already per request
-        (seed, step). The cost is the padded rows at low load.
+        `batch_invariant`: a request's numbers do not depend on the requests beside it. Decode rows run in a pass
+        of their own at one shape (`max_batch` rows; padding rows use the scratch slot), each prompt chunk in a pass
+        of its own, cut at points that depend on that request alone (its voice prefix always by itself, so a
+        prefix-cache hit leaves the same keys and values as a miss), and sampling always at `max_batch` rows.
+        Matrix products then see the same shapes for every step of a request, whatever runs beside it; sampling is
+        already per request (seed, step). The cost: the padded rows at low load and a pass per arrival.
 
         `admit_every`: while requests are decoding, waiting ones join only every this many steps, so that arrivals
-        spread over those steps are prefilled together (one pass over the weights instead of one each; a request
-        waits at most that many steps more). An idle engine admits at once."""
+        spread over those steps start their prefill together (a request waits at most that many steps more). An
+        idle engine admits at once."""
         s2 = model.s2
         self.model, self.s2 = model, s2
         self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens}: use at least 1 (tokens of prompts per step)")
         self.max_prefill_tokens = max_prefill_tokens
         self.admit_every = max(1, admit_every)
         self._steps_since_admit = 0
@@ -182,12 +196,20 @@ class Engine:
         self.seed = torch.zeros(n, dtype=torch.int64, device=dev)
         self.allow_end = torch.ones(n, dtype=torch.bool, device=dev)
 
-        self.graphs: dict[tuple[int, int], tuple] = {}  # (batch bucket, decode splits) -> captured decode step
-        self.frame_graphs: dict[int, tuple] = {}  # batch bucket -> captured first frame after prefill
-        self.prefill_graphs: dict[tuple, tuple] = {}  # (batch, tokens, keys) -> captured prefill
+        # a pass's rows, and where each sampled row's final hidden goes: h_sel[dst] (its last row is scratch)
+        limit = max(max_batch, max_prefill_tokens) if batch_invariant else max_batch + max_prefill_tokens
+        self.row_sizes = self._buckets(limit)
+        self.sample_sizes = (max_batch,) if batch_invariant else self._buckets(max_batch)
+        self.h_sel = torch.zeros(self.row_sizes[-1] + 1, s2.text.dim, dtype=self.dtype, device=dev)
+        self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, decode splits) -> captured pass over the slow AR
+        self.sample_graphs: dict[int, tuple] = {}  # rows -> captured sampling + fast AR
+        self.passes = 0  # passes over the slow AR's weights so far
         if cuda_graphs is None:
             cuda_graphs = on_cuda and decode_kernel and not isinstance(self.fast_ar, HostFastAR)
-        self.prefill_shapes = self._prefill_shape_list() if (cuda_graphs if prefill_buckets is None else prefill_buckets) else []
+        self.pad_rows = cuda_graphs if row_buckets is None else row_buckets
+        # every token a row of one pass needs the attention kernel; without it a pass runs decode rows together and
+        # each prompt chunk as a sequence
+        self.flat = bool(decode_kernel)
         if cuda_graphs:
             if not decode_kernel:
                 raise ValueError("cuda_graphs needs decode_kernel (attention over a length held on the device)")
@@ -241,6 +263,11 @@ class Engine:
                 return "live"
         return "unknown"
 
+    def decoding(self) -> bool:
+        """Whether some request is past its prompt (a step then makes frames; one of only prompt rows makes none)."""
+        with self._lock:
+            return any(r.source is None for r in self.live.values())
+
     def has_work(self) -> bool:
         return bool(self._waiting or self.live or self._cancel)
 
@@ -261,12 +288,13 @@ class Engine:
     def _step(self) -> list[Output]:
         """One engine step, all or nothing per group of requests.
 
-        Cancellations collected since the last step are applied first (so none is lost, whatever the
-        device does next), and requests admitted in this step are live before any device work. A
-        failure of the batched decode ends the decoding requests with an error output and puts the
-        requests admitted in this step back at the head of the queue (they were not touched); a failure
-        of their prefill ends just them. Either way the step returns every output and frees every slot
-        it took; the exception is kept in `last_fault` (None after a clean step) for the caller to judge.
+        Cancellations collected since the last step are applied first (so none is lost, whatever the device does
+        next), and requests admitted in this step are live before any device work. If the pass that holds prompt
+        rows fails (and the device is still usable), the requests of those rows end with an error and the decode
+        rows run again by themselves; if the decode rows fail, their requests end with an error and the requests
+        being prefilled go back to the head of the queue (they have sent nothing; they start their prefill again).
+        Either way the step returns every output and frees every slot it took; the exception is kept in
+        `last_fault` (None after a clean step) for the caller to judge.
         """
         if self.model.engine_owner is not self:
             raise RuntimeError("another Engine was made over this model since this one: its KV cache (and the CUDA "
@@ -284,33 +312,46 @@ class Engine:
                 outputs.append(Output(r.id, self._empty(), True, FINISH_CANCELLED))
                 self._release(r)
             self._grow()
-            admitted = self._admit()
-            decoding = sorted(s for s, r in self.live.items() if r not in admitted)
-        if decoding:
-            reqs = [self.live[s] for s in decoding]
+            self._admit()
+            decoding = [self.live[s] for s in sorted(self.live) if self.live[s].source is None]
+            prefilling = sorted((r for r in self.live.values() if r.source is not None),
+                                key=lambda r: (r.admitted_at, r.slot))
+        chunks = self._chunks(prefilling)
+        if chunks:
+            chunked = [r for r, _, _ in chunks]
             try:
-                if self.fault_hook is not None:
-                    self.fault_hook("decode", reqs)
-                outputs += self._decode(decoding)
+                if self.fault_hook is not None and decoding:
+                    self.fault_hook("decode", decoding)
             except Exception as e:  # noqa: BLE001 - judged by the caller through last_fault
-                self.last_fault = e
-                outputs += self._fail(reqs, e)
-                with self._lock:
-                    for r in reversed(admitted):
-                        self._release(r)
-                        r.slot = -1
-                        self._waiting.appendleft(r)
-                return outputs
-        if admitted:
+                return outputs + self._decode_failed(decoding, chunked, e)
             try:
                 if self.fault_hook is not None:
-                    self.fault_hook("prefill", admitted)
-                outputs += self._prefill(admitted)
+                    self.fault_hook("prefill", chunked)
+                return outputs + self._forward(decoding, chunks)
             except Exception as e:  # noqa: BLE001
+                from .errors import is_fatal_device_error
+
                 self.last_fault = e
-                outputs += self._fail([r for r in admitted if r.slot in self.live and self.live[r.slot] is r], e)
+                if is_fatal_device_error(e):
+                    return outputs + self._fail(decoding + chunked, e)
+                outputs += self._fail(chunked, e)  # the prompt rows' fault: their requests end, the others go on
+        if decoding:
+            try:
+                if self.fault_hook is not None:
+                    self.fault_hook("decode", decoding)
+                outputs += self._forward(decoding, [])
+            except Exception as e:  # noqa: BLE001
+                outputs += self._decode_failed(decoding, [], e)
         return outputs
 
+    def _decode_failed(self, decoding: list[Request], prefilling: list[Request], e: BaseException) -> list[Output]:
+        """The decode rows failed: their requests end; `prefilling` (this step's prompt rows) start again later."""
+        self.last_fault = e
+        with self._lock:
+            for r in reversed(prefilling):
+                if self.live.get(r.slot) is r:
+                    self._requeue(r)
+        return self._fail(decoding, e)
     def _grow(self) -> None:
         """Give every live request that crosses into a new block this step its block (the table row updated before
         the step runs); when blocks are short, drop cached prefixes, then preempt the request admitted last."""
@@ -328,16 +369,20 @@ class Engine:
 
     def _preempt(self, r: Request) -> None:
         """Free the request's slot and blocks; it waits at the head of the queue to resume (see the module doc)."""
-        self._release(r)
-        r.slot, r.length, r.start, r.prefix_key = -1, 0, 0, None
+        self._requeue(r)
         self.preemptions += 1
+
+    def _requeue(self, r: Request) -> None:
+        """Back to the head of the queue with no slot, no blocks: prefilled again from its first token."""
+        self._release(r)
+        r.slot, r.length, r.start, r.prefix_key, r.source = -1, 0, 0, None, None
         self._waiting.appendleft(r)
 
     def _admit(self) -> list[Request]:
-        """Take waiting requests into free slots while the prefill budget and the KV pool allow (in order: a request
-        short of blocks waits, and so do those behind it); give each its prompt's blocks, a cached prefix shared."""
+        """Take waiting requests into free slots while the KV pool allows (in order: a request short of blocks waits,
+        and so do those behind it); give each its prompt's blocks, a cached prefix shared. Their prompts are then
+        prefilled over the next steps, `max_prefill_tokens` a step (`_chunks`)."""
         pool, admitted = self.blocks, []
-        budget = self.max_prefill_tokens
         self._steps_since_admit += 1
         if self.live and self._steps_since_admit < self.admit_every:
             return admitted
@@ -345,20 +390,19 @@ class Engine:
         while self._waiting and self._free:
             r = self._waiting[0]
             n = self._source_len(r)
-            if admitted and n > budget:
-                break
             need = pool.blocks_for(n)  # enough with or without a prefix hit
             if need > pool.free:
                 self.prefix_cache.evict_until(need)
                 if need > pool.free:
                     break
             self._waiting.popleft()
-            budget -= n
             r.slot = self._free.pop()
             if r.admitted_at is None:
                 r.admitted_at = time.monotonic()
             self.live[r.slot] = r
             self._place(r, n)
+            r.source = self._source(r)
+            r.length = r.start
             admitted.append(r)
         return admitted
 
@@ -414,139 +458,161 @@ class Engine:
         self.recent[slots] = -1
         return slots
 
-    def _prefill(self, reqs: list[Request]) -> list[Output]:
-        """Batched prefill (right-padded) of the new requests, each from where its blocks start (a cached voice
-        prefix is shared, not recomputed); a resumed request (preempted earlier) is prefilled on its own, and so is
-        a prompt longer than `max_prefill_tokens`, in chunks of that many tokens (attention memory stays bounded).
+    def _chunks(self, prefilling: list[Request]) -> list[tuple[Request, int, int]]:
+        """This step's prompt rows: (request, start, end) of the requests being prefilled, oldest first, at most
+        `max_prefill_tokens` in all (at least one row). With `batch_invariant`, a chunk is cut where the request
+        alone decides (its voice prefix, then every `max_prefill_tokens` tokens), never by its neighbours' use of
+        the budget."""
+        budget, chunks = self.max_prefill_tokens, []
+        for r in prefilling:
+            n = len(r.source)
+            s = r.length
+            end = min(n, s + (self.max_prefill_tokens if self.batch_invariant else budget))
+            P = r.prompt.prefix_len
+            if self.batch_invariant and s < P < len(r.prompt):  # the voice prefix by itself: as a cache hit leaves it
+                end = min(end, P)
+            if chunks and end - s > budget:
+                break
+            chunks.append((r, s, end))
+            budget -= end - s
+            if budget <= 0:
+                break
+        return chunks
 
-        With prefill buckets (GPU), the batch is padded to a captured (batch, tokens, keys) shape and replayed
-        as a CUDA graph; otherwise it runs eagerly at its own shape."""
-        resumed = any(r.frames for r in reqs)
-        long = any(self._source_len(r) - r.start > self.max_prefill_tokens for r in reqs)
-        if len(reqs) > 1 and (resumed or long or self.batch_invariant):
-            return [o for r in reqs for o in self._prefill([r])]
-        slots = self._set_slot_params(reqs)
-        sources = [self._source(r) for r in reqs]
-        starts = [r.start for r in reqs]
-        r0 = reqs[0]
-        if self.batch_invariant and starts[0] == 0 and 0 < r0.prompt.prefix_len < len(r0.prompt):
-            P = r0.prompt.prefix_len  # the voice prefix by itself: the same keys and values as a cache hit
-            self._prefill_pass(reqs, sources, [0], [P])
-            starts = [P]
-        while len(sources[0]) - starts[0] > self.max_prefill_tokens:  # a long prompt, in chunks: bounded memory
-            end = starts[0] + self.max_prefill_tokens
-            self._prefill_pass(reqs, sources, starts, [end])
-            starts = [end]
-        hidden, logits = self._prefill_pass(reqs, sources, starts, [len(p) for p in sources])
-        for r, src in zip(reqs, sources):
-            r.length = len(src)
-            if r.prefix_key is not None:
+    def _forward(self, decoding: list[Request], chunks: list[tuple[Request, int, int]]) -> list[Output]:
+        """The step's device work: the slow AR over the decode rows and the prompt rows (one pass; with
+        `batch_invariant`, decode rows and each chunk in passes of their own), then sampling and the fast AR for every
+        decoding request and every request whose prompt ends here -> their outputs."""
+        done = [r for r, s, e in chunks if e == len(r.source)]
+        sampled = decoding + done
+        fresh = [r for r, s, e in chunks if s == r.start]
+        if fresh:
+            self._set_slot_params(fresh)
+        if self.batch_invariant:
+            passes = ([(decoding, [])] if decoding else []) + [([], [c]) for c in chunks]
+        else:
+            passes = [(decoding, chunks)]
+        first = 0
+        for dec, ch in passes:
+            first += self._slow_pass(dec, ch, first)
+        for r in done:
+            if r.frames:  # resumed after a preemption: the RAS window as it was (code 0 of the frames decoded)
+                recent = [-1] * RAS_WINDOW + [int(f[0, 0]) for f in r.frames[1:]]
+                self.recent[r.slot] = torch.tensor(recent[-RAS_WINDOW:], dtype=torch.int64, device=self.device)
+        # code 0 of a first frame (step 0, sampled from the prompt) stays out of the RAS window, as upstream's
+        steps = [r.generated for r in sampled]
+        remember = [1] * len(decoding) + [int(bool(r.frames)) for r in done]
+        frame, end = self._sample(sampled, steps, remember) if sampled else (None, None)
+        for r in decoding:
+            r.length += 1
+        for r, s, e in chunks:
+            r.length = e
+            if r.prefix_key is not None and e >= r.prompt.prefix_len:  # its voice prefix is in: later requests share it
                 self.prefix_cache.put(r.prefix_key, self.blocks.owned[r.slot], r.prompt.prefix_len)
                 r.prefix_key = None
-        if self.logits_hook is not None:
-            self.logits_hook([r.id for r in reqs], logits)
-        if resumed:  # go on at step `generated`, the RAS window as it was (code 0 of the decoded frames)
-            r = r0
-            recent = [-1] * RAS_WINDOW + [int(f[0, 0]) for f in r.frames[1:]]
-            self.recent[r.slot] = torch.tensor(recent[-RAS_WINDOW:], dtype=torch.int64, device=self.device)
-            step = torch.full((1,), r.generated, dtype=torch.int64, device=self.device)
-            frame, end = self._sample_frame(slots, hidden, logits, step)
-        else:
-            frame, end = self._first_frame(slots, hidden, logits)
-        return self._emit(reqs, frame, end)
+        for r in done:
+            r.source = None
+        return self._emit(sampled, frame, end) if sampled else []
 
-    def _prefill_pass(self, reqs: list[Request], sources: list[Prompt], starts: list[int], ends: list[int]):
-        """Prefill prompt tokens [start, end) of each request into its slot -> hidden, logits at each row's last."""
-        dev, C = self.device, self.s2.num_codebooks
-        lens = [e - s for s, e in zip(starts, ends)]
-        shape = self._prefill_bucket(len(reqs), max(lens), max(starts))
-        B, T, L = shape if shape else (len(reqs), max(lens), None)
-        tokens = torch.zeros(B, T, dtype=torch.int64)
-        codes = torch.zeros(B, T, C, dtype=torch.int64)
-        semantic = torch.zeros(B, T, dtype=torch.bool)
-        row_slots = torch.full((B,), self.scratch, dtype=torch.int64)
-        last = torch.zeros(B, dtype=torch.int64)
-        pos = torch.arange(T)[None, :].repeat(B, 1)
-        for i, r in enumerate(reqs):
-            s0, n = starts[i], lens[i]
-            e = ends[i]
-            p = sources[i]
-            tokens[i, :n], codes[i, :n], semantic[i, :n] = p.tokens[s0:e], p.codes[s0:e], p.semantic[s0:e]
-            row_slots[i], last[i] = r.slot, n - 1
-            pos[i] += s0
-        pos = pos.clamp(max=self.max_seq_len - 1)
-        args = (tokens, codes, semantic, pos, row_slots, last)
-        if shape in self.prefill_graphs:
-            graph, bufs, out = self.prefill_graphs[shape]
-            for buf, a in zip(bufs, args):
-                buf.copy_(a, non_blocking=True)
-            graph.replay()
-            hidden, logits = out
-        else:
-            hidden, logits = self._prefill_core(*(a.to(dev) for a in args), kv_len_max=L or int(pos.max()) + 1)
-        return hidden[: len(reqs)], logits[: len(reqs)]
-
-    def _prefill_core(self, tokens, codes, semantic, pos, slots, last, kv_len_max):
-        """Device part of a prefill (what the prefill graphs capture) -> hidden, logits at each row's last token."""
-        x = self.model.embed(tokens, codes, semantic)
-        hidden, logits = self.model.slow(x, pos, slots, kv_len_max=kv_len_max)
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        return hidden[rows, last], logits[rows, last]
-
-    def _prefill_bucket(self, B: int, T: int, max_start: int):
-        """The smallest (batch, tokens, keys) prefill shape holding B rows of T tokens placed after cached
-        prefixes of up to `max_start` tokens, or None."""
-        fits = [s for s in self.prefill_shapes if s[0] >= B and s[1] >= T and s[2] >= max_start + s[1]]
-        return min(fits, key=lambda s: (s[0] * s[1], s[2])) if fits else None
-
-    def _prefill_shape_list(self) -> list[tuple[int, int, int]]:
-        shapes = []
-        for B in self.PREFILL_BATCH:
-            for T in self.PREFILL_TOKENS:
-                if B > self.max_batch or T > self.max_seq_len:
-                    continue
-                kv = [T] + ([L for L in self.PREFILL_KEYS if T < L <= self.max_seq_len] if B == 1 else [])
-                shapes += [(B, T, L) for L in kv]
-        return shapes
-
-    def _first_frame(self, slots, hidden, logits):
-        """Code 0 + fast AR for the requests just prefilled (step 0), through a captured graph when there is one."""
-        B = slots.shape[0]
-        bucket = next((b for b in sorted(self.frame_graphs) if b >= B), None)
-        if bucket is None:
-            return self._sample_frame(slots, hidden, logits, torch.zeros(B, dtype=torch.int64, device=self.device),
-                                      remember=False)
-        graph, io, hbuf, lbuf, out = self.frame_graphs[bucket]
-        io[0].fill_(self.scratch)
-        io[0][:B] = slots
-        io[2].zero_()  # step 0
-        hbuf[:B] = hidden
-        lbuf[:B] = logits
-        graph.replay()
-        return out[0][:B], out[1][:B]
-
-    def _decode(self, slot_list: list[int]) -> list[Output]:
-        reqs = [self.live[s] for s in slot_list]
-        B = len(reqs)
-        host = [slot_list, [r.length for r in reqs], [r.generated for r in reqs]]
-        rows = self.max_batch if self.batch_invariant else B  # the step's shape
-        splits = self._splits_for(max(host[1]) + 1)
-        bucket = next((b for b, n in sorted(self.graphs) if b >= rows and n == splits), None)
-        pad = (rows if bucket is None else bucket) - B  # padding rows: the scratch slot, position 0, step 0
-        padded = [host[0] + [self.scratch] * pad, host[1] + [0] * pad, host[2] + [0] * pad]
-        if bucket is not None:
-            graph, io, out = self.graphs[(bucket, splits)]
-            io.copy_(torch.tensor(padded, dtype=torch.int64), non_blocking=True)
-            graph.replay()
+    def _slow_pass(self, decoding: list[Request], chunks: list[tuple[Request, int, int]], first: int) -> int:
+        """One pass over the slow AR: a row per decoding request (input: its last frame, at its length) and a row per
+        prompt token of `chunks`; the final hidden of each sampled row (decode rows, the last row of a prompt that
+        ends here) goes to h_sel[first + i] -> how many rows were sampled."""
+        C, B = self.s2.num_codebooks, len(decoding)
+        n = B + sum(e - s for _, s, e in chunks)
+        rows = self.max_batch if self.batch_invariant and decoding else n
+        keys = max([r.length + 1 for r in decoding] + [e for _, _, e in chunks])
+        splits = self._splits_for(keys)
+        size = self._bucket(self.row_sizes, rows) if self.pad_rows else rows
+        io = torch.zeros(self._F_ROWS + C, size, dtype=torch.int64)
+        io[self._SLOT], io[self._FROM_LAST], io[self._DST] = self.scratch, 1, self.h_sel.shape[0] - 1
+        if B:
+            io[self._SLOT, :B] = torch.tensor([r.slot for r in decoding])
+            io[self._POS, :B] = torch.tensor([r.length for r in decoding])
+            io[self._SRC, :B] = torch.arange(B)
+            io[self._DST, :B] = torch.arange(first, first + B)
+        row, k = B, first + B
+        runs = [(0, rows if self.batch_invariant else B, None)] if B else []  # invariant: the padding rows run too
+        for r, s, e in chunks:
+            src, m = r.source, e - s
+            cols = slice(row, row + m)
+            io[self._SLOT, cols], io[self._POS, cols], io[self._FROM_LAST, cols] = r.slot, torch.arange(s, e), 0
+            io[self._TOKEN, cols], io[self._SEMANTIC, cols] = src.tokens[s:e], src.semantic[s:e].long()
+            io[self._F_ROWS:, cols] = src.codes[s:e].T
+            if e == len(src):
+                io[self._SRC, k - first], io[self._DST, k - first] = row + m - 1, k
+                k += 1
+            runs.append((row, m, e))
+            row += m
+        self.passes += 1
+        graph = self.graphs.get((size, splits))
+        if graph is not None:
+            graph[1].copy_(io, non_blocking=True)
+            graph[0].replay()
         else:
             self._use_splits(splits)
-            io = torch.tensor(padded, dtype=torch.int64, device=self.device)
-            kv_len_max = self.max_seq_len if self.batch_invariant else max(host[1]) + 1
-            out = self._decode_core(io[0], io[1][:, None], io[2], kv_len_max=kv_len_max, hook_ids=[r.id for r in reqs])
-        frame, end = out[0][:B], out[1][:B]
-        for r in reqs:
-            r.length += 1
-        return self._emit(reqs, frame, end)
+            self._slow_core(io.to(self.device), None if self.flat else runs)
+        return k - first
+
+    def _slow_core(self, io: torch.Tensor, runs=None) -> None:
+        """Device part of a pass (what the graphs capture): embed each row's token (a decode row's from its slot's
+        last frame), run the slow AR, put the sampled rows' final hidden into h_sel. Every row is a one-token
+        sequence at its own slot and position (the attention kernel reads each row's keys up to its position); without
+        the kernel (`runs`: (first row, rows, keys) of the decode rows, None, and of each prompt chunk), the decode
+        rows run as one batch and each chunk as a sequence."""
+        slots, pos = io[self._SLOT], io[self._POS]
+        prev = self.last_codes[slots]  # [N, C]
+        last = io[self._FROM_LAST].bool()
+        codes = torch.where(last[:, None], prev, io[self._F_ROWS:].T)
+        tokens = torch.where(last, prev[:, 0] + self.s2.semantic_start_id, io[self._TOKEN])
+        x = self.model.embed(tokens[:, None], codes[:, None, :], (last | io[self._SEMANTIC].bool())[:, None])
+        stack = self.model.slow.stack
+        if runs is None:
+            hidden = stack.run(x, pos[:, None], slots)[:, 0]
+        else:
+            hidden = torch.empty(x.shape[0], x.shape[-1], dtype=x.dtype, device=x.device)
+            for r0, m, keys in runs:
+                if keys is None:  # decode rows (invariant: over every key position, whatever the neighbours' lengths)
+                    p = pos[r0 : r0 + m, None]
+                    keys = self.max_seq_len if self.batch_invariant else int(p.max()) + 1
+                    hidden[r0 : r0 + m] = stack.run(x[r0 : r0 + m], p, slots[r0 : r0 + m], keys)[:, 0]
+                else:
+                    hidden[r0 : r0 + m] = stack.run(x[r0 : r0 + m].transpose(0, 1), pos[None, r0 : r0 + m],
+                                                    slots[r0 : r0 + 1], keys)[0]
+        self.h_sel.index_copy_(0, io[self._DST], hidden.index_select(0, io[self._SRC]))
+
+    def _sample(self, reqs: list[Request], steps: list[int], remember: list[int]):
+        """Code 0 and the fast AR for the rows h_sel[:len(reqs)] -> (frame [B, C], end [B])."""
+        B = len(reqs)
+        size = self._bucket(self.sample_sizes, B) if self.pad_rows or self.batch_invariant else B
+        io = torch.zeros(3, size, dtype=torch.int64)
+        io[0] = self.scratch
+        io[0, :B], io[1, :B], io[2, :B] = torch.tensor([r.slot for r in reqs]), torch.tensor(steps), torch.tensor(remember)
+        graph = self.sample_graphs.get(size)
+        if graph is not None:
+            graph[1].copy_(io, non_blocking=True)
+            graph[0].replay()
+            frame, end = graph[2]
+        else:
+            frame, end, logits = self._sample_core(io.to(self.device))
+            if self.logits_hook is not None:
+                self.logits_hook([r.id for r in reqs], logits[:B])
+        return frame[:B], end[:B]
+
+    def _sample_core(self, io: torch.Tensor):
+        """Device part of sampling (what the sample graphs capture): io [3, B] = slot, step, remember per row."""
+        hidden = self.h_sel[: io.shape[1]]
+        logits = self.model.slow.logits(hidden)
+        frame, end = self._sample_frame(io[0], hidden, logits, io[1], io[2].bool())
+        return frame, end, logits
+
+    @staticmethod
+    def _buckets(limit: int) -> tuple[int, ...]:
+        return tuple(b for b in Engine.ROW_BUCKETS if b < limit) + (limit,)
+
+    @staticmethod
+    def _bucket(sizes: tuple[int, ...], n: int) -> int:
+        return next(b for b in sizes if b >= n)
 
     def _splits_for(self, keys: int) -> int:
         """Decode splits of a step whose longest request attends to `keys` keys."""
@@ -556,82 +622,62 @@ class Engine:
         for layer in self.model.slow.layers:
             layer.attention.decode_splits = n
 
-    def _decode_core(self, slots, pos, step, kv_len_max, hook_ids=None):
-        """One batched decode step on the device (what the CUDA graphs capture): slots [B], pos [B, 1], step [B]."""
-        frame = self.last_codes[slots]  # [B, C]: the previous frame is this step's input
-        tokens = frame[:, :1] + self.s2.semantic_start_id
-        x = self.model.embed(tokens, frame[:, None, :], torch.ones_like(tokens, dtype=torch.bool))
-        hidden, logits = self.model.slow(x, pos, slots, kv_len_max=kv_len_max)
-        if hook_ids is not None and self.logits_hook is not None:
-            self.logits_hook(hook_ids, logits[: len(hook_ids), -1])
-        return self._sample_frame(slots, hidden[:, -1], logits[:, -1], step)
+    def _decode_core(self, slots, pos, step):
+        """One decode step of the rows slots [B] at positions pos [B, 1] on the device (perf tools time this)."""
+        B, C = slots.shape[0], self.s2.num_codebooks
+        io = torch.zeros(self._F_ROWS + C, B, dtype=torch.int64, device=slots.device)
+        io[self._SLOT], io[self._POS], io[self._FROM_LAST] = slots, pos[:, 0], 1
+        io[self._SRC] = io[self._DST] = torch.arange(B, device=slots.device)
+        self._slow_core(io)
+        sio = torch.stack([slots, step, torch.ones_like(step)])
+        return self._sample_core(sio)[:2]
 
-    def _sample_frame(self, slots, hidden, logits, step, remember: bool = True):
+    def _sample_frame(self, slots, hidden, logits, step, remember):
         """Sample code 0 (or the end token) with RAS, run the fast AR, update slot state -> (frame [B, C], end [B]).
-        `remember`: code 0 enters the RAS window; not for the first frame (sampled at prefill), as upstream, whose
-        window starts empty at the first decode step."""
+        `remember` [B] bool: code 0 enters the row's RAS window (not for a first frame)."""
         temp, top_p, top_k, seed = self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seed[slots]
         end_col = torch.arange(logits.shape[-1], device=logits.device) == self.model.slow.end_index
         logits = logits.masked_fill(end_col[None, :] & ~self.allow_end[slots][:, None], float("-inf"))
-        idx = sample_semantic(logits, self.recent[slots], temp, top_p, top_k, seed, step, kernel=self.sample_kernel)
+        recent = self.recent[slots]
+        idx = sample_semantic(logits, recent, temp, top_p, top_k, seed, step, kernel=self.sample_kernel)
         end = idx == self.model.slow.end_index
         code0 = idx.clamp(max=self.s2.num_semantic - 1)
         residual = self.fast_ar(hidden, code0, temp, top_p, top_k, seed, step)
         frame = torch.cat([code0[:, None], residual.to(code0.dtype)], dim=1)
         self.last_codes[slots] = frame
-        if remember:
-            self.recent[slots] = torch.cat([self.recent[slots][:, 1:], code0[:, None]], dim=1)
+        self.recent[slots] = torch.where(remember[:, None], torch.cat([recent[:, 1:], code0[:, None]], dim=1), recent)
         return frame, end
 
     def _capture_graphs(self) -> None:
-        """Capture `_decode_core` once per batch bucket, on the scratch slot, sharing one memory pool."""
+        """Capture a pass per row bucket (and way of splitting keys) and sampling per batch bucket, on the scratch
+        slot, sharing one memory pool."""
         pool = torch.cuda.graph_pool_handle()
-        dev = self.device
-        buckets = (self.max_batch,) if self.batch_invariant else \
-            sorted({b for b in self.GRAPH_BUCKETS if b < self.max_batch} | {self.max_batch})
+        dev, C = self.device, self.s2.num_codebooks
+        stream = torch.cuda.Stream(dev)
         variants = sorted({self._splits_for(1), self._splits_for(self.max_seq_len)})
-        for bucket in sorted(buckets, reverse=True):
-            io = torch.zeros(3, bucket, dtype=torch.int64, device=dev)
-            io[0] = self.scratch
-            args = (io[0], io[1][:, None], io[2], None)
-            stream = torch.cuda.Stream(dev)
+
+        def capture(fn):
+            stream.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(stream), torch.inference_mode():
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+                out = fn()
+            return graph, out
+
+        for size in sorted(self.row_sizes, reverse=True):
+            io = torch.zeros(self._F_ROWS + C, size, dtype=torch.int64, device=dev)
+            io[self._SLOT], io[self._FROM_LAST], io[self._DST] = self.scratch, 1, self.h_sel.shape[0] - 1
             for splits in variants:  # one graph per way of splitting the keys (they share io)
                 self._use_splits(splits)
-                stream.wait_stream(torch.cuda.current_stream(dev))
-                with torch.cuda.stream(stream), torch.inference_mode():
-                    for _ in range(2):
-                        self._decode_core(*args)
-                torch.cuda.current_stream(dev).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                    out = self._decode_core(*args)
-                self.graphs[(bucket, splits)] = (graph, io, out)
-            # the first frame of newly prefilled requests: sampling + fast AR from given hidden/logits
-            hbuf = torch.zeros(bucket, self.s2.text.dim, dtype=self.dtype, device=dev)
-            lbuf = torch.zeros(bucket, self.s2.num_semantic + 1, dtype=torch.float32, device=dev)
-            fargs = (io[0], hbuf, lbuf, io[2])
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):
-                    self._sample_frame(*fargs, remember=False)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            fgraph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(fgraph, pool=pool), torch.inference_mode():
-                fout = self._sample_frame(*fargs, remember=False)
-            self.frame_graphs[bucket] = (fgraph, io, hbuf, lbuf, fout)
-        for shape in sorted(self.prefill_shapes, key=lambda s: -s[0] * s[1] * s[2]):
-            B, T, L = shape
-            C = self.s2.num_codebooks
-            bufs = (torch.zeros(B, T, dtype=torch.int64, device=dev), torch.zeros(B, T, C, dtype=torch.int64, device=dev),
-                    torch.zeros(B, T, dtype=torch.bool, device=dev), torch.arange(T, device=dev)[None].repeat(B, 1),
-                    torch.full((B,), self.scratch, dtype=torch.int64, device=dev), torch.zeros(B, dtype=torch.int64, device=dev))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):
-                    self._prefill_core(*bufs, kv_len_max=L)
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            pgraph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(pgraph, pool=pool), torch.inference_mode():
-                pout = self._prefill_core(*bufs, kv_len_max=L)
-            self.prefill_graphs[shape] = (pgraph, bufs, pout)
+                self.graphs[(size, splits)] = (capture(lambda: self._slow_core(io))[0], io)
+        for size in sorted(self.sample_sizes, reverse=True):
+            io = torch.zeros(3, size, dtype=torch.int64, device=dev)
+            io[0] = self.scratch
+            graph, out = capture(lambda: self._sample_core(io)[:2])
+            self.sample_graphs[size] = (graph, io, out)
         torch.cuda.synchronize(dev)
 
     def _emit(self, reqs, frame, end) -> list[Output]:

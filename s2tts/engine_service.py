@@ -148,6 +148,7 @@ class EngineService:
         # later chunks may wait codec_batch_steps - 1 steps more than a first one, and a step's own codec call
         # delays its chunks by about one more: the chunker keeps that many frames of room (service.Chunker)
         self.chunk_lag = self.codec_batch_steps if codec is not None else 0
+        self.uniform_chunks_from = 0.5  # Chunker(uniform_from=); perf/bench_loop.py --uniform-from tries others
         self._held: list[list] = []  # routed items waiting for the next codec call (in order)
         self.loop = LoopStats()
         self.frame_seconds = frame_seconds
@@ -186,7 +187,8 @@ class EngineService:
         try:
             pace = self.pace if self.frame_seconds else None
             rec = self.table.open(client_id, responder,
-                                  state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace, lag=self.chunk_lag),
+                                  state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace, lag=self.chunk_lag,
+                                                            uniform_from=self.uniform_chunks_from),
                                                     prompt_tokens=len(prompt)))
             if self.codec is not None:
                 rec.state.codec = codec_stream or CodecStream(f"{self.name}/{rec.iid}")
@@ -264,7 +266,7 @@ class EngineService:
             self.engine.fail_all("unhealthy")
             return
         t0 = time.monotonic()
-        decoding = bool(self.engine.live)
+        decoding = self.engine.decoding()  # a step of prompt rows alone is not the streams' pace
         outputs = self.engine.step()
         fault = self.engine.last_fault
         self._note_preemptions()

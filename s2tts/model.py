@@ -295,7 +295,11 @@ class SlowAR(nn.Module):
     def forward(self, x, pos, slots=None, kv_len_max=None):
         """x [B, S, dim] embeddings -> (hidden [B, S, dim] final-normed, logits [B, S, num_semantic+1])."""
         h = self.stack.run(x, pos, slots, kv_len_max)
-        return h, F.linear(h, self.head).float()
+        return h, self.logits(h)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., dim] -> float32 logits over the semantic codes + <|im_end|>."""
+        return F.linear(h, self.head).float()
 
 
 class FastAR(nn.Module):

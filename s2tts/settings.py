@@ -122,8 +122,10 @@ SETTINGS: tuple[Setting, ...] = (
             "least `max_batch` when fast_ar=bls", min=1, max=1024, derived_from="max_batch"),
     Setting("prefix_cache_mb", int, 512, ("slow_ar",), "KV cache of voice prefixes (system turn + reference codes), "
             "reused by later requests of that voice; 0 = off", min=0),
-    Setting("max_prefill_tokens", int, 4096, ("slow_ar",), "prompt tokens prefilled per engine step (bounds the "
-            "stall of running streams)", min=16),
+    Setting("max_prefill_tokens", int, 512, ("slow_ar",), "prompt tokens an engine step adds to the running "
+            "streams' pass over the weights (chunked prefill: a longer prompt takes several steps); bounds how much "
+            "arrivals lengthen a step, and sets the largest captured pass (`max_batch` + this many rows)", min=16,
+            max=8192),
     Setting("admit_every_steps", int, 1, ("slow_ar",), "while streams are decoding, new requests join the batch only "
             "every this many steps, so that their prefills run together (one pass over the weights for several "
             "prompts); each waits at most that many steps more for its first audio", min=1, max=64),

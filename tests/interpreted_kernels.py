@@ -76,27 +76,36 @@ def check_ops():
 
 
 def check_engine(ckpt):
-    """The whole engine with every Triton kernel on (paged cache, blocks of 8, keys split between up to 4 programs) gives
-    the logits and codes of the plain PyTorch path over the slot layout."""
+    """The whole engine with every Triton kernel on (paged cache, blocks of 8, keys split between up to 4 programs;
+    every token a row of one pass, padded to a row bucket, prompts prefilled 16 tokens a step beside the decode rows)
+    gives the logits and codes of the plain PyTorch path over the slot layout (decode rows as a batch, each prompt
+    as a sequence, all of it at once)."""
     pb = PromptBuilder.from_dir(ckpt)
     prompts = [pb.build(t) for t in ("Kernel check one.", "A second, longer kernel check prompt.")]
     results = []
     for kern in (False, True):
         model = load_model(ckpt, "cpu", "fp32")
         eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
-                     fused_kernels=kern, kv_block_tokens=8 if kern else 0, decode_splits=4 if kern else None)
+                     fused_kernels=kern, kv_block_tokens=8 if kern else 0, decode_splits=4 if kern else None,
+                     row_buckets=kern, max_prefill_tokens=16 if kern else 512)
         if kern:  # split every row's keys (a real server splits only past 2048 keys, in parts of at least 1024)
             eng.SPLIT_FROM = 0
             for layer in model.slow.layers:
                 layer.attention.decode_min_split = 16
+        mixed, inner = [], eng._slow_pass
+        eng._slow_pass = lambda dec, ch, first: mixed.append(bool(dec and ch)) or inner(dec, ch, first)
         logits = {}
         eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
-        for i, p in enumerate(prompts):
-            eng.submit(f"r{i}", p, SamplingParams(seed=i, max_new_tokens=8, ignore_end=True))
         frames = {f"r{i}": [] for i in range(2)}
-        while eng.has_work():
+        step = 0
+        while step < 3 or eng.has_work():
+            if step in (0, 2):  # the second arrives while the first decodes
+                i = step // 2
+                eng.submit(f"r{i}", prompts[i], SamplingParams(seed=i, max_new_tokens=8, ignore_end=True))
             for o in eng.step():
                 frames[o.request_id].append(o.codes)
+            step += 1
+        assert any(mixed) and eng.flat == kern, mixed  # prompt rows beside decode rows (with the kernel: as rows)
         results.append(({k: np.concatenate(v) for k, v in frames.items()}, logits))
     (c0, l0), (c1, l1) = results
     for rid in c0:

@@ -322,22 +322,20 @@ def test_prefix_cache_reuses_voice_prefix(model, prompts):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_padded_prefill_buckets_match_exact_shapes(model, prompts):
-    """What the GPU prefill graphs do (pad the batch, the tokens and the keys to a captured shape; padding
-    rows write only the scratch slot) gives the logits and codes of prefilling at the exact shape, with and
-    without a cached voice prefix."""
+def test_padded_row_buckets_match_exact_shapes(model, prompts):
+    """What the GPU graphs do (pad a pass's rows and a sampling batch to a captured size; padding rows read and write
+    only the scratch slot) gives the logits and codes of the exact sizes, with and without a cached voice prefix.
+    (The one-pass layout of every token as a row, padded, is checked with the kernels in tests/test_kernels.py.)"""
     gen = torch.Generator().manual_seed(6)
     ref = torch.randint(0, 32, (10, 40), generator=gen)
     reqs = [("p", prompts.build("Plain prompt.")), ("v1", prompts.build("Voice one.", ref, "Ref text.")),
             ("v2", prompts.build("Voice two, longer.", ref, "Ref text."))]
     out = {}
     for padded in (False, True):
-        eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=1024, prefix_cache_bytes=64 << 20,
-                     prefill_buckets=padded)
-        assert bool(eng.prefill_shapes) == padded
-        if padded:  # the voice prompts' remainders after the cached prefix fit a (1, 32, 512) shape
-            P = reqs[2][1].prefix_len
-            assert eng._prefill_bucket(1, len(reqs[2][1]) - P, P) == (1, 32, 512)
+        eng = Engine(model, residual_size=RESIDUAL, max_batch=3, max_seq_len=1024, prefix_cache_bytes=64 << 20,
+                     row_buckets=padded, max_prefill_tokens=40)
+        assert eng.pad_rows == padded and eng.sample_sizes == (1, 2, 3) and eng.row_sizes[-1] == 43
+        assert eng._bucket(eng.row_sizes, 5) == 8 and eng._bucket(eng.row_sizes, 33) == 43
         logits = {}
         eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
         codes = {}

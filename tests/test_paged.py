@@ -194,18 +194,35 @@ def test_block_pool_bookkeeping():
         pool.release(a[:1])
 
 
+def _count_rows(eng):
+    """Wrap eng._slow_pass: record (decode rows, prompt rows, request ids with prompt rows) of every pass."""
+    passes, inner = [], eng._slow_pass
+
+    def counted(decoding, chunks, first):
+        passes.append((len(decoding), sum(e - s for _, s, e in chunks), [r.id for r, _, _ in chunks]))
+        return inner(decoding, chunks, first)
+
+    eng._slow_pass = counted
+    return passes
+
+
 def test_long_prompts_prefill_in_chunks_with_the_same_result(model, requests):
-    """max_prefill_tokens=16: every prompt (36-130 tokens) is prefilled 16 tokens at a time into its blocks, with
-    the logits and codes of a prefill in one pass."""
-    whole = _run(_engine(model, kv_block_tokens=8), requests)
+    """max_prefill_tokens=16: every prompt (36-130 tokens) is prefilled at most 16 tokens a step, in the same passes
+    as the decode rows of the requests already running, with the logits and codes of a prefill in one pass."""
+    whole = _engine(model, kv_block_tokens=8, max_prefill_tokens=512)
+    whole_passes = _count_rows(whole)
+    whole = _run(whole, requests)
     eng = _engine(model, kv_block_tokens=8, max_prefill_tokens=16)
-    passes, inner = [], eng._prefill_pass
-    eng._prefill_pass = lambda reqs, src, starts, ends: passes.append(max(e - s for s, e in zip(starts, ends))) or \
-        inner(reqs, src, starts, ends)
+    passes = _count_rows(eng)
     chunked = _run(eng, requests)
     assert min(len(p) for _, p, _ in requests) > 32
-    todo = [len(p) for _, p, _ in requests[:3]] + [len(requests[3][1]) - requests[3][1].prefix_len]  # r3: prefix hit
-    assert max(passes) <= 16 and len(passes) == sum(-(-n // 16) for n in todo)
+    # r3 shares r2's voice prefix if r2 had prefilled it when r3 arrived (16 tokens a step: it had not)
+    hit = eng.prefix_cache.hits == 1
+    assert eng.prefix_cache.hits + eng.prefix_cache.misses == 2
+    todo = [len(p) for _, p, _ in requests[:3]] + [len(requests[3][1]) - hit * requests[3][1].prefix_len]
+    assert max(n for _, n, _ in passes) == 16 and sum(n for _, n, _ in passes) == sum(todo)
+    assert any(d and n for d, n, _ in passes)  # prompt rows beside decode rows: one pass over the weights
+    assert len(passes) == len(whole_passes) + sum(-(-n // 16) - 1 for n in todo)  # no pass of its own per arrival
     _assert_same(chunked, whole)
 
 
@@ -254,9 +271,8 @@ def test_admissions_grouped_every_n_steps_while_busy(model, requests):
     engine admits at once; every request still gets the codes it gets when admitted at once."""
     plain = _run(_engine(model, kv_block_tokens=8), requests)
     eng = _engine(model, kv_block_tokens=8, admit_every=3)
-    joined, prefills, inner = {}, [], eng._prefill
-    eng._prefill = lambda reqs: prefills.append([r.id for r in reqs]) or inner(reqs)
-    step = [0]
+    passes = _count_rows(eng)
+    joined, step = {}, [0]
 
     def note(e):
         step[0] += 1
@@ -266,6 +282,6 @@ def test_admissions_grouped_every_n_steps_while_busy(model, requests):
     grouped = _run(eng, requests, on_step=note)
     assert joined["r0"] == 1  # idle engine: at once
     assert all(joined[rid] % 3 == 1 for rid in ("r1", "r2", "r3"))  # then only every third step
-    assert prefills == [["r0"], ["r1", "r2", "r3"]]  # submitted one a step, prefilled together
+    assert [ids for _, _, ids in passes if ids] == [["r0"], ["r1", "r2", "r3"]]  # one a step, prefilled together
     for rid in plain[0]:
         np.testing.assert_array_equal(grouped[0][rid], plain[0][rid])

@@ -17,12 +17,12 @@ def test_chunker_first_then_fixed_sizes():
     assert got == [4, 6, 6] and c.flush().shape[0] == 4
 
 
-def _play(first, size, r, n_frames=400, adaptive=True, decode=0.0, jitter=0.0, fixed_first=False):
+def _play(first, size, r, n_frames=400, adaptive=True, decode=0.0, jitter=0.0, fixed_first=False, uniform_from=0.5):
     """Frames come one every r frame-durations; a chunk of n frames reaches the client `decode` x n frame-durations
     after its last frame (the codec's time), and every chunk after the first `jitter` steps later still (a slow
     step: a prefill, a big codec call); the client plays from the first chunk.
     -> (chunk sizes, worst lateness in frame-durations)."""
-    c = Chunker(first, size, (lambda: r) if adaptive else None)
+    c = Chunker(first, size, (lambda: r) if adaptive else None, uniform_from=uniform_from)
     if fixed_first:  # the rule before the first chunk grew under load
         c.first_size = lambda: first
     sizes, arrivals = [], []
@@ -41,8 +41,15 @@ def _play(first, size, r, n_frames=400, adaptive=True, decode=0.0, jitter=0.0, f
 def test_adaptive_chunks_never_underrun(r):
     sizes, late = _play(4, 16, r, jitter=2.0)
     assert late <= 0, (sizes, late)
-    assert set(sizes) <= {4, 8, 16} and sizes[0] == (4 if r <= 0.65 else 8 if r <= 0.8 else 16)
-    assert sizes == sorted(sizes) and sizes[-1] == 16  # they grow up to the cap at a constant pace
+    first = 4 if r <= 0.65 else 8 if r <= 0.8 else 16
+    assert set(sizes) <= {4, 8, 16} and sizes[0] == first
+    if r < 0.5:
+        assert sizes == sorted(sizes) and sizes[-1] == 16  # they grow up to the cap at a constant pace
+    else:
+        assert set(sizes) == {first}  # under load every chunk keeps the first one's length
+    # growing chunks (the rule below uniform_from) keep up at every pace as well, but with no margin left
+    grown, late_grown = _play(4, 16, r, jitter=2.0, uniform_from=1.0)
+    assert late_grown <= 0 and grown == sorted(grown) and grown[-1] == 16
     if r <= 0.2:
         assert sizes[1] == 16  # a fast engine goes straight to the largest chunk
     # fixed chunks after a small first one run dry at this pace: what streams did at c=64
