@@ -121,12 +121,14 @@ class Engine:
         SPLIT_FROM keys (their extra programs cost ~15% of a step of short requests); with `batch_invariant`,
         always.
 
-        `batch_invariant`: a request's numbers do not depend on the requests beside it. Decode rows run in a pass
-        of their own at one shape (`max_batch` rows; padding rows use the scratch slot), each prompt chunk in a pass
-        of its own, cut at points that depend on that request alone (its voice prefix always by itself, so a
-        prefix-cache hit leaves the same keys and values as a miss), and sampling always at `max_batch` rows.
-        Matrix products then see the same shapes for every step of a request, whatever runs beside it; sampling is
-        already per request (seed, step). The cost: the padded rows at low load and a pass per arrival.
+        `batch_invariant`: a request's numbers do not depend on the requests beside it. With the attention kernel
+        (GPU), every matrix product of both ARs goes through the row-invariant kernel (`kernels.linear`: its tiling
+        depends on the weight's shape, never on the rows) and the attention kernel splits every row's keys the same
+        way, so every operation computes a row the same whatever rows are beside it, and passes are scheduled as
+        usual. Without it (CPU), decode rows run in a pass of their own at one shape (`max_batch` rows; padding rows
+        use the scratch slot), each prompt chunk in a pass of its own, cut at points that depend on that request
+        alone (its voice prefix always by itself, so a prefix-cache hit leaves the same keys and values as a miss),
+        and sampling always at `max_batch` rows. Sampling is per request already (seed, step).
 
         `admit_every`: while requests are decoding, waiting ones join only every this many steps, so that arrivals
         spread over those steps start their prefill together (a request waits at most that many steps more). An
@@ -196,10 +198,16 @@ class Engine:
         self.seed = torch.zeros(n, dtype=torch.int64, device=dev)
         self.allow_end = torch.ones(n, dtype=torch.bool, device=dev)
 
+        # batch_invariant: with the attention kernel, every matrix product row-invariant (kernels.linear) and passes
+        # scheduled as usual; without it (CPU), decode rows and each prompt chunk in passes of their own, at one shape
+        self.apart = batch_invariant and not decode_kernel
+        limit = max(max_batch, max_prefill_tokens) if self.apart else max_batch + max_prefill_tokens
+        from .model import use_invariant_linears
+
+        use_invariant_linears(model, max(limit, 2 * max_batch) if batch_invariant and not self.apart else 0)
         # a pass's rows, and where each sampled row's final hidden goes: h_sel[dst] (its last row is scratch)
-        limit = max(max_batch, max_prefill_tokens) if batch_invariant else max_batch + max_prefill_tokens
         self.row_sizes = self._buckets(limit)
-        self.sample_sizes = (max_batch,) if batch_invariant else self._buckets(max_batch)
+        self.sample_sizes = (max_batch,) if self.apart else self._buckets(max_batch)
         self.h_sel = torch.zeros(self.row_sizes[-1] + 1, s2.text.dim, dtype=self.dtype, device=dev)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, decode splits) -> captured pass over the slow AR
         self.sample_graphs: dict[int, tuple] = {}  # rows -> captured sampling + fast AR
@@ -467,9 +475,9 @@ class Engine:
         for r in prefilling:
             n = len(r.source)
             s = r.length
-            end = min(n, s + (self.max_prefill_tokens if self.batch_invariant else budget))
+            end = min(n, s + (self.max_prefill_tokens if self.apart else budget))
             P = r.prompt.prefix_len
-            if self.batch_invariant and s < P < len(r.prompt):  # the voice prefix by itself: as a cache hit leaves it
+            if self.apart and s < P < len(r.prompt):  # the voice prefix by itself: as a cache hit leaves it
                 end = min(end, P)
             if chunks and end - s > budget:
                 break
@@ -488,7 +496,7 @@ class Engine:
         fresh = [r for r, s, e in chunks if s == r.start]
         if fresh:
             self._set_slot_params(fresh)
-        if self.batch_invariant:
+        if self.apart:
             passes = ([(decoding, [])] if decoding else []) + [([], [c]) for c in chunks]
         else:
             passes = [(decoding, chunks)]
@@ -520,7 +528,7 @@ class Engine:
         ends here) goes to h_sel[first + i] -> how many rows were sampled."""
         C, B = self.s2.num_codebooks, len(decoding)
         n = B + sum(e - s for _, s, e in chunks)
-        rows = self.max_batch if self.batch_invariant and decoding else n
+        rows = self.max_batch if self.apart and decoding else n
         keys = max([r.length + 1 for r in decoding] + [e for _, _, e in chunks])
         splits = self._splits_for(keys)
         size = self._bucket(self.row_sizes, rows) if self.pad_rows else rows
@@ -532,7 +540,7 @@ class Engine:
             io[self._SRC, :B] = torch.arange(B)
             io[self._DST, :B] = torch.arange(first, first + B)
         row, k = B, first + B
-        runs = [(0, rows if self.batch_invariant else B, None)] if B else []  # invariant: the padding rows run too
+        runs = [(0, rows if self.apart else B, None)] if B else []  # invariant: the padding rows run too
         for r, s, e in chunks:
             src, m = r.source, e - s
             cols = slice(row, row + m)
@@ -574,7 +582,7 @@ class Engine:
             for r0, m, keys in runs:
                 if keys is None:  # decode rows (invariant: over every key position, whatever the neighbours' lengths)
                     p = pos[r0 : r0 + m, None]
-                    keys = self.max_seq_len if self.batch_invariant else int(p.max()) + 1
+                    keys = self.max_seq_len if self.apart else int(p.max()) + 1
                     hidden[r0 : r0 + m] = stack.run(x[r0 : r0 + m], p, slots[r0 : r0 + m], keys)[:, 0]
                 else:
                     hidden[r0 : r0 + m] = stack.run(x[r0 : r0 + m].transpose(0, 1), pos[None, r0 : r0 + m],
@@ -584,7 +592,7 @@ class Engine:
     def _sample(self, reqs: list[Request], steps: list[int], remember: list[int]):
         """Code 0 and the fast AR for the rows h_sel[:len(reqs)] -> (frame [B, C], end [B])."""
         B = len(reqs)
-        size = self._bucket(self.sample_sizes, B) if self.pad_rows or self.batch_invariant else B
+        size = self._bucket(self.sample_sizes, B) if self.pad_rows or self.apart else B
         io = torch.zeros(3, size, dtype=torch.int64)
         io[0] = self.scratch
         io[0, :B], io[1, :B], io[2, :B] = torch.tensor([r.slot for r in reqs]), torch.tensor(steps), torch.tensor(remember)

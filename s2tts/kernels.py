@@ -331,3 +331,84 @@ def choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int) ->
                          seed.contiguous(), step.contiguous(), out, sl.stride(0), V, (stream * 0x68E31DA4) & 0xFFFFFFFF,
                          BLOCK=triton.next_power_of_2(V), num_warps=8 if V > 2048 else 4)
     return out
+
+
+# ---- row-invariant matrix products ---------------------------------------------------------
+# cuBLAS picks its tiling (and split of K) by the number of rows, so in bf16 a row's result changes with the rows
+# beside it. This kernel tiles by the weight's shape alone: 16 rows a tile, BLOCK_N output columns x BLOCK_K, the K
+# range split between SPLIT programs when there are too few column tiles to fill the GPU, partial sums added in a
+# fixed order. A row's result is then the same whatever rows are beside it (`batch_invariant`). At 1-16 rows it
+# streams the weights about as fast as cuBLAS (2.1-2.7 TB/s on an H100, perf/RESULTS.md); the row tiles of one
+# column tile run next to each other, so at more rows they read the weight tile from L2.
+
+GEMV_ROWS = 16  # `linear`'s default: the kernel up to this many rows, cuBLAS above
+GEMV_CONFIG = {"programs": 264, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "max_block_m": 128}
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(X, W, Y, P, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+        pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        k0 = pid_s * K_PER
+        for k in range(k0, k0 + K_PER, BLOCK_K):
+            rk = k + tl.arange(0, BLOCK_K)
+            x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            if IEEE:
+                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w))
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        if SPLIT == 1:
+            tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+        else:
+            tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+
+    @triton.jit
+    def _split_sum_kernel(P, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < M * N
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(P + s * M * N + offs, mask=mask, other=0.0)
+        tl.store(Y + (offs // N) * stride_ym + offs % N, acc.to(Y.dtype.element_ty), mask=mask)
+
+
+def gemv_plan(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, K_PER) for a [N, K] weight: enough programs to keep every SM streaming
+    (GEMV_CONFIG["programs"], two per SM of an H100), from the weight's shape alone."""
+    programs, block_n, block_k = GEMV_CONFIG["programs"], GEMV_CONFIG["block_n"], GEMV_CONFIG["block_k"]
+    tiles = -(-N // block_n)
+    split = 1
+    while tiles * split < programs and K // (2 * split) >= 4 * block_k:
+        split *= 2
+    k_per = -(-K // (split * block_k)) * block_k
+    return block_n, block_k, split, k_per
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T -> [..., N] (as F.linear without bias): the row-invariant kernel up to `max_rows`
+    rows, cuBLAS above (or without Triton)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M, N = x2.shape[0], weight.shape[0]
+    if triton is None or M > max_rows or M == 0:
+        return torch.nn.functional.linear(x, weight)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    bn, bk, split, k_per = gemv_plan(N, K)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    p = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
+    bm = max(16, min(GEMV_CONFIG["max_block_m"], triton.next_power_of_2(M)))
+    _gemv_kernel[(-(-M // bm), -(-N // bn), split)](
+        x2, weight, y, p, M, N, K, k_per, x2.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32,
+        num_warps=GEMV_CONFIG["num_warps"], num_stages=GEMV_CONFIG["num_stages"])
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(-(-M * N // block),)](p, y, M, N, y.stride(0), SPLIT=split, BLOCK=block)
+    return y.reshape(*x.shape[:-1], N)

@@ -297,8 +297,14 @@ class SlowAR(nn.Module):
         h = self.stack.run(x, pos, slots, kv_len_max)
         return h, self.logits(h)
 
+    head_rows = 0  # use_invariant_linears: the head through the row-invariant kernel up to this many rows
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., dim] -> float32 logits over the semantic codes + <|im_end|>."""
+        if self.head_rows:
+            from .kernels import linear
+
+            return linear(h, self.head, self.head_rows).float()
         return F.linear(h, self.head).float()
 
 
@@ -350,6 +356,29 @@ class FastAR(nn.Module):
             x = self.embeddings(code)[:, None]
             pos = torch.full((B, 1), k + 1, device=dev, dtype=torch.long)
         return torch.stack(codes, dim=1)
+
+
+class InvariantLinear(nn.Linear):
+    """nn.Linear through the row-invariant kernel (`kernels.linear`) up to `max_rows` rows: a row's result does not
+    depend on the rows beside it."""
+
+    max_rows = 0
+
+    def forward(self, x):
+        from .kernels import linear
+
+        return linear(x, self.weight, self.max_rows)
+
+
+def use_invariant_linears(model: nn.Module, max_rows: int) -> None:
+    """Every matrix product of both ARs (and the slow AR's head) row-invariant up to `max_rows` rows (GPU, or the
+    Triton interpreter); 0 turns it off."""
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.__class__ = InvariantLinear if max_rows else nn.Linear
+            m.max_rows = max_rows
+        if isinstance(m, SlowAR):
+            m.head_rows = max_rows
 
 
 def use_triton_kernels(model: nn.Module, on: bool = True) -> None:

@@ -137,8 +137,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("stream_idle_timeout_s", float, 60.0, ("slow_ar",), "a stream whose reader (s2pro) takes none of its "
             "responses for this long is cancelled and dropped", min=1),
     Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "
-            "any others (every decode step at `max_batch` rows, each prompt prefilled on its own); costs the padded "
-            "rows at low load (perf/RESULTS.md)"),
+            "any others: on a GPU every matrix product goes through a row-invariant kernel (free at one stream, +16% "
+            "a step at 64); on a CPU steps run at one padded shape (perf/RESULTS.md)"),
     Setting("codec_in_engine", bool, None, ("slow_ar", "dac_decoder"), "decode audio in slow_ar's own loop: after "
             "each step, the chunks all streams finished go through the codec in batched calls and leave with their "
             "codes, with no round trip to `dac_decoder` per chunk (which then serves direct callers only, eagerly, "

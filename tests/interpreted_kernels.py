@@ -116,6 +116,43 @@ def check_engine(ckpt):
     print("engine ok")
 
 
+def check_invariant(ckpt):
+    """batch_invariant with the kernels: every matrix product row-invariant (a row alone and beside others gives the
+    same bits, any row count), passes scheduled as usual (no padding, prompts beside decode rows), and a request's
+    codes the same alone and beside others."""
+    from s2tts.model import InvariantLinear
+
+    torch.manual_seed(1)
+    w, x = torch.randn(40, 48), torch.randn(37, 48)
+    full = kernels.linear(x, w, 64)
+    assert all(torch.equal(kernels.linear(x[i : i + 1], w, 64)[0], full[i]) for i in (0, 15, 16, 36))
+    pb = PromptBuilder.from_dir(ckpt)
+    prompts = [pb.build(t) for t in ("Invariant one.", "The second one, a little longer.", "Third.")]
+    model = load_model(ckpt, "cpu", "fp32")
+
+    def run(ids):
+        eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True,
+                     fused_kernels=True, batch_invariant=True, max_prefill_tokens=16)
+        assert not eng.apart and isinstance(model.slow.layers[0].attention.wqkv, InvariantLinear)
+        out, step = {i: [] for i in ids}, 0
+        while step < 2 * len(ids) or eng.has_work():
+            if step % 2 == 0 and step // 2 < len(ids):
+                i = ids[step // 2]
+                eng.submit(str(i), prompts[i], SamplingParams(seed=7 + i, max_new_tokens=6, ignore_end=True))
+            for o in eng.step():
+                out[int(o.request_id)].append(o.codes)
+            step += 1
+        return {i: np.concatenate(v) for i, v in out.items()}
+
+    together = run([0, 1, 2])
+    for i in range(3):
+        np.testing.assert_array_equal(together[i], run([i])[i])
+    Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True)
+    assert type(model.slow.layers[0].attention.wqkv) is torch.nn.Linear  # an engine without it puts them back
+    print("invariant ok")
+
+
 if __name__ == "__main__":
     check_ops()
     check_engine(sys.argv[1])
+    check_invariant(sys.argv[1])
