@@ -68,7 +68,7 @@ def _stall_points(clients) -> dict:
 
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
-        prefill_tokens, uniform=0.5):
+        prefill_tokens, uniform=0.5, load_frames=None):
     from s2tts.codec_stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine_service import EngineService
@@ -86,7 +86,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
                         frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps)
     if args.chunk_lag >= 0:
         svc.chunk_lag = args.chunk_lag
-    svc.uniform_chunks_from = uniform
+    load_frames = args.load if load_frames is None else load_frames
+    svc.uniform_chunks_from, svc.load_chunk_frames = uniform, load_frames
     clients: list[_Client] = []
     lock = threading.Lock()
     n = [0]
@@ -127,7 +128,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
     out = {"batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
-           "prefill_tokens": prefill_tokens, "uniform_from": uniform,
+           "prefill_tokens": prefill_tokens, "uniform_from": uniform, "load_frames": load_frames,
            "passes_per_step": round(eng.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
            "streams": args.streams, "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
@@ -166,6 +167,9 @@ def main() -> int:
     ap.add_argument("--uniform-from", default="", help="comma-separated paces from which later chunks keep the "
                     "first chunk's length (Chunker(uniform_from=), default 0.5; 1 = never), each tried with the first "
                     "of the others")
+    ap.add_argument("--load", type=int, default=0, help="Chunker(load_frames=) of every run but --load-frames'")
+    ap.add_argument("--load-frames", default="", help="comma-separated first-chunk lengths under load "
+                    "(Chunker(load_frames=)), each tried with the first of the others")
     ap.add_argument("--buckets", default="", help="'|'-separated codec batch bucket lists to try (default: the pool's)")
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--kv-cache-tokens", type=int, default=16384)
@@ -200,6 +204,10 @@ def main() -> int:
     for bs, admit, buckets, prefill in combos:
         rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,
                         codec_frame_seconds(ck), bs, admit, buckets, prefill))
+        print(json.dumps(rows[-1]), flush=True)
+    for lf in [int(x) for x in args.load_frames.split(",") if x]:
+        rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,
+                        codec_frame_seconds(ck), *first, load_frames=lf))
         print(json.dumps(rows[-1]), flush=True)
     for u in [float(x) for x in args.uniform_from.split(",") if x]:
         rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,

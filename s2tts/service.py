@@ -124,17 +124,18 @@ class Chunker:
     From a pace of `uniform_from` (default 0.5) later chunks keep the first one's length instead of growing: each is
     made in F_1 r of the F_1 frame-durations the one before plays, with the same margin of F_1 (1 - r) >= 2 r frames
     every time (growing chunks spend that margin; at c=64 out of step 11% of streams ran dry with them, none with
-    equal ones: perf/RESULTS.md).
+    equal ones: perf/RESULTS.md). `load_frames` (default 0) sets the least first chunk under load (fewer, longer
+    chunks for the codec; measured: little gain, since a codec call's cost follows its frames, perf/RESULTS.md).
     Sizes are `first` times a power of two, or `size` (few distinct chunk lengths, so the codec still batches
     chunks of many streams together). At a pace no cadence keeps up with (r >= safety), and without `pace`, later
     chunks are `size`: the fewest codec calls.
     """
 
     def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8,
-                 lag: int = 0, uniform_from: float = 0.5):
+                 lag: int = 0, uniform_from: float = 0.5, load_frames: int = 0):
         self.first, self.size = first, size
         self.pace, self.safety, self.lag = pace, safety, lag
-        self.uniform_from = uniform_from
+        self.uniform_from, self.load_frames = uniform_from, load_frames
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
         self.emitted = 0  # chunks handed out
@@ -155,6 +156,8 @@ class Chunker:
             return self.first
         r = self.pace()
         need = self.first if r >= 1.0 else max(self.first, math.ceil(2 * r / (1 - r)))
+        if self.uniform_from <= r < 1.0:
+            need = max(need, self.load_frames)
         return next((n for n in self.lengths(self.first, self.size) if n >= need), max(self.first, self.size))
 
     def next_size(self) -> int:

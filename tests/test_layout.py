@@ -154,7 +154,9 @@ def test_requests_spread_and_each_stays_on_its_replica(two_engines):
     engines = [_placement(h, f"twin{i}")[0] for i in range(2)]
     assert sorted(min(e) for e in engines) == ["slow_ar", "slow_ar_1"], engines
     np.testing.assert_array_equal(c0, c1)
-    np.testing.assert_array_equal(a0, a1)
+    # each engine's pace sets its chunk lengths, and the codec's float sums differ in the last bits with the chunk
+    # boundaries: the same audio to within one step of 16-bit PCM
+    np.testing.assert_allclose(a0, a1, rtol=0, atol=1 / 32768)
 
     reqs = {f"c{i}": h.request("s2pro", _inputs(f"Request number {i}.", seed=i), f"c{i}") for i in range(6)}
     for client, req in reqs.items():

@@ -60,6 +60,16 @@ def test_adaptive_chunks_never_underrun(r):
         assert _play(4, 16, r, jitter=2.0, fixed_first=True)[1] > 0
 
 
+def test_first_chunk_under_load_takes_load_frames():
+    """load_frames: under load (pace from uniform_from) the first chunk, and so every later one, is at least that
+    long; below that pace the rule is unchanged."""
+    for r, want in ((0.3, [4, 8, 16, 16]), (0.6, [16, 16, 16, 16])):
+        c = Chunker(4, 16, lambda: r, load_frames=16)
+        got = [ch.shape[0] for i in range(64) for ch in c.add(frames(1, i))]
+        assert got[:4] == want, (r, got)
+    assert _play(4, 16, 0.6, jitter=2.0)[1] <= 0
+
+
 def test_adaptive_chunks_follow_the_pace_and_keep_slack_for_the_codec():
     pace = [0.2]
     c = Chunker(4, 32, lambda: pace[0])
