@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .errors import is_fatal_device_error
 from .model import S2Model
 from .prefix_cache import PrefixCache
 from .prompt import Prompt
@@ -337,8 +338,6 @@ class Engine:
                     self.fault_hook("prefill", chunked)
                 return outputs + self._forward(decoding, chunks)
             except Exception as e:  # noqa: BLE001
-                from .errors import is_fatal_device_error
-
                 self.last_fault = e
                 if is_fatal_device_error(e):
                     return outputs + self._fail(decoding + chunked, e)
@@ -360,6 +359,7 @@ class Engine:
                 if self.live.get(r.slot) is r:
                     self._requeue(r)
         return self._fail(decoding, e)
+
     def _grow(self) -> None:
         """Give every live request that crosses into a new block this step its block (the table row updated before
         the step runs); when blocks are short, drop cached prefixes, then preempt the request admitted last."""
@@ -488,9 +488,9 @@ class Engine:
         return chunks
 
     def _forward(self, decoding: list[Request], chunks: list[tuple[Request, int, int]]) -> list[Output]:
-        """The step's device work: the slow AR over the decode rows and the prompt rows (one pass; with
-        `batch_invariant`, decode rows and each chunk in passes of their own), then sampling and the fast AR for every
-        decoding request and every request whose prompt ends here -> their outputs."""
+        """The step's device work: the slow AR over the decode rows and the prompt rows (one pass; `batch_invariant`
+        without the attention kernel: decode rows and each chunk in passes of their own), then sampling and the fast
+        AR for every decoding request and every request whose prompt ends here -> their outputs."""
         done = [r for r, s, e in chunks if e == len(r.source)]
         sampled = decoding + done
         fresh = [r for r, s, e in chunks if s == r.start]
