@@ -98,6 +98,7 @@ class StreamState:
     prompt_tokens: int = 0
     codec: CodecStream | None = None
     codec_open: bool = False  # the codec stream holds state for this request (opened, or continued)
+    codec_dropped: bool = False  # its caller closed the stream while it ran: nothing more is decoded
 
 
 @dataclass
@@ -362,7 +363,7 @@ class EngineService:
             ready[i][5] = np.zeros(0, np.float32)
             if kind == "error":
                 continue
-            if reason == "cancelled":
+            if reason == "cancelled" or st.codec_dropped:
                 self._end_codec(st)
                 continue
             final = kind == "final" and st.codec.final
@@ -421,8 +422,19 @@ class EngineService:
                 self._codec_closing.append(st.codec.sid)
 
     def _close_codec_streams(self) -> None:
+        """Close the streams asked for. A request still decoding into one its caller closed (`close_codec`: the
+        caller dropped it, e.g. its client went away) is cancelled, and its chunks are no longer decoded: it ends
+        `cancelled`, not with a decode error for a stream that is gone."""
         with self._codec_lock:
             sids, self._codec_closing = self._codec_closing, []
+        if not sids:
+            return
+        closing = set(sids)
+        for rec in self.table.live():
+            st = rec.state
+            if st.codec is not None and st.codec.sid in closing and not st.codec_dropped:
+                st.codec_open, st.codec_dropped = False, True
+                self.engine.cancel(str(rec.iid))
         for sid in sids:
             self.codec.close(sid)
 

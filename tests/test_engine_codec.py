@@ -136,6 +136,34 @@ def test_streams_close_on_cancel_and_on_request(model, prompts, tiny_ckpt, codec
         svc.shutdown()
 
 
+def test_closing_the_stream_of_a_running_request_cancels_it(model, prompts, tiny_ckpt, codec, s2_log):
+    """close_codec for the stream of a request still decoding (s2pro dropped it: its client went away): the request
+    ends `cancelled`, no chunk is decoded into the closed stream (no "audio decode failed"), nothing stays open, and
+    a neighbour goes on."""
+    decoder = StreamDecoder(codec, pool_size=4)
+    svc = _service(model, tiny_ckpt, decoder)
+    r, other = _Responder(), _Responder()
+    try:
+        svc.submit("dropped", r, prompts.build("Drop my stream."), SamplingParams(seed=3, max_new_tokens=300,
+                   ignore_end=True), 2, 2, CodecStream("gone", start=True, final=True))
+        svc.submit("other", other, prompts.build("Go on."), SamplingParams(seed=4, max_new_tokens=30, ignore_end=True),
+                   2, 2)
+        deadline = time.monotonic() + 60
+        while len(r.sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "gone" in decoder.states
+        svc.close_codec("gone")
+        _wait([r, other])
+        time.sleep(0.3)
+    finally:
+        svc.shutdown()
+    assert r.sent[-1][0] == "ok" and r.sent[-1][2] == "cancelled"
+    assert len(r.sent) < 150  # stopped long before its 300 frames
+    assert "audio decode failed" not in s2_log.text
+    assert other.sent[-1][2] == "length" and sum(a.size for *_, a in other.sent) == 30 * 2048
+    assert decoder.states == {}
+
+
 def test_a_codec_failure_ends_only_its_requests(model, prompts, tiny_ckpt, codec):
     """The codec raising on a call: the requests in that call end with an error naming the decode, the service
     stays healthy, and the next request gets its audio."""
