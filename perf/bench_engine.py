@@ -58,7 +58,7 @@ def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, promp
         eng.submit(f"r{i}", prompts[i % len(prompts)], SamplingParams(seed=i, max_new_tokens=frames, ignore_end=True))
     torch.cuda.synchronize()
     t_first = time.perf_counter()
-    while eng.counts()["waiting"] or any(r.source is not None for r in eng.live.values()):
+    while eng.counts()["waiting"] or eng.counts()["prefilling"]:
         eng.step()  # prefill of all requests (+ their first frame), max_prefill_tokens a step
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t_first

@@ -68,7 +68,7 @@ def _stall_points(clients) -> dict:
 
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
-        prefill_tokens, uniform=0.5, load_frames=None):
+        prefill_tokens, uniform=None, load_frames=None):
     from s2tts.codec_stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine_service import EngineService
@@ -87,7 +87,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     if args.chunk_lag >= 0:
         svc.chunk_lag = args.chunk_lag
     load_frames = args.load if load_frames is None else load_frames
-    svc.uniform_chunks_from, svc.load_chunk_frames = uniform, load_frames
+    svc.chunk_options = {k: v for k, v in (("uniform_from", uniform), ("load_frames", load_frames)) if v is not None}
     clients: list[_Client] = []
     lock = threading.Lock()
     n = [0]
@@ -128,7 +128,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
     out = {"batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
-           "prefill_tokens": prefill_tokens, "uniform_from": uniform, "load_frames": load_frames,
+           "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
            "streams": args.streams, "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
@@ -165,9 +165,10 @@ def main() -> int:
     ap.add_argument("--prefill-tokens", default="512", help="Engine max_prefill_tokens values to try (with the first "
                     "of the others)")
     ap.add_argument("--uniform-from", default="", help="comma-separated paces from which later chunks keep the "
-                    "first chunk's length (Chunker(uniform_from=), default 0.5; 1 = never), each tried with the first "
+                    "first chunk's length (Chunker(uniform_from=); 1 = never), each tried with the first "
                     "of the others")
-    ap.add_argument("--load", type=int, default=0, help="Chunker(load_frames=) of every run but --load-frames'")
+    ap.add_argument("--load", type=int, default=None, help="Chunker(load_frames=) of every run but --load-frames' "
+                    "(default: the Chunker's)")
     ap.add_argument("--load-frames", default="", help="comma-separated first-chunk lengths under load "
                     "(Chunker(load_frames=)), each tried with the first of the others")
     ap.add_argument("--buckets", default="", help="'|'-separated codec batch bucket lists to try (default: the pool's)")

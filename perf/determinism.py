@@ -85,7 +85,7 @@ def main() -> None:
         """Median decode-step time with n live requests (after their prefill)."""
         for i in range(n):
             eng.submit(f"t{i}", prompts[i % len(prompts)], SamplingParams(seed=i, max_new_tokens=10**6, ignore_end=True))
-        while eng.counts()["waiting"] or any(r.source is not None for r in eng.live.values()):
+        while eng.counts()["waiting"] or eng.counts()["prefilling"]:
             eng.step()  # every prompt prefilled (max_prefill_tokens a step)
         times = []
         for _ in range(30):

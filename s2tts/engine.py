@@ -468,9 +468,9 @@ class Engine:
 
     def _chunks(self, prefilling: list[Request]) -> list[tuple[Request, int, int]]:
         """This step's prompt rows: (request, start, end) of the requests being prefilled, oldest first, at most
-        `max_prefill_tokens` in all (at least one row). With `batch_invariant`, a chunk is cut where the request
-        alone decides (its voice prefix, then every `max_prefill_tokens` tokens), never by its neighbours' use of
-        the budget."""
+        `max_prefill_tokens` in all (at least one row). With passes apart (`batch_invariant` without the attention
+        kernel), a chunk is cut where the request alone decides (its voice prefix, then every `max_prefill_tokens`
+        tokens), never by its neighbours' use of the budget."""
         budget, chunks = self.max_prefill_tokens, []
         for r in prefilling:
             n = len(r.source)
@@ -532,8 +532,7 @@ class Engine:
         keys = max([r.length + 1 for r in decoding] + [e for _, _, e in chunks])
         splits = self._splits_for(keys)
         size = self._bucket(self.row_sizes, rows) if self.pad_rows else rows
-        io = torch.zeros(self._F_ROWS + C, size, dtype=torch.int64)
-        io[self._SLOT], io[self._FROM_LAST], io[self._DST] = self.scratch, 1, self.h_sel.shape[0] - 1
+        io = self._pass_io(size, "cpu")
         if B:
             io[self._SLOT, :B] = torch.tensor([r.slot for r in decoding])
             io[self._POS, :B] = torch.tensor([r.length for r in decoding])
@@ -561,6 +560,13 @@ class Engine:
             self._use_splits(splits)
             self._slow_core(io.to(self.device), None if self.flat else runs)
         return k - first
+
+    def _pass_io(self, size: int, device) -> torch.Tensor:
+        """A pass's rows, all padding: the scratch slot at position 0, fed its last frame, its hidden put into
+        h_sel's scratch row."""
+        io = torch.zeros(self._F_ROWS + self.s2.num_codebooks, size, dtype=torch.int64, device=device)
+        io[self._SLOT], io[self._FROM_LAST], io[self._DST] = self.scratch, 1, self.h_sel.shape[0] - 1
+        return io
 
     def _slow_core(self, io: torch.Tensor, runs=None) -> None:
         """Device part of a pass (what the graphs capture): embed each row's token (a decode row's from its slot's
@@ -632,9 +638,9 @@ class Engine:
 
     def _decode_core(self, slots, pos, step):
         """One decode step of the rows slots [B] at positions pos [B, 1] on the device (perf tools time this)."""
-        B, C = slots.shape[0], self.s2.num_codebooks
-        io = torch.zeros(self._F_ROWS + C, B, dtype=torch.int64, device=slots.device)
-        io[self._SLOT], io[self._POS], io[self._FROM_LAST] = slots, pos[:, 0], 1
+        B = slots.shape[0]
+        io = self._pass_io(B, slots.device)
+        io[self._SLOT], io[self._POS] = slots, pos[:, 0]
         io[self._SRC] = io[self._DST] = torch.arange(B, device=slots.device)
         self._slow_core(io)
         sio = torch.stack([slots, step, torch.ones_like(step)])
@@ -676,8 +682,7 @@ class Engine:
             return graph, out
 
         for size in sorted(self.row_sizes, reverse=True):
-            io = torch.zeros(self._F_ROWS + C, size, dtype=torch.int64, device=dev)
-            io[self._SLOT], io[self._FROM_LAST], io[self._DST] = self.scratch, 1, self.h_sel.shape[0] - 1
+            io = self._pass_io(size, dev)
             for splits in variants:  # one graph per way of splitting the keys (they share io)
                 self._use_splits(splits)
                 self.graphs[(size, splits)] = (capture(lambda: self._slow_core(io))[0], io)
@@ -732,6 +737,7 @@ class Engine:
     def counts(self) -> dict:
         with self._lock:
             return {"waiting": len(self._waiting), "live": len(self.live), "free_slots": len(self._free),
+                    "prefilling": sum(r.source is not None for r in self.live.values()),
                     "kv_tokens": sum(r.length for r in self.live.values()),
                     "kv_blocks_used": self.blocks.used, "kv_blocks_total": self.blocks.capacity,
                     "preemptions": self.preemptions}

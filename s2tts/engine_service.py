@@ -149,8 +149,7 @@ class EngineService:
         # later chunks may wait codec_batch_steps - 1 steps more than a first one, and a step's own codec call
         # delays its chunks by about one more: the chunker keeps that many frames of room (service.Chunker)
         self.chunk_lag = self.codec_batch_steps if codec is not None else 0
-        self.uniform_chunks_from = 0.5  # Chunker(uniform_from=); perf/bench_loop.py --uniform-from tries others
-        self.load_chunk_frames = 0  # Chunker(load_frames=); perf/bench_loop.py --load-frames tries others
+        self.chunk_options: dict = {}  # Chunker keyword overrides (perf/bench_loop.py tries some; defaults: Chunker's)
         self._held: list[list] = []  # routed items waiting for the next codec call (in order)
         self.loop = LoopStats()
         self.frame_seconds = frame_seconds
@@ -190,8 +189,7 @@ class EngineService:
             pace = self.pace if self.frame_seconds else None
             rec = self.table.open(client_id, responder,
                                   state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace, lag=self.chunk_lag,
-                                                            uniform_from=self.uniform_chunks_from,
-                                                            load_frames=self.load_chunk_frames),
+                                                            **self.chunk_options),
                                                     prompt_tokens=len(prompt)))
             if self.codec is not None:
                 rec.state.codec = codec_stream or CodecStream(f"{self.name}/{rec.iid}")
