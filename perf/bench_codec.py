@@ -44,12 +44,19 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--json")
     ap.add_argument("--served-only", action="store_true")
+    ap.add_argument("--modes", default="fp32,tf32,fp16,fp16_kernels,bf16",
+                    help="precisions to compare (fp32 first: the reference); `_kernels`: the codec's Triton kernels")
     ap.add_argument("--device", default="cuda", help="--served-only: cpu is a smoke test of this script")
+    ap.add_argument("--paths", default="own_state,pool_eager,pool_graphs,pool_graphs_kernels,served",
+                    help="--served-only: which of dac_decoder's paths to time (`_kernels`: the codec's Triton kernels; "
+                         "`served`: what the servers open, with cuDNN autotuning too)")
+    ap.add_argument("--profile", help="--served-only: directory for kernel tables of one fp16 chunk at the largest "
+                                      "batch, Snake as PyTorch ops and as the Triton kernel")
     args = ap.parse_args()
     if args.served_only:
         return bench_served(args)
     from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec import StreamState
+    from s2tts.codec import use_triton_kernels
     from s2tts.codec_stream import StreamDecoder
 
     torch.backends.cudnn.benchmark = True
@@ -57,10 +64,11 @@ def main():
     gen = torch.Generator().manual_seed(0)
     batches = [int(x) for x in args.batches.split(",")]
     all_codes, wav = {}, torch.randn(1, 1, 44100 * 10, generator=gen) * 0.1  # the same inputs for every mode
-    for mode in ("fp32", "tf32", "fp16", "bf16"):
+    for mode in args.modes.split(","):
         torch.backends.cudnn.allow_tf32 = mode == "tf32"
         torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
-        codec = load_codec_from_dir(args.checkpoint, "cuda", mode if mode in ("fp16", "bf16") else "fp32")
+        codec = load_codec_from_dir(args.checkpoint, "cuda", mode.split("_")[0] if mode != "tf32" else "fp32")
+        use_triton_kernels(codec, mode.endswith("_kernels"))
         cfg = codec.config
         for b in batches:
             if b not in all_codes:
@@ -75,7 +83,7 @@ def main():
             audio_s = b * args.chunk * 2048 / 44100
             rows.append({"mode": mode, "batch": b, "chunk_frames": args.chunk, "ms": round(ms, 2),
                          "audio_s_per_s": round(audio_s / (ms / 1000), 1), "_out": out.cpu()})
-            if mode == "fp16":
+            if mode.startswith("fp16"):
                 chunk = codes[..., 24:24 + args.chunk]
                 with torch.inference_mode():
                     served = {check: timed(lambda: StreamDecoder._decode(codec, chunk, [st], check=check))
@@ -106,7 +114,8 @@ def bench_served(args):
     import numpy as np
 
     from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec_stream import StreamDecoder
+    from s2tts.codec import use_triton_kernels
+    from s2tts.codec_stream import StreamDecoder, open_stream_decoder
 
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     dev = args.device
@@ -117,11 +126,23 @@ def bench_served(args):
     gen = np.random.default_rng(0)
     n = args.chunk
     rows = []
-    for label, pool, graphs in (("own_state", 0, False), ("pool_eager", 256, False), ("pool_graphs", 256, True)):
-        dec = StreamDecoder(codec, fallback=fallback, pool_size=pool, graphs=graphs)
+    paths = {"own_state": (0, False, False), "pool_eager": (256, False, False), "pool_graphs": (256, True, False),
+             "pool_graphs_kernels": (256, True, True), "served": None}
+    max_batch = max(int(b) for b in args.batches.split(","))
+    if args.profile:
+        profile_decode(codec, cfg, max_batch, n, Path(args.profile))
+    for label in args.paths.split(","):  # "served" last: it turns cuDNN's autotuning on for the process
+        t0 = time.perf_counter()
+        if paths[label] is None:  # what dac_decoder / slow_ar open: Triton kernels, cuDNN autotuned, pool, graphs
+            dec, _, made = open_stream_decoder(args.checkpoint, dev, "auto", 256, 600.0, [4, 8, n], max_batch)
+            pool = 256
+        else:
+            pool, graphs, fused = paths[label]
+            for c in (codec, fallback):
+                use_triton_kernels(c, fused)
+            dec = StreamDecoder(codec, fallback=fallback, pool_size=pool, graphs=graphs)
+            made = dec.pool.warm([4, 8, n], max_batch=max_batch) if pool else 0
         if pool:
-            t0 = time.perf_counter()
-            made = dec.pool.warm([4, 8, n], max_batch=max(int(b) for b in args.batches.split(",")))
             rows.append({"path": label, "warm_s": round(time.perf_counter() - t0, 2), "graphs": made,
                          "pool_mib": round(dec.pool.bytes / 2**20)})
         for b in (int(x) for x in args.batches.split(",")):
@@ -153,6 +174,42 @@ def bench_served(args):
         print(json.dumps(r), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
+    """CUDA kernel time by kernel name for one streaming chunk (eager), PyTorch ops then the codec's Triton kernels
+    (cuDNN autotuned in both)."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    from s2tts.codec import use_triton_kernels
+
+    out.mkdir(parents=True, exist_ok=True)
+    codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (batch, 1, n)),
+                       torch.randint(0, cfg.codebook_size, (batch, cfg.n_codebooks, n))], 1).cuda()
+    torch.backends.cudnn.benchmark = True
+    for fused in (False, True):
+        use_triton_kernels(codec, fused)
+        with torch.inference_mode():
+            st = codec.new_stream_state(batch)
+            for _ in range(3):
+                codec.decode_stream(codes, st)
+            torch.cuda.synchronize()
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                codec.decode_stream(codes, st)
+                torch.cuda.synchronize()
+            with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as by_op:
+                codec.decode_stream(codes, st)
+                torch.cuda.synchronize()
+        avg = prof.key_averages()
+        attr = next(a for a in ("self_device_time_total", "self_cuda_time_total") if hasattr(avg[0], a))
+        total = sum(getattr(e, attr) for e in avg) / 1e3
+        table = avg.table(sort_by=attr, row_limit=30)
+        ops = by_op.key_averages().table(sort_by="cuda_time_total", row_limit=40)  # aten ops with their kernels' time
+        name = f"codec_b{batch}_n{n}_{'kernels' if fused else 'torch'}.txt"
+        (out / name).write_text(table + "\n\nBy operator (CUDA total includes the kernels it launched):\n" + ops)
+        print(f"{name}: {sum(e.count for e in avg)} kernels, {total:.1f} ms of kernel time", flush=True)
+    use_triton_kernels(codec, False)
+    torch.backends.cudnn.benchmark = False
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ def kernel_profile(eng, batch, path):
         with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
             eng._decode_core(slots, pos, step)
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(table)
     n = sum(e.count for e in prof.key_averages())
     return n, table

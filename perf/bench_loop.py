@@ -175,10 +175,13 @@ def main() -> int:
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--kv-cache-tokens", type=int, default=16384)
     ap.add_argument("--chunk-lag", type=int, default=-1, help="the chunker's lag in frames (default: the service's)")
+    ap.add_argument("--torch-codec", action="store_true", help="the codec as PyTorch ops with cuDNN's heuristics "
+                                                                "(before its Triton kernels and autotuning)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
     from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir, load_model
+    from s2tts.codec_stream import tune_for_device
     from s2tts.config import S2Config
     from s2tts.prompt import PromptBuilder
 
@@ -191,6 +194,8 @@ def main() -> int:
     model = load_model(ck, args.device, "bf16" if cuda else "fp32")
     codec = load_codec_from_dir(ck, args.device, "fp16" if cuda else "fp32")
     fallback = load_codec_from_dir(ck, args.device, "fp32") if cuda else None
+    if not args.torch_codec:
+        tune_for_device(args.device, codec, fallback)  # as the servers run it
     s2 = S2Config.from_dir(ck)
     pb = PromptBuilder.from_dir(ck, s2)
     prompts = [pb.build(f"Stream number {i} says a sentence of ordinary length for the benchmark.") for i in range(16)]

@@ -35,6 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import kernels
+
 log = logging.getLogger("s2tts")
 
 RESIDUAL_DILATIONS = (1, 3, 9)
@@ -172,15 +174,23 @@ class StreamState:
 class _Step:
     """One call's view of a StreamState: reads the old contexts, collects the new ones."""
 
-    def __init__(self, state: StreamState):
-        self.old = state.tensors
+    def __init__(self, old: dict[str, Tensor]):
+        self.old = old
         self.new: dict[str, Tensor] = {}
 
-    def left_context(self, key: str, x: Tensor, keep: int) -> Tensor:
-        # x [B, C, T] -> [B, C, ctx + T]; remembers the last `keep` steps for the next call
-        full = torch.cat([self.old[key], x], dim=-1)
-        self.new[key] = full[..., full.shape[-1] - keep :].clone()
+    def left_context(self, key: str, x: Tensor, keep: int, act=None, act_bias=None) -> Tensor:
+        # x [B, C, T] -> [B, C, ctx + T] (act(x + act_bias) when an activation is given; the context is stored
+        # activated); remembers the last `keep` steps for the next call
+        if act is not None:
+            full = act(x, prefix=self.old[key], bias=act_bias)
+        else:
+            full = torch.cat([self.old[key], x], dim=-1)
+        self.new[key] = self.remember(full[..., full.shape[-1] - keep :])
         return full
+
+    @staticmethod
+    def remember(tail: Tensor) -> Tensor:
+        return tail.clone()  # a copy: the new state must not keep the chunk's whole activation alive
 
 
 # --------------------------------------------------------------------------- layers
@@ -192,9 +202,17 @@ class Snake(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+        self.fused = False  # one Triton kernel (see use_triton_kernels)
 
-    def forward(self, x: Tensor) -> Tensor:  # [B, C, T]
-        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+    def forward(self, x: Tensor, prefix: Optional[Tensor] = None, bias: Optional[Tensor] = None) -> Tensor:
+        """x [B, C, T] (+ `bias` [C], the bias of the convolution before, which then runs without it). With `prefix`
+        [B, C, ctx]: that, then snake(x), along time (a convolution's left context joined)."""
+        if self.fused:
+            return kernels.snake(x, self.alpha, prefix, bias)
+        if bias is not None:
+            x = x + bias[:, None]
+        y = x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+        return y if prefix is None else torch.cat([prefix, y], dim=-1)
 
 
 class CausalConv1d(nn.Module):
@@ -208,6 +226,7 @@ class CausalConv1d(nn.Module):
         self.context = (kernel - 1) * dilation + 1 - stride
         self.weight_norm = weight_norm
         self.state_key = ""
+        self.to_one = False  # a Triton kernel for one output channel (see use_triton_kernels)
 
     def init_state(self, batch, device, dtype) -> dict[str, Tensor]:
         if self.context == 0:
@@ -215,14 +234,22 @@ class CausalConv1d(nn.Module):
         assert self.stride == 1, "only stride-1 convolutions can stream"
         return {self.state_key: torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)}
 
-    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:
-        # x [B, C_in, T] -> [B, C_out, ceil(T / stride)]
+    def forward(self, x: Tensor, step: Optional[_Step] = None, act: Optional["Snake"] = None,
+                act_bias: Optional[Tensor] = None, bias: bool = True) -> Tensor:
+        # x [B, C_in, T] -> [B, C_out, ceil(T / stride)]. `act`: the activation applied to x first (of x + `act_bias`,
+        # the bias of the convolution before, left to this one); `bias=False`: the caller adds this one's bias
         if step is None:
+            x = act(x, bias=act_bias) if act is not None else x
             right = -x.shape[-1] % self.stride
             x = F.pad(x, (self.context, right))
         elif self.context:
-            x = step.left_context(self.state_key, x, self.context)
-        return self.conv(x)
+            x = step.left_context(self.state_key, x, self.context, act, act_bias)
+        elif act is not None:
+            x = act(x, bias=act_bias)
+        if self.to_one:
+            return kernels.conv_to_one(x, self.conv.weight, self.conv.bias, self.conv.dilation[0]).to(x.dtype)
+        c = self.conv
+        return F.conv1d(x, c.weight, c.bias if bias else None, c.stride, 0, c.dilation, c.groups)
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -241,14 +268,17 @@ class CausalConvTranspose1d(nn.Module):
             return {}
         return {self.state_key: torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)}
 
-    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:
-        # x [B, C_in, T] -> [B, C_out, T * stride]
+    def forward(self, x: Tensor, step: Optional[_Step] = None, act: Optional["Snake"] = None,
+                act_bias: Optional[Tensor] = None, bias: bool = True) -> Tensor:
+        # x [B, C_in, T] -> [B, C_out, T * stride]; `act`, `act_bias`, `bias` as in CausalConv1d.forward
         n_out = x.shape[-1] * self.stride
+        c = self.conv
         if step is None or self.context == 0:
-            return self.conv(x)[..., :n_out]
-        x = step.left_context(self.state_key, x, self.context)
+            x = act(x, bias=act_bias) if act is not None else x
+            return F.conv_transpose1d(x, c.weight, c.bias if bias else None, c.stride)[..., :n_out]
+        x = step.left_context(self.state_key, x, self.context, act, act_bias)
         skip = self.context * self.stride
-        return self.conv(x)[..., skip : skip + n_out]
+        return F.conv_transpose1d(x, c.weight, c.bias if bias else None, c.stride)[..., skip : skip + n_out]
 
 
 class ResidualUnit(nn.Module):
@@ -263,9 +293,15 @@ class ResidualUnit(nn.Module):
             ]
         )
 
-    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, C, T]
+    def forward(self, x: Tensor, step: Optional[_Step] = None, in_bias: Optional[Tensor] = None) -> Tensor:
+        # [B, C, T]; `in_bias` [C]: the bias of the convolution that made x, left out of it (fused kernels only)
         snake1, conv1, snake2, conv2 = self.block
-        return x + conv2(snake2(conv1(snake1(x), step)), step)
+        if not snake1.fused:
+            return x + conv2(conv1(x, step, act=snake1), step, act=snake2)
+        # the kernels take each convolution's bias along: conv1's into snake2, conv2's (and in_bias) into the sum
+        h = conv1(x, step, act=snake1, act_bias=in_bias, bias=False)
+        y = conv2(h, step, act=snake2, act_bias=conv1.conv.bias, bias=False)
+        return kernels.add_bias(x, y, conv2.conv.bias if in_bias is None else conv2.conv.bias + in_bias)
 
 
 class ConvNeXtBlock(nn.Module):
@@ -490,10 +526,17 @@ class DecoderBlock(nn.Module):
             + [ResidualUnit(c_out, d) for d in RESIDUAL_DILATIONS]
         )
 
-    def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, c_in, T] -> [B, c_out, T*stride]
+    def forward(self, x: Tensor, step: Optional[_Step] = None, in_bias: Optional[Tensor] = None) -> Tensor:
+        # [B, c_in, T] -> [B, c_out, T*stride]; `in_bias` as in ResidualUnit.forward
         snake, up, *units = self.block
-        x = up(snake(x), step)
-        for unit in units:
+        if not snake.fused:
+            x = up(x, step, act=snake)
+            for unit in units:
+                x = unit(x, step)
+            return x
+        x = up(x, step, act=snake, act_bias=in_bias, bias=False)
+        x = units[0](x, step, in_bias=up.conv.bias)
+        for unit in units[1:]:
             x = unit(x, step)
         return x
 
@@ -510,10 +553,14 @@ class Decoder(nn.Module):
 
     def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, latent, T] -> [B, 1, T*hop]
         conv_in, *blocks, snake, conv_out = self.model
-        x = conv_in(x, step)
+        if snake.fused:  # conv_in's bias goes into the first block's activation
+            x = blocks[0](conv_in(x, step, bias=False), step, in_bias=conv_in.conv.bias)
+            blocks = blocks[1:]
+        else:
+            x = conv_in(x, step)
         for block in blocks:
             x = block(x, step)
-        return torch.tanh(conv_out(snake(x), step))
+        return torch.tanh(conv_out(x, step, act=snake))
 
 
 # --------------------------------------------------------------------------- quantizer
@@ -671,7 +718,7 @@ class DAC(nn.Module):
         if codes.shape[-1] == 0:
             p = self.decoder.model[0].conv.weight
             return torch.zeros(codes.shape[0], 1, 0, device=p.device, dtype=torch.float32), state
-        step = _Step(state)
+        step = _Step(state.tensors)
         audio = self.decoder(self.quantizer.decode(codes, step), step)
         assert step.new.keys() == state.tensors.keys(), "stream state keys changed"
         return audio.float(), StreamState(step.new)
@@ -690,6 +737,19 @@ class DAC(nn.Module):
 
 
 # --------------------------------------------------------------------------- state dicts
+
+
+def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
+    """Run every Snake activation as one Triton kernel that also writes a causal convolution's left context next to
+    its output (five elementwise passes and a concatenation become one), and the last convolution (to one channel,
+    which cuDNN runs without tensor cores) as another; on a GPU, or under the Triton interpreter in tests."""
+    if on and not kernels.available():
+        raise RuntimeError("the codec's Triton kernels need the `triton` package: install it, or run without them")
+    for m in codec.modules():
+        if isinstance(m, Snake):
+            m.fused = on
+        if isinstance(m, CausalConv1d):
+            m.to_one = on and m.conv.out_channels == 1 and m.stride == 1 and m.conv.groups == 1
 
 
 def _weight_norm_keys(model: DAC) -> dict[str, str]:

@@ -44,6 +44,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .codec import _Step
+
 log = logging.getLogger("s2tts")
 
 OPSET = 18
@@ -167,17 +169,12 @@ def state_tensor_name(key: str, new: bool = False) -> str:
     return ("new_state_" if new else "state_") + re.sub(r"[^A-Za-z0-9_]", "_", key)
 
 
-class _GraphStep:
-    """The codec's stream-step protocol (`old`, `new`, `left_context`) over graph tensors."""
+class _GraphStep(_Step):
+    """The codec's stream step over graph tensors (the new state is a graph output: no copy)."""
 
-    def __init__(self, old: dict[str, torch.Tensor]):
-        self.old = old
-        self.new: dict[str, torch.Tensor] = {}
-
-    def left_context(self, key: str, x: torch.Tensor, keep: int) -> torch.Tensor:
-        full = torch.cat([self.old[key], x], dim=-1)
-        self.new[key] = full[..., full.shape[-1] - keep :]
-        return full
+    @staticmethod
+    def remember(tail: torch.Tensor) -> torch.Tensor:
+        return tail
 
 
 def _rope_table(head_dim: int, base: float, positions: int) -> torch.Tensor:

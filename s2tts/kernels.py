@@ -188,6 +188,57 @@ if triton is not None:
         tl.store(O + row * stride_o + cols, (s * u).to(O.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _snake_kernel(X, P, A, Bias, O, C, T, CTX, stride_xb, stride_xc, stride_pr, stride_or, HAS_BIAS: tl.constexpr,
+                      BLOCK: tl.constexpr):
+        """Program (row b*C + c, tile of the output's CTX + T columns): columns before CTX copy the row's prefix,
+        the rest are snake(x + bias[c]) with snake(v) = v + sin(a v)^2 / (a + 1e-9) of channel c's alpha, in
+        float32. x needs unit stride along time only."""
+        row = tl.program_id(0).to(tl.int64)
+        c = row % C
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        a = tl.load(A + c).to(tl.float32)
+        in_x = (cols >= CTX) & (cols < CTX + T)
+        x = tl.load(X + (row // C) * stride_xb + c * stride_xc + cols - CTX, mask=in_x, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x += tl.load(Bias + c).to(tl.float32)
+        s = tl.sin(a * x)
+        y = x + s * s * (1.0 / (a + 1e-9))
+        pre = tl.load(P + row * stride_pr + cols, mask=cols < CTX, other=0.0).to(tl.float32)
+        tl.store(O + row * stride_or + cols, tl.where(cols < CTX, pre, y).to(O.dtype.element_ty), mask=cols < CTX + T)
+
+    @triton.jit
+    def _add_bias_kernel(X, Y, Bias, O, C, T, stride_xb, stride_xc, stride_yb, stride_yc, BLOCK: tl.constexpr):
+        """Program (row b*C + c, tile of T): out = x + y + bias[c] (x and y with unit stride along time)."""
+        row = tl.program_id(0).to(tl.int64)
+        b, c = row // C, row % C
+        t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = t < T
+        x = tl.load(X + b * stride_xb + c * stride_xc + t, mask=m, other=0.0).to(tl.float32)
+        y = tl.load(Y + b * stride_yb + c * stride_yc + t, mask=m, other=0.0).to(tl.float32)
+        out = x + y + tl.load(Bias + c).to(tl.float32)
+        tl.store(O + row * T + t, out.to(O.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _conv_to_one_kernel(X, W, Bias, O, C, T_out, stride_xb, stride_xc, stride_ob, K: tl.constexpr,
+                            DIL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+        """Program (row b, tile of outputs): out[t] = bias + sum over channels c and taps k of w[c, k] x[c, t + k DIL],
+        in float32 (a convolution to one channel, which cuDNN runs without tensor cores)."""
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tmask = t < T_out
+        acc = tl.zeros([BLOCK_T], tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            cmask = c < C
+            for k in tl.static_range(K):
+                w = tl.load(W + c * K + k, mask=cmask, other=0.0).to(tl.float32)
+                x = tl.load(X + b * stride_xb + c[:, None] * stride_xc + (t + k * DIL)[None, :],
+                            mask=cmask[:, None] & tmask[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(x * w[:, None], axis=0)
+        acc += tl.load(Bias).to(tl.float32)
+        tl.store(O + b * stride_ob + t, acc, mask=tmask)
+
+    @triton.jit
     def _qk_rope_cache_kernel(QKV, QW, KW, ROPE, Pos, Slots, Table, QO, KC, VC, stride_qkv, stride_qo_b, stride_qo_h,
                               stride_cb, stride_ch, stride_cl, stride_t, eps,
                               H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
@@ -260,6 +311,59 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     BLOCK = 1024
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I, BLOCK=BLOCK, num_warps=4)
     return out.reshape(*shape[:-1], I)
+
+
+def _time_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, C, T] as the row kernels read it: unit stride along time (a copy only if it has not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _tile(n: int) -> tuple[int, int]:
+    block = min(1024, max(16, triton.next_power_of_2(n)))
+    return block, 4 if block >= 512 else 1
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor, prefix: torch.Tensor | None = None,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The codec's Snake activation of x [B, C, T] (plus `bias` [C] per channel, the bias of the convolution before
+    it, when given; alpha [1, C, 1]) in one pass; with `prefix` [B, C, ctx] (a causal convolution's left context,
+    already activated) the result is [B, C, ctx + T]: the prefix, then snake(x), written together so the
+    convolution needs no concatenation."""
+    B, C, T = x.shape
+    x = _time_rows(x)
+    ctx = 0 if prefix is None else prefix.shape[-1]
+    out = torch.empty(B, C, ctx + T, dtype=x.dtype, device=x.device)
+    p = x if prefix is None else prefix.contiguous()
+    block, warps = _tile(ctx + T)
+    _snake_kernel[(B * C, triton.cdiv(ctx + T, block))](x, p, alpha, alpha if bias is None else bias, out, C, T, ctx,
+                                                        x.stride(0), x.stride(1), ctx, ctx + T,
+                                                        HAS_BIAS=bias is not None, BLOCK=block, num_warps=warps)
+    return out
+
+
+def add_bias(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x + y + bias[c] for x, y [B, C, T] in one pass (a residual joined with a convolution run without its bias)."""
+    B, C, T = x.shape
+    x, y = _time_rows(x), _time_rows(y)
+    out = torch.empty(B, C, T, dtype=y.dtype, device=y.device)
+    block, warps = _tile(T)
+    _add_bias_kernel[(B * C, triton.cdiv(T, block))](x, y, bias, out, C, T, x.stride(0), x.stride(1), y.stride(0),
+                                                     y.stride(1), BLOCK=block, num_warps=warps)
+    return out
+
+
+def conv_to_one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dilation: int = 1) -> torch.Tensor:
+    """conv1d of x [B, C, T] (already padded) with weight [1, C, K] and bias [1], no padding -> float32 [B, 1, T_out]."""
+    B, C, T = x.shape
+    K = weight.shape[-1]
+    T_out = T - (K - 1) * dilation
+    x = x.contiguous()
+    out = torch.empty(B, 1, T_out, dtype=torch.float32, device=x.device)
+    block_t = min(512, max(16, triton.next_power_of_2(T_out)))
+    _conv_to_one_kernel[(B, triton.cdiv(T_out, block_t))](x, weight.contiguous(), bias, out, C, T_out, x.stride(0),
+                                                          x.stride(1), out.stride(0), K=K, DIL=dilation, BLOCK_C=16,
+                                                          BLOCK_T=block_t, num_warps=4)
+    return out
 
 
 def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv: int, head_dim: int, eps: float,

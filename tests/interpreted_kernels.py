@@ -152,7 +152,53 @@ def check_invariant(ckpt):
     print("invariant ok")
 
 
+def check_codec(ckpt):
+    """The codec's kernels (Snake with a joined left context and a folded bias, the biased residual sum, the
+    convolution to one channel) against PyTorch, and the codec streaming with them against without."""
+    import torch.nn.functional as F
+
+    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec import use_triton_kernels
+
+    torch.manual_seed(0)
+    wide = torch.randn(2, 5, 40)
+    x = wide[..., 3:37]  # unit stride along time only, as a transposed convolution's trimmed output is
+    a, bias, prefix = torch.rand(1, 5, 1) + 0.2, torch.randn(5), torch.randn(2, 5, 6)
+    xb = x + bias[:, None]
+    ref = xb + (a + 1e-9).reciprocal() * torch.sin(a * xb).pow(2)
+    assert rel(kernels.snake(x, a, prefix, bias), torch.cat([prefix, ref], -1)) < 1e-6
+    assert rel(kernels.snake(x.contiguous(), a), x + (a + 1e-9).reciprocal() * torch.sin(a * x).pow(2)) < 1e-6
+    y = torch.randn(2, 5, 34)
+    assert rel(kernels.add_bias(x, y, bias), x + y + bias[:, None]) < 1e-6
+    for dil in (1, 3):
+        w, b = torch.randn(1, 5, 7), torch.randn(1)
+        assert rel(kernels.conv_to_one(wide, w, b, dil), F.conv1d(wide, w, b, dilation=dil)) < 1e-6
+
+    codec = load_codec_from_dir(ckpt, "cpu", "fp32")
+    for name, p in codec.named_parameters():
+        if name.endswith("alpha"):
+            p.data.uniform_(0.3, 2.0)  # the tiny checkpoint's are ones
+    cfg = codec.config
+    codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (2, 1, 6)),
+                       torch.randint(0, cfg.codebook_size, (2, cfg.n_codebooks, 6))], 1)
+    wav = torch.randn(2, 1, cfg.frame_length * 3) * 0.3
+    got = {}
+    with torch.inference_mode():
+        for on in (False, True):
+            use_triton_kernels(codec, on)
+            st, parts = codec.new_stream_state(2), []
+            for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):
+                audio, st = codec.decode_stream(codes[..., sl], st)
+                parts.append(audio)
+            got[on] = (torch.cat(parts, -1), codec.decode(codes), codec.encode(wav))
+    assert rel(got[True][0], got[False][0]) < 1e-5 and rel(got[True][1], got[False][1]) < 1e-5
+    assert rel(got[True][0], got[True][1]) < 1e-5  # chunks join without seams
+    assert torch.equal(got[True][2], got[False][2])
+    print("codec ok")
+
+
 if __name__ == "__main__":
     check_ops()
+    check_codec(sys.argv[1])
     check_engine(sys.argv[1])
     check_invariant(sys.argv[1])
