@@ -174,9 +174,10 @@ class StreamState:
 class _Step:
     """One call's view of a StreamState: reads the old contexts, collects the new ones."""
 
-    def __init__(self, old: dict[str, Tensor]):
+    def __init__(self, old: dict[str, Tensor], dest: Optional[dict[str, Tensor]] = None):
         self.old = old
         self.new: dict[str, Tensor] = {}
+        self.dest = dest  # where the new state goes (tensors of its shapes), or None: fresh copies
 
     def left_context(self, key: str, x: Tensor, keep: int, act=None, act_bias=None) -> Tensor:
         # x [B, C, T] -> [B, C, ctx + T] (act(x + act_bias) when an activation is given; the context is stored
@@ -185,12 +186,16 @@ class _Step:
             full = act(x, prefix=self.old[key], bias=act_bias)
         else:
             full = torch.cat([self.old[key], x], dim=-1)
-        self.new[key] = self.remember(full[..., full.shape[-1] - keep :])
+        self.remember(key, full[..., full.shape[-1] - keep :])
         return full
 
-    @staticmethod
-    def remember(tail: Tensor) -> Tensor:
-        return tail.clone()  # a copy: the new state must not keep the chunk's whole activation alive
+    def remember(self, key: str, value: Tensor) -> None:
+        """The new state's `key`: a copy (it must not keep the chunk's whole activation alive), into `dest` if
+        given."""
+        if self.dest is None:
+            self.new[key] = value.clone()
+        else:
+            self.new[key] = self.dest[key].copy_(value)
 
 
 # --------------------------------------------------------------------------- layers
@@ -329,8 +334,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.fused = False  # the Triton kernel (see use_triton_kernels)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fused:
+            return kernels.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
@@ -369,12 +377,14 @@ class Attention(nn.Module):
         self.n_head, self.head_dim = n_head, head_dim
         self.wqkv = nn.Linear(dim, 3 * n_head * head_dim, bias=False)
         self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
+        self.fused = False  # the Triton RoPE kernel (see use_triton_kernels)
 
     def forward(self, x, rope, mask, k_cache, v_cache):
         # x [B, T, dim]; rope [B, T, D/2, 2]; mask [B, 1, T, W-1+T]; caches [B, H, W-1, D]
         B, T, _ = x.shape
         q, k, v = self.wqkv(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        rotate = kernels.rope_pairs if self.fused else apply_rope
+        q, k = rotate(q, rope), rotate(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         k = torch.cat([k_cache, k], dim=2)  # [B, H, W-1+T, D]
         v = torch.cat([v_cache, v], dim=2)
@@ -390,8 +400,20 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w13: Optional[Tensor] = None  # w1 | w3 as one weight, with the Triton SwiGLU (see use_triton_kernels)
+
+    def fuse(self, on: bool) -> None:
+        """Keep w1 and w3 in one [2 hidden, dim] tensor (the parameters become views of it) for one product."""
+        if on and self.w13 is None:
+            hidden = self.w1.out_features
+            self.w13 = torch.cat([self.w1.weight.data, self.w3.weight.data])
+            self.w1.weight.data, self.w3.weight.data = self.w13[:hidden], self.w13[hidden:]
+        elif not on:
+            self.w13 = None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.w13 is not None:
+            return self.w2(kernels.silu_mul(F.linear(x, self.w13)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -407,6 +429,9 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x, rope, mask, k_cache, v_cache):  # x [B, T, dim]
         a, k_cache, v_cache = self.attention(self.attention_norm(x), rope, mask, k_cache, v_cache)
+        if self.attention.fused:  # each scaled residual sum as one kernel
+            h = torch.addcmul(x, a, self.attention_layer_scale.gamma)
+            return torch.addcmul(h, self.feed_forward(self.ffn_norm(h)), self.ffn_layer_scale.gamma), k_cache, v_cache
         h = x + self.attention_layer_scale(a)
         out = h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
         return out, k_cache, v_cache
@@ -450,9 +475,10 @@ class WindowTransformer(nn.Module):
             pos = pos + chunk.shape[1]
             outs.append(y)
         if step is not None:
-            step.new[f"{key}.pos"] = pos
-            for i in range(len(self.layers)):  # clone: do not keep the chunk's full K/V alive
-                step.new[f"{key}.k{i}"], step.new[f"{key}.v{i}"] = ks[i].clone(), vs[i].clone()
+            step.remember(f"{key}.pos", pos)
+            for i in range(len(self.layers)):
+                step.remember(f"{key}.k{i}", ks[i])
+                step.remember(f"{key}.v{i}", vs[i])
         return torch.cat(outs, dim=1).transpose(1, 2)
 
     def _chunk(self, x, pos, ks, vs):
@@ -710,15 +736,17 @@ class DAC(nn.Module):
         return StreamState(tensors)
 
     @torch.no_grad()
-    def decode_stream(self, codes: Tensor, state: StreamState) -> tuple[Tensor, StreamState]:
-        """codes [B, 10, f] -> (audio [B, 1, f*2048], next state). Chunks join exactly."""
+    def decode_stream(self, codes: Tensor, state: StreamState,
+                      dest: Optional[dict[str, Tensor]] = None) -> tuple[Tensor, StreamState]:
+        """codes [B, 10, f] -> (audio [B, 1, f*2048], next state). Chunks join exactly. `dest`: tensors (keyed as
+        the state) that the next state is written into, instead of new ones."""
         codes = self._check_codes(codes)
         if codes.shape[0] != state.batch_size:
             raise ValueError(f"codes have batch {codes.shape[0]} but the stream state has {state.batch_size}")
         if codes.shape[-1] == 0:
             p = self.decoder.model[0].conv.weight
             return torch.zeros(codes.shape[0], 1, 0, device=p.device, dtype=torch.float32), state
-        step = _Step(state.tensors)
+        step = _Step(state.tensors, dest)
         audio = self.decoder(self.quantizer.decode(codes, step), step)
         assert step.new.keys() == state.tensors.keys(), "stream state keys changed"
         return audio.float(), StreamState(step.new)
@@ -740,14 +768,20 @@ class DAC(nn.Module):
 
 
 def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
-    """Run every Snake activation as one Triton kernel that also writes a causal convolution's left context next to
-    its output (five elementwise passes and a concatenation become one), and the last convolution (to one channel,
-    which cuDNN runs without tensor cores) as another; on a GPU, or under the Triton interpreter in tests."""
+    """Run the streaming decoder's elementwise work as Triton kernels (on a GPU, or under the Triton interpreter in
+    tests): every Snake activation as one kernel that also writes a causal convolution's left context next to its
+    output and takes the previous convolution's bias along (five elementwise passes, a bias pass and a concatenation
+    become one); the last convolution (to one channel, which cuDNN runs without tensor cores); and in the
+    quantizer's transformers RMSNorm, RoPE, SwiGLU (w1 | w3 in one product) and the scaled residual sums. A call
+    runs over a thousand kernels of a few microseconds each whatever its size: their number is most of what a small
+    call costs."""
     if on and not kernels.available():
         raise RuntimeError("the codec's Triton kernels need the `triton` package: install it, or run without them")
     for m in codec.modules():
-        if isinstance(m, Snake):
+        if isinstance(m, (Snake, RMSNorm, Attention)):
             m.fused = on
+        if isinstance(m, FeedForward):
+            m.fuse(on)
         if isinstance(m, CausalConv1d):
             m.to_one = on and m.conv.out_channels == 1 and m.stride == 1 and m.conv.groups == 1
 

@@ -213,17 +213,17 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
 
 
 def tune_for_device(device, *codecs) -> None:
-    """How a serving process runs its streaming decoders on a GPU: the codec's Triton kernels (`use_triton_kernels`),
-    and cuDNN timing its algorithms once per convolution shape (at the warm-up's graphs, then any eager shape): its
-    heuristic picks a kernel without tensor cores for the first convolution (a quarter of a call's time). Nothing
-    changes on a CPU."""
+    """How a serving process runs its streaming decoders on a GPU: the codec's Triton kernels (`use_triton_kernels`).
+    Nothing changes on a CPU."""
     if torch.device(device).type != "cuda":
         return
-    torch.backends.cudnn.benchmark = True
     if kernels.available():
         for c in codecs:
             if c is not None:
                 use_triton_kernels(c)
+        # the transformers' w1 and w3 now live in one tensor each: hand their old storage back to the driver (in
+        # the caching allocator it stayed reserved: ~0.6 GB a process for the fp16 codec and its fp32 fallback)
+        torch.cuda.empty_cache()
 
 
 def _with_finite(audio: torch.Tensor, state: dict) -> torch.Tensor:
@@ -238,8 +238,9 @@ def _with_finite(audio: torch.Tensor, state: dict) -> torch.Tensor:
 
 class SlotPool:
     """The decoder states of up to `size` streams in one set of device tensors (row i = slot i, the extra last row
-    is scratch for the padded rows of a batch). A batch of B streams gathers its rows, decodes, and writes the new
-    states back in place: no per-stream tensors, no stack/split per call. On a GPU each (batch bucket, chunk length)
+    is scratch for the padded rows of a batch; a row holds all of a stream's state tensors of one dtype). A batch of
+    B streams gathers its rows, decodes with the new states written into fresh rows, and writes those back in
+    place: no per-stream tensors, no stack/split per call. On a GPU each (batch bucket, chunk length)
     runs as one CUDA graph (the shapes `warm` prepared; others run eagerly), which takes the CPU cost of launching the
     codec's hundreds of small kernels per call (~14 ms, measured: perf/RESULTS.md) off the serving path.
 
@@ -253,9 +254,17 @@ class SlotPool:
             self.BUCKETS = tuple(sorted(set(buckets)))
         proto = codec.new_stream_state(1).tensors
         self.codec, self.size, self.scratch = codec, size, size
-        self.pool = {k: t.new_zeros((size + 1,) + tuple(t.shape[1:])) for k, t in proto.items()}
+        # every state tensor of a stream is a span of its row in one buffer per dtype: a batch gathers, checks and
+        # writes back its states with a few kernels, not a few per state tensor (the codec has ~40)
+        self.layout: dict[torch.dtype, list[tuple[str, tuple[int, ...], int, int]]] = defaultdict(list)
+        widths: dict[torch.dtype, int] = defaultdict(int)
+        for k, t in proto.items():
+            n = t[0].numel()
+            self.layout[t.dtype].append((k, tuple(t.shape[1:]), widths[t.dtype], n))
+            widths[t.dtype] += n
+        self.rows = {dt: proto[spans[0][0]].new_zeros(size + 1, widths[dt]) for dt, spans in self.layout.items()}
         self.free = list(range(size - 1, -1, -1))
-        self.device = next(iter(self.pool.values())).device
+        self.device = next(iter(self.rows.values())).device
         self.C = codec.config.num_codebooks
         self.use_graphs = self.device.type == "cuda" and graphs is not False  # CUDA graphs need a GPU
         self.graphs: dict[tuple[int, int], tuple[object, dict]] = {}  # (batch bucket, frames) -> (graph, buffers)
@@ -270,7 +279,12 @@ class SlotPool:
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pool.values())
+        return sum(t.numel() * t.element_size() for t in self.rows.values())
+
+    def _views(self, rows: dict) -> dict:
+        """{dtype: [B, width]} -> {state key: [B, *shape]}, views into those rows."""
+        return {k: rows[dt][:, off : off + n].view(-1, *shape) for dt, spans in self.layout.items()
+                for k, shape, off, n in spans}
 
     def _buffers(self, B: int, n: int) -> dict:
         return {"codes": torch.zeros(B, self.C, n, dtype=torch.int64, device=self.device),
@@ -279,15 +293,17 @@ class SlotPool:
 
     def _body(self, bufs: dict) -> None:
         idx, keep = bufs["idx"], bufs["keep"]
-        old = {}
-        for k, t in self.pool.items():
+        old, new = {}, {}
+        for dt, t in self.rows.items():
             g = t.index_select(0, idx)
-            old[k] = torch.where(keep.view((-1,) + (1,) * (g.dim() - 1)), g, torch.zeros((), dtype=g.dtype, device=g.device))
-        audio, new = self.codec.decode_stream(bufs["codes"], StreamState(old))
-        for k, t in self.pool.items():
-            t.index_copy_(0, idx, new.tensors[k])
-        bufs["out"] = _with_finite(audio[:, 0].float(), new.tensors)
-        bufs["old"] = old
+            old[dt] = torch.where(keep[:, None], g, torch.zeros((), dtype=dt, device=g.device))
+            new[dt] = torch.empty_like(g)
+        olds = self._views(old)
+        audio, _ = self.codec.decode_stream(bufs["codes"], StreamState(olds), dest=self._views(new))
+        for dt, t in self.rows.items():
+            t.index_copy_(0, idx, new[dt])
+        bufs["out"] = _with_finite(audio[:, 0].float(), new)
+        bufs["old"] = olds
 
     def _capture(self, Bp: int, n: int) -> None:
         bufs = self._buffers(Bp, n)  # idx: all scratch, so the warm-up and capture write no stream's state

@@ -172,9 +172,8 @@ def state_tensor_name(key: str, new: bool = False) -> str:
 class _GraphStep(_Step):
     """The codec's stream step over graph tensors (the new state is a graph output: no copy)."""
 
-    @staticmethod
-    def remember(tail: torch.Tensor) -> torch.Tensor:
-        return tail
+    def remember(self, key: str, value: torch.Tensor) -> None:
+        self.new[key] = value
 
 
 def _rope_table(head_dim: int, base: float, positions: int) -> torch.Tensor:

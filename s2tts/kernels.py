@@ -239,6 +239,22 @@ if triton is not None:
         tl.store(O + b * stride_ob + t, acc, mask=tmask)
 
     @triton.jit
+    def _rope_pairs_kernel(X, R, O, H, stride_xr, stride_xh, stride_rr, D2: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (row = b*T + t, head): the pairs (2i, 2i+1) of x rotated by the row's (cos, sin) table, in float32."""
+        row = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        i = tl.arange(0, BLOCK)
+        m = i < D2
+        base = X + row * stride_xr + h * stride_xh
+        x0 = tl.load(base + 2 * i, mask=m, other=0.0).to(tl.float32)
+        x1 = tl.load(base + 2 * i + 1, mask=m, other=0.0).to(tl.float32)
+        c = tl.load(R + row * stride_rr + 2 * i, mask=m, other=0.0)
+        sn = tl.load(R + row * stride_rr + 2 * i + 1, mask=m, other=0.0)
+        out = O + (row * H + h) * (2 * D2)
+        tl.store(out + 2 * i, (x0 * c - x1 * sn).to(O.dtype.element_ty), mask=m)
+        tl.store(out + 2 * i + 1, (x1 * c + x0 * sn).to(O.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _qk_rope_cache_kernel(QKV, QW, KW, ROPE, Pos, Slots, Table, QO, KC, VC, stride_qkv, stride_qo_b, stride_qo_h,
                               stride_cb, stride_ch, stride_cl, stride_t, eps,
                               H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
@@ -285,14 +301,20 @@ if triton is not None:
             tl.store(VC + dst + d, v)
 
 
+def _unit_rows(x2: torch.Tensor) -> torch.Tensor:
+    """An operand of a row kernel with unit stride along its last dimension (a copy only if it has not; reshape may
+    return a view that has not: a [1, T, C] transpose of [1, C, T] reshapes to [T, C] with strides (1, T))."""
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """rms_norm(x) (or, with `residual`, h = residual + x and rms_norm(h), returning (h, normed)). x: [..., N]."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
+    x2 = _unit_rows(x.reshape(-1, shape[-1]))
     N = shape[-1]
     out = torch.empty_like(x2)
     if residual is not None:
-        r2 = residual.reshape(-1, N)
+        r2 = _unit_rows(residual.reshape(-1, N))
         h = torch.empty_like(x2)
         _rms_norm_kernel[(x2.shape[0],)](r2, x2, h, weight, out, h, r2.stride(0), x2.stride(0), out.stride(0), h.stride(0),
                                          eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=True, num_warps=8)
@@ -306,16 +328,11 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] (gate | up) -> silu(gate) * up, [..., I]."""
     shape = gate_up.shape
     I = shape[-1] // 2
-    g2 = gate_up.reshape(-1, 2 * I)
+    g2 = _unit_rows(gate_up.reshape(-1, 2 * I))
     out = torch.empty(g2.shape[0], I, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I, BLOCK=BLOCK, num_warps=4)
     return out.reshape(*shape[:-1], I)
-
-
-def _time_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [B, C, T] as the row kernels read it: unit stride along time (a copy only if it has not)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def _tile(n: int) -> tuple[int, int]:
@@ -330,7 +347,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, prefix: torch.Tensor | None = No
     already activated) the result is [B, C, ctx + T]: the prefix, then snake(x), written together so the
     convolution needs no concatenation."""
     B, C, T = x.shape
-    x = _time_rows(x)
+    x = _unit_rows(x)
     ctx = 0 if prefix is None else prefix.shape[-1]
     out = torch.empty(B, C, ctx + T, dtype=x.dtype, device=x.device)
     p = x if prefix is None else prefix.contiguous()
@@ -344,7 +361,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, prefix: torch.Tensor | None = No
 def add_bias(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """x + y + bias[c] for x, y [B, C, T] in one pass (a residual joined with a convolution run without its bias)."""
     B, C, T = x.shape
-    x, y = _time_rows(x), _time_rows(y)
+    x, y = _unit_rows(x), _unit_rows(y)
     out = torch.empty(B, C, T, dtype=y.dtype, device=y.device)
     block, warps = _tile(T)
     _add_bias_kernel[(B * C, triton.cdiv(T, block))](x, y, bias, out, C, T, x.stride(0), x.stride(1), y.stride(0),
@@ -363,6 +380,19 @@ def conv_to_one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dilat
     _conv_to_one_kernel[(B, triton.cdiv(T_out, block_t))](x, weight.contiguous(), bias, out, C, T_out, x.stride(0),
                                                           x.stride(1), out.stride(0), K=K, DIL=dilation, BLOCK_C=16,
                                                           BLOCK_T=block_t, num_warps=4)
+    return out
+
+
+def rope_pairs(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of interleaved pairs (2i, 2i+1): x [B, T, H, D] (unit stride along D), rope [B, T, D/2, 2]
+    float32 (cos, sin) -> contiguous [B, T, H, D] in x's dtype."""
+    B, T, H, D = x.shape
+    if x.stride(-1) != 1 or x.stride(0) != T * x.stride(1):
+        x = x.contiguous()
+    rope = rope.contiguous()
+    out = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
+    _rope_pairs_kernel[(B * T, H)](x, rope, out, H, x.stride(1), x.stride(2), rope.stride(1), D2=D // 2,
+                                   BLOCK=triton.next_power_of_2(D // 2), num_warps=1)
     return out
 
 

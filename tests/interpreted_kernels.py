@@ -154,7 +154,8 @@ def check_invariant(ckpt):
 
 def check_codec(ckpt):
     """The codec's kernels (Snake with a joined left context and a folded bias, the biased residual sum, the
-    convolution to one channel) against PyTorch, and the codec streaming with them against without."""
+    convolution to one channel, RoPE) against PyTorch, and the codec (its transformers' norms, SwiGLU and scaled
+    residual sums too) streaming, decoding and encoding with them against without."""
     import torch.nn.functional as F
 
     from s2tts.checkpoint import load_codec_from_dir
@@ -174,6 +175,12 @@ def check_codec(ckpt):
         w, b = torch.randn(1, 5, 7), torch.randn(1)
         assert rel(kernels.conv_to_one(wide, w, b, dil), F.conv1d(wide, w, b, dilation=dil)) < 1e-6
 
+    from s2tts.codec import apply_rope, rope_cos_sin
+
+    qkv = torch.randn(2, 5, 3, 4, 16)  # [B, T, q|k|v, H, D]: q and k are strided views, as the codec's are
+    rope = rope_cos_sin(torch.arange(7, 12)[None].expand(2, 5), 16, 10000.0)
+    assert rel(kernels.rope_pairs(qkv[:, :, 1], rope), apply_rope(qkv[:, :, 1], rope)) < 1e-6
+
     codec = load_codec_from_dir(ckpt, "cpu", "fp32")
     for name, p in codec.named_parameters():
         if name.endswith("alpha"):
@@ -186,14 +193,16 @@ def check_codec(ckpt):
     with torch.inference_mode():
         for on in (False, True):
             use_triton_kernels(codec, on)
-            st, parts = codec.new_stream_state(2), []
-            for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):
-                audio, st = codec.decode_stream(codes[..., sl], st)
-                parts.append(audio)
-            got[on] = (torch.cat(parts, -1), codec.decode(codes), codec.encode(wav))
-    assert rel(got[True][0], got[False][0]) < 1e-5 and rel(got[True][1], got[False][1]) < 1e-5
-    assert rel(got[True][0], got[True][1]) < 1e-5  # chunks join without seams
-    assert torch.equal(got[True][2], got[False][2])
+            for B in (1, 2):  # one stream: its size-1 dimensions give reshapes views of other strides
+                st, parts = codec.new_stream_state(B), []
+                for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):
+                    audio, st = codec.decode_stream(codes[:B, :, sl], st)
+                    parts.append(audio)
+                got[on, B] = (torch.cat(parts, -1), codec.decode(codes[:B]), codec.encode(wav[:B]))
+    for B in (1, 2):
+        assert rel(got[True, B][0], got[False, B][0]) < 1e-5 and rel(got[True, B][1], got[False, B][1]) < 1e-5, B
+        assert rel(got[True, B][0], got[True, B][1]) < 1e-5  # chunks join without seams
+        assert torch.equal(got[True, B][2], got[False, B][2])
     print("codec ok")
 
 
