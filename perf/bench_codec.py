@@ -10,7 +10,9 @@ against the same without the check.
 
 `--served-only` times what dac_decoder runs per call (fp16 with the fp32 fallback, `StreamDecoder.decode_many`:
 numpy in, numpy out) for a batch of streams each sending its next chunk: wall and CPU milliseconds per call with
-each stream's own state (no pool, the earlier code), with the slot pool run eagerly, and with the pool's CUDA graphs.
+each stream's own state (no pool, the earlier code), with the slot pool run eagerly, with the pool's CUDA graphs,
+the same with the codec's Triton kernels, and what the servers open (`--paths`); `--profile DIR` writes kernel and
+operator tables of one chunk, as PyTorch ops and with the kernels. Modes ending in `_kernels` use the kernels too.
 """
 import argparse
 import json
@@ -49,9 +51,9 @@ def main():
     ap.add_argument("--device", default="cuda", help="--served-only: cpu is a smoke test of this script")
     ap.add_argument("--paths", default="own_state,pool_eager,pool_graphs,pool_graphs_kernels,served",
                     help="--served-only: which of dac_decoder's paths to time (`_kernels`: the codec's Triton kernels; "
-                         "`served`: what the servers open, with cuDNN autotuning too)")
-    ap.add_argument("--profile", help="--served-only: directory for kernel tables of one fp16 chunk at the largest "
-                                      "batch, Snake as PyTorch ops and as the Triton kernel")
+                         "`served`: what the servers open, `codec_stream.open_stream_decoder`)")
+    ap.add_argument("--profile", help="--served-only: directory for kernel and operator tables of one fp16 chunk at "
+                                      "the largest batch, as PyTorch ops and with the codec's Triton kernels")
     args = ap.parse_args()
     if args.served_only:
         return bench_served(args)
@@ -131,9 +133,9 @@ def bench_served(args):
     max_batch = max(int(b) for b in args.batches.split(","))
     if args.profile:
         profile_decode(codec, cfg, max_batch, n, Path(args.profile))
-    for label in args.paths.split(","):  # "served" last: it turns cuDNN's autotuning on for the process
+    for label in args.paths.split(","):
         t0 = time.perf_counter()
-        if paths[label] is None:  # what dac_decoder / slow_ar open: Triton kernels, cuDNN autotuned, pool, graphs
+        if paths[label] is None:  # what dac_decoder / slow_ar open: the Triton kernels, pool, graphs
             dec, _, made = open_stream_decoder(args.checkpoint, dev, "auto", 256, 600.0, [4, 8, n], max_batch)
             pool = 256
         else:
@@ -177,8 +179,8 @@ def bench_served(args):
 
 
 def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
-    """CUDA kernel time by kernel name for one streaming chunk (eager), PyTorch ops then the codec's Triton kernels
-    (cuDNN autotuned in both)."""
+    """CUDA kernel time by kernel name, and by operator, for one streaming chunk (eager, cuDNN's heuristics as in
+    serving), PyTorch ops then the codec's Triton kernels."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     from s2tts.codec import use_triton_kernels
@@ -186,7 +188,6 @@ def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (batch, 1, n)),
                        torch.randint(0, cfg.codebook_size, (batch, cfg.n_codebooks, n))], 1).cuda()
-    torch.backends.cudnn.benchmark = True
     for fused in (False, True):
         use_triton_kernels(codec, fused)
         with torch.inference_mode():
@@ -209,7 +210,6 @@ def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
         (out / name).write_text(table + "\n\nBy operator (CUDA total includes the kernels it launched):\n" + ops)
         print(f"{name}: {sum(e.count for e in avg)} kernels, {total:.1f} ms of kernel time", flush=True)
     use_triton_kernels(codec, False)
-    torch.backends.cudnn.benchmark = False
 
 
 if __name__ == "__main__":
