@@ -715,9 +715,17 @@ class DAC(nn.Module):
         for root in (self.quantizer.post_module, self.quantizer.upsample, self.decoder):
             yield from root.modules()
 
+    def drop_encoding(self) -> "DAC":
+        """Free what only encoding uses (the encoder, the quantizer's downsampling and pre-transformer; 207 M of S2
+        Pro's 391 M parameters): a stream decoder never encodes."""
+        self.encoder = self.quantizer.downsample = self.quantizer.pre_module = None
+        return self
+
     @torch.no_grad()
     def encode(self, audio: Tensor) -> Tensor:
         """audio [B, 1, T] (44.1 kHz mono) -> codes [B, 10, ceil(T / 2048)] int64."""
+        if self.encoder is None:
+            raise RuntimeError("this codec was loaded to decode only (`drop_encoding`): load it again to encode")
         if audio.ndim == 2:
             audio = audio[:, None]
         if audio.ndim != 3 or audio.shape[1] != 1:

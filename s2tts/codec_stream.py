@@ -204,8 +204,8 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
     from .checkpoint import codec_dtype_for, load_codec_from_dir
 
     dtype = codec_dtype_for(codec_dtype, device, "decoder")
-    codec = load_codec_from_dir(checkpoint, device, dtype)
-    fallback = None if dtype == "fp32" else load_codec_from_dir(checkpoint, device, "fp32")
+    codec = load_codec_from_dir(checkpoint, device, dtype).drop_encoding()
+    fallback = None if dtype == "fp32" else load_codec_from_dir(checkpoint, device, "fp32").drop_encoding()
     tune_for_device(device, codec, fallback)
     decoder = StreamDecoder(codec, idle_timeout_s=idle_timeout_s, fallback=fallback, pool_size=pool_size)
     graphs = decoder.pool.warm(lengths, max_batch=max(1, max_batch)) if decoder.pool is not None else 0
@@ -221,9 +221,9 @@ def tune_for_device(device, *codecs) -> None:
         for c in codecs:
             if c is not None:
                 use_triton_kernels(c)
-        # the transformers' w1 and w3 now live in one tensor each: hand their old storage back to the driver (in
-        # the caching allocator it stayed reserved: ~0.6 GB a process for the fp16 codec and its fp32 fallback)
-        torch.cuda.empty_cache()
+    # what the caller dropped (`DAC.drop_encoding`) and the old storage of the transformers' w1 and w3 (now one tensor
+    # each) back to the driver: in the caching allocator they stayed reserved
+    torch.cuda.empty_cache()
 
 
 def _with_finite(audio: torch.Tensor, state: dict) -> torch.Tensor:

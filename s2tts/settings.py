@@ -142,7 +142,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("codec_in_engine", bool, None, ("slow_ar", "dac_decoder"), "decode audio in slow_ar's own loop: after "
             "each step, the chunks all streams finished go through the codec in batched calls and leave with their "
             "codes, with no round trip to `dac_decoder` per chunk (which then serves direct callers only, eagerly, "
-            "without its stream pool). `auto`: on when every engine runs on a GPU with its codec on that same device "
+            "without its stream pool, and loads its codec on the first such request). `auto`: on when every engine runs on a GPU with its codec on that same device "
             "(one GPU: the AR and the codec share it either way); off on a CPU (separate processes use more cores), "
             "with `codec_device` elsewhere, and with backend=tensorrt/onnxruntime (their codec is the `dac_decoder` "
             "model)", auto=True),

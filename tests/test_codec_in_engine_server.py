@@ -113,3 +113,40 @@ def test_voice_clone_decodes_in_the_engine(server):
                 reference_text="A humming tone.", seed=9, max_new_tokens=12, ignore_eos=True)
     assert res.stats["frames"] == 12 and res.audio.size == 12 * FRAME and np.isfinite(res.audio).all()
     assert _inferences(server, "dac_encoder") >= 1 and _inferences(server, "dac_decoder") == before
+
+
+def test_dac_decoder_loads_its_codec_on_the_first_direct_request(server, tiny_ckpt):
+    """With codec_in_engine, dac_decoder serves direct callers only and holds no codec until one comes (on a GPU that
+    is S2 Pro's fp16 decoder and its fp32 fallback, ~2 GB); the first direct chunk loads it and decodes as the codec
+    does offline, and the next one continues the stream."""
+    import tritonclient.grpc as grpcclient
+
+    from s2tts.checkpoint import load_codec_from_dir
+
+    log = server.log_path.read_text(errors="replace")
+    assert "direct callers only (codec_in_engine); the codec loads on the first request" in log
+    assert "loaded its codec for a direct request" not in log
+    codec = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
+    cfg = codec.config
+    rng = np.random.default_rng(3)
+    codes = np.concatenate([rng.integers(0, cfg.semantic_codebook_size, (6, 1)),
+                            rng.integers(0, cfg.codebook_size, (6, cfg.n_codebooks))], 1).astype(np.int32)
+    got = []
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        for part, start, final in ((codes[:4], True, False), (codes[4:], False, True)):
+            inputs = [grpcclient.InferInput("codes", [1, *part.shape], "INT32"),
+                      grpcclient.InferInput("stream_id", [1, 1], "BYTES"),
+                      grpcclient.InferInput("start", [1, 1], "BOOL"), grpcclient.InferInput("final", [1, 1], "BOOL")]
+            inputs[0].set_data_from_numpy(part[None])
+            inputs[1].set_data_from_numpy(np.array([[b"direct-1"]], dtype=object))
+            inputs[2].set_data_from_numpy(np.array([[start]]))
+            inputs[3].set_data_from_numpy(np.array([[final]]))
+            got.append(c.infer("dac_decoder", inputs).as_numpy("audio")[0])
+    assert "loaded its codec for a direct request" in server.log_path.read_text(errors="replace")
+    import torch
+
+    with torch.inference_mode():
+        want = codec.decode(torch.as_tensor(codes.T[None].astype(np.int64)))[0, 0].numpy()
+    audio = np.concatenate(got)
+    assert audio.shape == want.shape == (6 * FRAME,)
+    assert np.abs(audio - want).max() < 1e-4 * max(1.0, np.abs(want).max())

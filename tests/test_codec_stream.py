@@ -203,3 +203,21 @@ def test_dac_decoder_model_fp16_with_fp32_fallback(tiny_ckpt, tmp_path):
     audio = np.concatenate(audio)
     assert audio.shape == (8 * 2048,) and np.isfinite(audio).all() and np.abs(audio).max() > 1e-4
     assert "stream s1: a chunk of 4 frames overflowed" in text and dec.redone == 1
+
+
+def test_a_decode_only_codec_streams_as_before_and_refuses_to_encode(tiny_ckpt):
+    """`DAC.drop_encoding` (what every stream decoder loads: the encoder and the quantizer's encoding half are 207 M
+    of S2 Pro's 391 M parameters) leaves streaming decode unchanged, and encode says what to do instead."""
+    full = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
+    lean = load_codec_from_dir(tiny_ckpt, "cpu", "fp32").drop_encoding()
+    assert sum(p.numel() for p in lean.parameters()) < sum(p.numel() for p in full.parameters())
+    cfg = full.config
+    codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (2, 1, 5)),
+                       torch.randint(0, cfg.codebook_size, (2, cfg.n_codebooks, 5))], 1)
+    with torch.inference_mode():
+        a, sa = full.decode_stream(codes[..., :3], full.new_stream_state(2))
+        b, sb = lean.decode_stream(codes[..., :3], lean.new_stream_state(2))
+        assert torch.equal(a, b) and torch.equal(full.decode_stream(codes[..., 3:], sa)[0],
+                                                 lean.decode_stream(codes[..., 3:], sb)[0])
+        with pytest.raises(RuntimeError, match="decode only"):
+            lean.encode(torch.zeros(1, 1, cfg.frame_length))

@@ -22,22 +22,41 @@ class TritonPythonModel:
         self.name = args.get("model_name", "dac_decoder")  # dac_decoder_i: a replica (s2tts/layout.py)
         self.log = tu.setup_logging(self.name)
         tu.codec_precision("fp32", v.codec_tf32)  # the fp32 codec, or the fallback of an fp16 one
-        t0 = time.monotonic()
+        self.v, self.max_batch = v, cfg.get("max_batch_size", 1)
+        self.metrics = tu.Metrics(self.name)
+        self.metrics.declare("s2tts_codec_batch_size")
+        self.decoder = None
+        if v.codec_in_engine:
+            # slow_ar decodes the served streams in its own loop: this model serves direct callers only, eagerly,
+            # without the pool, and holds no codec until one comes (S2 Pro's decoder and its fp32 fallback: ~2 GB)
+            self.log.info("%s ready: direct callers only (codec_in_engine); the codec loads on the first request",
+                          self.name)
+        else:
+            self._open("ready")
+
+    def _open(self, what: str):
+        v, t0 = self.v, time.monotonic()
         lengths = Chunker.lengths(v.first_chunk_frames, v.chunk_frames)
-        # with codec_in_engine slow_ar decodes the served streams: this model serves direct callers only, eagerly,
-        # without the pool's memory and CUDA graphs
         self.decoder, dtype, graphs = open_stream_decoder(
             v.checkpoint, v.codec_device, v.codec_dtype, 0 if v.codec_in_engine else v.codec_max_streams,
-            v.codec_idle_timeout_s, lengths, cfg.get("max_batch_size", 1))
+            v.codec_idle_timeout_s, lengths, self.max_batch)
         if self.decoder.pool is not None:
             self.log.info("%s: %d stream slots (%.0f MiB); chunk lengths %s prepared, %d CUDA graphs in %.1f s", self.name,
                           self.decoder.pool.size, self.decoder.pool.bytes / 2**20, lengths, graphs, time.monotonic() - t0)
-        self.metrics = tu.Metrics(self.name)
-        self.metrics.declare("s2tts_codec_batch_size")
-        self.log.info("%s ready: device=%s dtype=%s%s", self.name, self.decoder.device, dtype,
-                      " (fp32 fallback for chunks that overflow)" if self.decoder.fallback is not None else "")
+        self.log.info("%s %s: device=%s dtype=%s%s in %.1f s", self.name, what, self.decoder.device, dtype,
+                      " (fp32 fallback for chunks that overflow)" if self.decoder.fallback is not None else "",
+                      time.monotonic() - t0)
 
     def execute(self, requests):
+        if self.decoder is None:
+            try:
+                self._open("loaded its codec for a direct request")
+            except Exception as e:  # noqa: BLE001 - these requests fail; the next one tries again
+                from s2tts.errors import from_exception
+
+                err = from_exception(e, self.name)
+                self.log.error("%s: loading the codec failed: %s", self.name, err.wire())
+                return [tu.s2_error_response(err) for _ in requests]
         out = tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic(), name=self.name)
         self.metrics.report_codec(self.decoder)
         self.metrics.flush()
