@@ -772,9 +772,6 @@ class DAC(nn.Module):
         return codes.to(device=self.decoder.model[0].conv.weight.device, dtype=torch.long)
 
 
-# --------------------------------------------------------------------------- state dicts
-
-
 def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
     """Run the streaming decoder's elementwise work as Triton kernels (on a GPU, or under the Triton interpreter in
     tests): every Snake activation as one kernel that also writes a causal convolution's left context next to its
@@ -792,6 +789,9 @@ def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
             m.fuse(on)
         if isinstance(m, CausalConv1d):
             m.to_one = on and m.conv.out_channels == 1 and m.stride == 1 and m.conv.groups == 1
+
+
+# --------------------------------------------------------------------------- state dicts
 
 
 def _weight_norm_keys(model: DAC) -> dict[str, str]:
