@@ -776,7 +776,7 @@ def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
     """Run the streaming decoder's elementwise work as Triton kernels (on a GPU, or under the Triton interpreter in
     tests): every Snake activation as one kernel that also writes a causal convolution's left context next to its
     output and takes the previous convolution's bias along (five elementwise passes, a bias pass and a concatenation
-    become one); the last convolution (to one channel, which cuDNN runs without tensor cores); and in the
+    become one); the last convolution (to one channel: nothing for tensor-core tiles to fill); and in the
     quantizer's transformers RMSNorm, RoPE, SwiGLU (w1 | w3 in one product) and the scaled residual sums. A call
     runs over a thousand kernels of a few microseconds each whatever its size: their number is most of what a small
     call costs."""

@@ -222,7 +222,7 @@ if triton is not None:
     def _conv_to_one_kernel(X, W, Bias, O, C, T_out, stride_xb, stride_xc, stride_ob, K: tl.constexpr,
                             DIL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
         """Program (row b, tile of outputs): out[t] = bias + sum over channels c and taps k of w[c, k] x[c, t + k DIL],
-        in float32 (a convolution to one channel, which cuDNN runs without tensor cores)."""
+        in float32 (a convolution to one channel: nothing for tensor-core tiles to fill)."""
         b = tl.program_id(0).to(tl.int64)
         t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         tmask = t < T_out
