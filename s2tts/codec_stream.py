@@ -214,8 +214,10 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
 
 def tune_for_device(device, *codecs) -> None:
     """How a serving process runs its streaming decoders on a GPU: the codec's Triton kernels (`use_triton_kernels`).
-    Nothing changes on a CPU."""
-    if torch.device(device).type != "cuda":
+    Nothing changes on a CPU. `device`: as the settings name it (`auto` included)."""
+    from .checkpoint import resolve_device
+
+    if resolve_device(device).type != "cuda":
         return
     if kernels.available():
         for c in codecs:

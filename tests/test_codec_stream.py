@@ -221,3 +221,15 @@ def test_a_decode_only_codec_streams_as_before_and_refuses_to_encode(tiny_ckpt):
                                                  lean.decode_stream(codes[..., 3:], sb)[0])
         with pytest.raises(RuntimeError, match="decode only"):
             lean.encode(torch.zeros(1, 1, cfg.frame_length))
+
+
+def test_the_served_decoder_opens_with_the_device_as_settings_name_it(tiny_ckpt):
+    """`open_stream_decoder` (dac_decoder, slow_ar) takes `codec_device` as written in the settings: `auto` (the
+    default) opened no decoder once (tritonserver refused to load dac_decoder)."""
+    from s2tts.codec_stream import open_stream_decoder
+
+    for device in ("auto", "cpu"):
+        dec, dtype, graphs = open_stream_decoder(tiny_ckpt, device, "auto", 4, 60.0, [4], 2)
+        assert dtype == "fp32" and graphs == 0 and dec.device.type == "cpu"
+        codes = np.zeros((4, dec.C), np.int64)
+        assert dec.decode_many([("k", "s", codes, True, True)], now=0.0)["k"].shape == (4 * 2048,)
