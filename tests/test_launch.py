@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_launch_once_serves_the_demo_request(tiny_ckpt, tmp_path):
     port = free_port()
-    cmd = [sys.executable, "-m", "s2tts.launch", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--once",
+    # the device as the README's command leaves it (`auto`: the CPU here), so the defaults it runs are tested
+    cmd = [sys.executable, "-m", "s2tts.launch", "--checkpoint", str(tiny_ckpt), "--once",
            "--port", str(port), "--grpc-port", str(free_port()), "--http-port", str(free_port()),
            "--metrics-port", str(free_port()), "--out-dir", str(tmp_path)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
