@@ -532,8 +532,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS) -> 
     M, N = x2.shape[0], weight.shape[0]
     if triton is None or M > max_rows or M == 0:
         return torch.nn.functional.linear(x, weight)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _unit_rows(x2)
     bn, bk, split, k_per = gemv_plan(N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     p = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
