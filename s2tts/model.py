@@ -108,8 +108,9 @@ class Attention(nn.Module):
         self.rope: torch.Tensor | None = None  # the stack's table, set by use_triton_kernels
 
     def _fused(self, x, pos, slots, kv_len_max):
-        """Cached path with the fused q/k-norm + RoPE + cache-write kernel (every token is a row);
-        one-token steps then use the decode-attention kernel, prompts plain attention over the cache."""
+        """Cached path with the fused q/k-norm + RoPE + cache-write kernel (every token is a row), then the
+        decode-attention kernel over each row's keys (the fast AR's first call: two rows a stream, at positions 0
+        and 1), or without it plain attention over the cache."""
         from .kernels import decode_attention, qk_rope_cache
 
         c = self.cfg
@@ -119,10 +120,10 @@ class Attention(nn.Module):
         q = qk_rope_cache(qkv, self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
                           self.rope, pos.reshape(-1), rows_slot, self.cache, c.n_head, c.n_local_heads,
                           c.head_dim, c.norm_eps, c.qk_norm)
-        if S == 1 and self.decode_kernel:
-            out = decode_attention(q, self.cache, slots, pos[:, 0] + 1, splits=self.decode_splits,
+        if self.decode_kernel:  # each token a row: its slot's keys up to its own position (all written above)
+            out = decode_attention(q, self.cache, rows_slot, pos.reshape(-1) + 1, splits=self.decode_splits,
                                    min_split=self.decode_min_split)
-            return self.wo(out.reshape(B, 1, c.q_size))
+            return self.wo(out.reshape(B, S, c.q_size))
         kc, vc = self.cache.read(slots, kv_len_max)
         out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)
         return self.wo(out.transpose(1, 2).reshape(B, S, c.q_size))
@@ -196,13 +197,23 @@ class Block(nn.Module):
 
     def forward(self, x, rope, pos, slots, kv_len_max):
         if self.fused:
-            from .kernels import rms_norm
-
-            a = self.attention(self.attention_norm(x), rope, pos, slots, kv_len_max)
-            h, f = rms_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=x)
-            return h + self.feed_forward(f)
+            x, delta = self.pending(x, None, rope, pos, slots, kv_len_max)
+            return x + delta
         h = x + self.attention(self.attention_norm(x), rope, pos, slots, kv_len_max)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def pending(self, x, delta, rope, pos, slots, kv_len_max):
+        """The fused kernels' form: the block's input is x + delta (delta None: x), its output (h, ffn) with the last
+        residual sum left to the next norm, which adds and normalises in one kernel (`Stack.run`)."""
+        from .kernels import rms_norm
+
+        if delta is None:
+            normed = self.attention_norm(x)
+        else:
+            x, normed = rms_norm(delta, self.attention_norm.weight, self.attention_norm.eps, residual=x)
+        a = self.attention(normed, rope, pos, slots, kv_len_max)
+        h, f = rms_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=x)
+        return h, self.feed_forward(f)
 
 
 class Stack(nn.Module):
@@ -245,6 +256,13 @@ class Stack(nn.Module):
     def run(self, x, pos, slots=None, kv_len_max=None):
         """x [B, S, dim] -> final-normed hidden [B, S, dim]."""
         rope = self.rope[pos]
+        if self.norm.fused:  # each residual sum joins the next norm's kernel
+            from .kernels import rms_norm
+
+            delta = None
+            for layer in self.layers:
+                x, delta = layer.pending(x, delta, rope, pos, slots, kv_len_max)
+            return rms_norm(delta, self.norm.weight, self.norm.eps, residual=x)[1]
         for layer in self.layers:
             x = layer(x, rope, pos, slots, kv_len_max)
         return self.norm(x)
@@ -298,13 +316,16 @@ class SlowAR(nn.Module):
         return h, self.logits(h)
 
     head_rows = 0  # use_invariant_linears: the head through the row-invariant kernel up to this many rows
+    # use_triton_kernels: the head through that kernel at any number of rows (cuBLAS is slow on its 4097 columns:
+    # 42 against 15 us at 64 rows on an H100, perf/RESULTS.md)
+    head_kernel = False
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., dim] -> float32 logits over the semantic codes + <|im_end|>."""
-        if self.head_rows:
+        if self.head_rows or self.head_kernel:
             from .kernels import linear
 
-            return linear(h, self.head, self.head_rows).float()
+            return linear(h, self.head, h.numel() // h.shape[-1] if self.head_kernel else self.head_rows).float()
         return F.linear(h, self.head).float()
 
 
@@ -394,6 +415,8 @@ def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
                 layer.attention.rope = m.rope
         if isinstance(m, (RMSNorm, Attention, FeedForward, Block)):
             m.fused = on
+        if isinstance(m, SlowAR):
+            m.head_kernel = on
 
 
 class S2Model(nn.Module):
