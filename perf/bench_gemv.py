@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The decode step's matrix products at a few rows: cuBLAS (F.linear) against `s2tts.kernels.linear` (the GEMV
-kernel), on S2 Pro's weight shapes, bf16, each timed as a CUDA graph of 20 calls.
+kernel), on S2 Pro's weight shapes, bf16, each timed as a CUDA graph of 20 calls; and the kernel with the weight in
+FP8 (`kernels.quantize_fp8`: e4m3, a scale per output row; `fp8_rel_err` is against the bf16 weight's exact product),
+and cuBLAS's FP8 x FP8 product (`w8a8_cublas`: the activations in FP8 as well).
 
     python perf/bench_gemv.py --rows 1,2,4,8,16
 
@@ -49,7 +51,7 @@ def main():
         kernels.GEMV_CONFIG.update(base, **{k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
         rows += bench(kernels, args, cfg)
     cols = ["config", "weight", "rows", "cublas_us", "kernel_us", "cublas_tb_s", "kernel_tb_s", "kernel_rel_err",
-            "cublas_rel_err", "row_invariant"]
+            "cublas_rel_err", "row_invariant", "fp8_us", "fp8_tb_s", "fp8_rel_err", "w8a8_cublas_us", "w8a8_rel_err"]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
@@ -78,14 +80,53 @@ def bench(kernels, args, cfg: str) -> list[dict]:
             cub = float((torch.nn.functional.linear(x[:M], ws[0]).float() - ref).norm() / ref.norm())
             alone = kernels.linear(x[:1], ws[0])
             beside = kernels.linear(x[:M], ws[0], max_rows=M)[:1]
+            w8s = [kernels.quantize_fp8(w) for w in ws]
+            j = [0]
+
+            def nxt8():
+                j[0] = (j[0] + 1) % len(w8s)
+                return w8s[j[0]]
+
+            def fp8_call():
+                w8, scale = nxt8()
+                return kernels.linear(x[:M], w8, scale=scale)
+
+            t_fp8 = timed_us(fp8_call)
+            got8 = kernels.linear(x[:M], w8s[0][0], scale=w8s[0][1]).float()
+            err8 = float((got8 - ref).norm() / ref.norm())
+            t_w8a8, err_w8a8 = scaled_mm(x, M, w8s, ref)
             gb = N * K * 2 / 1e9
             rows.append({"config": cfg or "default", "weight": name, "N": N, "K": K, "rows": M, "plan": kernels.gemv_plan(N, K),
                          "cublas_us": round(t_cublas, 1), "kernel_us": round(t_kernel, 1),
                          "cublas_tb_s": round(gb / t_cublas * 1e3, 2), "kernel_tb_s": round(gb / t_kernel * 1e3, 2),
                          "kernel_rel_err": f"{err:.1e}", "cublas_rel_err": f"{cub:.1e}",
-                         "row_invariant": bool(torch.equal(alone, beside))})
+                         "row_invariant": bool(torch.equal(alone, beside)),
+                         "fp8_us": round(t_fp8, 1), "fp8_tb_s": round(gb / 2 / t_fp8 * 1e3, 2),
+                         "fp8_rel_err": f"{err8:.1e}", "w8a8_cublas_us": t_w8a8, "w8a8_rel_err": err_w8a8})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def scaled_mm(x, M, w8s, ref) -> tuple[float | str, str]:
+    """cuBLAS's FP8 product (`torch._scaled_mm`, activations quantized too, a scale per row of each; at least 16
+    rows) -> (microseconds a call, relative error against the bf16 weight's exact product); the activations'
+    quantization is not timed."""
+    m = max(M, 16)
+    xs = x[:m].float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+    x8 = (x[:m].float() / xs).to(torch.float8_e4m3fn)
+    i = [0]
+
+    def call():
+        i[0] = (i[0] + 1) % len(w8s)
+        w8, s = w8s[i[0]]
+        return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=s[None, :], out_dtype=torch.bfloat16)
+
+    try:
+        t = round(timed_us(call), 1)
+        got = torch._scaled_mm(x8, w8s[0][0].t(), scale_a=xs, scale_b=w8s[0][1][None, :], out_dtype=torch.bfloat16)
+    except (RuntimeError, AttributeError) as e:  # no FP8 tensor cores, or a torch without rowwise scales
+        return f"n/a ({str(e)[:40]})", ""
+    return t, f"{float((got[:M].float() - ref).norm() / ref.norm()):.1e}"
 
 
 if __name__ == "__main__":

@@ -428,11 +428,19 @@ if triton is not None:
         return h ^ (h >> 16)
 
     @triton.jit
-    def _choose_kernel(SL, T, P, K, Seed, Step, Out, stride, V, STREAM_MIX: tl.constexpr, BLOCK: tl.constexpr):
+    def _choose_kernel(SL, T, P, K, Seed, Step, Out, stride, V, STREAM_MIX: tl.constexpr, BLOCK: tl.constexpr,
+                       SORT: tl.constexpr):
         row = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         valid = r < V
         x = tl.load(SL + row * stride + r, mask=valid, other=float("-inf")).to(tl.float32)
+        if SORT:  # unsorted logits: sort (value, index) pairs in the program, descending, ties lowest index first
+            bits = x.to(tl.int32, bitcast=True)
+            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers that order as the floats do
+            packed = tl.sort((key.to(tl.int64) << 32) | (BLOCK - 1 - r).to(tl.int64), descending=True)
+            key = (packed >> 32).to(tl.int32)
+            x = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            order = BLOCK - 1 - (packed & 0xFFFFFFFF).to(tl.int32)
         e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
         cum = tl.cumsum(e / tl.sum(e, axis=0), axis=0)
         top_p = tl.load(P + row)
@@ -453,17 +461,27 @@ if triton is not None:
         h = _mix32(h + r.to(tl.uint32) * 0x1B873593 + 0x2545F491)
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         score = tl.where(remove, -1.0, probs / (-tl.log(u)))
-        tl.store(Out + row, tl.argmax(score, axis=0).to(tl.int64))
+        choice = tl.argmax(score, axis=0)
+        if SORT:
+            choice = tl.sum(tl.where(r == choice, order, 0), axis=0)
+        tl.store(Out + row, choice.to(tl.int64))
 
 
-def choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int) -> torch.Tensor:
-    """Rank index sampled from each row of descending-sorted logits [B, V] -> [B] int64."""
-    B, V = sorted_logits.shape
-    sl = sorted_logits.contiguous()
+SORT_IN_KERNEL = 2048  # `choose(..., sort=True)` up to this many logits a row (the fast AR's 1024); torch.sort above
+
+
+def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: bool = False) -> torch.Tensor:
+    """Rank index sampled from each row of descending-sorted logits [B, V] -> [B] int64. `sort`: the logits are
+    not sorted; the kernel sorts each row itself (V <= SORT_IN_KERNEL) and returns the sampled logit's index (what
+    torch.sort, this and a gather give, in one kernel instead of a radix sort's several)."""
+    B, V = logits.shape
+    if sort and V > SORT_IN_KERNEL:
+        raise ValueError(f"choose(sort=True) takes rows of at most {SORT_IN_KERNEL} logits, not {V}")
+    sl = _unit_rows(logits)
     out = torch.empty(B, dtype=torch.int64, device=sl.device)
     _choose_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
                          seed.contiguous(), step.contiguous(), out, sl.stride(0), V, (stream * 0x68E31DA4) & 0xFFFFFFFF,
-                         BLOCK=triton.next_power_of_2(V), num_warps=8 if V > 2048 else 4)
+                         BLOCK=triton.next_power_of_2(V), SORT=sort, num_warps=8 if V > 2048 else 4)
     return out
 
 
@@ -481,8 +499,9 @@ GEMV_CONFIG = {"programs": 264, "block_n": 64, "block_k": 128, "num_warps": 4, "
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(X, W, Y, P, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+    def _gemv_kernel(X, W, S, Y, P, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                     SCALED: tl.constexpr):
         pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -492,10 +511,14 @@ if triton is not None:
             rk = k + tl.arange(0, BLOCK_K)
             x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
             w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
+            if SCALED:  # FP8 weight: widened to the activations' type in registers
+                w = w.to(X.dtype.element_ty)
             if IEEE:
                 acc += tl.dot(x, tl.trans(w), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w))
+        if SCALED:  # the weight row's scale, after the sum (a split's partial sum is scaled alike)
+            acc = acc * tl.load(S + rn, mask=rn < N, other=0.0)[None, :]
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         if SPLIT == 1:
             tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
@@ -524,22 +547,39 @@ def gemv_plan(N: int, K: int) -> tuple[int, int, int, int]:
     return block_n, block_k, split, k_per
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS) -> torch.Tensor:
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] weight -> (float8_e4m3fn [N, K], fp32 scale [N]): each output row scaled so that its largest magnitude
+    is FP8's largest (weight ~= w8 * scale[:, None]; an all-zero row gets scale 1)."""
+    w = weight.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, scale: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T -> [..., N] (as F.linear without bias): the row-invariant kernel up to `max_rows`
-    rows, cuBLAS above (or without Triton)."""
+    rows, cuBLAS above (or without Triton). With `scale` [N] (fp32), `weight` is FP8 (e4m3), column n of the result
+    is multiplied by scale[n], and the kernel takes every number of rows (the weight is widened in registers, never
+    in memory: half the bytes of bf16 a call)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], weight.shape[0]
-    if triton is None or M > max_rows or M == 0:
+    if scale is None and (triton is None or M > max_rows or M == 0):
         return torch.nn.functional.linear(x, weight)
+    if M == 0:
+        return x.new_empty(*x.shape[:-1], N)
     x2 = _unit_rows(x2)
     bn, bk, split, k_per = gemv_plan(N, K)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     p = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
     bm = max(16, min(GEMV_CONFIG["max_block_m"], triton.next_power_of_2(M)))
     _gemv_kernel[(-(-M // bm), -(-N // bn), split)](
-        x2, weight, y, p, M, N, K, k_per, x2.stride(0), weight.stride(0), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32,
+        x2, weight, y if scale is None else scale, y, p, M, N, K, k_per, x2.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, SCALED=scale is not None,
         num_warps=GEMV_CONFIG["num_warps"], num_stages=GEMV_CONFIG["num_stages"])
     if split > 1:
         block = 1024

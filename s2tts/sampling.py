@@ -65,8 +65,14 @@ def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: b
 
     As the reference: sort; top-p mask from the softmax of the un-tempered logits, and rank >= top_k
     masked; rank 0 always kept; then divide by max(T, 1e-5), softmax, exponential-race sample.
-    `kernel`: the same function as one Triton kernel per row (GPU).
+    `kernel`: the same function as one Triton kernel per row (GPU), which also sorts rows of up to
+    `kernels.SORT_IN_KERNEL` logits itself (the fast AR's).
     """
+    if kernel:
+        from .kernels import SORT_IN_KERNEL, choose
+
+        if logits.shape[-1] <= SORT_IN_KERNEL:
+            return choose(logits, temperature, top_p, top_k, seed, step, stream, sort=True)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     choice = _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream, kernel)
     return order.gather(-1, choice[:, None]).squeeze(-1)

@@ -72,6 +72,22 @@ def check_ops():
             b = _choose(sl, t, p_, k, seed, step, st % 12, kernel=True)
             same += int((a == b).sum())
         assert same >= 20 * B - 1, (V, same)  # a float near-tie may flip at most once
+    # rows the kernel sorts itself (the fast AR's): the index the sort + kernel + gather path gives, exact ties too
+    from s2tts.sampling import sample
+
+    for V in (65, 300):
+        B = 6
+        lg = torch.randn(B, 512)[:, :V] * 3  # a strided view, as the fast AR's sliced logits are
+        lg[1, 5] = lg[1, 7]
+        t = torch.tensor([0.0, 0.5, 0.8, 1.0, 1.5, 0.8])
+        p_ = torch.tensor([1.0, 0.9, 0.8, 0.5, 0.95, 1.0])
+        k = torch.tensor([0, 30, 30, 5, 0, 1])
+        seed = torch.tensor([1, 2**40 + 3, 5, 7, 11, 13])
+        for st in range(4):
+            step = torch.full((B,), st)
+            a = sample(lg, t, p_, k, seed, step, 3 + st, kernel=False)
+            b = sample(lg, t, p_, k, seed, step, 3 + st, kernel=True)
+            assert torch.equal(a, b), (V, st, a, b)
     print("ops ok")
 
 
@@ -126,6 +142,12 @@ def check_invariant(ckpt):
     w, x = torch.randn(40, 48), torch.randn(37, 48)
     full = kernels.linear(x, w, 64)
     assert all(torch.equal(kernels.linear(x[i : i + 1], w, 64)[0], full[i]) for i in (0, 15, 16, 36))
+    # FP8 weights (a scale per output row): the product of the widened weight, at any row count, rows invariant
+    w8, scale = kernels.quantize_fp8(w)
+    assert w8.dtype == torch.float8_e4m3fn and rel(w8.float() * scale[:, None], w) < 0.05
+    full8 = kernels.linear(x, w8, scale=scale)
+    assert rel(full8, x @ (w8.float() * scale[:, None]).T) < 1e-6
+    assert all(torch.equal(kernels.linear(x[i : i + 1], w8, scale=scale)[0], full8[i]) for i in (0, 15, 16, 36))
     pb = PromptBuilder.from_dir(ckpt)
     prompts = [pb.build(t) for t in ("Invariant one.", "The second one, a little longer.", "Third.")]
     model = load_model(ckpt, "cpu", "fp32")
