@@ -54,7 +54,13 @@ def main():
                          "`served`: what the servers open, `codec_stream.open_stream_decoder`)")
     ap.add_argument("--profile", help="--served-only: directory for kernel and operator tables of one fp16 chunk at "
                                       "the largest batch, as PyTorch ops and with the codec's Triton kernels")
+    ap.add_argument("--no-phases", action="store_true",
+                    help="run every dilated convolution as one (never as its phases, `codec.conv1d_phases`)")
     args = ap.parse_args()
+    if args.no_phases:
+        from s2tts import codec as codec_module
+
+        codec_module._phases_pay = lambda *a: False
     if args.served_only:
         return bench_served(args)
     from s2tts.checkpoint import load_codec_from_dir
@@ -145,8 +151,11 @@ def bench_served(args):
             dec = StreamDecoder(codec, fallback=fallback, pool_size=pool, graphs=graphs)
             made = dec.pool.warm([4, 8, n], max_batch=max_batch) if pool else 0
         if pool:
+            from s2tts import codec as codec_module
+
             rows.append({"path": label, "warm_s": round(time.perf_counter() - t0, 2), "graphs": made,
-                         "pool_mib": round(dec.pool.bytes / 2**20)})
+                         "pool_mib": round(dec.pool.bytes / 2**20),
+                         "as_phases": sorted(f"{list(k[0])} d{k[2]}" for k, v in codec_module._PHASE_PLAN.items() if v)})
         for b in (int(x) for x in args.batches.split(",")):
             sids = [f"{label}-{b}-{i}" for i in range(b)]
 

@@ -220,6 +220,52 @@ class Snake(nn.Module):
         return y if prefix is None else torch.cat([prefix, y], dim=-1)
 
 
+def conv1d_phases(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: int) -> Tensor:
+    """F.conv1d(x, weight, bias, dilation=dilation) (stride 1, no padding) as one undilated convolution over the
+    `dilation` interleaved phases of x (output t = s * dilation + p reads only inputs of phase p), stacked along the
+    batch: the same sums, at the cost of copying x in and the result out. cuDNN's heuristics can run a dilated
+    convolution on a kernel without tensor cores (perf/RESULTS.md: 4.8 ms of a 12 ms chunk on an H100)."""
+    B, C, T = x.shape
+    d, k = dilation, weight.shape[-1]
+    n_out = T - (k - 1) * d
+    m = -(-T // d)
+    if m * d != T:
+        x = F.pad(x, (0, m * d - T))
+    phases = x.reshape(B, C, m, d).permute(0, 3, 1, 2).reshape(B * d, C, m)
+    y = F.conv1d(phases, weight, bias)  # [B * d, O, m - k + 1]
+    return y.reshape(B, d, y.shape[1], y.shape[2]).permute(0, 2, 3, 1).reshape(B, y.shape[1], -1)[..., :n_out]
+
+
+_PHASE_PLAN: dict[tuple, bool] = {}  # (input shape, weight shape, dilation, dtype, device) -> run as phases
+
+
+def _phases_pay(x: Tensor, weight: Tensor, dilation: int) -> bool:
+    """Whether `conv1d_phases` takes under 2/3 of the GPU time of the dilated convolution for this shape: timed once
+    per shape on the device (three calls each after one to plan, queued behind a GPU sleep so that the time is the
+    GPU's, not that of launching them, as in a CUDA graph), remembered. While a CUDA graph is being captured a shape
+    not timed before keeps the dilated convolution (the graphs' warm-up calls, made before, time theirs)."""
+    key = (tuple(x.shape), tuple(weight.shape), dilation, x.dtype, str(x.device))
+    use = _PHASE_PLAN.get(key)
+    if use is not None or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        return bool(use)
+    times = []
+    for fn in (lambda: F.conv1d(x, weight, None, 1, 0, dilation), lambda: conv1d_phases(x, weight, None, dilation)):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(10_000_000)  # ~5 ms: the calls below are queued before the GPU reaches them
+        start.record()
+        for _ in range(3):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    use = _PHASE_PLAN[key] = times[1] < 2 / 3 * times[0]
+    if use:
+        log.info("codec: dilated convolution %s x %s (dilation %d) runs as phases: %.2f ms -> %.2f ms",
+                 key[0], key[1], dilation, times[0] / 3, times[1] / 3)
+    return use
+
+
 class CausalConv1d(nn.Module):
     """Conv1d padded on the left by (kernel-1)*dilation+1-stride, and on the right so the
     last frame is complete. `weight_norm` only says how the reference stores the weight."""
@@ -232,6 +278,7 @@ class CausalConv1d(nn.Module):
         self.weight_norm = weight_norm
         self.state_key = ""
         self.to_one = False  # a Triton kernel for one output channel (see use_triton_kernels)
+        self.phase_plan = False  # a dilated one: as `conv1d_phases` where that is faster (see use_triton_kernels)
 
     def init_state(self, batch, device, dtype) -> dict[str, Tensor]:
         if self.context == 0:
@@ -254,6 +301,8 @@ class CausalConv1d(nn.Module):
         if self.to_one:
             return kernels.conv_to_one(x, self.conv.weight, self.conv.bias, self.conv.dilation[0]).to(x.dtype)
         c = self.conv
+        if self.phase_plan and _phases_pay(x, c.weight, c.dilation[0]):
+            return conv1d_phases(x, c.weight, c.bias if bias else None, c.dilation[0])
         return F.conv1d(x, c.weight, c.bias if bias else None, c.stride, 0, c.dilation, c.groups)
 
 
@@ -641,6 +690,8 @@ class ResidualVQ(nn.Module):
 class Quantizer(nn.Module):
     """x4 causal downsample, window transformer, semantic VQ + residual VQ on what it misses."""
 
+    table: Optional[Tensor] = None  # see fuse_embeddings
+
     def __init__(self, cfg: CodecConfig):
         super().__init__()
         dim = cfg.latent_dim
@@ -679,10 +730,31 @@ class Quantizer(nn.Module):
         residual_codes, _ = self.quantizer.quantize(z - z_semantic)
         return torch.cat([semantic_codes, residual_codes], dim=1)
 
+    def fuse_embeddings(self, on: bool = True) -> None:
+        """Decode the codes as one lookup: every codebook's entries through its 1x1 projection (bias included),
+        computed once in fp32, in one table [4096 + 9 x 1024, dim] in the codec's dtype; a frame's latent is the
+        fp32 sum of its ten rows (ten lookups, transposes, projections and sums become one lookup and one sum).
+        Computed from the weights at the time of the call: call it again after changing them."""
+        if not on:
+            self.table = self.offsets = None
+            return
+        rows = []
+        for q in [*self.semantic_quantizer.quantizers, *self.quantizer.quantizers]:
+            w = q.out_proj.weight[:, :, 0].float()  # [dim, codebook_dim]
+            rows.append(q.codebook.weight.float() @ w.T + q.out_proj.bias.float())
+        sizes = [self.semantic_quantizer.size] + [self.quantizer.size] * len(self.quantizer.quantizers)
+        self.table = torch.cat(rows).to(self.semantic_quantizer.quantizers[0].out_proj.weight.dtype)
+        self.offsets = torch.tensor([0, *np.cumsum(sizes)[:-1]], device=self.table.device)[None, :, None]
+        self.limits = torch.tensor(sizes, device=self.table.device)[None, :, None] - 1
+
     def decode(self, codes: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, 1+n, F] -> [B, dim, 4F]
-        semantic = codes[:, :1].clamp(0, self.semantic_quantizer.size - 1)
-        residual = codes[:, 1:].clamp(0, self.quantizer.size - 1)
-        z = self.semantic_quantizer.embed(semantic) + self.quantizer.embed(residual)
+        if self.table is not None:
+            idx = torch.minimum(codes.clamp(min=0), self.limits) + self.offsets
+            z = F.embedding(idx, self.table).sum(1, dtype=torch.float32).to(self.table.dtype).transpose(1, 2)
+        else:
+            semantic = codes[:, :1].clamp(0, self.semantic_quantizer.size - 1)
+            residual = codes[:, 1:].clamp(0, self.quantizer.size - 1)
+            z = self.semantic_quantizer.embed(semantic) + self.quantizer.embed(residual)
         z = self.post_module(z, step)
         for conv, block in self.upsample:
             z = block(conv(z, step), step)
@@ -776,7 +848,9 @@ def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
     """Run the streaming decoder's elementwise work as Triton kernels (on a GPU, or under the Triton interpreter in
     tests): every Snake activation as one kernel that also writes a causal convolution's left context next to its
     output and takes the previous convolution's bias along (five elementwise passes, a bias pass and a concatenation
-    become one); the last convolution (to one channel: nothing for tensor-core tiles to fill); and in the
+    become one); the last convolution (to one channel: nothing for tensor-core tiles to fill); each dilated
+    convolution timed against its phases (`conv1d_phases`) per shape on a GPU, the faster kept; the ten codebooks'
+    embeddings as one lookup in a table of their projections (`Quantizer.fuse_embeddings`); and in the
     quantizer's transformers RMSNorm, RoPE, SwiGLU (w1 | w3 in one product) and the scaled residual sums. A call
     runs over a thousand kernels of a few microseconds each whatever its size: their number is most of what a small
     call costs."""
@@ -789,6 +863,9 @@ def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
             m.fuse(on)
         if isinstance(m, CausalConv1d):
             m.to_one = on and m.conv.out_channels == 1 and m.stride == 1 and m.conv.groups == 1
+            m.phase_plan = on and m.conv.dilation[0] > 1 and m.stride == 1 and m.conv.groups == 1
+        if isinstance(m, Quantizer):
+            m.fuse_embeddings(on)
 
 
 # --------------------------------------------------------------------------- state dicts

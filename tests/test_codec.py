@@ -151,6 +151,52 @@ def test_parity_full_decode_and_stream(reference_full):
     _assert_close(torch.cat(chunks, dim=-1), expected)
 
 
+@pytest.mark.parametrize("batch,channels,length,dilation", [(2, 5, 60, 9), (3, 4, 37, 3), (1, 6, 55, 9), (2, 3, 20, 2)])
+def test_conv1d_phases_is_the_dilated_convolution(batch, channels, length, dilation):
+    from s2tts.codec import conv1d_phases
+
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(batch, channels, length, generator=g)
+    w, b = torch.randn(7, channels, 3, generator=g), torch.randn(7, generator=g)
+    expected = torch.nn.functional.conv1d(x, w, b, dilation=dilation)
+    got = conv1d_phases(x, w, b, dilation)
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_formulations_match_reference(reference_tiny, monkeypatch):
+    """What `use_triton_kernels` changes on a GPU besides the kernels: the codebooks decoded as one lookup in a table
+    of their projections, and dilated convolutions as their phases (there only for shapes where that is faster; all
+    of them here) still give the reference codec's audio, whole and streamed."""
+    import s2tts.codec as codec_module
+
+    ref, ours = reference_tiny
+    codes = _random_codes(ours.config, 9, seed=4)
+    codes[0, 0, 3], codes[0, 5, 1], codes[0, 2, 2] = 10**6, 10**6, -4  # out of range: clamped, as the reference does
+    expected = _ref_decode(ref, codes.clamp(min=0))
+    phased = [m for m in ours.decoder.modules() if isinstance(m, codec_module.CausalConv1d) and m.conv.dilation[0] > 1]
+    assert phased
+    monkeypatch.setattr(codec_module, "_phases_pay", lambda *args: True)
+    calls, phases = [], codec_module.conv1d_phases
+    monkeypatch.setattr(codec_module, "conv1d_phases", lambda *args: calls.append(1) or phases(*args))
+    try:
+        for m in phased:
+            m.phase_plan = True
+        ours.quantizer.fuse_embeddings(True)
+        assert ours.quantizer.table.shape[0] == ours.config.semantic_codebook_size + 9 * ours.config.codebook_size
+        _assert_close(ours.decode(codes), expected)
+        state, chunks = ours.new_stream_state(1), []
+        for a, b in [(0, 1), (1, 5), (5, 9)]:
+            audio, state = ours.decode_stream(codes[..., a:b], state)
+            chunks.append(audio)
+        _assert_close(torch.cat(chunks, dim=-1), expected)
+        assert len(calls) == 4 * len(phased)  # every dilated convolution of each call went through its phases
+    finally:
+        for m in phased:
+            m.phase_plan = False
+        ours.quantizer.fuse_embeddings(False)
+
+
 def test_parity_tiny_long(reference_tiny):
     """Tiny widths, window 8: 6.5 s spans >512 encoder latent frames and many quantizer windows."""
     ref, ours = reference_tiny

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The streaming decoder's convolutions in channels-first (NCW, as the codec runs them) against channels-last (NWC)
+memory, on a GPU: each convolution of one chunk (fp16 with the codec's Triton kernels, as served) is recorded, then
+timed alone with the same operands in either layout, median of 20 calls after warm-up (each queued behind a GPU sleep:
+GPU time, as in a CUDA graph, not launch time), cuDNN heuristics as served.
+
+    python3 perf/bench_conv_layout.py --checkpoint /tmp/s2-full --streams 64 --chunk 4
+
+Prints one row per convolution shape: microseconds in NCW, in NWC (input and weight permuted in memory, the result
+left as cuDNN gives it), whether the NWC result comes back channels-last (no transposition left for the next
+layer), the largest difference between the two results, the sum over the call, and for a dilated convolution the
+time of `codec.conv1d_phases` (undilated over the interleaved phases).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+
+def timed_us(fn, iters=20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(10_000_000)  # the call is queued before the GPU reaches it: GPU time, not launch time
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3)
+    return sorted(ts)[len(ts) // 2]
+
+
+def channels_last(t: torch.Tensor) -> torch.Tensor:
+    """[A, C, W] with C the fastest-moving dimension in memory (same values, same shape)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def record_convs(codec, codes) -> list[tuple]:
+    """(kind, input, weight, stride, padding and the rest of the arguments) of every convolution one decode_stream
+    call runs (the codec passes them by position)."""
+    seen, real = [], {"conv1d": F.conv1d, "conv_transpose1d": F.conv_transpose1d}
+
+    def spy(kind):
+        def call(x, w, b=None, *rest):
+            seen.append((kind, x.detach().clone(), w, rest))
+            return real[kind](x, w, b, *rest)
+        return call
+
+    from s2tts import codec as codec_module
+
+    plan, codec_module._phases_pay = codec_module._phases_pay, lambda *a: False  # the codec's own form of each
+    F.conv1d, F.conv_transpose1d = spy("conv1d"), spy("conv_transpose1d")
+    try:
+        with torch.inference_mode():
+            codec.decode_stream(codes, codec.new_stream_state(codes.shape[0]))
+    finally:
+        F.conv1d, F.conv_transpose1d = real["conv1d"], real["conv_transpose1d"]
+        codec_module._phases_pay = plan
+    return seen
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=4)
+    args = ap.parse_args()
+    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec import use_triton_kernels
+
+    codec = load_codec_from_dir(args.checkpoint, "cuda", "fp16")
+    codec.drop_encoding()
+    use_triton_kernels(codec)
+    cfg = codec.config
+    g = torch.Generator().manual_seed(0)
+    codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (args.streams, 1, args.chunk), generator=g),
+                       torch.randint(0, cfg.codebook_size, (args.streams, cfg.n_codebooks, args.chunk), generator=g)],
+                      1).cuda()
+    convs = record_convs(codec, codes)
+    from s2tts.codec import conv1d_phases
+
+    rows, totals = {}, [0.0, 0.0, 0]
+    with torch.inference_mode():
+        for kind, x, w, rest in convs:
+            key = (kind, tuple(x.shape), tuple(w.shape), rest)
+            if key not in rows:
+                fn = getattr(F, kind)
+                xl, wl = channels_last(x), channels_last(w)
+                ncw = timed_us(lambda: fn(x, w, None, *rest))
+                nwc = timed_us(lambda: fn(xl, wl, None, *rest))
+                a, b = fn(x, w, None, *rest), fn(xl, wl, None, *rest)
+                diff = float((a.float() - b.float()).abs().max() / a.float().abs().max().clamp(min=1e-12))
+                dil = rest[2][0] if kind == "conv1d" else 1
+                phases = "" if dil == 1 else f"{timed_us(lambda: conv1d_phases(x, w, None, dil)):.1f}"
+                if phases:
+                    c = conv1d_phases(x, w, None, dil)
+                    phases += f" ({float((a.float() - c.float()).abs().max() / a.float().abs().max()):.0e})"
+                rows[key] = [ncw, nwc, b.stride(1) == 1, diff, 0, phases]
+            rows[key][4] += 1
+            totals[0] += rows[key][0]
+            totals[1] += rows[key][1]
+            totals[2] += 1
+    print(f"\n{args.streams} streams x {args.chunk} frames, fp16, {totals[2]} convolutions a call\n")
+    print("| kind | input | weight | stride, padding, dilation, groups | calls | NCW us | NWC us | NWC out channels-last "
+          "| rel diff | phases us (rel diff) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (kind, xs, ws, rest), (ncw, nwc, cl, diff, n, phases) in rows.items():
+        print(f"| {kind} | {list(xs)} | {list(ws)} | {rest} | {n} | {ncw:.1f} | {nwc:.1f} | {cl} | {diff:.1e} | {phases} |")
+    print(f"\nsum over the call: NCW {totals[0] / 1e3:.2f} ms, NWC {totals[1] / 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
