@@ -85,11 +85,15 @@ def _shard_map(path: Path) -> dict[str, str]:
     raise CheckpointError(f"{path}: neither {INDEX_FILE} nor model.safetensors found")
 
 
-def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16", parts=("slow", "fast")) -> S2Model:
+def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16", parts=("slow", "fast"),
+               weights: str = "dtype") -> S2Model:
     """Build S2Model from a checkpoint directory, strictly checked, on `device` in `dtype`.
 
     `parts=("fast",)` loads only the fast AR (the `fast_ar` model); the rest stays on the meta device.
+    `weights="fp8"`: the layers' matrices in FP8 with a scale per row (`model.use_fp8_weights`), the rest in `dtype`.
     """
+    if weights not in ("dtype", "fp8"):
+        raise ValueError(f"weights={weights!r}: use 'dtype' (as loaded) or 'fp8'")
     from safetensors import safe_open
 
     path = Path(path)
@@ -134,6 +138,10 @@ def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16"
     _materialize_buffers(model, device)
     if "slow" in parts:
         model.slow.build_head()
+    if weights == "fp8":
+        from .model import use_fp8_weights
+
+        use_fp8_weights(model)
     return model.eval().requires_grad_(False)
 
 

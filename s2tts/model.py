@@ -402,6 +402,44 @@ def use_invariant_linears(model: nn.Module, max_rows: int) -> None:
             m.head_rows = max_rows
 
 
+class Fp8Linear(nn.Module):
+    """A bias-free linear layer whose weight is FP8 (e4m3) with a scale per output row (`kernels.quantize_fp8`):
+    half the bytes of bf16 that a decode step reads. With `kernel` (GPU, or the Triton interpreter) the product runs
+    in `kernels.linear`, the weight widened in registers; without it the weight is widened in memory first."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        from .kernels import quantize_fp8
+
+        w8, scale = quantize_fp8(weight)
+        self.out_features, self.in_features = w8.shape
+        self.weight = nn.Parameter(w8, requires_grad=False)
+        self.register_buffer("scale", scale)
+        self.kernel = False
+
+    def forward(self, x):
+        if self.kernel:
+            from .kernels import linear
+
+            return linear(x, self.weight, scale=self.scale)
+        return F.linear(x, (self.weight.float() * self.scale[:, None]).to(x.dtype))
+
+
+def use_fp8_weights(model: nn.Module) -> None:
+    """Every matrix of both ARs' layers (q|k|v, o, w1|w3, w2) as FP8 with a scale per output row (`Fp8Linear`);
+    embeddings, norms and the output heads stay as loaded. Not undone: load the model again for the original."""
+    for m in list(model.modules()):
+        if isinstance(m, FeedForward):
+            m.fuse_weights()
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
+        for owner, name in ((block.attention, "wqkv"), (block.attention, "wo"), (block.feed_forward, "w13"),
+                            (block.feed_forward, "w2")):
+            lin = getattr(owner, name)
+            if isinstance(lin, nn.Linear):
+                setattr(owner, name, Fp8Linear(lin.weight.data))
+                del lin
+
+
 def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
     """Switch the decode path to the fused Triton kernels (GPU; or the Triton interpreter in tests).
 
@@ -417,6 +455,8 @@ def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
             m.fused = on
         if isinstance(m, SlowAR):
             m.head_kernel = on
+        if isinstance(m, Fp8Linear):
+            m.kernel = on
 
 
 class S2Model(nn.Module):

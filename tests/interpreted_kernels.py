@@ -228,8 +228,31 @@ def check_codec(ckpt):
     print("codec ok")
 
 
+def check_fp8(ckpt):
+    """FP8 weights (`ar_weights=fp8`): the engine with the kernels (every layer matrix through `kernels.linear`, the
+    weight widened in registers) gives the logits and codes of the PyTorch path (the weight widened in memory)."""
+    from s2tts.model import Fp8Linear
+
+    prompt = PromptBuilder.from_dir(ckpt).build("Eight bits a weight.")
+    results = []
+    for kern in (False, True):
+        model = load_model(ckpt, "cpu", "fp32", weights="fp8")
+        eng = Engine(model, residual_size=32, max_batch=2, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
+                     fused_kernels=kern, kv_block_tokens=8 if kern else 0)
+        assert model.fast.layers[0].feed_forward.w13.kernel == kern and isinstance(model.slow.layers[0].attention.wo, Fp8Linear)
+        logits = []
+        eng.logits_hook = lambda ids, lg: logits.append(lg[0].clone())
+        codes, _ = eng.generate(prompt, SamplingParams(seed=3, max_new_tokens=6, ignore_end=True))
+        results.append((codes, logits))
+    (c0, l0), (c1, l1) = results
+    np.testing.assert_array_equal(c0, c1)
+    assert len(l0) == len(l1) == 6 and all(rel(b, a) < 1e-5 for a, b in zip(l0, l1))
+    print("fp8 ok")
+
+
 if __name__ == "__main__":
     check_ops()
     check_codec(sys.argv[1])
     check_engine(sys.argv[1])
     check_invariant(sys.argv[1])
+    check_fp8(sys.argv[1])

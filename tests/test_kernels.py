@@ -17,4 +17,4 @@ def test_kernels_match_pytorch_under_interpreter(tiny_ckpt):
     script = Path(__file__).with_name("interpreted_kernels.py")
     p = subprocess.run([sys.executable, str(script), str(tiny_ckpt)], capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    assert "ops ok" in p.stdout and "codec ok" in p.stdout and "engine ok" in p.stdout
+    assert "ops ok" in p.stdout and "codec ok" in p.stdout and "engine ok" in p.stdout and "fp8 ok" in p.stdout

@@ -55,7 +55,7 @@ class TritonPythonModel:
         self.name = args.get("model_name", "slow_ar")
         self.log = tu.setup_logging(self.name)
         v = settings.model_values(cfg, "slow_ar")
-        model = load_model(v.checkpoint, v.device, v.dtype)
+        model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
         engine = Engine(
             model,
             residual_size=codec_codebook_sizes(v.checkpoint)[1],
@@ -82,9 +82,9 @@ class TritonPythonModel:
                                      on_tick=self._report,
                                      frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
                                      codec=codec, codec_batch_steps=v.codec_batch_steps)
-        self.log.info("%s ready: device=%s dtype=%s max_batch=%d max_seq_len=%d kv_cache=%d tokens in blocks of %d "
+        self.log.info("%s ready: device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d kv_cache=%d tokens in blocks of %d "
                       "cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s adaptive_chunks=%s codec_in_engine=%s",
-                      self.name, engine.device, engine.dtype, engine.max_batch, engine.max_seq_len,
+                      self.name, engine.device, engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len,
                       engine.kv_capacity_tokens, engine.blocks.block_size, sorted(engine.graphs),
                       engine.prefix_cache.max_bytes >> 20, engine.batch_invariant, v.adaptive_chunks, codec is not None)
 

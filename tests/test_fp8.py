@@ -1,0 +1,63 @@
+"""FP8 weights (`ar_weights=fp8`): what changes in the model, how close it stays, and a server that serves with it.
+Its speed is measured on a GPU (perf/RESULTS.md); the kernels' path is checked under the Triton interpreter
+(tests/interpreted_kernels.py: check_fp8)."""
+
+import numpy as np
+import pytest
+import torch
+
+from s2tts.checkpoint import load_model
+from s2tts.model import Fp8Linear
+from s2tts.prompt import PromptBuilder
+
+from servers import assert_together_as_alone, tiny_server
+
+
+def _logits(model, prompt):
+    x = model.embed(prompt.tokens[None], prompt.codes[None], prompt.semantic[None])
+    with torch.inference_mode():
+        return model.slow(x, torch.arange(len(prompt))[None])[1][0]
+
+
+def test_fp8_weights_are_the_layer_matrices_only(tiny_ckpt):
+    plain = load_model(tiny_ckpt, "cpu", "fp32")
+    fp8 = load_model(tiny_ckpt, "cpu", "fp32", weights="fp8")
+    for stack in (fp8.slow.stack, fp8.fast.stack):
+        for layer in stack.layers:
+            mats = [layer.attention.wqkv, layer.attention.wo, layer.feed_forward.w13, layer.feed_forward.w2]
+            assert all(isinstance(m, Fp8Linear) and m.weight.dtype == torch.float8_e4m3fn for m in mats)
+    # embeddings, norms and heads as loaded
+    assert torch.equal(fp8.slow.head, plain.slow.head) and fp8.fast.output.weight.dtype == torch.float32
+    assert torch.equal(fp8.fast.embeddings.weight, plain.fast.embeddings.weight)
+    # each matrix within FP8's rounding of the original, a scale per output row
+    w = plain.slow.layers[0].attention.wo.weight
+    q = fp8.slow.layers[0].attention.wo
+    deq = q.weight.float() * q.scale[:, None]
+    assert q.scale.shape == (w.shape[0],) and float((deq - w).norm() / w.norm()) < 0.05
+    assert float(deq.abs().amax(1).sub(w.abs().amax(1)).abs().max()) < 1e-6  # each row's largest value is exact
+    prompt = PromptBuilder.from_dir(tiny_ckpt).build("How close is eight bits?")
+    a, b = _logits(plain, prompt), _logits(fp8, prompt)
+    err = float((a - b).norm() / a.norm())
+    assert 0 < err < 0.1, err
+
+
+def test_fp8_weights_value_is_checked(tiny_ckpt):
+    with pytest.raises(ValueError, match="'dtype' .* or 'fp8'"):
+        load_model(tiny_ckpt, "cpu", "fp32", weights="fp4")
+
+
+@pytest.fixture(scope="module")
+def fp8_server(tiny_ckpt, tmp_path_factory):
+    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("fp8"), ar_weights="fp8", max_batch=4, max_seq_len=1024,
+                     chunk_frames=6) as server:
+        yield server
+
+
+def test_server_serves_with_fp8_weights(fp8_server):
+    solo = assert_together_as_alone(fp8_server, ["Eight bits, first.", "And a second request, a bit longer."],
+                                    [5, 6], max_new_tokens=14)
+    assert "ar_weights=fp8" in fp8_server.log_tail(100000)
+    for r in solo:
+        frames = r.codes.shape[1]  # [codebooks, frames]; a request may end before its limit
+        assert r.codes.shape[0] == 10 and 1 <= frames <= 14 and r.audio.size == frames * 2048
+        assert np.abs(r.audio).max() > 1e-4
