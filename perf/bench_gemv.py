@@ -111,8 +111,10 @@ def scaled_mm(x, M, w8s, ref) -> tuple[float | str, str]:
     """cuBLAS's FP8 product (`torch._scaled_mm`, activations quantized too, a scale per row of each; at least 16
     rows) -> (microseconds a call, relative error against the bf16 weight's exact product); the activations'
     quantization is not timed."""
+    from s2tts.kernels import FP8_MAX
+
     m = max(M, 16)
-    xs = x[:m].float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+    xs = x[:m].float().abs().amax(1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     x8 = (x[:m].float() / xs).to(torch.float8_e4m3fn)
     i = [0]
 

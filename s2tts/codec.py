@@ -224,7 +224,8 @@ def conv1d_phases(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: i
     """F.conv1d(x, weight, bias, dilation=dilation) (stride 1, no padding) as one undilated convolution over the
     `dilation` interleaved phases of x (output t = s * dilation + p reads only inputs of phase p), stacked along the
     batch: the same sums, at the cost of copying x in and the result out. cuDNN's heuristics can run a dilated
-    convolution on a kernel without tensor cores (perf/RESULTS.md: 4.8 ms of a 12 ms chunk on an H100)."""
+    convolution on a kernel without tensor cores (perf/RESULTS.md: on an H100, 4.7 of the 11 ms that a 64-stream
+    chunk spends in convolutions)."""
     B, C, T = x.shape
     d, k = dilation, weight.shape[-1]
     n_out = T - (k - 1) * d
@@ -732,7 +733,7 @@ class Quantizer(nn.Module):
 
     def fuse_embeddings(self, on: bool = True) -> None:
         """Decode the codes as one lookup: every codebook's entries through its 1x1 projection (bias included),
-        computed once in fp32, in one table [4096 + 9 x 1024, dim] in the codec's dtype; a frame's latent is the
+        computed once in fp32, in one table [all codebooks' entries, dim] in the codec's dtype; a frame's latent is the
         fp32 sum of its ten rows (ten lookups, transposes, projections and sums become one lookup and one sum).
         Computed from the weights at the time of the call: call it again after changing them."""
         if not on:

@@ -570,6 +570,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
     M, N = x2.shape[0], weight.shape[0]
     if scale is None and (triton is None or M > max_rows or M == 0):
         return torch.nn.functional.linear(x, weight)
+    if triton is None:
+        raise RuntimeError("FP8 weights are multiplied by a Triton kernel: install the `triton` package")
     if M == 0:
         return x.new_empty(*x.shape[:-1], N)
     x2 = _unit_rows(x2)

@@ -437,7 +437,6 @@ def use_fp8_weights(model: nn.Module) -> None:
             lin = getattr(owner, name)
             if isinstance(lin, nn.Linear):
                 setattr(owner, name, Fp8Linear(lin.weight.data))
-                del lin
 
 
 def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
