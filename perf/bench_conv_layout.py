@@ -21,20 +21,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 
-def timed_us(fn, iters=20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(10_000_000)  # the call is queued before the GPU reaches it: GPU time, not launch time
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return sorted(ts)[len(ts) // 2]
+def timed_us(fn) -> float:
+    from bench_codec import timed
+
+    return timed(fn, iters=20, warmup=3, queued=True) * 1e3
 
 
 def channels_last(t: torch.Tensor) -> torch.Tensor:

@@ -58,6 +58,15 @@ def _random_codes(config: CodecConfig, frames: int, batch: int = 1, seed: int = 
     return torch.cat([semantic, residual], dim=1)
 
 
+def _streamed(codec: DAC, codes: torch.Tensor, cuts: list[int]) -> torch.Tensor:
+    """Audio of `codes` streamed in chunks ending at each cut (one stream)."""
+    state, chunks = codec.new_stream_state(codes.shape[0]), []
+    for a, b in zip([0] + cuts[:-1], cuts):
+        audio, state = codec.decode_stream(codes[..., a:b], state)
+        chunks.append(audio)
+    return torch.cat(chunks, dim=-1)
+
+
 def _assert_close(a: torch.Tensor, b: torch.Tensor, rel: float = 1e-4):
     assert a.shape == b.shape
     scale = b.abs().max().item()
@@ -144,11 +153,7 @@ def test_parity_full_decode_and_stream(reference_full):
     assert expected.abs().max() > 1e-3
     _assert_close(ours.decode(codes), expected)
 
-    state, chunks = ours.new_stream_state(1), []
-    for a, b in [(0, 2), (2, 3), (3, 7)]:
-        audio, state = ours.decode_stream(codes[..., a:b], state)
-        chunks.append(audio)
-    _assert_close(torch.cat(chunks, dim=-1), expected)
+    _assert_close(_streamed(ours, codes, [2, 3, 7]), expected)
 
 
 @pytest.mark.parametrize("batch,channels,length,dilation", [(2, 5, 60, 9), (3, 4, 37, 3), (1, 6, 55, 9), (2, 3, 20, 2)])
@@ -185,11 +190,7 @@ def test_gpu_formulations_match_reference(reference_tiny, monkeypatch):
         ours.quantizer.fuse_embeddings(True)
         assert ours.quantizer.table.shape[0] == ours.config.semantic_codebook_size + 9 * ours.config.codebook_size
         _assert_close(ours.decode(codes), expected)
-        state, chunks = ours.new_stream_state(1), []
-        for a, b in [(0, 1), (1, 5), (5, 9)]:
-            audio, state = ours.decode_stream(codes[..., a:b], state)
-            chunks.append(audio)
-        _assert_close(torch.cat(chunks, dim=-1), expected)
+        _assert_close(_streamed(ours, codes, [1, 5, 9]), expected)
         assert len(calls) == 4 * len(phased)  # every dilated convolution of each call went through its phases
     finally:
         for m in phased:
@@ -210,11 +211,7 @@ def test_parity_tiny_long(reference_tiny):
     codes = _random_codes(ours.config, 70, seed=5)
     expected = _ref_decode(ref, codes)
     _assert_close(ours.decode(codes), expected)
-    state, chunks = ours.new_stream_state(1), []
-    for a, b in [(0, 4), (4, 29), (29, 32), (32, 70)]:
-        audio, state = ours.decode_stream(codes[..., a:b], state)
-        chunks.append(audio)
-    _assert_close(torch.cat(chunks, dim=-1), expected)
+    _assert_close(_streamed(ours, codes, [4, 29, 32, 70]), expected)
 
 
 def _transformer_pairs(ref, ours):
