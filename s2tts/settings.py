@@ -100,7 +100,8 @@ SETTINGS: tuple[Setting, ...] = (
             "codec beside it)", derived_from="device"),
     Setting("dtype", str, "bf16", ("slow_ar", "fast_ar"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
     Setting("ar_weights", str, "dtype", ("slow_ar",), "`dtype`: the AR matrices as `dtype`; `fp8`: slow_ar's "
-            "layers' matrices (both ARs; embeddings, norms and heads stay) in FP8 e4m3 with a scale per output row, "
+            "layers' matrices (both ARs; the `fast_ar` model of fast_ar=bls keeps `dtype`; embeddings, norms and heads "
+            "stay) in FP8 e4m3 with a scale per output row, "
             "multiplied in the Triton kernel with the weight widened in registers: half the weight bytes and memory. "
             "About 2.7% error per product; on an H100 1.3-1.45x faster products at 1-16 rows, slower than cuBLAS "
             "at 64 (perf/RESULTS.md): a setting for latency, not for throughput", choices=("dtype", "fp8")),
