@@ -10,7 +10,7 @@
     # a voice-clone mix: half the requests clone a synthetic 10 s reference, encoded once via dac_encoder
     python perf/loadgen.py --url 127.0.0.1:8001 --clone-fraction 0.5 --clone-mode codes
 
-Each level runs a fixed number of requests (--requests-per-level, default max(2*c, 8)) from c closed-loop
+Each level runs a fixed number of requests (--requests-per-level: default max(2*c, 8), N, or C:N per level) from c closed-loop
 workers; every request has its own prompt text (unique in the run), its own seed, and generates exactly
 --frames frames (`ignore_eos`; the gateway path cannot ask for that, see --http-ignore-eos). Before the
 sweep --warmup requests run alone; before each level every worker runs one short request (--warmup-frames).
@@ -455,6 +455,7 @@ class Options:
     http_ignore_eos: bool = False
     concurrency: tuple = (1, 4, 16, 64)
     requests_per_level: int | None = None
+    level_requests: dict = field(default_factory=dict)  # concurrency -> requests, over requests_per_level
     frames: int = 100
     ignore_eos: bool = True
     warmup: int = 2
@@ -503,7 +504,7 @@ class Sweep:
 
     def level(self, c: int, gpu: GpuMonitor) -> dict:
         o = self.o
-        n = o.requests_per_level or max(2 * c, 8)
+        n = o.level_requests.get(c) or o.requests_per_level or max(2 * c, 8)
         jobs: queue.Queue = queue.Queue()
         for _ in range(n):
             jobs.put(self.job())
@@ -692,6 +693,24 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def parse_level_requests(text: str) -> tuple[int | None, dict[int, int]]:
+    """'8,64:384' -> (8, {64: 384}): N for every level, C:N for one level's concurrency C."""
+    every, per = None, {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        c, _, n = item.rpartition(":")
+        try:
+            value, level = int(n), int(c) if c else None
+        except ValueError:
+            raise ValueError(f"--requests-per-level: {item!r} is neither N nor C:N") from None
+        if value < 1 or (level is not None and level < 1):
+            raise ValueError(f"--requests-per-level: {item!r} needs positive integers")
+        if level is None:
+            every = value
+        else:
+            per[level] = value
+    return every, per
+
+
 def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address (default %(default)s)")
@@ -703,7 +722,9 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--http-ignore-eos", action="store_true",
                     help="also send ignore_eos over HTTP (only for a gateway that accepts the field)")
     ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels (default %(default)s)")
-    ap.add_argument("--requests-per-level", type=int, help="requests per level (default max(2*c, 8))")
+    ap.add_argument("--requests-per-level", default="",
+                    help="requests per level (default max(2*c, 8)): N for every level, C:N for the level of "
+                         "concurrency C, or both, e.g. '8,64:384' (a long c=64 level beside short others)")
     ap.add_argument("--frames", type=int, default=100, help="frames per request (default %(default)s = 4.64 s of audio)")
     ap.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at the end token")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests, one at a time, before the sweep")
@@ -732,9 +753,13 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
         ap.error("--concurrency needs positive integers")
     if not 0 <= a.clone_fraction <= 1:
         ap.error("--clone-fraction must be in [0, 1]")
+    try:
+        per_level, level_requests = parse_level_requests(a.requests_per_level)
+    except ValueError as e:
+        ap.error(str(e))
     o = Options(url=a.url, model=a.model, encoder_model=a.encoder_model, target=a.target, http_model=a.http_model,
                 api_key=a.api_key, http_ignore_eos=a.http_ignore_eos, concurrency=levels,
-                requests_per_level=a.requests_per_level, frames=a.frames, ignore_eos=not a.no_ignore_eos, warmup=a.warmup,
+                requests_per_level=per_level, level_requests=level_requests, frames=a.frames, ignore_eos=not a.no_ignore_eos, warmup=a.warmup,
                 warmup_frames=a.warmup_frames, level_warmup=not a.no_level_warmup, clone_fraction=a.clone_fraction,
                 clone_mode=a.clone_mode, ref_seconds=a.ref_seconds, ref_sample_rate=a.ref_sample_rate,
                 temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, first_chunk_frames=a.first_chunk_frames,

@@ -21,7 +21,8 @@
 #   CONCURRENCY             1,4,16,64                loadgen levels; "" skips the phase
 #   FRAMES                  100                      frames per request (100 = 4.64 s of audio)
 #   CLONE_CONCURRENCY       1,16                     clone levels; "" skips the phase
-#   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level 32")
+#   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level
+#                                                    64:384": a long c=64 level, the others their default)
 #   PA                      1                        0 skips perf_analyzer
 #   PA_CONCURRENCY          "1 16"                   perf_analyzer levels
 #   PA_FRAMES               50                       frames per s2pro/slow_ar request in perf_analyzer

@@ -24,10 +24,21 @@ def _run(cmd, timeout, env=None):
     return p
 
 
+def test_requests_per_level_forms():
+    sys.path.insert(0, str(ROOT / "perf"))
+    from loadgen import parse_level_requests
+
+    assert parse_level_requests("") == (None, {})
+    assert parse_level_requests("8, 64:384,16:32") == (8, {64: 384, 16: 32})
+    for bad in ("x", "64:", "0", "2:-1", "a:3"):
+        with pytest.raises(ValueError, match="--requests-per-level"):
+            parse_level_requests(bad)
+
+
 def test_loadgen_sweep(triton_server, tmp_path):
     out = tmp_path / "loadgen.json"
     p = _run([sys.executable, "perf/loadgen.py", "--url", triton_server.grpc_url, "--concurrency", "1,2",
-              "--requests-per-level", "3", "--frames", str(FRAMES), "--warmup", "1", "--warmup-frames", "4",
+              "--requests-per-level", "3,2:4", "--frames", str(FRAMES), "--warmup", "1", "--warmup-frames", "4",
               "--clone-fraction", "0.5", "--clone-mode", "mixed", "--ref-seconds", "4", "--timeout", "120",
               "--json", str(out)], timeout=240)
     r = json.loads(out.read_text())
@@ -35,7 +46,7 @@ def test_loadgen_sweep(triton_server, tmp_path):
     # the markdown table is printed last: header, separator, one row per level
     tail = p.stdout.strip().splitlines()[-4:]
     assert tail[0].startswith("| c | reqs ok/n | TTFA mean ms"), p.stdout
-    assert tail[2].startswith("| 1 | 3/3 |") and tail[3].startswith("| 2 | 3/3 |"), p.stdout
+    assert tail[2].startswith("| 1 | 3/3 |") and tail[3].startswith("| 2 | 4/4 |"), p.stdout  # 2:4 over 3
 
     assert r["config"]["frames"] == FRAMES and r["config"]["concurrency"] == [1, 2]
     assert r["warmup"]["ok"] == 1
@@ -45,19 +56,20 @@ def test_loadgen_sweep(triton_server, tmp_path):
     audio_s = FRAMES * HOP / SR
     kinds = set()
     for lv in r["levels"]:
-        assert lv["requests"] == 3 and lv["ok"] == 3 and lv["errors"] == 0 and lv["not_run"] == 0, lv["error_samples"]
+        n = {1: 3, 2: 4}[lv["concurrency"]]
+        assert lv["requests"] == n and lv["ok"] == n and lv["errors"] == 0 and lv["not_run"] == 0, lv["error_samples"]
         assert lv["ttfa_ms_mean"] > 0 and 0 < lv["ttfa_ms_p50"] <= lv["ttfa_ms_p99"] <= lv["ttfa_ms_max"] + 1e-6
         assert lv["rtf_mean"] > 0 and lv["rtf_p50"] > 0
         assert lv["audio_s_per_s"] > 0 and lv["req_per_s"] > 0 and lv["frames_per_s"] > 0
         assert lv["frames_per_s"] == pytest.approx(lv["audio_s_per_s"] * SR / HOP, rel=0.01)
-        assert lv["audio_s_per_s"] == pytest.approx(3 * audio_s / lv["wall_s"], rel=0.01)
+        assert lv["audio_s_per_s"] == pytest.approx(n * audio_s / lv["wall_s"], rel=0.01)
         assert lv["audio_s_per_request_mean"] == pytest.approx(audio_s, abs=1e-3)
         assert lv["frames_per_request_mean"] == FRAMES and lv["frames_short"] == 0
         assert lv["chunks_per_request_mean"] >= 1
         assert 0 <= lv["stall_fraction"] <= 1
         if r["gpu"]["monitor"] == "n/a":
             assert lv["gpu_mem_peak_mib"] == "n/a"
-        assert len(lv["records"]) == 3
+        assert len(lv["records"]) == n
         for q in lv["records"]:
             kinds.add(q["kind"])
             assert q["ok"] and q["error"] is None
