@@ -111,21 +111,24 @@ class LoopStats:
     codec_s: float = 0.0
     codec_calls: int = 0
     codec_chunks: int = 0
+    frames: int = 0  # frames the steps made: a step's average is how many of the slots decoded
     since: float = 0.0
     every_s: float = 10.0
 
-    def add(self, step_s: float, rest_s: float, name: str) -> None:
+    def add(self, step_s: float, rest_s: float, name: str, frames: int = 0) -> None:
         now = time.monotonic()
         if not self.since:
             self.since = now
         self.steps += 1
         self.step_s += step_s
         self.codec_s += rest_s
+        self.frames += frames
         if now - self.since >= self.every_s and self.codec_calls:
-            log.info("%s: last %.0f s: %d steps of %.1f ms, then %.1f ms a step routing and decoding audio (%d codec "
-                     "calls, %.1f chunks a call)", name, now - self.since, self.steps, 1e3 * self.step_s / self.steps,
-                     1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_chunks / self.codec_calls)
-            self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_chunks = 0, 0.0, 0.0, 0, 0
+            log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
+                     "decoding audio (%d codec calls, %.1f chunks a call)", name, now - self.since, self.steps,
+                     1e3 * self.step_s / self.steps, self.frames / self.steps, 1e3 * self.codec_s / self.steps,
+                     self.codec_calls, self.codec_chunks / self.codec_calls)
+            self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_chunks, self.frames = 0, 0.0, 0.0, 0, 0, 0
             self.since = now
 
 
@@ -297,7 +300,7 @@ class EngineService:
             t2 = time.monotonic()
             dt = t2 - t0
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
-            self.loop.add(t1 - t0, t2 - t1, self.name)
+            self.loop.add(t1 - t0, t2 - t1, self.name, sum(o.codes.shape[0] for o in outputs))
 
     def _batch_for_codec(self, ready: list[list]) -> list[list]:
         """What to decode in this pass: a request's first chunk at once (time to first audio), everything else

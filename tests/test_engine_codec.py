@@ -208,3 +208,29 @@ def test_later_chunks_wait_to_be_decoded_together(model, prompts, tiny_ckpt, cod
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     assert calls_batched < 0.8 * calls_every, (calls_batched, calls_every)
     assert decoder.states == {}
+
+
+def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, codec, s2_log):
+    """slow_ar's loop line says how many frames a step made on average (how many slots decoded): over the logged
+    windows and what is left in the last one, the frames the requests received, but for those of steps that only
+    prefilled (not the streams' pace: at most a request's first frame each)."""
+    import re
+
+    decoder = StreamDecoder(codec, pool_size=8)
+    svc = _service(model, tiny_ckpt, decoder)
+    svc.loop.every_s = 0.0  # a line after every step that called the codec
+    rs = [_Responder() for _ in range(3)]
+    try:
+        for i, r in enumerate(rs):
+            sp = SamplingParams(seed=70 + i, max_new_tokens=9 + 4 * i, ignore_end=True)
+            svc.submit(f"f{i}", r, prompts.build(f"Count my frames {i}."), sp, first_chunk_frames=2, chunk_frames=4)
+        _wait(rs)
+    finally:
+        svc.shutdown()
+    got = sum(codes.shape[0] for r in rs for kind, codes, *_ in r.sent if kind == "ok")
+    assert got == 9 + 13 + 17
+    lines = re.findall(r"(\d+) steps of [\d.]+ ms making ([\d.]+) frames each", s2_log.text)
+    assert lines
+    logged = sum(int(steps) * float(each) for steps, each in lines)
+    assert got - len(rs) <= round(logged + svc.loop.frames) <= got
+    assert all(0 < float(each) <= 3 for _, each in lines)  # never more frames a step than live requests
