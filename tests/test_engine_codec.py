@@ -54,6 +54,20 @@ def _wait(responders, timeout=120):
         assert r.done.wait(max(0.0, deadline - time.monotonic())), "no final response"
 
 
+def _serve_all(svc, prompts, lengths, seed, name, first_chunk_frames, chunk_frames) -> list[_Responder]:
+    """Submit one request per length (seed + i, prompt "{name} i."), wait for all, shut the service down."""
+    rs = [_Responder() for _ in lengths]
+    try:
+        for i, (r, n) in enumerate(zip(rs, lengths)):
+            sp = SamplingParams(seed=seed + i, max_new_tokens=n, ignore_end=True)
+            svc.submit(f"{name}{i}", r, prompts.build(f"{name} {i}."), sp, first_chunk_frames=first_chunk_frames,
+                       chunk_frames=chunk_frames)
+        _wait(rs)
+    finally:
+        svc.shutdown()
+    return rs
+
+
 def test_chunks_carry_audio_that_joins_seamlessly(model, prompts, tiny_ckpt, codec):
     """Three requests at once: every chunk's audio is its own frames (2048 samples each), decoded in batches of
     several streams, and each request's audio is one whole decode of its codes."""
@@ -191,14 +205,7 @@ def test_later_chunks_wait_to_be_decoded_together(model, prompts, tiny_ckpt, cod
     def run(steps):
         decoder = StreamDecoder(codec, pool_size=8)
         svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps)
-        rs = [_Responder() for _ in range(4)]
-        try:
-            for i, r in enumerate(rs):
-                sp = SamplingParams(seed=60 + i, max_new_tokens=15 + 3 * i, ignore_end=True)
-                svc.submit(f"b{i}", r, prompts.build(f"Batch me {i}."), sp, first_chunk_frames=1, chunk_frames=2)
-            _wait(rs)
-        finally:
-            svc.shutdown()
+        rs = _serve_all(svc, prompts, [15, 18, 21, 24], 60, "Batch me", first_chunk_frames=1, chunk_frames=2)
         assert all(kind == "ok" for r in rs for kind, *_ in r.sent)
         return [np.concatenate([a for *_, a in r.sent]) for r in rs], svc.loop.codec_calls, decoder
 
@@ -219,14 +226,7 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
     decoder = StreamDecoder(codec, pool_size=8)
     svc = _service(model, tiny_ckpt, decoder)
     svc.loop.every_s = 0.0  # a line after every step that called the codec
-    rs = [_Responder() for _ in range(3)]
-    try:
-        for i, r in enumerate(rs):
-            sp = SamplingParams(seed=70 + i, max_new_tokens=9 + 4 * i, ignore_end=True)
-            svc.submit(f"f{i}", r, prompts.build(f"Count my frames {i}."), sp, first_chunk_frames=2, chunk_frames=4)
-        _wait(rs)
-    finally:
-        svc.shutdown()
+    rs = _serve_all(svc, prompts, [9, 13, 17], 70, "Count my frames", first_chunk_frames=2, chunk_frames=4)
     got = sum(codes.shape[0] for r in rs for kind, codes, *_ in r.sent if kind == "ok")
     assert got == 9 + 13 + 17
     lines = re.findall(r"(\d+) steps of [\d.]+ ms making ([\d.]+) frames each", s2_log.text)
