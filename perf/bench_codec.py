@@ -27,19 +27,12 @@ import torch  # noqa: E402
 def timed(fn, iters=10, warmup=2, queued=False):
     """Median milliseconds of `iters` calls after `warmup`. `queued`: each call queued behind a GPU sleep first, so
     that the time is the GPU's alone (as in a CUDA graph), not that of launching it."""
+    from s2tts.codec import gpu_time_ms
+
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if queued:
-            torch.cuda._sleep(10_000_000)  # ~5 ms
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
+    ts = [gpu_time_ms(fn, queued=queued) for _ in range(iters)]
     return sorted(ts)[len(ts) // 2]
 
 

@@ -237,6 +237,22 @@ def conv1d_phases(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: i
     return y.reshape(B, d, y.shape[1], y.shape[2]).permute(0, 2, 3, 1).reshape(B, y.shape[1], -1)[..., :n_out]
 
 
+def gpu_time_ms(fn, calls: int = 1, queued: bool = True) -> float:
+    """Milliseconds between CUDA events around `calls` calls of fn. `queued`: the calls are queued behind a GPU sleep
+    first, so that the time is the GPU's alone (as in a CUDA graph), not that of launching them (without torch's
+    private `torch.cuda._sleep` the launch time is counted too); otherwise launches count, as an eager caller sees."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    sleep = getattr(torch.cuda, "_sleep", None) if queued else None
+    if sleep is not None:
+        sleep(10_000_000)  # ~5 ms: the calls below are queued before the GPU reaches them
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 _PHASE_PLAN: dict[tuple, bool] = {}  # (input shape, weight shape, dilation, dtype, device) -> run as phases
 
 
@@ -250,19 +266,10 @@ def _phases_pay(x: Tensor, weight: Tensor, dilation: int) -> bool:
     if use is not None or not x.is_cuda or torch.cuda.is_current_stream_capturing():
         return bool(use)
     times = []
-    sleep = getattr(torch.cuda, "_sleep", None)  # a private helper of torch's: without it, launch time is timed too
     try:
         for fn in (lambda: F.conv1d(x, weight, None, 1, 0, dilation), lambda: conv1d_phases(x, weight, None, dilation)):
             fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            if sleep is not None:
-                sleep(10_000_000)  # ~5 ms: the calls below are queued before the GPU reaches them
-            start.record()
-            for _ in range(3):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(gpu_time_ms(fn, calls=3))
     except RuntimeError as e:  # e.g. no memory for the phases' copies: keep the dilated convolution
         log.warning("codec: could not time dilated convolution %s as phases (%s); it runs as one", key[0], e)
         times = [1.0, 1.0]
@@ -743,7 +750,7 @@ class Quantizer(nn.Module):
         fp32 sum of its ten rows (ten lookups, transposes, projections and sums become one lookup and one sum).
         Computed from the weights at the time of the call: call it again after changing them."""
         if not on:
-            self.table = self.offsets = None
+            self.table = self.offsets = self.limits = None
             return
         rows = []
         for q in [*self.semantic_quantizer.quantizers, *self.quantizer.quantizers]:
