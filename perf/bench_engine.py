@@ -169,6 +169,8 @@ def main():
     ap.add_argument("--eager", action="store_true", help="also time the eager baseline")
     ap.add_argument("--parity", action="store_true", help="first compare fused kernels against plain PyTorch")
     ap.add_argument("--kernel-profile", help="directory for per-kernel CUDA time tables")
+    ap.add_argument("--weights", default="dtype",
+                    help="comma-separated load_model weights forms to time in turn: dtype (bf16), fp8 (ar_weights=fp8)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -182,35 +184,40 @@ def main():
         t = time.perf_counter()
         write_checkpoint(ck, "full", seed=0, device="cuda")
         print(f"wrote full-size checkpoint in {time.perf_counter() - t:.1f} s", flush=True)
-    t = time.perf_counter()
-    model = load_model(ck, "cuda", "bf16")
-    torch.cuda.synchronize()
-    print(f"loaded in {time.perf_counter() - t:.1f} s; weights {torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
     residual = codec_codebook_sizes(ck)[1]
-    pb = PromptBuilder.from_dir(ck, model.s2)
-    prompts = [pb.build(f"This is benchmark prompt number {i}, with a few more words to make it realistic.") for i in range(16)]
-
-    if args.parity:
-        print("parity (fused kernels vs plain PyTorch):", json.dumps(check_parity(ck, prompts)), flush=True)
-        model = load_model(ck, "cuda", "bf16")
     rows = []
-    for b in [int(x) for x in args.batches.split(",")]:
-        for graphs in ([False, True] if args.eager else [True]):
-            torch.cuda.reset_peak_memory_stats()
-            r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts)
-            r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            if graphs:
-                with torch.inference_mode():
-                    r.update(profile(eng, b))
-                if args.kernel_profile:
-                    n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_b{b}.txt")
-                    r["kernels_per_step"] = n
-                    print(table, flush=True)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
-            del eng
-            torch.cuda.empty_cache()
-    cols = ["batch", "graphs", "step_ms_p50", "step_ms_p90", "frames_per_s", "audio_s_per_s", "stream_rtf", "slow_ar_ms",
+    for weights in args.weights.split(","):
+        t = time.perf_counter()
+        model = load_model(ck, "cuda", "bf16", weights=weights)
+        torch.cuda.synchronize()
+        print(f"{weights}: loaded in {time.perf_counter() - t:.1f} s; weights "
+              f"{torch.cuda.memory_allocated() / 2**30:.2f} GiB", flush=True)
+        pb = PromptBuilder.from_dir(ck, model.s2)
+        prompts = [pb.build(f"This is benchmark prompt number {i}, with a few more words to make it realistic.")
+                   for i in range(16)]
+        if args.parity:
+            print("parity (fused kernels vs plain PyTorch):", json.dumps(check_parity(ck, prompts)), flush=True)
+            model = load_model(ck, "cuda", "bf16", weights=weights)
+        for b in [int(x) for x in args.batches.split(",")]:
+            for graphs in ([False, True] if args.eager else [True]):
+                torch.cuda.reset_peak_memory_stats()
+                r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts)
+                r["weights"] = weights
+                r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                if graphs:
+                    with torch.inference_mode():
+                        r.update(profile(eng, b))
+                    if args.kernel_profile:
+                        n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_{weights}_b{b}.txt")
+                        r["kernels_per_step"] = n
+                        print(table, flush=True)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+                del eng
+                torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    cols = ["weights", "batch", "graphs", "step_ms_p50", "step_ms_p90", "frames_per_s", "audio_s_per_s", "stream_rtf", "slow_ar_ms",
             "fast_ar_ms", "full_step_ms", "prefill_ms", "init_s", "peak_gib"]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

@@ -38,17 +38,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--config", action="append", default=[],
-                    help="kernels.GEMV_CONFIG overrides, e.g. 'block_n=32,num_warps=8' (repeat: one table row set each)")
+                    help="kernels.GEMV_CONFIG (and GEMV_FP8_CONFIG) overrides, e.g. 'block_n=32,num_warps=8' (repeat: one table row set each)")
     ap.add_argument("--json")
     args = ap.parse_args()
     from s2tts import kernels
 
     torch.manual_seed(0)
     rows = []
-    base = dict(kernels.GEMV_CONFIG)
+    bases = [(c, dict(c)) for c in (kernels.GEMV_CONFIG, kernels.GEMV_FP8_CONFIG)]
     for cfg in args.config or [""]:
-        kernels.GEMV_CONFIG.clear()
-        kernels.GEMV_CONFIG.update(base, **{k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
+        for c, base in bases:  # the same overrides for the bf16 and the FP8 kernel
+            c.clear()
+            c.update(base, **{k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
         rows += bench(kernels, args, cfg)
     cols = ["config", "weight", "rows", "cublas_us", "kernel_us", "cublas_tb_s", "kernel_tb_s", "kernel_rel_err",
             "cublas_rel_err", "row_invariant", "fp8_us", "fp8_tb_s", "fp8_rel_err", "w8a8_cublas_us", "w8a8_rel_err"]

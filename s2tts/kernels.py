@@ -494,18 +494,25 @@ def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: boo
 # column tile run next to each other, so at more rows they read the weight tile from L2.
 
 GEMV_ROWS = 16  # `linear`'s default: the kernel up to this many rows, cuBLAS above
-GEMV_CONFIG = {"programs": 264, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "max_block_m": 128}
+GEMV_CONFIG = {"programs": 264, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "max_block_m": 128,
+               "swap": 0}
+GEMV_FP8_CONFIG = dict(GEMV_CONFIG)  # the same kernel with FP8 weights (`linear(..., scale=)`)
 
 if triton is not None:
 
     @triton.jit
     def _gemv_kernel(X, W, S, Y, P, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                     SCALED: tl.constexpr):
+                     SCALED: tl.constexpr, SWAP: tl.constexpr):
+        # SWAP: the tile is computed as (W x^T)^T, the weight tile as the product's left operand (as stored, no
+        # transpose of the big tile; the rows of x are the small side of the tensor-core product)
         pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k0 = pid_s * K_PER
         for k in range(k0, k0 + K_PER, BLOCK_K):
             rk = k + tl.arange(0, BLOCK_K)
@@ -513,17 +520,32 @@ if triton is not None:
             w = tl.load(W + rn[:, None] * stride_wn + rk[None, :], mask=(rn[:, None] < N) & (rk[None, :] < K), other=0.0)
             if SCALED:  # FP8 weight: widened to the activations' type in registers
                 w = w.to(X.dtype.element_ty)
-            if IEEE:
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+            if SWAP:
+                if IEEE:
+                    acc += tl.dot(w, tl.trans(x), input_precision="ieee")
+                else:
+                    acc += tl.dot(w, tl.trans(x))
             else:
-                acc += tl.dot(x, tl.trans(w))
-        if SCALED:  # the weight row's scale, after the sum (a split's partial sum is scaled alike)
-            acc = acc * tl.load(S + rn, mask=rn < N, other=0.0)[None, :]
-        mask = (rm[:, None] < M) & (rn[None, :] < N)
-        if SPLIT == 1:
-            tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+                if IEEE:
+                    acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(w))
+        if SWAP:
+            if SCALED:  # the weight row's scale, after the sum (a split's partial sum is scaled alike)
+                acc = acc * tl.load(S + rn, mask=rn < N, other=0.0)[:, None]
+            mask = (rn[:, None] < N) & (rm[None, :] < M)
+            if SPLIT == 1:
+                tl.store(Y + rm[None, :] * stride_ym + rn[:, None], acc.to(Y.dtype.element_ty), mask=mask)
+            else:
+                tl.store(P + pid_s * M * N + rm[None, :] * N + rn[:, None], acc, mask=mask)
         else:
-            tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
+            if SCALED:
+                acc = acc * tl.load(S + rn, mask=rn < N, other=0.0)[None, :]
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+            if SPLIT == 1:
+                tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+            else:
+                tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
     @triton.jit
     def _split_sum_kernel(P, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
@@ -535,10 +557,11 @@ if triton is not None:
         tl.store(Y + (offs // N) * stride_ym + offs % N, acc.to(Y.dtype.element_ty), mask=mask)
 
 
-def gemv_plan(N: int, K: int) -> tuple[int, int, int, int]:
+def gemv_plan(N: int, K: int, config: dict | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT, K_PER) for a [N, K] weight: enough programs to keep every SM streaming
-    (GEMV_CONFIG["programs"], two per SM of an H100), from the weight's shape alone."""
-    programs, block_n, block_k = GEMV_CONFIG["programs"], GEMV_CONFIG["block_n"], GEMV_CONFIG["block_k"]
+    (config["programs"], two per SM of an H100), from the weight's shape alone. `config`: GEMV_CONFIG's form."""
+    config = GEMV_CONFIG if config is None else config
+    programs, block_n, block_k = config["programs"], config["block_n"], config["block_k"]
     tiles = -(-N // block_n)
     split = 1
     while tiles * split < programs and K // (2 * split) >= 4 * block_k:
@@ -575,14 +598,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
     if M == 0:
         return x.new_empty(*x.shape[:-1], N)
     x2 = _unit_rows(x2)
-    bn, bk, split, k_per = gemv_plan(N, K)
+    cfg = GEMV_CONFIG if scale is None else GEMV_FP8_CONFIG
+    bn, bk, split, k_per = gemv_plan(N, K, cfg)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     p = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
-    bm = max(16, min(GEMV_CONFIG["max_block_m"], triton.next_power_of_2(M)))
+    bm = max(16, min(cfg["max_block_m"], triton.next_power_of_2(M)))
     _gemv_kernel[(-(-M // bm), -(-N // bn), split)](
         x2, weight, y if scale is None else scale, y, p, M, N, K, k_per, x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, SCALED=scale is not None,
-        num_warps=GEMV_CONFIG["num_warps"], num_stages=GEMV_CONFIG["num_stages"])
+        SWAP=bool(cfg["swap"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if split > 1:
         block = 1024
         _split_sum_kernel[(-(-M * N // block),)](p, y, M, N, y.stride(0), SPLIT=split, BLOCK=block)

@@ -138,16 +138,26 @@ def check_invariant(ckpt):
     codes the same alone and beside others."""
     from s2tts.model import InvariantLinear
 
+    # Under the interpreter a tile's product is numpy's matmul, whose summation order can depend on the tile's shape
+    # on some CPUs (an AMD EPYC: a row differs between 16- and 64-row tiles; not on the earlier CI machines), so the
+    # tiles here keep one shape (16 rows) at every row count. On a GPU, tiles of 16 to 64 rows give a row the same
+    # bits (`perf/bench_gemv.py`'s row_invariant column); there the tile grows with the rows.
+    limits = kernels.GEMV_CONFIG["max_block_m"], kernels.GEMV_FP8_CONFIG["max_block_m"]
+    kernels.GEMV_CONFIG["max_block_m"] = kernels.GEMV_FP8_CONFIG["max_block_m"] = 16
     torch.manual_seed(1)
     w, x = torch.randn(40, 48), torch.randn(37, 48)
-    full = kernels.linear(x, w, 64)
-    assert all(torch.equal(kernels.linear(x[i : i + 1], w, 64)[0], full[i]) for i in (0, 15, 16, 36))
-    # FP8 weights (a scale per output row): the product of the widened weight, at any row count, rows invariant
     w8, scale = kernels.quantize_fp8(w)
     assert w8.dtype == torch.float8_e4m3fn and rel(w8.float() * scale[:, None], w) < 0.05
-    full8 = kernels.linear(x, w8, scale=scale)
-    assert rel(full8, x @ (w8.float() * scale[:, None]).T) < 1e-6
-    assert all(torch.equal(kernels.linear(x[i : i + 1], w8, scale=scale)[0], full8[i]) for i in (0, 15, 16, 36))
+    for swap in (0, 1):  # the tile as x W^T or as (W x^T)^T
+        kernels.GEMV_CONFIG["swap"] = kernels.GEMV_FP8_CONFIG["swap"] = swap
+        full = kernels.linear(x, w, 64)
+        assert rel(full, x @ w.T) < 1e-6, swap
+        assert all(torch.equal(kernels.linear(x[i : i + 1], w, 64)[0], full[i]) for i in (0, 15, 16, 36))
+        # FP8 weights (a scale per output row): the product of the widened weight, at any row count, rows invariant
+        full8 = kernels.linear(x, w8, scale=scale)
+        assert rel(full8, x @ (w8.float() * scale[:, None]).T) < 1e-6
+        assert all(torch.equal(kernels.linear(x[i : i + 1], w8, scale=scale)[0], full8[i]) for i in (0, 15, 16, 36))
+    kernels.GEMV_CONFIG["swap"] = kernels.GEMV_FP8_CONFIG["swap"] = 0
     pb = PromptBuilder.from_dir(ckpt)
     prompts = [pb.build(t) for t in ("Invariant one.", "The second one, a little longer.", "Third.")]
     model = load_model(ckpt, "cpu", "fp32")
@@ -171,6 +181,7 @@ def check_invariant(ckpt):
         np.testing.assert_array_equal(together[i], run([i])[i])
     Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True)
     assert type(model.slow.layers[0].attention.wqkv) is torch.nn.Linear  # an engine without it puts them back
+    kernels.GEMV_CONFIG["max_block_m"], kernels.GEMV_FP8_CONFIG["max_block_m"] = limits
     print("invariant ok")
 
 
