@@ -171,9 +171,13 @@ def main():
     ap.add_argument("--kernel-profile", help="directory for per-kernel CUDA time tables")
     ap.add_argument("--weights", default="dtype",
                     help="comma-separated load_model weights forms to time in turn: dtype (bf16), fp8 (ar_weights=fp8)")
+    ap.add_argument("--fp8-config", action="append", default=[],
+                    help="kernels.GEMV_FP8_CONFIG overrides for the fp8 runs, e.g. 'swap=1,block_n=128' (repeat: "
+                         "one set of fp8 rows each)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
+    from s2tts import kernels
     from s2tts.checkpoint import codec_codebook_sizes, load_model
     from s2tts.prompt import PromptBuilder
 
@@ -186,7 +190,11 @@ def main():
         print(f"wrote full-size checkpoint in {time.perf_counter() - t:.1f} s", flush=True)
     residual = codec_codebook_sizes(ck)[1]
     rows = []
-    for weights in args.weights.split(","):
+    fp8_base = dict(kernels.GEMV_FP8_CONFIG)
+    runs = [(w, c) for w in args.weights.split(",") for c in ((args.fp8_config or [""]) if w == "fp8" else [""])]
+    for weights, cfg in runs:
+        kernels.GEMV_FP8_CONFIG.clear()
+        kernels.GEMV_FP8_CONFIG.update(fp8_base, **{k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
         t = time.perf_counter()
         model = load_model(ck, "cuda", "bf16", weights=weights)
         torch.cuda.synchronize()
@@ -202,13 +210,13 @@ def main():
             for graphs in ([False, True] if args.eager else [True]):
                 torch.cuda.reset_peak_memory_stats()
                 r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts)
-                r["weights"] = weights
+                r["weights"] = weights + (f" ({cfg})" if cfg else "")
                 r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 if graphs:
                     with torch.inference_mode():
                         r.update(profile(eng, b))
                     if args.kernel_profile:
-                        n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_{weights}_b{b}.txt")
+                        n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_{weights}{cfg.replace(',', '_').replace('=', '')}_b{b}.txt")
                         r["kernels_per_step"] = n
                         print(table, flush=True)
                 rows.append(r)

@@ -573,6 +573,27 @@ def gemv_plan(N: int, K: int, config: dict | None = None) -> tuple[int, int, int
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
+def fp8_matmul_available(device: torch.device) -> bool:
+    """Whether cuBLAS multiplies FP8 x FP8 on this device (`torch._scaled_mm`: compute capability 8.9 or newer)."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm") and hasattr(torch, "float8_e4m3fn")
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ (weight [N, K] (FP8) * scale[N, None]).T -> [..., N] in x's dtype by cuBLAS's FP8 tensor-core
+    product: each row of x quantized to FP8 with a scale of its own (|x| max / FP8_MAX). For many rows, where the
+    product is compute-bound; not row-invariant (cuBLAS tiles by the row count)."""
+    K = x.shape[-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if M % 16:  # rows padded to a multiple of 16 (a 513-row pass broke a CUDA graph's capture on an H100)
+        x2 = torch.nn.functional.pad(x2, (0, 0, 0, 16 - M % 16))
+    xs = x2.abs().amax(1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    x8 = (x2.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    y = torch._scaled_mm(x8, weight.t(), scale_a=xs, scale_b=scale.float()[None, :], out_dtype=x.dtype)
+    return y[:M].reshape(*x.shape[:-1], weight.shape[0])
+
+
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, K] weight -> (float8_e4m3fn [N, K], fp32 scale [N]): each output row scaled so that its largest magnitude
     is FP8's largest (weight ~= w8 * scale[:, None]; an all-zero row gets scale 1)."""

@@ -101,10 +101,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dtype", str, "bf16", ("slow_ar", "fast_ar"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
     Setting("ar_weights", str, "dtype", ("slow_ar",), "`dtype`: the AR matrices as `dtype`; `fp8`: slow_ar's "
             "layers' matrices (both ARs; the `fast_ar` model of fast_ar=bls keeps `dtype`; embeddings, norms and heads "
-            "stay) in FP8 e4m3 with a scale per output row, "
-            "multiplied in the Triton kernel with the weight widened in registers: half the weight bytes and memory. "
-            "About 2.7% error per product; on an H100 1.3-1.45x faster products at 1-16 rows, slower than cuBLAS "
-            "at 64 (perf/RESULTS.md): a setting for latency, not for throughput", choices=("dtype", "fp8")),
+            "stay) in FP8 e4m3 with a scale per output row: decode steps multiply in the Triton kernel with the weight "
+            "widened in registers, prompt passes of over 256 rows in cuBLAS's FP8 product. Half the weight bytes; "
+            "about 2.7% error per product. On an H100 through tritonserver: c=1 TTFA p50 39 ms and RTF 0.15 (`dtype`: "
+            "44 ms, 0.19), 3.8 GB less GPU memory, +9-14% audio-s/s at c=16, about 10% fewer at c=64 (at 64 rows the "
+            "kernel is slower than cuBLAS in bf16; perf/RESULTS.md): a setting for latency. Its effect on the real "
+            "weights' speech is not measured here", choices=("dtype", "fp8")),
     Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar"), "codec precision; `auto`: fp16 for the "
             "decoder on a GPU (1.0% audio error, 1.5x TF32's speed; a chunk that overflows is decoded again in fp32 "
             "and its stream stays fp32), fp32 for the encoder and on a CPU. `fp32` is the exact one",
