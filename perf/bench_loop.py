@@ -82,12 +82,16 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     decoder = StreamDecoder(codec, fallback=fallback, pool_size=2 * args.streams, buckets=buckets)
     if cuda:
         decoder.pool.warm(Chunker.lengths(args.first, args.chunk), max_batch=args.streams)
+    from s2tts.settings import SCHEMA
+
+    load_frames = args.load if load_frames is None else load_frames
     svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", audio), lambda e: ("error", e.wire()),
-                        frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps)
+                        frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps,
+                        load_chunk_frames=SCHEMA["load_chunk_frames"].default if load_frames is None else load_frames)
     if args.chunk_lag >= 0:
         svc.chunk_lag = args.chunk_lag
-    load_frames = args.load if load_frames is None else load_frames
-    svc.chunk_options = {k: v for k, v in (("uniform_from", uniform), ("load_frames", load_frames)) if v is not None}
+    if uniform is not None:
+        svc.chunk_options["uniform_from"] = uniform
     clients: list[_Client] = []
     lock = threading.Lock()
     n = [0]
@@ -168,7 +172,7 @@ def main() -> int:
                     "first chunk's length (Chunker(uniform_from=); 1 = never), each tried with the first "
                     "of the others")
     ap.add_argument("--load", type=int, default=None, help="Chunker(load_frames=) of every run but --load-frames' "
-                    "(default: the Chunker's)")
+                    "(default: the server's, setting load_chunk_frames)")
     ap.add_argument("--load-frames", default="", help="comma-separated first-chunk lengths under load "
                     "(Chunker(load_frames=)), each tried with the first of the others")
     ap.add_argument("--buckets", default="", help="'|'-separated codec batch bucket lists to try (default: the pool's)")

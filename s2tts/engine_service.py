@@ -140,9 +140,11 @@ class EngineService:
                  make_error: Callable[[S2Error], Any], name: str = "slow_ar", limit: int | None = None,
                  on_unhealthy: Callable[[str], None] | None = None, cancel_poll_s: float = 0.05,
                  max_step_faults: int = 3, on_tick: Callable[["EngineService"], None] | None = None,
-                 frame_seconds: float | None = None, codec=None, codec_batch_steps: int = 1):
+                 frame_seconds: float | None = None, codec=None, codec_batch_steps: int = 1,
+                 load_chunk_frames: int = 0):
         """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`service.Chunker`);
-        None: fixed chunks. `codec` (a `codec_stream.StreamDecoder`): decode audio here (see the module's doc)."""
+        None: fixed chunks. `codec` (a `codec_stream.StreamDecoder`): decode audio here (see the module's doc).
+        `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off)."""
         self.engine = engine
         self.codec = codec
         self._codec_closing: list[str] = []  # codec streams to close, asked from other threads (engine thread only
@@ -152,7 +154,8 @@ class EngineService:
         # later chunks may wait codec_batch_steps - 1 steps more than a first one, and a step's own codec call
         # delays its chunks by about one more: the chunker keeps that many frames of room (service.Chunker)
         self.chunk_lag = self.codec_batch_steps if codec is not None else 0
-        self.chunk_options: dict = {}  # Chunker keyword overrides (perf/bench_loop.py tries some; defaults: Chunker's)
+        # Chunker keyword overrides (perf/bench_loop.py tries more; the rest: Chunker's defaults)
+        self.chunk_options: dict = {"load_frames": load_chunk_frames} if load_chunk_frames else {}
         self._held: list[list] = []  # routed items waiting for the next codec call (in order)
         self.loop = LoopStats()
         self.frame_seconds = frame_seconds

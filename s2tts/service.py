@@ -124,18 +124,20 @@ class Chunker:
     From a pace of `uniform_from` (default 0.5) later chunks keep the first one's length instead of growing: each is
     made in F_1 r of the F_1 frame-durations the one before plays, with the same margin of F_1 (1 - r) >= 2 r frames
     every time (growing chunks spend that margin; at c=64 out of step 11% of streams ran dry with them, none with
-    equal ones: perf/RESULTS.md). `load_frames` (default 0) sets the least first chunk under load (fewer, longer
-    chunks for the codec; measured: little gain, since a codec call's cost follows its frames, perf/RESULTS.md).
+    equal ones: perf/RESULTS.md). `load_frames` (default 0: off) sets the least first chunk from a pace of `load_from`
+    (default 0.35, reached at c=64 on one H100, not at c=16): more audio in hand while the next chunk is made (at
+    c=64 on an H100, 8-frame first chunks: 1 stream of 384 ran dry, 7 with 4-frame ones; half the chunks, for the
+    same throughput: a codec call's cost follows its frames; perf/RESULTS.md).
     Sizes are `first` times a power of two, or `size` (few distinct chunk lengths, so the codec still batches
     chunks of many streams together). At a pace no cadence keeps up with (r >= safety), and without `pace`, later
     chunks are `size`: the fewest codec calls.
     """
 
     def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8,
-                 lag: int = 0, uniform_from: float = 0.5, load_frames: int = 0):
+                 lag: int = 0, uniform_from: float = 0.5, load_frames: int = 0, load_from: float = 0.35):
         self.first, self.size = first, size
         self.pace, self.safety, self.lag = pace, safety, lag
-        self.uniform_from, self.load_frames = uniform_from, load_frames
+        self.uniform_from, self.load_frames, self.load_from = uniform_from, load_frames, load_from
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
         self.emitted = 0  # chunks handed out
@@ -156,7 +158,7 @@ class Chunker:
             return self.first
         r = self.pace()
         need = self.first if r >= 1.0 else max(self.first, math.ceil(2 * r / (1 - r)))
-        if self.uniform_from <= r < 1.0:
+        if self.load_from <= r < 1.0:
             need = max(need, self.load_frames)
         return next((n for n in self.lengths(self.first, self.size) if n >= need), max(self.first, self.size))
 

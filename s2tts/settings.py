@@ -142,6 +142,11 @@ SETTINGS: tuple[Setting, ...] = (
             "whole pipeline's, reported by s2pro), and under load the first chunk grows to the next chunk length that "
             "covers the second's making, so a stream played from its first chunk does not run dry; false: the first "
             "chunk is `first_chunk_frames` and every later one `chunk_frames`"),
+    Setting("load_chunk_frames", int, 8, ("slow_ar",), "with `adaptive_chunks`, under load (a measured pace of at "
+            "least 0.35 s of work a second of audio: c=64 on one H100, not c=16) a stream's first chunk is at least "
+            "this many frames (rounded up to a chunk length), so that more audio is in hand while the next is made; "
+            "0: off. On an H100 at c=64, 8-frame first chunks: 1 stream of 384 ran dry against 7, TTFA p50 +83 ms "
+            "(perf/RESULTS.md)", min=0, max=4096),
     Setting("stream_idle_timeout_s", float, 60.0, ("slow_ar",), "a stream whose reader (s2pro) takes none of its "
             "responses for this long is cancelled and dropped", min=1),
     Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "

@@ -94,6 +94,23 @@ def test_chunks_carry_audio_that_joins_seamlessly(model, prompts, tiny_ckpt, cod
     assert decoder.states == {}  # every stream closed with its last chunk
 
 
+@pytest.mark.parametrize("load,first", [(8, 8), (0, 4)])
+def test_first_chunk_grows_under_load(model, prompts, tiny_ckpt, codec, load, first):
+    """`load_chunk_frames` (slow_ar's setting): at a pace of 0.45 s of work a second of audio (c=64 on one H100) a
+    stream's first chunk is 8 frames, not first_chunk_frames' 4; later chunks still grow, and the audio is still one
+    seamless decode of the codes."""
+    from s2tts.checkpoint import codec_frame_seconds
+
+    svc = _service(model, tiny_ckpt, StreamDecoder(codec, pool_size=4), frame_seconds=codec_frame_seconds(tiny_ckpt),
+                   load_chunk_frames=load)
+    svc.pace = lambda: 0.45  # the pace the chunker reads (measured from the steps otherwise)
+    (r,) = _serve_all(svc, prompts, [30], 7, "load", first_chunk_frames=4, chunk_frames=16)
+    sizes = [c.shape[0] for _, c, _, _ in r.sent]
+    assert sizes[0] == first and sum(sizes) == 30 and max(sizes) > first, sizes
+    codes = np.concatenate([c for _, c, _, _ in r.sent]).astype(np.int64)
+    np.testing.assert_allclose(np.concatenate([a for *_, a in r.sent]), _whole(codec, codes), atol=1e-5, rtol=0)
+
+
 def test_one_codec_stream_across_two_requests(model, prompts, tiny_ckpt, codec):
     """A text spoken in two segments (two engine requests) continues one codec stream: the second request's audio
     picks up where the first's stopped, and the stream stays open in between and closes after the second."""

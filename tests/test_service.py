@@ -17,12 +17,13 @@ def test_chunker_first_then_fixed_sizes():
     assert got == [4, 6, 6] and c.flush().shape[0] == 4
 
 
-def _play(first, size, r, n_frames=400, adaptive=True, decode=0.0, jitter=0.0, fixed_first=False, uniform_from=0.5):
+def _play(first, size, r, n_frames=400, adaptive=True, decode=0.0, jitter=0.0, fixed_first=False, uniform_from=0.5,
+          load_frames=0):
     """Frames come one every r frame-durations; a chunk of n frames reaches the client `decode` x n frame-durations
     after its last frame (the codec's time), and every chunk after the first `jitter` steps later still (a slow
     step: a prefill, a big codec call); the client plays from the first chunk.
     -> (chunk sizes, worst lateness in frame-durations)."""
-    c = Chunker(first, size, (lambda: r) if adaptive else None, uniform_from=uniform_from)
+    c = Chunker(first, size, (lambda: r) if adaptive else None, uniform_from=uniform_from, load_frames=load_frames)
     if fixed_first:  # the rule before the first chunk grew under load
         c.first_size = lambda: first
     sizes, arrivals = [], []
@@ -61,12 +62,21 @@ def test_adaptive_chunks_never_underrun(r):
 
 
 def test_first_chunk_under_load_takes_load_frames():
-    """load_frames: under load (pace from uniform_from) the first chunk, and so every later one, is at least that
-    long; below that pace the rule is unchanged."""
-    for r, want in ((0.3, [4, 8, 16, 16]), (0.6, [16, 16, 16, 16])):
+    """load_frames: from a pace of load_from (0.35) the first chunk is at least that long, and from uniform_from
+    (0.5) so is every later one; below load_from the rule is unchanged."""
+    for r, want in ((0.3, [4, 8, 16, 16]), (0.4, [16, 16, 16, 16]), (0.6, [16, 16, 16, 16])):
         c = Chunker(4, 16, lambda: r, load_frames=16)
         got = [ch.shape[0] for i in range(64) for ch in c.add(frames(1, i))]
         assert got[:4] == want, (r, got)
+    # the server's default (8 frames): growing chunks after it at c=64's pace, equal ones from 0.5
+    for r, want in ((0.34, [4, 8, 16, 16]), (0.4, [8, 8, 16, 16]), (0.55, [8, 8, 8, 8])):
+        c = Chunker(4, 16, lambda: r, load_frames=8, lag=1)
+        got = [ch.shape[0] for i in range(64) for ch in c.add(frames(1, i))]
+        assert got[:4] == want, (r, got)
+    # a client playing from the first chunk never runs dry with them, a slow step (2 steps late) included
+    for r in (0.36, 0.45, 0.55):
+        c_sizes, late = _play(4, 16, r, jitter=2.0, load_frames=8)
+        assert late <= 0 and c_sizes[0] == 8, (r, c_sizes, late)
     assert _play(4, 16, 0.6, jitter=2.0)[1] <= 0
 
 

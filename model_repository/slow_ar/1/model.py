@@ -81,7 +81,8 @@ class TritonPythonModel:
                                      limit=v.max_batch + v.max_queued_requests, on_unhealthy=self._unload,
                                      on_tick=self._report,
                                      frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
-                                     codec=codec, codec_batch_steps=v.codec_batch_steps)
+                                     codec=codec, codec_batch_steps=v.codec_batch_steps,
+                                     load_chunk_frames=v.load_chunk_frames)
         self.log.info("%s ready: device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d kv_cache=%d tokens in blocks of %d "
                       "cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s adaptive_chunks=%s codec_in_engine=%s",
                       self.name, engine.device, engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len,
