@@ -400,6 +400,7 @@ def use_invariant_linears(model: nn.Module, max_rows: int) -> None:
             m.max_rows = max_rows
         if isinstance(m, Fp8Linear):
             m.kernel_rows = max(max_rows, Fp8Linear.KERNEL_ROWS)
+            m.wide_rows = None if max_rows else Fp8Linear.WIDE_ROWS
         if isinstance(m, SlowAR):
             m.head_rows = max_rows
 
@@ -409,7 +410,8 @@ class Fp8Linear(nn.Module):
     half the bytes of bf16 that a decode step reads. With `kernel` (GPU, or the Triton interpreter) the product runs
     in `kernels.linear`, the weight widened in registers; without it the weight is widened in memory first."""
 
-    KERNEL_ROWS = 256  # above this many rows (prompt passes) the widened weight and cuBLAS are faster
+    KERNEL_ROWS = 256  # above this many rows (prompt passes) cuBLAS's FP8 product is faster
+    WIDE_ROWS = 32  # above this many rows the kernel's wide tiling (`kernels.GEMV_FP8_WIDE_CONFIG`)
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
@@ -421,12 +423,13 @@ class Fp8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.kernel = False
         self.kernel_rows = self.KERNEL_ROWS  # use_invariant_linears raises it: every pass through the kernel
+        self.wide_rows: int | None = self.WIDE_ROWS  # and sets None: one tiling at every row count
 
     def forward(self, x):
         from . import kernels
 
         if self.kernel and x.numel() <= self.kernel_rows * self.in_features:
-            return kernels.linear(x, self.weight, scale=self.scale)
+            return kernels.linear(x, self.weight, scale=self.scale, wide_rows=self.wide_rows)
         # many rows (prompt passes): the product is compute-bound, where the kernel (weight widened tile by tile)
         # runs at half cuBLAS's bf16 speed (a 16-prompt prefill: 85 ms against 45, perf/RESULTS.md). cuBLAS's FP8
         # product instead, the activations in FP8 too (a scale per row); where there is none, the weight widened.

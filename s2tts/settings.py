@@ -105,7 +105,8 @@ SETTINGS: tuple[Setting, ...] = (
             "widened in registers, prompt passes of over 256 rows in cuBLAS's FP8 product. Half the weight bytes; "
             "about 2.7% error per product. On an H100 through tritonserver: c=1 TTFA p50 39 ms and RTF 0.15 (`dtype`: "
             "44 ms, 0.19), 3.8 GB less GPU memory, +9-14% audio-s/s at c=16, about 10% fewer at c=64 (at 64 rows the "
-            "kernel is slower than cuBLAS in bf16; perf/RESULTS.md): a setting for latency. Its effect on the real "
+            "kernel is slower than cuBLAS in bf16, 10.5 against 9.7 ms a step with its wide tiling, 12.0 before; "
+            "perf/RESULTS.md): a setting for latency. Its effect on the real "
             "weights' speech is not measured here", choices=("dtype", "fp8")),
     Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar"), "codec precision; `auto`: fp16 for the "
             "decoder on a GPU (1.0% audio error, 1.5x TF32's speed; a chunk that overflows is decoded again in fp32 "

@@ -44,7 +44,8 @@ def test_fp8_weights_are_the_layer_matrices_only(tiny_ckpt):
 def test_fp8_many_rows_take_the_widened_weight_where_cublas_has_no_fp8(tiny_ckpt):
     """With the kernels on, passes of more than `kernel_rows` rows (prompts) leave the row kernel: cuBLAS's FP8
     product on a GPU that has one, else the weight widened (here, on the CPU; the kernel is never reached, so no
-    Triton is needed). batch_invariant raises `kernel_rows` so that every pass stays on the kernel."""
+    Triton is needed). batch_invariant raises `kernel_rows` so that every pass stays on the kernel, in one tiling
+    (`wide_rows` None: no wide tiling above WIDE_ROWS rows)."""
     from s2tts.model import use_invariant_linears
 
     torch.manual_seed(0)
@@ -56,11 +57,11 @@ def test_fp8_many_rows_take_the_widened_weight_where_cublas_has_no_fp8(tiny_ckpt
     assert float((lin(x) - ref).norm() / ref.norm()) < 1e-6
     model = load_model(tiny_ckpt, "cpu", "fp32", weights="fp8")
     mats = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert mats and all(m.kernel_rows == Fp8Linear.KERNEL_ROWS for m in mats)
-    use_invariant_linears(model, 1000)
-    assert all(m.kernel_rows == 1000 for m in mats)
+    assert mats and all(m.kernel_rows == Fp8Linear.KERNEL_ROWS and m.wide_rows == Fp8Linear.WIDE_ROWS for m in mats)
+    use_invariant_linears(model, 1000)  # batch_invariant: one tiling of the kernel for every pass
+    assert all(m.kernel_rows == 1000 and m.wide_rows is None for m in mats)
     use_invariant_linears(model, 0)
-    assert all(m.kernel_rows == Fp8Linear.KERNEL_ROWS for m in mats)
+    assert all(m.kernel_rows == Fp8Linear.KERNEL_ROWS and m.wide_rows == Fp8Linear.WIDE_ROWS for m in mats)
 
 
 def test_fp8_weights_value_is_checked(tiny_ckpt):
