@@ -15,11 +15,12 @@ workers; every request has its own prompt text (unique in the run), its own seed
 --frames frames (`ignore_eos`; the gateway path cannot ask for that, see --http-ignore-eos). Before the
 sweep --warmup requests run alone; before each level every worker runs one short request (--warmup-frames).
 
-Per level (client-side; units as in /work/shared/reference/ANCHORS.md):
+Per level (client-side; units as in the project's reference ANCHORS.md, shared/reference/ beside the repository):
   TTFA      request sent -> first non-empty audio, ms: mean / p50 / p90 / p99
   RTF       each request's wall time / its own audio seconds, averaged (also p50, p99)
   audio_s_per_s, req_per_s, frames_per_s   totals over the level's wall time (first send -> last end)
-  stall_fraction  share of requests whose audio would underrun if played from its first chunk's arrival
+  stall_fraction  share of requests whose audio would underrun if played from its first chunk's arrival;
+                  stall_at_chunk (the first late chunk's index: requests) and dry_ms_max (longest silence)
   gpu_mem_peak_mib  peak memory.used summed over visible GPUs during the level (pynvml, else nvidia-smi;
                     "n/a" without a GPU). It counts every process on the GPU, the server's included.
 Output: --json FILE (config, per level the numbers and the per-request records) and a markdown table, printed last.
@@ -42,6 +43,7 @@ import threading
 import time
 import uuid
 import wave
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -238,6 +240,9 @@ class Record:
     frames: int = 0
     chunks: int = 0
     stall: bool | None = None  # would playback from the first chunk underrun?
+    stall_at_chunk: int | None = None  # the first chunk that came after the audio before it had played (0-based)
+    dry_s: float = 0.0  # how long playback would have been silent, all gaps together
+    chunk_frames: list = field(default_factory=list)  # each chunk's length in frames, in order (gRPC)
     max_gap_s: float | None = None  # largest gap between chunk arrivals
     server: dict = field(default_factory=dict)  # the model's final stats (gRPC only)
 
@@ -246,18 +251,20 @@ class Record:
         return self.total_s / self.audio_s if self.ok and self.audio_s > 0 else None
 
 
-def _stall(arrivals: list[float], durations: list[float]) -> tuple[bool, float]:
-    """Playback starts at the first chunk; chunk k must arrive before the audio before it has played."""
-    stall, gap = False, 0.0
+def _stall(arrivals: list[float], durations: list[float]) -> tuple[bool, float, int | None, float]:
+    """Playback starts at the first chunk; chunk k must arrive before the audio before it has played.
+    -> (ran dry, largest gap between arrivals, the first late chunk's index, seconds of silence in all)."""
+    gap, first_late, dry = 0.0, None, 0.0
     played_until = arrivals[0]
     for k, (t, d) in enumerate(zip(arrivals, durations)):
         if k:
             gap = max(gap, t - arrivals[k - 1])
             if t > played_until + 1e-3:
-                stall = True
+                first_late = k if first_late is None else first_late
+                dry += t - played_until
                 played_until = t
         played_until += d
-    return stall, gap
+    return first_late is not None, gap, first_late, dry
 
 
 class GrpcWorker:
@@ -387,7 +394,10 @@ def _finish(rec: Record, arrivals, durations, o) -> None:
         rec.audio_s = rec.samples / rec.sample_rate
     rec.frames = int(rec.server.get("frames", round(rec.samples / HOP))) if rec.ok else 0
     if arrivals:
-        rec.stall, rec.max_gap_s = _stall(arrivals, durations)
+        rec.stall, rec.max_gap_s, rec.stall_at_chunk, rec.dry_s = _stall(arrivals, durations)
+        frames = [d * rec.sample_rate / HOP for d in durations]
+        # gRPC chunks are whole frames; HTTP's are byte runs of the response (no chunk lengths then)
+        rec.chunk_frames = [round(f) for f in frames] if all(abs(f - round(f)) < 1e-6 for f in frames) else []
 
 
 # ---------------------------------------------------------------------------------------------- references
@@ -661,6 +671,9 @@ def summarize(c: int, n: int, records: list[Record], wall: float, gstats: dict, 
         "chunks_per_request_mean": _r(np.mean([r.chunks for r in ok]), 2) if ok else None,
         "max_chunk_gap_ms_p99": _r(_pct([r.max_gap_s * 1e3 for r in ok if r.max_gap_s is not None], 99), 2),
         "stall_fraction": _r(sum(stalls) / len(stalls), 3) if stalls else None,
+        # where streams ran dry (the first late chunk's index: count) and for how long
+        "stall_at_chunk": dict(sorted(Counter(r.stall_at_chunk for r in ok if r.stall_at_chunk is not None).items())),
+        "dry_ms_max": _r(max((r.dry_s for r in ok), default=0.0) * 1e3, 1),
         **gstats,
         "warmup_errors": len(warm_errors),
         "error_samples": sorted(set(errs))[:5] + sorted(set(warm_errors))[:2],
@@ -691,6 +704,18 @@ def markdown(result: dict) -> str:
                 cells.append("n/a" if v is None else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def chunk_notes(result: dict) -> str:
+    """One line per level: the chunks a request got and, where streams ran dry, at which chunk and for how long."""
+    out = []
+    for lv in result["levels"]:
+        line = f"- c={lv['concurrency']}: {lv['chunks_per_request_mean']} chunks a request"
+        if lv.get("stall_at_chunk"):
+            at = ", ".join(f"chunk {k}: {n}" for k, n in lv["stall_at_chunk"].items())
+            line += f"; ran dry first at {at}; longest silence {lv['dry_ms_max']} ms"
+        out.append(line)
+    return "\n".join(out)
 
 
 def parse_level_requests(text: str) -> tuple[int | None, dict[int, int]]:
@@ -781,7 +806,7 @@ def main(argv=None) -> int:
     table = markdown(result)
     if a.markdown:
         Path(a.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.markdown).write_text(table + "\n")
+        Path(a.markdown).write_text(table + "\n\n" + chunk_notes(result) + "\n")
     print(table, flush=True)
     bad = sum(lv["ok"] == 0 for lv in result["levels"])
     return 1 if bad else 0

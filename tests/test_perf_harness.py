@@ -35,6 +35,21 @@ def test_requests_per_level_forms():
             parse_level_requests(bad)
 
 
+def test_stall_finds_the_first_late_chunk_and_the_silence():
+    """Chunks of 1, 0.5, 0.5 and 1 s of audio: the second comes in time, the third 0.25 s after the audio before it
+    has played (a silence), the fourth in time again after that; the notes line names it."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    from loadgen import _stall, chunk_notes
+
+    stall, gap, at, dry = _stall([0.0, 0.9, 1.75, 2.0], [1.0, 0.5, 0.5, 1.0])
+    assert stall and at == 2 and dry == pytest.approx(0.25) and gap == pytest.approx(0.9)
+    assert _stall([0.0, 0.5, 1.0], [1.0, 1.0, 1.0]) == (False, 0.5, None, 0.0)
+    lv = {"concurrency": 64, "chunks_per_request_mean": 8.3, "stall_at_chunk": {1: 2, 3: 1}, "dry_ms_max": 120.0}
+    assert chunk_notes({"levels": [lv, {**lv, "concurrency": 1, "stall_at_chunk": {}}]}) == (
+        "- c=64: 8.3 chunks a request; ran dry first at chunk 1: 2, chunk 3: 1; longest silence 120.0 ms\n"
+        "- c=1: 8.3 chunks a request")
+
+
 def test_loadgen_sweep(triton_server, tmp_path):
     out = tmp_path / "loadgen.json"
     p = _run([sys.executable, "perf/loadgen.py", "--url", triton_server.grpc_url, "--concurrency", "1,2",
@@ -67,6 +82,7 @@ def test_loadgen_sweep(triton_server, tmp_path):
         assert lv["frames_per_request_mean"] == FRAMES and lv["frames_short"] == 0
         assert lv["chunks_per_request_mean"] >= 1
         assert 0 <= lv["stall_fraction"] <= 1
+        assert sum(lv["stall_at_chunk"].values()) == round(lv["stall_fraction"] * n) and lv["dry_ms_max"] >= 0
         if r["gpu"]["monitor"] == "n/a":
             assert lv["gpu_mem_peak_mib"] == "n/a"
         assert len(lv["records"]) == n
@@ -77,6 +93,7 @@ def test_loadgen_sweep(triton_server, tmp_path):
             assert q["audio_s"] == pytest.approx(audio_s, abs=1e-4)
             assert 0 < q["ttfa_s"] <= q["total_s"] and q["rtf"] == pytest.approx(q["total_s"] / q["audio_s"], rel=1e-3)
             assert q["server"]["frames"] == FRAMES and q["server"]["finish_reason"] == "length"
+            assert sum(q["chunk_frames"]) == FRAMES and len(q["chunk_frames"]) == q["chunks"]
             assert 0 <= q["t_send"] <= lv["wall_s"]
     assert kinds == {"plain", "clone_codes", "clone_audio"}, kinds
 
