@@ -217,7 +217,8 @@ def main():
                     with torch.inference_mode():
                         r.update(profile(eng, b))
                     if args.kernel_profile:
-                        n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_{weights}{cfg.replace(',', '_').replace('=', '')}_b{b}.txt")
+                        tag = weights + cfg.replace(",", "_").replace("=", "")
+                        n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_{tag}_b{b}.txt")
                         r["kernels_per_step"] = n
                         print(table, flush=True)
                 rows.append(r)

@@ -74,6 +74,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     from s2tts.engine_service import EngineService
     from s2tts.sampling import SamplingParams
     from s2tts.service import Chunker
+    from s2tts.settings import SCHEMA
 
     cuda = model.s2 is not None and next(model.parameters()).device.type == "cuda"
     eng = Engine(model, residual, max_batch=args.streams, max_seq_len=args.max_seq_len,
@@ -82,8 +83,6 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     decoder = StreamDecoder(codec, fallback=fallback, pool_size=2 * args.streams, buckets=buckets)
     if cuda:
         decoder.pool.warm(Chunker.lengths(args.first, args.chunk), max_batch=args.streams)
-    from s2tts.settings import SCHEMA
-
     load_frames = args.load if load_frames is None else load_frames
     svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", audio), lambda e: ("error", e.wire()),
                         frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps,
