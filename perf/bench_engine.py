@@ -25,6 +25,11 @@ import torch  # noqa: E402
 FPS = 44100 / 2048  # frames per second of audio
 
 
+def config_overrides(text: str) -> dict:
+    """'block_n=128,num_warps=8' -> {"block_n": 128, "num_warps": 8}: kernel tiling overrides given on a command line."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
+
+
 def graph_time_ms(fn, iters=50, calls=1) -> float:
     """Median time of one call of fn, `calls` calls of it captured in a CUDA graph (fn must be capturable)."""
     s = torch.cuda.Stream()
@@ -173,8 +178,9 @@ def main():
     ap.add_argument("--weights", default="dtype",
                     help="comma-separated load_model weights forms to time in turn: dtype (bf16), fp8 (ar_weights=fp8)")
     ap.add_argument("--fp8-config", action="append", default=[],
-                    help="kernels.GEMV_FP8_CONFIG overrides for the fp8 runs, e.g. 'swap=1,block_n=128' (repeat: "
-                         "one set of fp8 rows each)")
+                    help="the FP8 kernel's tiling at every row count for the fp8 runs: kernels.GEMV_FP8_CONFIG with "
+                         "these overrides, e.g. 'swap=1,block_n=128', also in place of GEMV_FP8_WIDE_CONFIG (repeat: "
+                         "one set of fp8 rows each; without it, the server's two tilings)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -191,11 +197,15 @@ def main():
         print(f"wrote full-size checkpoint in {time.perf_counter() - t:.1f} s", flush=True)
     residual = codec_codebook_sizes(ck)[1]
     rows = []
-    fp8_base = dict(kernels.GEMV_FP8_CONFIG)
+    fp8_base, wide_base = dict(kernels.GEMV_FP8_CONFIG), dict(kernels.GEMV_FP8_WIDE_CONFIG)
     runs = [(w, c) for w in args.weights.split(",") for c in ((args.fp8_config or [""]) if w == "fp8" else [""])]
     for weights, cfg in runs:
-        kernels.GEMV_FP8_CONFIG.clear()
-        kernels.GEMV_FP8_CONFIG.update(fp8_base, **{k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
+        over = config_overrides(cfg)
+        # an override sets one tiling for every row count; none: the two the server uses
+        for c, base in ((kernels.GEMV_FP8_CONFIG, fp8_base),
+                        (kernels.GEMV_FP8_WIDE_CONFIG, fp8_base if over else wide_base)):
+            c.clear()
+            c.update(base, **over)
         t = time.perf_counter()
         model = load_model(ck, "cuda", "bf16", weights=weights)
         torch.cuda.synchronize()

@@ -45,11 +45,13 @@ def main():
 
     torch.manual_seed(0)
     rows = []
+    from bench_engine import config_overrides
+
     bases = [(c, dict(c)) for c in (kernels.GEMV_CONFIG, kernels.GEMV_FP8_CONFIG)]
     for cfg in args.config or [""]:
         for c, base in bases:  # the same overrides for the bf16 and the FP8 kernel
             c.clear()
-            c.update(base, **{k: int(v) for k, v in (kv.split("=") for kv in cfg.split(",") if kv)})
+            c.update(base, **config_overrides(cfg))
         rows += bench(kernels, args, cfg)
     cols = ["config", "weight", "rows", "cublas_us", "kernel_us", "cublas_tb_s", "kernel_tb_s", "kernel_rel_err",
             "cublas_rel_err", "row_invariant", "fp8_us", "fp8_tb_s", "fp8_rel_err", "w8a8_cublas_us", "w8a8_rel_err"]
