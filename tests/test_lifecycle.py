@@ -160,6 +160,22 @@ def test_request_table_exactly_one_final_and_admission():
     assert len(table) == 0 and table.open("x", _Responder())  # the id is free again
 
 
+def test_a_final_response_frees_the_slot_before_the_client_hears_it():
+    """A client that sends its next request the moment its final response arrives finds the slot free (at c=64
+    with s2pro's limit at 64, some were refused `busy` when the slot was freed after the send)."""
+    table = RequestTable("m", make_error=lambda e: ("error", e.code), limit=1)
+    follow = []
+
+    class Eager(_Responder):
+        def send(self, response, final):
+            super().send(response, final)
+            if final:
+                follow.append(table.open("next", _Responder()))
+
+    table.open("first", Eager()).finish(("final", 0), "ok")
+    assert len(follow) == 1 and table.by_client("next") is follow[0]
+
+
 def test_worker_pool_queues_past_its_limit_and_never_holds_the_exit():
     from s2tts.lifecycle import WorkerPool
 
