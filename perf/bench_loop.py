@@ -73,7 +73,6 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     from s2tts.engine import Engine
     from s2tts.engine_service import EngineService
     from s2tts.sampling import SamplingParams
-    from s2tts.service import Chunker
     from s2tts.settings import SCHEMA
 
     cuda = model.s2 is not None and next(model.parameters()).device.type == "cuda"
@@ -82,7 +81,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
                  max_prefill_tokens=prefill_tokens)
     decoder = StreamDecoder(codec, fallback=fallback, pool_size=2 * args.streams, buckets=buckets)
     if cuda:
-        decoder.pool.warm(Chunker.lengths(args.first, args.chunk), max_batch=args.streams)
+        decoder.pool.warm(EngineService.codec_lengths(args.first, args.chunk, batch_steps), max_batch=args.streams)
     load_frames = args.load if load_frames is None else load_frames
     svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", audio), lambda e: ("error", e.wire()),
                         frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps,
@@ -118,7 +117,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
         time.sleep(0.01)
         if base is None and time.monotonic() - t0 >= args.warm_s:
             base = (time.monotonic(), sum(sum(c.durations) for c in clients), svc.loop.steps, svc.loop.step_s,
-                    svc.loop.codec_s, svc.loop.codec_calls, svc.loop.codec_chunks)
+                    svc.loop.codec_s, svc.loop.codec_calls, svc.loop.codec_streams)
         for k, c in enumerate(live):
             if c.done.is_set():
                 live[k] = submit()
@@ -137,7 +136,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "streams": args.streams, "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
            "step_ms": round(1e3 * (L.step_s - base[3]) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - base[4]) / steps, 2),
            "codec_calls_per_step": round((L.codec_calls - base[5]) / steps, 3),
-           "chunks_per_call": round((L.codec_chunks - base[6]) / calls, 1),
+           "streams_per_call": round((L.codec_streams - base[6]) / calls, 1),
            "requests_done": len(finished), "stall_fraction": round(sum(c.stalled() for c in finished) / max(1, len(finished)), 3),
            "stall_at_chunk": _stall_points(finished), "chunks_per_request": round(
                sum(len(c.arrivals) for c in finished) / max(1, len(finished)), 1),

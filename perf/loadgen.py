@@ -674,6 +674,7 @@ def summarize(c: int, n: int, records: list[Record], wall: float, gstats: dict, 
         # where streams ran dry (the first late chunk's index: count) and for how long
         "stall_at_chunk": dict(sorted(Counter(r.stall_at_chunk for r in ok if r.stall_at_chunk is not None).items())),
         "dry_ms_max": _r(max((r.dry_s for r in ok), default=0.0) * 1e3, 1),
+        "ttfa_parts_ms_p50": ttfa_parts(ok),
         **gstats,
         "warmup_errors": len(warm_errors),
         "error_samples": sorted(set(errs))[:5] + sorted(set(warm_errors))[:2],
@@ -681,6 +682,24 @@ def summarize(c: int, n: int, records: list[Record], wall: float, gstats: dict, 
                      for r in records],
     }
     return lv
+
+
+# where a request's time to first audio went, as the server reports it (s2pro's final stats), in order
+TTFA_PARTS = (("to slow_ar", "to_engine_s"), ("queue", "queue_s"), ("first frame", "engine_first_frame_s"),
+              ("first chunk out of slow_ar", "engine_first_audio_s"), ("sent by s2pro", "ttfa_s"))
+
+
+def ttfa_parts(ok: list[Record]) -> dict:
+    """Median milliseconds of each part of TTFA_PARTS (from the request's arrival in s2pro, but the slow_ar ones: from
+    its arrival in slow_ar), and the client's own TTFA; {} when the server reports none."""
+    out = {}
+    for name, key in TTFA_PARTS:
+        v = [r.server[key] * 1e3 for r in ok if isinstance(r.server.get(key), (int, float))]
+        if v:
+            out[name] = _r(_pct(v, 50), 1)
+    if out:
+        out["received"] = _r(_pct([r.ttfa_s * 1e3 for r in ok if r.ttfa_s is not None], 50), 1)
+    return out
 
 
 COLUMNS = [("c", "concurrency"), ("reqs ok/n", None), ("TTFA mean ms", "ttfa_ms_mean"), ("TTFA p50 ms", "ttfa_ms_p50"),
@@ -714,6 +733,8 @@ def chunk_notes(result: dict) -> str:
         if lv.get("stall_at_chunk"):
             at = ", ".join(f"chunk {k}: {n}" for k, n in lv["stall_at_chunk"].items())
             line += f"; ran dry first at {at}; longest silence {lv['dry_ms_max']} ms"
+        if lv.get("ttfa_parts_ms_p50"):
+            line += "; first audio, p50 ms: " + ", ".join(f"{k} {v}" for k, v in lv["ttfa_parts_ms_p50"].items())
         out.append(line)
     return "\n".join(out)
 

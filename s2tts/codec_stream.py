@@ -178,6 +178,21 @@ class StreamDecoder:
         length the pool prepared (others run eagerly)."""
         return self.pool is None or not self.pool.use_graphs or n in self.pool.lengths
 
+    def slices(self, n: int, final: bool = False) -> list[int]:
+        """How to decode a stream's next n frames in the fewest calls that each run fast: one call where the codec
+        decodes that length as well (`joins`; a stream's last frames are padded to a prepared length), else the
+        longest prepared lengths that fit, the rest eagerly."""
+        if self.joins(n) or (final and n <= max(self.pool.lengths, default=0)):
+            return [n]
+        out = []
+        while n > 0:
+            k = max((L for L in self.pool.lengths if L <= n), default=n)
+            if final and n <= max(self.pool.lengths, default=0):
+                k = n  # the rest pads to a prepared length
+            out.append(k)
+            n -= k
+        return out
+
     def close(self, sid: str) -> None:
         """End stream `sid` (its state dropped) if it is open."""
         self._drop(sid)

@@ -5,13 +5,18 @@ in order and polls for cancellation, so IPC never stalls the device loop. Frames
 grouped per request as it asked (`first_chunk_frames`, then `chunk_frames`): one
 response per audio chunk, then one final response with the finish reason and stats.
 
-With a `codec` (`codec_stream.StreamDecoder`: `codec_in_engine`), the engine thread also decodes: after each
-step, the chunks every stream finished in that step go to the codec in one call (batched per chunk length),
-and each response carries its audio beside its codes, so no chunk makes a round trip to another process. A
-request names its codec stream (`CodecStream`: several requests, one per text segment, can continue one
-stream); the stream closes with the request's last chunk when `final`, and whenever the request ends otherwise.
-A request's first chunk is decoded at once (time to first audio); later chunks wait up to `codec_batch_steps`
-steps, so that the codec takes the chunks of many streams in one call instead of a few in every step.
+With a `codec` (`codec_stream.StreamDecoder`: `codec_in_engine`), the engine thread also decodes, and each
+response carries its audio beside its codes, so no chunk makes a round trip to another process. A request names
+its codec stream (`CodecStream`: several requests, one per text segment, can continue one stream); the stream
+closes with the request's last chunk when `final`, and whenever the request ends otherwise. What a codec call
+decodes is a stream's frames, not its chunks: a chunk leaves once all of its frames are decoded.
+- Light load (and `codec_batch_steps=1`): after each step, the frames of the chunks that step completed, all
+  streams in one call.
+- Under load (a pace of at least `service.LOAD_PACE`) with `codec_batch_steps=K` > 1: every K steps the frames
+  every stream made since, in slices of K (a stream's last frames padded to a prepared length), so that one call
+  of one length (one CUDA graph) decodes all streams; between those steps nothing. A call's cost on a GPU is mostly
+  per length it decodes, not per frame (perf/RESULTS.md). A stream's chunks that become ready together leave as
+  one response.
 
 Requests are tracked by `lifecycle.RequestTable` under internal ids (the engine sees
 only those); the caller's id serves for cancellation, status and log lines. Every
@@ -30,7 +35,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -41,7 +46,7 @@ from .errors import S2Error
 from .lifecycle import RequestTable, Responder, Tracked, guarded
 from .prompt import Prompt
 from .sampling import SamplingParams
-from .service import Chunker
+from .service import LOAD_PACE, Chunker
 
 log = logging.getLogger("s2tts")
 
@@ -50,7 +55,9 @@ log = logging.getLogger("s2tts")
 # crashed the s2pro process under load (perf/RESULTS.md, the soak). Numbers only on that wire.
 FINISH_CODES = {"": 0, "end": 1, "length": 2, "cancelled": 3}
 FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
-STATS_FIELDS = ("frames", "queue_s", "prompt_tokens")  # the final response's `stats`
+# the final response's `stats`; first_frame_s / first_audio_s: seconds from the request's arrival here to its first
+# frame made / its first chunk handed to the sender (where a stream's time to first audio goes: perf/loadgen.py)
+STATS_FIELDS = ("frames", "queue_s", "prompt_tokens", "first_frame_s", "first_audio_s")
 STATUS_FIELDS = ("healthy", "waiting", "live", "free_slots", "in_flight", "request")  # a `status` answer
 REQUEST_STATES = ("unknown", "waiting", "live")
 
@@ -74,7 +81,7 @@ def decode_fields(arr, fields) -> dict:
             out[f] = REQUEST_STATES[int(v)] if 0 <= int(v) < len(REQUEST_STATES) else "unknown"
         elif f == "healthy":
             out[f] = v > 0.5
-        elif f == "queue_s":
+        elif f.endswith("_s"):  # seconds
             out[f] = None if v < 0 else round(v, 4)
         else:
             out[f] = int(v)
@@ -94,11 +101,22 @@ class CodecStream:
 class StreamState:
     chunker: Chunker
     queue_s: float | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    first_frame_s: float | None = None
+    first_audio_s: float | None = None
     frames: int = 0
     prompt_tokens: int = 0
     codec: CodecStream | None = None
     codec_open: bool = False  # the codec stream holds state for this request (opened, or continued)
     codec_dropped: bool = False  # its caller closed the stream while it ran: nothing more is decoded
+    # with an in-engine codec: frames made and not yet decoded, decoded audio not yet sent (and its frames), and
+    # the routed items waiting for their audio, in order
+    undecoded: list = field(default_factory=list)
+    n_undecoded: int = 0
+    audio: list = field(default_factory=list)
+    n_audio: int = 0
+    waiting: list = field(default_factory=list)
+    released: int = 0  # frames whose audio was sent
 
 
 @dataclass
@@ -110,7 +128,7 @@ class LoopStats:
     step_s: float = 0.0
     codec_s: float = 0.0
     codec_calls: int = 0
-    codec_chunks: int = 0
+    codec_streams: int = 0
     frames: int = 0  # frames the steps made: a step's average is how many of the slots decoded
     since: float = 0.0
     every_s: float = 10.0
@@ -125,10 +143,10 @@ class LoopStats:
         self.frames += frames
         if now - self.since >= self.every_s and self.codec_calls:
             log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
-                     "decoding audio (%d codec calls, %.1f chunks a call)", name, now - self.since, self.steps,
+                     "decoding audio (%d codec calls, %.1f streams a call)", name, now - self.since, self.steps,
                      1e3 * self.step_s / self.steps, self.frames / self.steps, 1e3 * self.codec_s / self.steps,
-                     self.codec_calls, self.codec_chunks / self.codec_calls)
-            self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_chunks, self.frames = 0, 0.0, 0.0, 0, 0, 0
+                     self.codec_calls, self.codec_streams / self.codec_calls)
+            self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_streams, self.frames = 0, 0.0, 0.0, 0, 0, 0
             self.since = now
 
 
@@ -151,12 +169,13 @@ class EngineService:
         self._codec_lock = threading.Lock()  # touches the decoder)
         self._codec_states: dict[str, StreamState] = {}  # engine request id -> its state, until its last output
         self.codec_batch_steps = max(1, codec_batch_steps)
-        # later chunks may wait codec_batch_steps - 1 steps more than a first one, and a step's own codec call
+        # under load a chunk may wait codec_batch_steps - 1 steps for its frames' slice, and a step's own codec call
         # delays its chunks by about one more: the chunker keeps that many frames of room (service.Chunker)
         self.chunk_lag = self.codec_batch_steps if codec is not None else 0
         # Chunker keyword overrides (perf/bench_loop.py tries more; the rest: Chunker's defaults)
         self.chunk_options: dict = {"load_frames": load_chunk_frames} if load_chunk_frames else {}
-        self._held: list[list] = []  # routed items waiting for the next codec call (in order)
+        self._decoding: dict[int, Tracked] = {}  # requests with frames or items the codec has yet to see (engine thread)
+        self._load: tuple[float, float, bool] | None = None  # (pace averaged over ~1 s, when, under load)
         self.loop = LoopStats()
         self.frame_seconds = frame_seconds
         self.step_s: float | None = None  # moving average of a decoding pass's wall time (step, and codec if here)
@@ -185,6 +204,13 @@ class EngineService:
         for t in self.threads:
             t.start()
 
+    @staticmethod
+    def codec_lengths(first_chunk_frames: int, chunk_frames: int, codec_batch_steps: int) -> list[int]:
+        """The lengths an in-engine codec decodes (what a GPU's decoder prepares graphs for): the chunk lengths, and
+        with held calls their slices (twice that for a stream catching up)."""
+        k = codec_batch_steps
+        return sorted(set(Chunker.lengths(first_chunk_frames, chunk_frames)) | ({k, 2 * k} if k > 1 else set()))
+
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, client_id: str, responder: Responder, prompt: Prompt, params: SamplingParams,
                first_chunk_frames: int, chunk_frames: int, codec_stream: CodecStream | None = None) -> Tracked | None:
@@ -195,6 +221,7 @@ class EngineService:
             pace = self.pace if self.frame_seconds else None
             rec = self.table.open(client_id, responder,
                                   state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace, lag=self.chunk_lag,
+                                                            loaded=self.under_load if pace else None,
                                                             **self.chunk_options),
                                                     prompt_tokens=len(prompt)))
             if self.codec is not None:
@@ -239,6 +266,30 @@ class EngineService:
         if d is not None and time.monotonic() - d[1] < self.downstream_pace_ttl_s:
             return max(own, d[0])
         return own
+
+    def under_load(self) -> bool:
+        """Whether the service is under load (with a measured pace: `frame_seconds`): from the moment the pace
+        reaches `LOAD_PACE` (a wave of arrivals: its first chunks already count) until the pace averaged over about
+        a second falls below 0.8 of that (a held codec call itself lowers the pace, and makes single steps vary:
+        hence the margin and the average). First chunks grow then (`load_chunk_frames`) and the codec holds its
+        calls (`codec_batch_steps`)."""
+        return self._load is not None and self._load[2]
+
+    def _note_load(self) -> None:
+        if not self.frame_seconds:
+            return
+        now, r = time.monotonic(), self.pace()
+        if self._load is None:
+            avg, loaded = r, r >= LOAD_PACE
+        else:
+            avg, at, loaded = self._load
+            a = min(1.0, (now - at) / 1.0)
+            avg = (1 - a) * avg + a * r
+            if loaded:
+                loaded = avg >= 0.8 * LOAD_PACE
+            elif r >= LOAD_PACE:
+                loaded, avg = True, max(avg, r)  # the average starts from the pace that turned it on
+        self._load = (avg, now, loaded)
 
     def set_downstream_pace(self, r: float) -> None:
         if not (0.0 < r < 1e3):
@@ -291,10 +342,10 @@ class EngineService:
         t1 = time.monotonic()
         ready = [r for o in outputs for r in self._route(o)]
         if self.codec is not None:
-            ready = self._batch_for_codec(ready)
-            if ready:
-                self._decode(ready)
+            ready = self._codec_pass(ready)
         for rec, kind, codes, reason, stats, audio in ready:
+            if rec.state.first_audio_s is None and kind != "error":
+                rec.state.first_audio_s = time.monotonic() - rec.state.arrived
             if kind == "error":
                 self.outbox.put((rec, "error", stats, None))
             else:
@@ -303,27 +354,8 @@ class EngineService:
             t2 = time.monotonic()
             dt = t2 - t0
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
+            self._note_load()
             self.loop.add(t1 - t0, t2 - t1, self.name, sum(o.codes.shape[0] for o in outputs))
-
-    def _batch_for_codec(self, ready: list[list]) -> list[list]:
-        """What to decode in this pass: a request's first chunk at once (time to first audio), everything else
-        every `codec_batch_steps` steps (all streams' chunks in one call), and all of it when the engine has
-        nothing left to run. A request's items keep their order."""
-        self.loop.passes += 1
-        tick = self.loop.passes % self.codec_batch_steps == 0 or not self.engine.has_work()
-        held_recs = {id(item[0]) for item in self._held}
-        now = []
-        for item in ready:
-            rec, st = item[0], item[0].state
-            first = item[1] == "chunk" and st.chunker.emitted == 1 and id(rec) not in held_recs
-            if tick or first or item[1] == "error":
-                now.append(item)
-            else:
-                self._held.append(item)
-                held_recs.add(id(rec))
-        if tick:
-            now, self._held = self._held + now, []
-        return now
 
     def _route(self, o: Output) -> list[list]:
         """One request's output -> what to send: [record, "chunk" | "final" | "error", codes, finish reason,
@@ -344,79 +376,151 @@ class EngineService:
                 errors.internal(f"{self.name}: {o.error}")
             self._end_codec(st)
             return [[rec, "error", None, "", err, None]]
+        if st.first_frame_s is None and o.codes.shape[0]:
+            st.first_frame_s = time.monotonic() - st.arrived
         st.frames += o.codes.shape[0]
+        if self.codec is not None and o.codes.shape[0]:
+            st.undecoded.append(o.codes)
+            st.n_undecoded += o.codes.shape[0]
         out = [[rec, "chunk", chunk, "", None, None] for chunk in st.chunker.add(o.codes)]
         if o.finished:
             tail = st.chunker.flush()
             codes = tail if tail is not None else np.zeros((0, self.C), np.int32)
+            first_audio = st.first_audio_s if st.first_audio_s is not None else time.monotonic() - st.arrived
             stats = {"frames": st.frames, "queue_s": None if st.queue_s is None else round(st.queue_s, 4),
-                     "prompt_tokens": st.prompt_tokens, "finish_reason": o.finish_reason}
+                     "prompt_tokens": st.prompt_tokens, "finish_reason": o.finish_reason,
+                     "first_frame_s": st.first_frame_s, "first_audio_s": first_audio}
             out.append([rec, "final", codes, o.finish_reason, stats, None])
         return out
 
     # ---- the in-engine codec (engine thread only) -------------------------------------------
-    def _decode(self, ready: list[list]) -> None:
-        """The chunks of this pass through the codec, all streams in one call; each item gets its audio, or becomes
-        an error (its request cancelled). A stream's consecutive chunks go as one where the codec decodes that
-        length as well (`StreamDecoder.joins`). A cancelled request's last codes are not decoded: its stream just
-        closes."""
-        jobs: list[list] = []  # [item indices, stream id, codes, start, final]
-        last: dict[str, list] = {}  # stream id -> its latest job
-        for i, (rec, kind, codes, reason, _stats, _audio) in enumerate(ready):
-            st: StreamState = rec.state
-            ready[i][5] = np.zeros(0, np.float32)
-            if kind == "error":
-                continue
-            if reason == "cancelled" or st.codec_dropped:
+    def _codec_pass(self, routed: list[list]) -> list[list]:
+        """This pass's routed items -> the items to send now, each chunk with its audio: decode what the pass
+        calls for (see the module's doc), then let every request's waiting items go as far as its audio reaches.
+        A request's items keep their order."""
+        self.loop.passes += 1
+        out = []
+        for item in routed:
+            rec, st = item[0], item[0].state
+            if item[1] == "error":  # the request failed in the engine: its waiting chunks go with it
+                st.waiting.clear()
+                self._decoding.pop(rec.iid, None)
+                out.append(item)
+            elif item[3] == "cancelled" or st.codec_dropped:  # nothing more to decode: the stream just closes
                 self._end_codec(st)
-                continue
-            final = kind == "final" and st.codec.final
-            if codes.shape[0] == 0 and not (final and st.codec_open):
-                continue
-            job = last.get(st.codec.sid)
-            if job is not None and not job[4] and (codes.shape[0] == 0 or self.codec.joins(job[2].shape[0] + codes.shape[0])):
-                job[0].append(i)
-                job[2] = np.concatenate([job[2], codes])
-                job[4] = final
+                for w in [*st.waiting, item]:
+                    w[5] = np.zeros(0, np.float32)
+                    out.append(w)
+                st.waiting.clear()
+                st.undecoded, st.n_undecoded = [], 0
+                self._decoding.pop(rec.iid, None)
             else:
-                job = last[st.codec.sid] = [[i], st.codec.sid, codes, not st.codec_open, final]
-                jobs.append(job)
-            st.codec_open = not final
-        while jobs:  # one job per stream in a call (a stream's chunks that did not join go in order)
-            now, later, seen = [], [], set()
-            for job in jobs:
-                (later if job[1] in seen else now).append(job)
-                seen.add(job[1])
+                st.waiting.append(item)
+                self._decoding[rec.iid] = rec
+        K = self.codec_batch_steps
+        batched = K > 1 and self.under_load()
+        tick = not batched or self.loop.passes % K == 0 or not self.engine.has_work()
+        if tick:
+            plans = []
+            for rec in list(self._decoding.values()):
+                if rec.closed:  # ended elsewhere (shutdown, unhealthy)
+                    self._end_codec(rec.state)
+                    del self._decoding[rec.iid]
+                    continue
+                plan = self._plan(rec.state, K if batched else 0)
+                if plan:
+                    plans.append((rec, plan))
+            self._run_codec(plans)
+        for rec in list(self._decoding.values()):
+            out.extend(self._release(rec))
+        return out
+
+    def _plan(self, st: StreamState, K: int) -> list[tuple[np.ndarray, bool, bool]]:
+        """What to decode of one request's frames now -> [(codes, start, final)] in order, one per codec call.
+        All of them once its last item is routed. Else without K (light load) the frames its waiting chunks need;
+        with K (under load) as many whole slices of K frames as it has made (a chunk ending in a partial slice waits
+        for the next tick), and for its first chunk at least what that needs (time to first audio)."""
+        final_item = bool(st.waiting) and st.waiting[-1][1] == "final"
+        need = sum(w[2].shape[0] for w in st.waiting) - st.n_audio
+        if final_item:
+            take = st.n_undecoded
+        elif not K:
+            take = need
+        else:
+            take = K * (st.n_undecoded // K)
+            if not st.released:
+                take = max(take, need)
+        final = final_item and st.codec.final
+        if take <= 0 and not (final and st.codec_open):
+            return []
+        codes = np.concatenate(st.undecoded) if len(st.undecoded) > 1 else st.undecoded[0] if st.undecoded else \
+            np.zeros((0, self.C), np.int32)
+        st.undecoded = [codes[take:]] if codes.shape[0] > take else []
+        st.n_undecoded -= take
+        pieces = self.codec.slices(take, final) if take else [0]
+        plan, at = [], 0
+        for k, n in enumerate(pieces):
+            plan.append((codes[at : at + n], not st.codec_open and k == 0, final and k == len(pieces) - 1))
+            at += n
+        st.codec_open = not final
+        return plan
+
+    def _run_codec(self, plans: list[tuple[Tracked, list]]) -> None:
+        """The planned slices through the codec: every request's first in one call, its second (rare: a length
+        the codec has no graph for, split) in the next... Each request's audio joins its `audio`; a request whose
+        decode failed ends with the error (and is cancelled in the engine)."""
+        for r in range(max((len(p) for _, p in plans), default=0)):
+            now = [(rec, plan[r]) for rec, plan in plans if len(plan) > r and not rec.state.codec_dropped]
+            if not now:
+                continue
             self.loop.codec_calls += 1
-            self.loop.codec_chunks += len(now)
+            self.loop.codec_streams += len(now)
+            jobs = [(k, rec.state.codec.sid, codes, start, final) for k, (rec, (codes, start, final)) in enumerate(now)]
             try:
-                audio = self.codec.decode_many([(k, *job[1:]) for k, job in enumerate(now)], time.monotonic())
+                audio = self.codec.decode_many(jobs, time.monotonic())
             except Exception as e:  # noqa: BLE001 - the codec failed as a whole: these requests end, the service goes on
                 err = errors.from_exception(e, self.name)
                 audio = {k: err for k in range(len(now))}
-            for k, job in enumerate(now):
-                a = audio.get(k)
-                if isinstance(a, np.ndarray) and len(job[0]) > 1:  # split back at the items' frames
-                    hop = a.size // max(1, job[2].shape[0])
-                    bounds = np.cumsum([ready[i][2].shape[0] * hop for i in job[0]])[:-1]
-                    for i, part in zip(job[0], np.split(a, bounds)):
-                        self._take_audio(ready[i], part)
-                else:
-                    for i in job[0]:
-                        self._take_audio(ready[i], a)
-            jobs = later
+            for k, (rec, (codes, _, _)) in enumerate(now):
+                a, st = audio.get(k), rec.state
+                if isinstance(a, np.ndarray):
+                    st.audio.append(a)
+                    st.n_audio += codes.shape[0]
+                    continue
+                err = a if isinstance(a, S2Error) else errors.internal(f"{self.name}: the codec returned no audio")
+                log.warning("%s: request %s: audio decode failed: %s", self.name, rec.tag, err.wire())
+                self._end_codec(st)
+                st.codec_dropped = True  # nothing more is decoded for it; its waiting items become the error
+                st.waiting = [[rec, "error", None, "", err, None]]
+                self.engine.cancel(str(rec.iid))
 
-    def _take_audio(self, item: list, audio) -> None:
-        rec = item[0]
-        if isinstance(audio, np.ndarray):
-            item[5] = audio
-            return
-        err = audio if isinstance(audio, S2Error) else errors.internal(f"{self.name}: the codec returned no audio")
-        log.warning("%s: request %s: audio decode failed: %s", self.name, rec.tag, err.wire())
-        self._end_codec(rec.state)
-        if item[1] == "chunk":
-            self.engine.cancel(str(rec.iid))
-        item[1:5] = ["error", None, "", err]
+    def _release(self, rec: Tracked) -> list[list]:
+        """A request's waiting items whose audio is all decoded, in order; consecutive chunks as one."""
+        st, out = rec.state, []
+        while st.waiting:
+            item = st.waiting[0]
+            n = 0 if item[2] is None else item[2].shape[0]
+            if item[1] == "error":
+                out.append(item)
+                st.waiting.clear()
+                self._decoding.pop(rec.iid, None)
+                break
+            if n > st.n_audio or (item[1] == "final" and (st.n_undecoded or (st.codec.final and st.codec_open))):
+                break
+            st.waiting.pop(0)
+            st.released += n
+            audio = np.concatenate(st.audio) if len(st.audio) > 1 else st.audio[0] if st.audio else np.zeros(0, np.float32)
+            hop = audio.size // max(1, st.n_audio)
+            item[5], rest = audio[: n * hop], audio[n * hop :]
+            st.audio, st.n_audio = ([rest] if rest.size else []), st.n_audio - n
+            if out and out[-1][1] == "chunk" and item[1] == "chunk" and st.released > out[-1][2].shape[0] + n:
+                prev = out[-1]
+                prev[2], prev[5] = np.concatenate([prev[2], item[2]]), np.concatenate([prev[5], item[5]])
+            else:
+                out.append(item)
+            if item[1] == "final":
+                self._decoding.pop(rec.iid, None)
+        return out
 
     def _end_codec(self, st: StreamState) -> None:
         """Close the request's codec stream unless a later request continues it (then only after a normal end)."""

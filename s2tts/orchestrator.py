@@ -243,6 +243,8 @@ class TTSService:
         stats = w.stats
         w.step("generating")
         w.generation_open, w.stream_done = True, False
+        if first:
+            stats.to_engine_s = round(time.monotonic() - stats.started, 4)
         w.stream = self._call(w.engine, self.down.generate, w.engine, w.rid, prompt, w.req, (w.sid, w.seq == 0, last))
         made: list[np.ndarray] = []
         while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
@@ -258,6 +260,8 @@ class TTSService:
                 w.generation_open, w.stream_done = False, True
                 if gstats and first:
                     stats.queue_s = gstats.get("queue_s")
+                    stats.engine_first_frame_s = gstats.get("first_frame_s")
+                    stats.engine_first_audio_s = gstats.get("first_audio_s")
             w.step("generating")
             if rec.closed:
                 return made, None

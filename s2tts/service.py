@@ -109,6 +109,11 @@ class TTSRequest:
         return self
 
 
+# From this pace (seconds of work a second of audio: c=64 on one H100, not c=16) a server is "under load": first
+# chunks grow (`Chunker(load_frames=)`) and slow_ar's in-engine codec decodes all streams together every few steps
+LOAD_PACE = 0.35
+
+
 class Chunker:
     """Groups streamed frames into decode chunks [n, num_codebooks] (frames first, as on every wire).
 
@@ -125,7 +130,8 @@ class Chunker:
     made in F_1 r of the F_1 frame-durations the one before plays, with the same margin of F_1 (1 - r) >= 2 r frames
     every time (growing chunks spend that margin; at c=64 out of step 11% of streams ran dry with them, none with
     equal ones: perf/RESULTS.md). `load_frames` (default 0: off) sets the least first chunk from a pace of `load_from`
-    (default 0.35, reached at c=64 on one H100, not at c=16): more audio in hand while the next chunk is made (at
+    (default `LOAD_PACE`, 0.35, reached at c=64 on one H100, not at c=16; or whenever `loaded()` says so): more
+    audio in hand while the next chunk is made (at
     c=64 on an H100, 8-frame first chunks: 1 stream of 384 ran dry, 7 with 4-frame ones; half the chunks, for the
     same throughput: a codec call's cost follows its frames; perf/RESULTS.md).
     Sizes are `first` times a power of two, or `size` (few distinct chunk lengths, so the codec still batches
@@ -134,10 +140,13 @@ class Chunker:
     """
 
     def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8,
-                 lag: int = 0, uniform_from: float = 0.5, load_frames: int = 0, load_from: float = 0.35):
+                 lag: int = 0, uniform_from: float = 0.5, load_frames: int = 0, load_from: float | None = None,
+                 loaded: Callable[[], bool] | None = None):
         self.first, self.size = first, size
         self.pace, self.safety, self.lag = pace, safety, lag
-        self.uniform_from, self.load_frames, self.load_from = uniform_from, load_frames, load_from
+        self.uniform_from, self.load_frames = uniform_from, load_frames
+        self.load_from = LOAD_PACE if load_from is None else load_from
+        self.loaded = loaded  # "under load?" as the caller decides it (else: the pace now, from load_from)
         self.pending: list[np.ndarray] = []
         self.n_pending = 0
         self.emitted = 0  # chunks handed out
@@ -158,7 +167,7 @@ class Chunker:
             return self.first
         r = self.pace()
         need = self.first if r >= 1.0 else max(self.first, math.ceil(2 * r / (1 - r)))
-        if self.load_from <= r < 1.0:
+        if self.loaded() if self.loaded is not None else self.load_from <= r < 1.0:
             need = max(need, self.load_frames)
         return next((n for n in self.lengths(self.first, self.size) if n >= need), max(self.first, self.size))
 
@@ -218,6 +227,11 @@ class Stats:
     seed: int | None = None
     queue_s: float | None = None  # waited for a KV slot in slow_ar
     request_id: str = ""
+    # where the time to first audio went: from arrival here to the first segment's call to slow_ar, and from its
+    # arrival in slow_ar to its first frame and to its first chunk leaving slow_ar's engine thread
+    to_engine_s: float | None = None
+    engine_first_frame_s: float | None = None
+    engine_first_audio_s: float | None = None
 
     def audio_sent(self, n_samples: int) -> None:
         if self.first_audio is None and n_samples:
@@ -235,5 +249,8 @@ class Stats:
             "prompt_tokens": self.prompt_tokens,
             "seed": self.seed,
             "queue_s": self.queue_s,
+            "to_engine_s": self.to_engine_s,
+            "engine_first_frame_s": self.engine_first_frame_s,
+            "engine_first_audio_s": self.engine_first_audio_s,
             "request_id": self.request_id,
         })

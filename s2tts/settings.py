@@ -160,9 +160,11 @@ SETTINGS: tuple[Setting, ...] = (
             "(one GPU: the AR and the codec share it either way); off on a CPU (separate processes use more cores), "
             "with `codec_device` elsewhere, and with backend=tensorrt/onnxruntime (their codec is the `dac_decoder` "
             "model)", auto=True),
-    Setting("codec_batch_steps", int, 1, ("slow_ar",), "with codec_in_engine, a stream's chunks after its first wait up "
-            "to this many engine steps, so that one codec call decodes the chunks of many streams (its first chunk "
-            "goes at once)", min=1, max=64),
+    Setting("codec_batch_steps", int, 8, ("slow_ar",), "with codec_in_engine, under load (the pace of "
+            "`load_chunk_frames`) the codec decodes every stream's new frames together once every this many engine "
+            "steps, in slices of this many frames: one codec call of one length for all streams, a chunk leaving once "
+            "its frames are decoded (at most this many steps later); best equal to `load_chunk_frames`. At a lighter "
+            "load, and with 1, each chunk is decoded as soon as it is complete", min=1, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar",), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once; more are refused at "

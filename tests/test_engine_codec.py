@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from s2tts.checkpoint import codec_codebook_sizes, load_codec_from_dir
+from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir
 from s2tts.codec_stream import StreamDecoder
 from s2tts.engine import Engine
 from s2tts.engine_service import CodecStream, EngineService
@@ -99,8 +99,6 @@ def test_first_chunk_grows_under_load(model, prompts, tiny_ckpt, codec, load, fi
     """`load_chunk_frames` (slow_ar's setting): at a pace of 0.45 s of work a second of audio (c=64 on one H100) a
     stream's first chunk is 8 frames, not first_chunk_frames' 4; later chunks still grow, and the audio is still one
     seamless decode of the codes."""
-    from s2tts.checkpoint import codec_frame_seconds
-
     svc = _service(model, tiny_ckpt, StreamDecoder(codec, pool_size=4), frame_seconds=codec_frame_seconds(tiny_ckpt),
                    load_chunk_frames=load)
     svc.pace = lambda: 0.45  # the pace the chunker reads (measured from the steps otherwise)
@@ -216,13 +214,70 @@ def test_a_codec_failure_ends_only_its_requests(model, prompts, tiny_ckpt, codec
     assert good.sent[-1][0] == "ok" and sum(a.size for *_, a in good.sent) == 5 * 2048
 
 
-def test_later_chunks_wait_to_be_decoded_together(model, prompts, tiny_ckpt, codec):
-    """codec_batch_steps=4: chunks after a request's first wait for every fourth step, so the codec makes fewer,
-    larger calls; each request's audio is the same as with a call in every step."""
+def _recording(decoder):
+    """Record each codec call's jobs as [(stream id, frames, final)]."""
+    calls, inner = [], decoder.decode_many
+
+    def decode_many(jobs, now):
+        calls.append([(sid, codes.shape[0], final) for _, sid, codes, _, final in jobs])
+        return inner(jobs, now)
+
+    decoder.decode_many = decode_many
+    return calls
+
+
+def _boundaries(calls, sid):
+    """Where a stream's decoded slices ended (cumulative frames)."""
+    out, at = [], 0
+    for call in calls:
+        for s, n, _ in call:
+            if s == sid and n:
+                at += n
+                out.append(at)
+    return out
+
+
+@pytest.mark.parametrize("pace", [0.45, 0.2])
+def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_ckpt, codec, pace):
+    """codec_batch_steps=4 under load (a pace of 0.45): every fourth step the codec decodes the frames every stream
+    made since, in slices of 4 frames (its first chunk's frames at least, for time to first audio; its last frames
+    padded), whatever the chunks; a chunk leaves once its frames are decoded, chunks ready together as one response. At a light pace (0.2) the
+    codec decodes each chunk as it completes, as with codec_batch_steps=1. Either way each request's audio is one
+    seamless decode of its codes, and every response's audio is its own frames."""
+    decoder = StreamDecoder(codec, pool_size=8)
+    calls = _recording(decoder)
+    svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=4, frame_seconds=codec_frame_seconds(tiny_ckpt))
+    svc.pace = lambda: pace
+    rs = _serve_all(svc, prompts, [17, 22, 26, 30], 80, "Slice me", first_chunk_frames=2, chunk_frames=3)
+    sids = [f"slow_ar/{rec}" for rec in sorted({sid.split("/")[1] for call in calls for sid, *_ in call}, key=int)]
+    for r, n in zip(rs, [17, 22, 26, 30]):
+        assert all(kind == "ok" for kind, *_ in r.sent) and r.sent[-1][2] == "length"
+        codes = np.concatenate([c for _, c, _, _ in r.sent]).astype(np.int64)
+        assert codes.shape[0] == n
+        assert [a.size for _, c, _, a in r.sent] == [c.shape[0] * 2048 for _, c, _, _ in r.sent]
+        np.testing.assert_allclose(np.concatenate([a for *_, a in r.sent]), _whole(codec, codes), atol=1e-5, rtol=0)
+    assert len(sids) == 4 and decoder.states == {}
+    if pace > 0.35:
+        for sid, n in zip(sids, [17, 22, 26, 30]):
+            b = _boundaries(calls, sid)
+            assert b[-1] == n and all((y - x) % 4 == 0 for x, y in zip(b, b[1:-1])), b  # slices of 4 after the first
+        assert max(len(call) for call in calls) == 4  # all four streams in one call
+        sizes = [c.shape[0] for r in rs for _, c, _, _ in r.sent[:-1]]
+        assert any(k > 3 for k in sizes), sizes  # chunks of 2 and 3 frames that left together, as one
+    else:
+        chunk_ends = {n: set(np.cumsum([c.shape[0] for _, c, _, _ in r.sent]).tolist()) for r, n in
+                      zip(rs, [17, 22, 26, 30])}
+        for sid, n in zip(sids, [17, 22, 26, 30]):
+            assert set(_boundaries(calls, sid)) <= chunk_ends[n]  # each slice ended where a chunk did
+
+
+def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny_ckpt, codec):
+    """codec_batch_steps=4 under load against 1: fewer codec calls, the same audio."""
     def run(steps):
         decoder = StreamDecoder(codec, pool_size=8)
-        svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps)
-        rs = _serve_all(svc, prompts, [15, 18, 21, 24], 60, "Batch me", first_chunk_frames=1, chunk_frames=2)
+        svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps, frame_seconds=codec_frame_seconds(tiny_ckpt))
+        svc.pace = lambda: 0.45
+        rs = _serve_all(svc, prompts, [25, 30, 35, 40], 60, "Batch me", first_chunk_frames=1, chunk_frames=1)
         assert all(kind == "ok" for r in rs for kind, *_ in r.sent)
         return [np.concatenate([a for *_, a in r.sent]) for r in rs], svc.loop.codec_calls, decoder
 
@@ -230,8 +285,22 @@ def test_later_chunks_wait_to_be_decoded_together(model, prompts, tiny_ckpt, cod
     batched, calls_batched, decoder = run(4)
     for a, b in zip(every, batched):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    assert calls_batched < 0.8 * calls_every, (calls_batched, calls_every)
+    assert calls_batched < 0.4 * calls_every, (calls_batched, calls_every)
     assert decoder.states == {}
+
+
+def test_slices_follow_the_lengths_the_codec_prepared(codec):
+    """With CUDA graphs for some chunk lengths, a stream's frames decode in those lengths (a last piece padded to
+    one); lengths without a graph would run eagerly. Checked on a CPU with the pool told it has graphs."""
+    decoder = StreamDecoder(codec, pool_size=2)
+    assert decoder.slices(13) == [13]  # no graphs: any length at once
+    decoder.pool.use_graphs, decoder.pool.lengths = True, [4, 8]
+    assert decoder.slices(8) == [8] and decoder.slices(12) == [8, 4] and decoder.slices(13) == [8, 4, 1]
+    assert decoder.slices(5, final=True) == [5] and decoder.slices(13, final=True) == [8, 5]
+    codes = np.random.default_rng(0).integers(0, 8, (13, decoder.C))
+    parts = [decoder.decode_many([("k", "s", codes[:8], True, False)], 0.0)["k"],
+             decoder.decode_many([("k", "s", codes[8:], False, True)], 0.0)["k"]]  # 5 frames padded to 8
+    np.testing.assert_allclose(np.concatenate(parts), _whole(codec, codes), atol=1e-5, rtol=0)
 
 
 def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, codec, s2_log):
@@ -251,3 +320,38 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
     logged = sum(int(steps) * float(each) for steps, each in lines)
     assert got - len(rs) <= round(logged + svc.loop.frames) <= got
     assert all(0 < float(each) <= 3 for _, each in lines)  # never more frames a step than live requests
+
+
+def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny_ckpt, monkeypatch):
+    """`under_load` (what grows first chunks and holds codec calls): on from the first pass at a pace of 0.35 (a
+    wave of arrivals), kept while the pace averaged over about a second stays above 0.28 (a held call's own
+    saving, single light steps), off once that average falls below it. Without a measured pace: never."""
+    import s2tts.engine_service as es
+
+    clock = [100.0]
+    monkeypatch.setattr(es.time, "monotonic", lambda: clock[0])
+    svc = _service(model, tiny_ckpt, None, frame_seconds=codec_frame_seconds(tiny_ckpt))
+    try:
+        pace = [0.2]
+        svc.pace = lambda: pace[0]
+
+        def passes(r, seconds, every=0.01):
+            pace[0] = r
+            for _ in range(int(seconds / every)):
+                clock[0] += every
+                svc._note_load()
+            return svc.under_load()
+
+        assert not passes(0.2, 1.0)
+        assert passes(0.36, 0.01)  # one pass at the load pace
+        assert passes(0.3, 3.0) and passes(0.2, 0.05)  # a light stretch shorter than the average's second
+        assert not passes(0.2, 2.0)
+    finally:
+        svc.shutdown()
+    fixed = _service(model, tiny_ckpt, None)
+    try:
+        fixed.pace = lambda: 0.9
+        fixed._note_load()
+        assert not fixed.under_load()
+    finally:
+        fixed.shutdown()

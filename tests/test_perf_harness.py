@@ -45,9 +45,10 @@ def test_stall_finds_the_first_late_chunk_and_the_silence():
     assert stall and at == 2 and dry == pytest.approx(0.25) and gap == pytest.approx(0.9)
     assert _stall([0.0, 0.5, 1.0], [1.0, 1.0, 1.0]) == (False, 0.5, None, 0.0)
     lv = {"concurrency": 64, "chunks_per_request_mean": 8.3, "stall_at_chunk": {1: 2, 3: 1}, "dry_ms_max": 120.0}
-    assert chunk_notes({"levels": [lv, {**lv, "concurrency": 1, "stall_at_chunk": {}}]}) == (
+    assert chunk_notes({"levels": [lv, {**lv, "concurrency": 1, "stall_at_chunk": {},
+                                        "ttfa_parts_ms_p50": {"first frame": 20.0, "received": 45.0}}]}) == (
         "- c=64: 8.3 chunks a request; ran dry first at chunk 1: 2, chunk 3: 1; longest silence 120.0 ms\n"
-        "- c=1: 8.3 chunks a request")
+        "- c=1: 8.3 chunks a request; first audio, p50 ms: first frame 20.0, received 45.0")
 
 
 def test_loadgen_sweep(triton_server, tmp_path):
@@ -81,6 +82,10 @@ def test_loadgen_sweep(triton_server, tmp_path):
         assert lv["audio_s_per_request_mean"] == pytest.approx(audio_s, abs=1e-3)
         assert lv["frames_per_request_mean"] == FRAMES and lv["frames_short"] == 0
         assert lv["chunks_per_request_mean"] >= 1
+        parts = lv["ttfa_parts_ms_p50"]
+        assert list(parts) == ["to slow_ar", "queue", "first frame", "first chunk out of slow_ar", "sent by s2pro",
+                               "received"]
+        assert parts["first frame"] <= parts["first chunk out of slow_ar"] <= parts["sent by s2pro"] <= parts["received"]
         assert 0 <= lv["stall_fraction"] <= 1
         assert sum(lv["stall_at_chunk"].values()) == round(lv["stall_fraction"] * n) and lv["dry_ms_max"] >= 0
         if r["gpu"]["monitor"] == "n/a":
@@ -93,6 +98,10 @@ def test_loadgen_sweep(triton_server, tmp_path):
             assert q["audio_s"] == pytest.approx(audio_s, abs=1e-4)
             assert 0 < q["ttfa_s"] <= q["total_s"] and q["rtf"] == pytest.approx(q["total_s"] / q["audio_s"], rel=1e-3)
             assert q["server"]["frames"] == FRAMES and q["server"]["finish_reason"] == "length"
+            sv = q["server"]  # where the first audio's time went: s2pro -> slow_ar -> first frame -> first chunk
+            assert 0 <= sv["to_engine_s"] and 0 <= sv["queue_s"] <= sv["engine_first_frame_s"]
+            assert sv["engine_first_frame_s"] <= sv["engine_first_audio_s"]
+            assert sv["to_engine_s"] + sv["engine_first_audio_s"] <= sv["ttfa_s"] + 1e-3 and sv["ttfa_s"] <= q["ttfa_s"]
             assert sum(q["chunk_frames"]) == FRAMES and len(q["chunk_frames"]) == q["chunks"]
             assert 0 <= q["t_send"] <= lv["wall_s"]
     assert kinds == {"plain", "clone_codes", "clone_audio"}, kinds
@@ -195,5 +204,5 @@ def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert [(r["batch_steps"], r["admit_every"]) for r in rows] == [(1, 1), (4, 1), (1, 2)]
     for r in rows:
         assert r["audio_s_per_s"] > 0 and r["requests_done"] > 0 and r["errors"] == 0, r
-        assert r["step_ms"] > 0 and r["chunks_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
+        assert r["step_ms"] > 0 and r["streams_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
         assert sum(r["stall_at_chunk"].values()) == round(r["stall_fraction"] * r["requests_done"])

@@ -31,7 +31,6 @@ from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, Code
 from s2tts.layout import Layout
 from s2tts.lifecycle import PullStreams
 from s2tts.prompt import Prompt
-from s2tts.service import Chunker
 
 
 class BLSFastAR(HostFastAR):
@@ -98,7 +97,8 @@ class TritonPythonModel:
 
     def _codec(self, v, engine):
         """The served stream decoder (`codec_stream.open_stream_decoder`) on the engine's device, warmed for the chunk
-        lengths the chunker makes, at up to max_batch streams per call."""
+        lengths the chunker makes and the slices held calls decode (`codec_batch_steps`, and twice that for a stream
+        catching up), at up to max_batch streams per call."""
         import time
 
         import torch
@@ -109,7 +109,8 @@ class TritonPythonModel:
         slots = min(v.codec_max_streams, 2 * v.max_batch)
         decoder, dtype, graphs = open_stream_decoder(v.checkpoint, engine.device, v.codec_dtype, slots,
                                                      v.codec_idle_timeout_s,
-                                                     Chunker.lengths(v.first_chunk_frames, v.chunk_frames), v.max_batch)
+                                                     EngineService.codec_lengths(v.first_chunk_frames, v.chunk_frames,
+                                                                                 v.codec_batch_steps), v.max_batch)
         self.log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s", self.name,
                       dtype, " (fp32 fallback)" if decoder.fallback is not None else "", slots, graphs,
                       time.monotonic() - t0)
