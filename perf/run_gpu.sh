@@ -247,7 +247,7 @@ phase ""
 # slow_ar's own account of its loop (codec_in_engine: every 10 s under load, a step's time and the codec's)
 if grep -q "routing and decoding" "$WORK/server/tritonserver.log" 2>/dev/null; then
   { echo "## slow_ar's loop, from its log"; echo
-    grep -o "slow_ar: last .*" "$WORK/server/tritonserver.log" | sed 's/^/- /'; echo; } >>"$RES/summary.md"
+    grep -oE "slow_ar: (last|sender, last) .*" "$WORK/server/tritonserver.log" | sed 's/^/- /'; echo; } >>"$RES/summary.md"
 fi
 
 echo

@@ -150,6 +150,30 @@ class LoopStats:
             self.since = now
 
 
+@dataclass
+class SendStats:
+    """How long responses waited for the sender thread and took to build and send, logged every `every_s` (from
+    the sender thread). A codec call held for all streams hands the sender many responses at once."""
+
+    waits: list = field(default_factory=list)
+    work_s: float = 0.0
+    since: float = 0.0
+    every_s: float = 10.0
+
+    def add(self, wait_s: float, work_s: float, name: str) -> None:
+        now = time.monotonic()
+        if not self.since:
+            self.since = now
+        self.waits.append(wait_s)
+        self.work_s += work_s
+        if now - self.since >= self.every_s:
+            w = np.array(self.waits) * 1e3
+            log.info("%s: sender, last %.0f s: %d responses, %.2f ms each to build and send, waited %.1f ms p50 / %.1f "
+                     "p99 / %.1f max to be sent", name, now - self.since, w.size, 1e3 * self.work_s / w.size,
+                     np.percentile(w, 50), np.percentile(w, 99), w.max())
+            self.waits, self.work_s, self.since = [], 0.0, now
+
+
 class EngineService:
     """`make_response(codes [n, C] int32, finish_reason, stats dict | None, audio float32 [samples] | None) ->
     response` and `make_error(S2Error) -> response` build the transport's responses."""
@@ -191,7 +215,9 @@ class EngineService:
         self.max_step_faults = max_step_faults
         self.step_faults = 0  # failed steps in a row
         self.C = engine.s2.num_codebooks
-        self.outbox: queue.Queue = queue.Queue()  # (record, kind "chunk"|"final"|"error", payload, outcome)
+        # (record, kind "chunk"|"final"|"error", (codes, reason, stats, audio) | the S2Error, outcome, when queued)
+        self.outbox: queue.Queue = queue.Queue()
+        self.sends = SendStats()
         self.stop = threading.Event()
         self.threads = [
             threading.Thread(target=guarded(f"{name} engine loop", self._engine_pass, self.stop, self.unhealthy),
@@ -343,13 +369,14 @@ class EngineService:
         ready = [r for o in outputs for r in self._route(o)]
         if self.codec is not None:
             ready = self._codec_pass(ready)
-        for rec, kind, codes, reason, stats, audio in ready:
+        now = time.monotonic()
+        for rec, kind, codes, reason, stats, audio in ready:  # responses are built on the sender thread
             if rec.state.first_audio_s is None and kind != "error":
-                rec.state.first_audio_s = time.monotonic() - rec.state.arrived
+                rec.state.first_audio_s = now - rec.state.arrived
             if kind == "error":
-                self.outbox.put((rec, "error", stats, None))
+                self.outbox.put((rec, "error", stats, None, now))
             else:
-                self.outbox.put((rec, kind, self.make_response(codes, reason, stats, audio), reason or None))
+                self.outbox.put((rec, kind, (codes, reason, stats, audio), reason or None, now))
         if decoding and fault is None:
             t2 = time.monotonic()
             dt = t2 - t0
@@ -549,10 +576,13 @@ class EngineService:
     # ---- the sender thread ------------------------------------------------------------------
     def _send_pass(self) -> None:
         try:
-            rec, kind, payload, outcome = self.outbox.get(timeout=self.cancel_poll_s)
+            rec, kind, payload, outcome, put_at = self.outbox.get(timeout=self.cancel_poll_s)
         except queue.Empty:
             rec = None
         if rec is not None:
+            t0 = time.monotonic()
+            if kind != "error":
+                payload = self.make_response(*payload)
             if kind == "chunk":
                 try:
                     rec.send(payload)
@@ -565,6 +595,7 @@ class EngineService:
             else:
                 if rec.fail(payload):
                     log.warning("%s: request %s failed: %s", self.name, rec.tag, payload.wire())
+            self.sends.add(t0 - put_at, time.monotonic() - t0, self.name)
         now = time.monotonic()
         if now - self._last_poll >= self.cancel_poll_s:
             self._last_poll = now

@@ -312,6 +312,7 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
     decoder = StreamDecoder(codec, pool_size=8)
     svc = _service(model, tiny_ckpt, decoder)
     svc.loop.every_s = 0.0  # a line after every step that called the codec
+    svc.sends.every_s = 0.0  # and after every response sent
     rs = _serve_all(svc, prompts, [9, 13, 17], 70, "Count my frames", first_chunk_frames=2, chunk_frames=4)
     got = sum(codes.shape[0] for r in rs for kind, codes, *_ in r.sent if kind == "ok")
     assert got == 9 + 13 + 17
@@ -320,6 +321,9 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
     logged = sum(int(steps) * float(each) for steps, each in lines)
     assert got - len(rs) <= round(logged + svc.loop.frames) <= got
     assert all(0 < float(each) <= 3 for _, each in lines)  # never more frames a step than live requests
+    sent = re.findall(r"sender, last \d+ s: (\d+) responses, [\d.]+ ms each to build and send, waited ([\d.]+) ms p50",
+                      s2_log.text)
+    assert sent and all(int(n) >= 1 and float(w) >= 0 for n, w in sent)
 
 
 def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny_ckpt, monkeypatch):
