@@ -467,6 +467,8 @@ class EngineService:
         All of them once its last item is routed. Else without K (light load) the frames its waiting chunks need;
         with K (under load) as many whole slices of K frames as it has made (a chunk ending in a partial slice waits
         for the next tick), and for its first chunk at least what that needs (time to first audio)."""
+        if st.codec_dropped:  # its decode failed (its error is what waits) or its stream was closed
+            return []
         final_item = bool(st.waiting) and st.waiting[-1][1] == "final"
         need = sum(w[2].shape[0] for w in st.waiting) - st.n_audio
         if final_item:

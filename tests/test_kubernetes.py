@@ -89,6 +89,13 @@ def test_manifests_match_the_code(triton_server, tmp_path):
     mounts = {m["name"]: m["mountPath"] for m in triton["volumeMounts"]}
     assert mounts["checkpoint"] == targs.checkpoint and triton["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {m["mountPath"] for m in gw["volumeMounts"]} == {str(Path(gargs.db).parent)}
+    # the GPU kernels compiled on first use outlive the pod on its node (a restart skips compiling), at the path the
+    # image sets too
+    cache = {e["name"]: e["value"] for e in triton["env"]}["TRITON_CACHE_DIR"]
+    vol = next(n for n, path in mounts.items() if cache.startswith(path + "/"))
+    spec = {v["name"]: v for v in deploy["s2tts-triton"]["spec"]["template"]["spec"]["volumes"]}[vol]
+    assert "hostPath" in spec, spec
+    assert f"ENV TRITON_CACHE_DIR={cache}" in (ROOT / "docker" / "Dockerfile").read_text()
 
     # the autoscaler scales the Triton Deployment on a metric the models export, which the adapter's rule exposes
     hpa = _by_kind("HorizontalPodAutoscaler")["s2tts-triton"]["spec"]
