@@ -130,10 +130,11 @@ class LoopStats:
     codec_calls: int = 0
     codec_streams: int = 0
     frames: int = 0  # frames the steps made: a step's average is how many of the slots decoded
+    loaded: int = 0  # steps taken under load (`EngineService.under_load`)
     since: float = 0.0
     every_s: float = 10.0
 
-    def add(self, step_s: float, rest_s: float, name: str, frames: int = 0) -> None:
+    def add(self, step_s: float, rest_s: float, name: str, frames: int = 0, loaded: bool = False) -> None:
         now = time.monotonic()
         if not self.since:
             self.since = now
@@ -141,13 +142,15 @@ class LoopStats:
         self.step_s += step_s
         self.codec_s += rest_s
         self.frames += frames
+        self.loaded += loaded
         if now - self.since >= self.every_s and self.codec_calls:
             log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
-                     "decoding audio (%d codec calls, %.1f streams a call)", name, now - self.since, self.steps,
-                     1e3 * self.step_s / self.steps, self.frames / self.steps, 1e3 * self.codec_s / self.steps,
-                     self.codec_calls, self.codec_streams / self.codec_calls)
+                     "decoding audio (%d codec calls, %.1f streams a call); under load %.0f%% of the steps", name,
+                     now - self.since, self.steps, 1e3 * self.step_s / self.steps, self.frames / self.steps,
+                     1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_streams / self.codec_calls,
+                     100 * self.loaded / self.steps)
             self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_streams, self.frames = 0, 0.0, 0.0, 0, 0, 0
-            self.since = now
+            self.loaded, self.since = 0, now
 
 
 @dataclass
@@ -193,8 +196,9 @@ class EngineService:
         self._codec_lock = threading.Lock()  # touches the decoder)
         self._codec_states: dict[str, StreamState] = {}  # engine request id -> its state, until its last output
         self.codec_batch_steps = max(1, codec_batch_steps)
-        # under load a chunk may wait codec_batch_steps - 1 steps for its frames' slice, and a step's own codec call
-        # delays its chunks by about one more: the chunker keeps that many frames of room (service.Chunker)
+        # under load a chunk waits for its frames' slice (up to 2 (codec_batch_steps - 1) steps, K - 1 on average)
+        # and a step's own codec call delays it by about one more: the chunker keeps K frames of room
+        # (service.Chunker; no stream ran dry at c=64 with it: perf/RESULTS.md)
         self.chunk_lag = self.codec_batch_steps if codec is not None else 0
         # Chunker keyword overrides (perf/bench_loop.py tries more; the rest: Chunker's defaults)
         self.chunk_options: dict = {"load_frames": load_chunk_frames} if load_chunk_frames else {}
@@ -382,7 +386,7 @@ class EngineService:
             dt = t2 - t0
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
             self._note_load()
-            self.loop.add(t1 - t0, t2 - t1, self.name, sum(o.codes.shape[0] for o in outputs))
+            self.loop.add(t1 - t0, t2 - t1, self.name, sum(o.codes.shape[0] for o in outputs), self.under_load())
 
     def _route(self, o: Output) -> list[list]:
         """One request's output -> what to send: [record, "chunk" | "final" | "error", codes, finish reason,

@@ -130,10 +130,9 @@ class Chunker:
     made in F_1 r of the F_1 frame-durations the one before plays, with the same margin of F_1 (1 - r) >= 2 r frames
     every time (growing chunks spend that margin; at c=64 out of step 11% of streams ran dry with them, none with
     equal ones: perf/RESULTS.md). `load_frames` (default 0: off) sets the least first chunk from a pace of `load_from`
-    (default `LOAD_PACE`, 0.35, reached at c=64 on one H100, not at c=16; or whenever `loaded()` says so): more
-    audio in hand while the next chunk is made (at
-    c=64 on an H100, 8-frame first chunks: 1 stream of 384 ran dry, 7 with 4-frame ones; half the chunks, for the
-    same throughput: a codec call's cost follows its frames; perf/RESULTS.md).
+    (default `LOAD_PACE`, 0.35, reached at c=64 on one H100, not at c=16), or whenever `loaded()` says so: more
+    audio in hand while the next chunk is made (at c=64 on an H100, 8-frame first chunks: 1 stream of 384 ran dry,
+    7 with 4-frame ones; perf/RESULTS.md).
     Sizes are `first` times a power of two, or `size` (few distinct chunk lengths, so the codec still batches
     chunks of many streams together). At a pace no cadence keeps up with (r >= safety), and without `pace`, later
     chunks are `size`: the fewest codec calls.

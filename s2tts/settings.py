@@ -143,8 +143,9 @@ SETTINGS: tuple[Setting, ...] = (
             "whole pipeline's, reported by s2pro), and under load the first chunk grows to the next chunk length that "
             "covers the second's making, so a stream played from its first chunk does not run dry; false: the first "
             "chunk is `first_chunk_frames` and every later one `chunk_frames`"),
-    Setting("load_chunk_frames", int, 8, ("slow_ar",), "with `adaptive_chunks`, under load (a measured pace of at "
-            "least 0.35 s of work a second of audio: c=64 on one H100, not c=16) a stream's first chunk is at least "
+    Setting("load_chunk_frames", int, 8, ("slow_ar",), "with `adaptive_chunks`, under load (from a measured pace of "
+            "0.35 s of work a second of audio, c=64 on one H100 but not c=16, until its one-second average falls below "
+            "0.28) a stream's first chunk is at least "
             "this many frames (rounded up to a chunk length), so that more audio is in hand while the next is made; "
             "0: off. On an H100 at c=64, 8-frame first chunks: 1 stream of 384 ran dry against 7, TTFA p50 +83 ms "
             "(perf/RESULTS.md)", min=0, max=4096),
@@ -163,7 +164,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("codec_batch_steps", int, 8, ("slow_ar",), "with codec_in_engine, under load (the pace of "
             "`load_chunk_frames`) the codec decodes every stream's new frames together once every this many engine "
             "steps, in slices of this many frames: one codec call of one length for all streams, a chunk leaving once "
-            "its frames are decoded (at most this many steps later); best equal to `load_chunk_frames`. At a lighter "
+            "its frames are decoded (up to about twice this many steps later); best equal to `load_chunk_frames`. At a lighter "
             "load, and with 1, each chunk is decoded as soon as it is complete", min=1, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar",), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),

@@ -257,6 +257,7 @@ def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_c
         assert [a.size for _, c, _, a in r.sent] == [c.shape[0] * 2048 for _, c, _, _ in r.sent]
         np.testing.assert_allclose(np.concatenate([a for *_, a in r.sent]), _whole(codec, codes), atol=1e-5, rtol=0)
     assert len(sids) == 4 and decoder.states == {}
+    assert svc.loop.loaded == (svc.loop.steps if pace > 0.35 else 0)  # under load from the first step on
     if pace > 0.35:
         for sid, n in zip(sids, [17, 22, 26, 30]):
             b = _boundaries(calls, sid)
@@ -321,6 +322,8 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
     logged = sum(int(steps) * float(each) for steps, each in lines)
     assert got - len(rs) <= round(logged + svc.loop.frames) <= got
     assert all(0 < float(each) <= 3 for _, each in lines)  # never more frames a step than live requests
+    assert re.findall(r"streams a call\); under load (\d+)% of the steps", s2_log.text)  # no pace here: 0
+    assert set(re.findall(r"under load (\d+)% of the steps", s2_log.text)) == {"0"}
     sent = re.findall(r"sender, last \d+ s: (\d+) responses, [\d.]+ ms each to build and send, waited ([\d.]+) ms p50",
                       s2_log.text)
     assert sent and all(int(n) >= 1 and float(w) >= 0 for n, w in sent)
