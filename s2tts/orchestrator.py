@@ -18,8 +18,8 @@ codec stream is closed. A model whose process died, or that reported an unrecove
 is reloaded when `auto_recover` is on (the requests that depended on it end at once);
 meanwhile new requests are refused with `unavailable`.
 
-s2pro also measures the pipeline's pace (seconds between a stream's audio chunks per second of
-their audio, averaged over streams) and, while it has new measurements, reports it to slow_ar
+s2pro also measures the pipeline's pace (the moving average of the seconds between a stream's audio
+chunks over that of their audio, across streams: `service.PaceMeter`) and, while it has new measurements, reports it to slow_ar
 about once a second (`control` = `pace=R`): slow_ar's chunker must not outrun the slowest
 stage, which slow_ar's own step time does not see when the codec is the bottleneck.
 
@@ -43,7 +43,7 @@ from .errors import S2Error
 from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from .lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
 from .segment import batches, overall_finish_reason
-from .service import Stats, TTSRequest
+from .service import PaceMeter, Stats, TTSRequest
 
 log = logging.getLogger("s2tts")
 
@@ -124,9 +124,8 @@ class TTSService:
         self.recovering: dict[str, float] = {}  # model -> when its reload started
         self.last_reload: dict[str, float] = {}
         self.reload_backoff_s = 30.0
-        self.pace: float | None = None  # moving average of the pipeline's pace (see the module's doc)
+        self.pace_meter = PaceMeter()  # the pipeline's pace (see the module's doc)
         self.pace_report_s = 1.0
-        self._pace_samples = 0
         self._pace_reported = (0.0, 0)  # (when, samples then)
         self._lock = threading.Lock()
         self.stop = threading.Event()
@@ -283,7 +282,7 @@ class TTSService:
                     return made, None
                 now = time.monotonic()
                 if w.seq and audio.size and not reason:  # not the first (prefill) nor the last (a remainder)
-                    self._observe_pace((now - w.last_sent) * self.s2.sample_rate / audio.size)
+                    self.pace_meter.observe(now - w.last_sent, audio.size / self.s2.sample_rate)
                 w.last_sent = now
                 w.seq += 1
             if reason:
@@ -298,14 +297,14 @@ class TTSService:
         room = min(self.v["max_seq_len"], self.s2.text.max_seq_len) - req.params.max_new_tokens - 1
         return self.prompts.build_segment(segment, ref_codes, req.reference_text, history, room)
 
-    def _observe_pace(self, r: float) -> None:
-        self.pace = r if self.pace is None else 0.9 * self.pace + 0.1 * r
-        self._pace_samples += 1
+    @property
+    def pace(self) -> float | None:
+        return self.pace_meter.pace
 
     def _report_pace(self) -> None:
         """Measurements since the last report (none while idle: slow_ar then drops the old value after a while)."""
         when, samples = self._pace_reported
-        r, n = self.pace, self._pace_samples
+        r, n = self.pace, self.pace_meter.samples
         if r is None or n == samples or time.monotonic() - when < self.pace_report_s:
             return
         self._pace_reported = (time.monotonic(), n)

@@ -215,6 +215,28 @@ class Chunker:
         return allf
 
 
+class PaceMeter:
+    """Seconds of waiting per second of audio, from a stream's chunk arrivals (interval, audio seconds) across streams:
+    the ratio of the two moving averages, not an average of ratios, so that chunks of unequal sizes arriving at
+    equal intervals (slow_ar releases a stream's chunks together after a held codec call: 4 frames, then 12) give
+    the pace they average to, not more."""
+
+    def __init__(self, weight: float = 0.1):
+        self.weight = weight
+        self.wait_s = self.audio_s = 0.0
+        self.samples = 0
+
+    def observe(self, wait_s: float, audio_s: float) -> None:
+        a = 1.0 if not self.samples else self.weight
+        self.wait_s += a * (wait_s - self.wait_s)
+        self.audio_s += a * (audio_s - self.audio_s)
+        self.samples += 1
+
+    @property
+    def pace(self) -> float | None:
+        return self.wait_s / self.audio_s if self.samples and self.audio_s > 0 else None
+
+
 @dataclass
 class Stats:
     started: float = field(default_factory=time.monotonic)

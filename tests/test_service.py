@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from s2tts.sampling import SamplingParams
-from s2tts.service import Chunker, Limits, TTSRequest
+from s2tts.service import Chunker, Limits, PaceMeter, TTSRequest
 
 
 def frames(n, start=0):
@@ -78,6 +78,21 @@ def test_first_chunk_under_load_takes_load_frames():
         c_sizes, late = _play(4, 16, r, jitter=2.0, load_frames=8)
         assert late <= 0 and c_sizes[0] == 8, (r, c_sizes, late)
     assert _play(4, 16, 0.6, jitter=2.0)[1] <= 0
+
+
+def test_pace_of_unequal_chunks_at_equal_intervals_is_their_average():
+    """s2pro's pace meter: a stream whose chunks come every 0.1 s with 4 and 12 frames of audio in turn (slow_ar
+    releasing chunks together after held codec calls) is paced at 0.2 s per 16 frames (0.27), not at the mean of the
+    two ratios (0.36), which would read as load that is not there."""
+    frame = 2048 / 44100
+    m = PaceMeter()
+    assert m.pace is None
+    for k in range(200):
+        m.observe(0.1, (4 if k % 2 else 12) * frame)
+    assert m.pace == pytest.approx(0.2 / (16 * frame), rel=0.03)
+    steady = PaceMeter()
+    steady.observe(0.05, 0.25)  # the first observation is taken whole
+    assert steady.pace == pytest.approx(0.2)
 
 
 def test_adaptive_chunks_follow_the_pace_and_keep_slack_for_the_codec():
