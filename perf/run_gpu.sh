@@ -11,7 +11,9 @@
 # 4. server    python3 -m s2tts.server --device cuda --set max_batch=64 --set max_seq_len=512 (+ $SETTINGS)
 # 5. loadgen   perf/loadgen.py over $CONCURRENCY, $FRAMES frames/request (ignore_eos), plain prompts
 # 6. clone     perf/loadgen.py over $CLONE_CONCURRENCY, every request a voice clone (10 s reference, codes encoded once)
-# 7. pa        perf/make_pa_inputs.py + perf/run_perf_analyzer.sh (s2pro, slow_ar, fast_ar, dac_decoder), brief
+# 7. determ.   with DETERMINISM=1: perf/determinism.py (seeded codes alone vs beside others, both modes)
+# 8. pa        perf/make_pa_inputs.py + perf/run_perf_analyzer.sh (s2pro, slow_ar, fast_ar, dac_decoder), brief
+# 9. targets   perf/targets.py: issue 10's targets filled in from this run (targets.md, and in summary.md)
 #
 # Knobs (environment):      default
 #   OUT                     perf/out                 where the results go (the device tool sets it)
@@ -23,6 +25,7 @@
 #   CLONE_CONCURRENCY       1,16                     clone levels; "" skips the phase
 #   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level
 #                                                    64:384": a long c=64 level, the others their default)
+#   DETERMINISM             0                        1 runs perf/determinism.py (16 requests, max_batch, 4 alone)
 #   PA                      1                        0 skips perf_analyzer
 #   PA_CONCURRENCY          "1 16"                   perf_analyzer levels
 #   PA_FRAMES               50                       frames per s2pro/slow_ar request in perf_analyzer
@@ -39,7 +42,9 @@
 #   PYTHON                  python3
 #
 # Results in $OUT (few files, so that all of them come back from a device run):
-#   summary.md            the tables: loadgen (plain, clone) and perf_analyzer; slow_ar's loop log lines
+#   summary.md            the tables: loadgen (plain, clone), perf_analyzer, the targets; slow_ar's loop log lines
+#   targets.md            issue 10's targets, measured by this run (perf/targets.py)
+#   determinism.jsonl     with DETERMINISM=1: perf/determinism.py's lines (one per mode)
 #   loadgen.json          loadgen_clone.json      per level numbers + per request records
 #   run.log               everything printed, with timestamps and each phase's time
 #   tritonserver.log      the server's log
@@ -63,6 +68,7 @@ FRAMES="${FRAMES:-100}"
 CLONE_CONCURRENCY="${CLONE_CONCURRENCY-1,16}"
 LOADGEN_ARGS="${LOADGEN_ARGS:-}"
 PA="${PA:-1}"
+DETERMINISM="${DETERMINISM:-0}"
 PA_CONCURRENCY="${PA_CONCURRENCY:-1 16}"
 PA_FRAMES="${PA_FRAMES:-50}"
 SERVER_TIMEOUT="${SERVER_TIMEOUT:-900}"
@@ -228,7 +234,16 @@ if [ -n "$CLONE_CONCURRENCY" ] && time_left loadgen-clone; then
     cat "$WORK/loadgen_clone.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
 fi
 
-# ------------------------------------------------------------------------------------------------ 7. perf_analyzer
+# ------------------------------------------------------------------------------------------------ 7. determinism
+if [ "$DETERMINISM" = 1 ] && time_left determinism; then
+  phase determinism
+  "$PY" perf/determinism.py --checkpoint "$CKPT" --device "${DEVICE%%,*}" --requests 16 --max-batch "$MAX_BATCH" \
+    --alone 4 >"$RES/determinism.jsonl" 2>"$WORK/details/determinism.err" \
+    || log "the determinism run failed (details.tar.gz: details/determinism.err)"
+  { echo "## determinism (perf/determinism.py)"; echo; sed 's/^/    /' "$RES/determinism.jsonl"; echo; } >>"$RES/summary.md"
+fi
+
+# ------------------------------------------------------------------------------------------------ 8. perf_analyzer
 if [ "$PA" = 1 ] && time_left perf_analyzer; then
   phase perf_analyzer
   "$PY" perf/make_pa_inputs.py --checkpoint "$CKPT" --out "$WORK/details/pa_inputs" --frames "$PA_FRAMES" >/dev/null
@@ -249,6 +264,10 @@ if grep -q "routing and decoding" "$WORK/server/tritonserver.log" 2>/dev/null; t
   { echo "## slow_ar's loop, from its log"; echo
     grep -oE "slow_ar: (last|sender, last) .*" "$WORK/server/tritonserver.log" | sed 's/^/- /'; echo; } >>"$RES/summary.md"
 fi
+
+# ------------------------------------------------------------------------------------------------ 9. targets
+"$PY" perf/targets.py "$RES" >"$RES/targets.md" || true
+{ echo "## issue 10's targets, this run"; echo; cat "$RES/targets.md"; echo; } >>"$RES/summary.md"
 
 echo
 cat "$RES/summary.md"

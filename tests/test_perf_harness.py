@@ -51,6 +51,41 @@ def test_stall_finds_the_first_late_chunk_and_the_silence():
         "- c=1: 8.3 chunks a request; first audio, p50 ms: first frame 20.0, received 45.0")
 
 
+def test_targets_table_reads_a_run(tmp_path):
+    """perf/targets.py on a run_gpu.sh result directory: each target met or not by the numbers in its files."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    from targets import rows
+
+    def level(c, **kw):
+        return {"concurrency": c, "requests": 8, "ok": 8, "errors": 0, "audio_s_per_s": 5.0, "ttfa_ms_p50": 40.0,
+                "ttfa_ms_p99": 60.0, "rtf_mean": 0.14, "rtf_p50": 0.14, "stall_fraction": 0.0,
+                "gpu_mem_peak_mib": 20000.0, **kw}
+
+    levels = [level(1), level(16, ttfa_ms_p99=180.0), level(64, requests=384, ok=384, audio_s_per_s=151.5,
+                                                             ttfa_ms_p99=1200.0, stall_fraction=1 / 384,
+                                                             gpu_mem_peak_mib=29000.0)]
+    (tmp_path / "loadgen.json").write_text(json.dumps({"levels": levels}))
+    (tmp_path / "loadgen_clone.json").write_text(json.dumps({"levels": [level(1, ttfa_ms_p50=55.0)]}))
+    (tmp_path / "loadgen_clone_first.json").write_text(json.dumps({"levels": [level(1, ttfa_ms_p50=111.0)]}))
+    (tmp_path / "run.log").write_text("[x] tritonserver ready in 37.1 s: gRPC 127.0.0.1:8001\n")
+    (tmp_path / "determinism.jsonl").write_text(
+        json.dumps({"mode": "default", "changed": 4, "checked_alone": 4, "requests": 16, "max_batch": 64}) + "\n" +
+        json.dumps({"mode": "batch_invariant", "changed": 0, "checked_alone": 4, "requests": 16, "max_batch": 64,
+                    "step_ms_1": 6.6, "step_ms_64": 9.5}) + "\n")
+    got = {t: (m, s) for t, m, s in rows(tmp_path)}
+    assert got["c=64 throughput >= 300 audio-s/s"] == ("151.5 audio-s/s over 384/384 requests", "NOT met")
+    assert got["c=64 TTFA p99 <= 1 s"][1] == "NOT met"
+    assert got["no underrun at every level up to c=64"] == ("c=1: 0 of 8, c=16: 0 of 8, c=64: 1 of 384", "NOT met")
+    assert got["c=64 peak GPU memory <= 30 GB (all models)"] == ("29,000 MiB = 30.4 GB (the run's peak)", "NOT met")
+    assert got["c=1 TTFA p50 <= 45 ms"] == ("40.0 ms", "met") and got["c=1 RTF <= 0.15"][1] == "met"
+    assert got["voice clone c=1, voice seen: TTFA p50 <= 50 ms"] == ("55.0 ms", "NOT met")
+    assert got["voice clone c=1, first use of a 10 s reference: TTFA p50 <= 150 ms"] == ("111.0 ms", "met")
+    assert got["server ready <= 60 s"] == ("37.1 s", "met")
+    assert got["first wave of 16: no stream waits on a first use (c=16 first traffic after c=1)"][1] == "met"
+    m, s = got["seeded determinism (bf16, alone vs beside others), batch_invariant=true"]
+    assert s == "met" and m.startswith("0 of 4 changed beside 15 others") and "9.5 at 64" in m
+
+
 def test_loadgen_sweep(triton_server, tmp_path):
     out = tmp_path / "loadgen.json"
     p = _run([sys.executable, "perf/loadgen.py", "--url", triton_server.grpc_url, "--concurrency", "1,2",
@@ -105,6 +140,15 @@ def test_loadgen_sweep(triton_server, tmp_path):
             assert sum(q["chunk_frames"]) == FRAMES and len(q["chunk_frames"]) == q["chunks"]
             assert 0 <= q["t_send"] <= lv["wall_s"]
     assert kinds == {"plain", "clone_codes", "clone_audio"}, kinds
+
+    # the targets table from this run's own file: c=1 measured (a tiny model on a CPU meets none of the speed
+    # targets), the levels and phases it did not run say so
+    t = _run([sys.executable, "perf/targets.py", str(tmp_path)], timeout=60).stdout
+    got = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[1:] for line in t.splitlines()[2:]}
+    lv1 = r["levels"][0]
+    assert got["c=1 TTFA p50 <= 45 ms"] == [f"{lv1['ttfa_ms_p50']} ms", "met" if lv1["ttfa_ms_p50"] <= 45 else "NOT met"]
+    assert got["c=64 throughput >= 300 audio-s/s"] == ["-", "not run"]
+    assert got["server ready <= 60 s"][1] == "not run" and got["no underrun at every level up to c=64"][1] == "not run"
 
 
 def _perf_analyzer_runs() -> str | None:

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Issue 10's targets, filled in from one `perf/run_gpu.sh` result directory: one markdown table.
+
+    python3 perf/targets.py perf/out            # loadgen.json, loadgen_clone.json, run.log, determinism.jsonl there
+
+Each row: the target, what the run measured, and `met` / `NOT met` / `not run` (the level or phase was not in
+the run). A voice's first use needs a server without the prefix cache (every request then encodes and prefills its
+reference): copy the `loadgen_clone.json` of `CONCURRENCY= CLONE_CONCURRENCY=1 LOADGEN_ARGS="--clone-mode audio"
+SETTINGS="prefix_cache_mb=0 ..." bash perf/run_gpu.sh` in as `loadgen_clone_first.json`. run_gpu.sh writes it to targets.md and appends it to summary.md; `DETERMINISM=1` adds the determinism
+phase (`perf/determinism.py`). The numbers are the run's own: the card, the settings and the commit are in
+summary.md beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+MIB_GB = 1.048576 / 1000  # MiB -> GB (10^9 bytes), as the targets are stated
+
+
+def _levels(path: Path) -> dict[int, dict]:
+    if not path.is_file():
+        return {}
+    return {lv["concurrency"]: lv for lv in json.loads(path.read_text()).get("levels", [])}
+
+
+def _status(ok: bool | None) -> str:
+    return "not run" if ok is None else "met" if ok else "NOT met"
+
+
+def _ready_s(run_log: Path) -> float | None:
+    if not run_log.is_file():
+        return None
+    m = re.findall(r"tritonserver ready in ([\d.]+) s", run_log.read_text(errors="replace"))
+    return float(m[-1]) if m else None
+
+
+def _determinism(path: Path) -> dict[str, dict]:
+    """determinism.py's JSON lines by mode ("default", "batch_invariant")."""
+    out = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            line = line.strip()
+            if line.startswith("{"):
+                row = json.loads(line)
+                out[row.get("mode", "?")] = row
+    return out
+
+
+def rows(res: Path) -> list[tuple[str, str, str]]:
+    plain, clone = _levels(res / "loadgen.json"), _levels(res / "loadgen_clone.json")
+    out = []
+
+    def level_row(target, c, text, ok):
+        lv = plain.get(c)
+        out.append((target, text(lv) if lv else "-", _status(ok(lv) if lv else None)))
+
+    level_row("c=64 throughput >= 300 audio-s/s", 64, lambda lv: f"{lv['audio_s_per_s']} audio-s/s over "
+              f"{lv['ok']}/{lv['requests']} requests", lambda lv: lv["audio_s_per_s"] >= 300 and lv["errors"] == 0)
+    level_row("c=64 TTFA p99 <= 1 s", 64, lambda lv: f"{lv['ttfa_ms_p99']} ms (p50 {lv['ttfa_ms_p50']})",
+              lambda lv: lv["ttfa_ms_p99"] is not None and lv["ttfa_ms_p99"] <= 1000)
+    if plain:
+        stalls = {c: lv.get("stall_fraction") for c, lv in sorted(plain.items())}
+        dry = {c: round((s or 0) * plain[c]["ok"]) for c, s in stalls.items()}
+        out.append(("no underrun at every level up to c=64",
+                    ", ".join(f"c={c}: {dry[c]} of {plain[c]['ok']}" for c in stalls),
+                    _status(all(not s for s in stalls.values()) if 64 in plain else None)))
+    else:
+        out.append(("no underrun at every level up to c=64", "-", _status(None)))
+    peak = max((lv.get("gpu_mem_peak_mib") for lv in list(plain.values()) + list(clone.values())
+                if isinstance(lv.get("gpu_mem_peak_mib"), (int, float))), default=None)
+    out.append(("c=64 peak GPU memory <= 30 GB (all models)",
+                "-" if peak is None else f"{peak:,.0f} MiB = {peak * MIB_GB:.1f} GB (the run's peak)",
+                _status(None if peak is None or 64 not in plain else peak * MIB_GB <= 30)))
+    level_row("c=1 TTFA p50 <= 45 ms", 1, lambda lv: f"{lv['ttfa_ms_p50']} ms",
+              lambda lv: lv["ttfa_ms_p50"] is not None and lv["ttfa_ms_p50"] <= 45)
+    level_row("c=1 RTF <= 0.15", 1, lambda lv: f"{lv['rtf_mean']} (mean; p50 {lv['rtf_p50']})",
+              lambda lv: lv["rtf_mean"] is not None and lv["rtf_mean"] <= 0.15)
+    lv = clone.get(1)
+    out.append(("voice clone c=1, voice seen: TTFA p50 <= 50 ms", f"{lv['ttfa_ms_p50']} ms" if lv else "-",
+                _status(lv["ttfa_ms_p50"] <= 50 if lv and lv["ttfa_ms_p50"] is not None else None)))
+    first = _levels(res / "loadgen_clone_first.json").get(1)  # a server without the prefix cache (see the doc)
+    out.append(("voice clone c=1, first use of a 10 s reference: TTFA p50 <= 150 ms",
+                f"{first['ttfa_ms_p50']} ms" if first else "-",
+                _status(first["ttfa_ms_p50"] <= 150 if first and first["ttfa_ms_p50"] is not None else None)))
+    ready = _ready_s(res / "run.log")
+    out.append(("server ready <= 60 s", "-" if ready is None else f"{ready:g} s", _status(None if ready is None
+                                                                                         else ready <= 60)))
+    level_row("first wave of 16: no stream waits on a first use (c=16 first traffic after c=1)", 16,
+              lambda lv: f"TTFA p50 {lv['ttfa_ms_p50']} / p99 {lv['ttfa_ms_p99']} ms, stalls {lv['stall_fraction']}",
+              lambda lv: not lv.get("stall_fraction") and lv["errors"] == 0)
+    det = _determinism(res / "determinism.jsonl").get("batch_invariant")
+    if det is None:
+        out.append(("seeded determinism (bf16, alone vs beside others), batch_invariant=true", "-", _status(None)))
+    else:
+        full = det.get("step_ms_{}".format(det["max_batch"]))
+        out.append(("seeded determinism (bf16, alone vs beside others), batch_invariant=true",
+                    f"{det['changed']} of {det['checked_alone']} changed beside {det['requests'] - 1} others (step "
+                    f"{det['step_ms_1']} ms at 1 live, {full} at {det['max_batch']})", _status(det["changed"] == 0)))
+    return out
+
+
+def markdown(res: Path) -> str:
+    lines = ["| target | measured | status |", "|---|---|---|"]
+    lines += [f"| {t} | {m} | {s} |" for t, m, s in rows(res)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path, help="a perf/run_gpu.sh result directory")
+    args = ap.parse_args(argv)
+    if not args.results.is_dir():
+        print(f"{args.results} is not a directory: give the OUT of a perf/run_gpu.sh run", file=sys.stderr)
+        return 2
+    print(markdown(args.results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
