@@ -26,6 +26,9 @@
 #   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level
 #                                                    64:384": a long c=64 level, the others their default)
 #   DETERMINISM             0                        1 runs perf/determinism.py (16 requests, max_batch, 4 alone)
+#   PROFILE                 0                        1: every model process samples its threads' stacks
+#                                                    (S2TTS_PROFILE_DIR, s2tts/sampler.py): summaries in summary.md,
+#                                                    flame-graph input in details.tar.gz (details/profile/)
 #   PA                      1                        0 skips perf_analyzer
 #   PA_CONCURRENCY          "1 16"                   perf_analyzer levels
 #   PA_FRAMES               50                       frames per s2pro/slow_ar request in perf_analyzer
@@ -69,6 +72,7 @@ CLONE_CONCURRENCY="${CLONE_CONCURRENCY-1,16}"
 LOADGEN_ARGS="${LOADGEN_ARGS:-}"
 PA="${PA:-1}"
 DETERMINISM="${DETERMINISM:-0}"
+PROFILE="${PROFILE:-0}"
 PA_CONCURRENCY="${PA_CONCURRENCY:-1 16}"
 PA_FRAMES="${PA_FRAMES:-50}"
 SERVER_TIMEOUT="${SERVER_TIMEOUT:-900}"
@@ -190,6 +194,7 @@ du -sh "$CKPT" || true
 phase server
 SET_ARGS=(--set "max_batch=$MAX_BATCH" --set "max_seq_len=$MAX_SEQ_LEN")
 for kv in $SETTINGS; do SET_ARGS+=(--set "$kv"); done
+if [ "$PROFILE" = 1 ]; then export S2TTS_PROFILE_DIR="$WORK/details/profile"; fi
 log "settings: device=$DEVICE ${SET_ARGS[*]}"
 echo "device=$DEVICE ${SET_ARGS[*]}" >"$WORK/details/settings.txt"
 "$PY" -m s2tts.server --checkpoint "$CKPT" --device "$DEVICE" "${SET_ARGS[@]}" --http-port $HTTP_PORT --grpc-port $GRPC_PORT \
@@ -263,6 +268,14 @@ phase ""
 if grep -q "routing and decoding" "$WORK/server/tritonserver.log" 2>/dev/null; then
   { echo "## slow_ar's loop, from its log"; echo
     grep -oE "slow_ar: (last|sender, last) .*" "$WORK/server/tritonserver.log" | sed 's/^/- /'; echo; } >>"$RES/summary.md"
+fi
+
+# where the model processes' threads spent the run (PROFILE=1): the server is still up, the files are 10 s old at most
+if [ "$PROFILE" = 1 ]; then
+  sleep 11
+  { echo "## thread stacks sampled in the model processes (PROFILE=1)"; echo
+    for f in "$WORK"/details/profile/*.txt; do [ -f "$f" ] && { echo '```'; head -32 "$f"; echo '```'; echo; }; done
+  } >>"$RES/summary.md"
 fi
 
 # ------------------------------------------------------------------------------------------------ 9. targets

@@ -54,8 +54,11 @@ def codec_precision(dtype: str, tf32: bool) -> None:
 
 def setup_logging(name: str) -> logging.Logger:
     """Log lines from a model process go to stderr with the model's name, which Triton passes through. A model
-    process that crashes (a fatal signal) prints every thread's Python stack there first (faulthandler)."""
+    process that crashes (a fatal signal) prints every thread's Python stack there first (faulthandler). With
+    `S2TTS_PROFILE_DIR` set, the process also samples its threads' stacks there (`sampler.StackSampler`)."""
     import faulthandler
+
+    from .sampler import start_from_env
 
     if not faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -66,6 +69,9 @@ def setup_logging(name: str) -> logging.Logger:
         log.addHandler(h)
         log.setLevel(logging.INFO)
         log.propagate = False
+    sampler = start_from_env(name)
+    if sampler is not None:
+        log.info("%s: sampling thread stacks every %g ms into %s", name, sampler.interval_s * 1e3, sampler.text_path)
     return log
 
 
