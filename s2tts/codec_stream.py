@@ -182,13 +182,13 @@ class StreamDecoder:
         """How to decode a stream's next n frames in the fewest calls that each run fast: one call where the codec
         decodes that length as well (`joins`; a stream's last frames are padded to a prepared length), else the
         longest prepared lengths that fit, the rest eagerly."""
-        if self.joins(n) or (final and n <= max(self.pool.lengths, default=0)):
+        if self.joins(n):
             return [n]
+        top = max(self.pool.lengths, default=0)
         out = []
         while n > 0:
-            k = max((L for L in self.pool.lengths if L <= n), default=n)
-            if final and n <= max(self.pool.lengths, default=0):
-                k = n  # the rest pads to a prepared length
+            # a stream's last frames pad to a prepared length; else the longest prepared length that fits
+            k = n if final and n <= top else max((L for L in self.pool.lengths if L <= n), default=n)
             out.append(k)
             n -= k
         return out
