@@ -105,6 +105,17 @@ def reference_waveform(seconds: float = 10.0, sr: int = 44100, seed: int = 0) ->
     return (0.5 * x / (np.abs(x).max() + 1e-9)).astype(np.float32)
 
 
+def reference_for(job: "Job", o: "Options", refs: dict) -> np.ndarray:
+    """The reference clip a clone_audio request sends: the shared one, or with --fresh-references one no earlier
+    request sent (the shared clip plus faint noise of the request's own seed), so that the server meets a new voice:
+    dac_encoder encodes it and slow_ar prefills its prefix, which its prefix cache cannot hold yet."""
+    x = refs["audio"]
+    if not o.fresh_references:
+        return x
+    rng = np.random.default_rng(1_000_003 + job.idx)
+    return (x + 1e-3 * rng.standard_normal(x.size)).astype(np.float32)
+
+
 def wav_bytes(x: np.ndarray, sr: int) -> bytes:
     buf = io.BytesIO()
     with wave.open(buf, "wb") as w:
@@ -287,7 +298,7 @@ class GrpcWorker:
         if job.kind == "clone_codes":
             req.reference_codes, req.reference_text = self.refs["codes"], REFERENCE_TEXT
         elif job.kind == "clone_audio":
-            req.reference_audio, req.reference_sample_rate = self.refs["audio"], self.refs["sr"]
+            req.reference_audio, req.reference_sample_rate = reference_for(job, o, self.refs), self.refs["sr"]
             req.reference_text = REFERENCE_TEXT
         arrivals, durations = [], []
         rec.t_send = time.perf_counter() - level_t0
@@ -353,7 +364,11 @@ class HttpWorker:
         if job.kind == "clone_codes":
             body["voice"] = self.refs["voice"]
         elif job.kind == "clone_audio":
-            body["ref_audio"], body["ref_text"] = self.refs["data_url"], REFERENCE_TEXT
+            data_url = self.refs["data_url"]
+            if o.fresh_references:
+                data_url = "data:audio/wav;base64," + base64.b64encode(wav_bytes(reference_for(job, o, self.refs),
+                                                                                 self.refs["sr"])).decode()
+            body["ref_audio"], body["ref_text"] = data_url, REFERENCE_TEXT
         arrivals, durations = [], []
         t0 = time.perf_counter()
         rec.t_send = t0 - level_t0
@@ -473,6 +488,7 @@ class Options:
     level_warmup: bool = True
     clone_fraction: float = 0.0
     clone_mode: str = "codes"  # codes | audio | mixed
+    fresh_references: bool = False  # every audio clone a reference never sent before: a voice's first use
     ref_seconds: float = 10.0
     ref_sample_rate: int = 44100
     temperature: float | None = None
@@ -711,7 +727,7 @@ def markdown(result: dict) -> str:
     cfg = result["config"]
     head = (f"S2 Pro load ({'HTTP ' + cfg['target'] if cfg.get('target') else 'gRPC ' + cfg['url']}), "
             f"{cfg['frames']} frames/request ({cfg['frames'] * HOP / 44100:.2f} s of audio), "
-            f"clone fraction {cfg['clone_fraction']} ({cfg['clone_mode']}), GPU: {', '.join(result['gpu']['names']) or 'n/a'}")
+            f"clone fraction {cfg['clone_fraction']} ({cfg['clone_mode']}{', fresh references' if cfg.get('fresh_references') else ''}), GPU: {', '.join(result['gpu']['names']) or 'n/a'}")
     lines = [head, "", "| " + " | ".join(c for c, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for lv in result["levels"]:
         cells = []
@@ -780,6 +796,9 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--clone-mode", choices=["codes", "audio", "mixed"], default="codes",
                     help="codes: reference encoded once via dac_encoder (HTTP: a registered voice); audio: the waveform "
                          "sent with every request (HTTP: ref_audio); mixed: alternate")
+    ap.add_argument("--fresh-references", action="store_true",
+                    help="every audio clone sends a reference clip no earlier request sent (its own faint noise): "
+                         "each is a voice's first use, encoded and its prefix prefilled (issue 10's first-use row)")
     ap.add_argument("--ref-seconds", type=float, default=10.0)
     ap.add_argument("--ref-sample-rate", type=int, default=44100)
     ap.add_argument("--temperature", type=float)
@@ -807,7 +826,7 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
                 api_key=a.api_key, http_ignore_eos=a.http_ignore_eos, concurrency=levels,
                 requests_per_level=per_level, level_requests=level_requests, frames=a.frames, ignore_eos=not a.no_ignore_eos, warmup=a.warmup,
                 warmup_frames=a.warmup_frames, level_warmup=not a.no_level_warmup, clone_fraction=a.clone_fraction,
-                clone_mode=a.clone_mode, ref_seconds=a.ref_seconds, ref_sample_rate=a.ref_sample_rate,
+                clone_mode=a.clone_mode, fresh_references=a.fresh_references, ref_seconds=a.ref_seconds, ref_sample_rate=a.ref_sample_rate,
                 temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, first_chunk_frames=a.first_chunk_frames,
                 chunk_frames=a.chunk_frames, timeout=a.timeout, level_timeout=a.level_timeout, reuse_stream=a.reuse_stream,
                 seed=a.seed)

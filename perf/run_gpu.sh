@@ -10,7 +10,9 @@
 # 3. ckpt      full-size random checkpoint at $CKPT if missing (scripts/make_checkpoint.py --size full --device cuda)
 # 4. server    python3 -m s2tts.server --device cuda --set max_batch=64 --set max_seq_len=512 (+ $SETTINGS)
 # 5. loadgen   perf/loadgen.py over $CONCURRENCY, $FRAMES frames/request (ignore_eos), plain prompts
-# 6. clone     perf/loadgen.py over $CLONE_CONCURRENCY, every request a voice clone (10 s reference, codes encoded once)
+# 6. clone     perf/loadgen.py over $CLONE_CONCURRENCY, every request a voice clone (10 s reference, codes encoded once);
+#              then over $CLONE_FIRST_CONCURRENCY, every request a voice's first use (a reference clip never sent
+#              before: encoded by dac_encoder, its prefix prefilled)
 # 7. determ.   with DETERMINISM=1: perf/determinism.py (seeded codes alone vs beside others, both modes)
 # 8. pa        perf/make_pa_inputs.py + perf/run_perf_analyzer.sh (s2pro, slow_ar, fast_ar, dac_decoder), brief
 # 9. targets   perf/targets.py: issue 10's targets filled in from this run (targets.md, and in summary.md)
@@ -23,6 +25,8 @@
 #   CONCURRENCY             1,4,16,64                loadgen levels; "" skips the phase
 #   FRAMES                  100                      frames per request (100 = 4.64 s of audio)
 #   CLONE_CONCURRENCY       1,16                     clone levels; "" skips the phase
+#   CLONE_FIRST_CONCURRENCY 1 ("" without clone levels)  first-use clone levels (loadgen --clone-mode audio
+#                                                    --fresh-references); "" skips the phase
 #   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level
 #                                                    64:384": a long c=64 level, the others their default)
 #   DETERMINISM             0                        1 runs perf/determinism.py (16 requests, max_batch, 4 alone)
@@ -49,6 +53,7 @@
 #   targets.md            issue 10's targets, measured by this run (perf/targets.py)
 #   determinism.jsonl     with DETERMINISM=1: perf/determinism.py's lines (one per mode)
 #   loadgen.json          loadgen_clone.json      per level numbers + per request records
+#   loadgen_clone_first.json                      the same for the first use of a voice
 #   run.log               everything printed, with timestamps and each phase's time
 #   tritonserver.log      the server's log
 #   details.tar.gz        perf_analyzer CSV/logs, its input meta, environment info, rendered settings
@@ -69,6 +74,7 @@ SETTINGS="${SETTINGS:-}"
 CONCURRENCY="${CONCURRENCY-1,4,16,64}"
 FRAMES="${FRAMES:-100}"
 CLONE_CONCURRENCY="${CLONE_CONCURRENCY-1,16}"
+CLONE_FIRST_CONCURRENCY="${CLONE_FIRST_CONCURRENCY-${CLONE_CONCURRENCY:+1}}"
 LOADGEN_ARGS="${LOADGEN_ARGS:-}"
 PA="${PA:-1}"
 DETERMINISM="${DETERMINISM:-0}"
@@ -238,6 +244,15 @@ if [ -n "$CLONE_CONCURRENCY" ] && time_left loadgen-clone; then
   { echo "## loadgen, voice clone (10 s reference, codes encoded once by dac_encoder)"; echo
     cat "$WORK/loadgen_clone.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
 fi
+if [ -n "$CLONE_FIRST_CONCURRENCY" ] && time_left loadgen-clone-first; then
+  phase loadgen-clone-first
+  # shellcheck disable=SC2086
+  "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CLONE_FIRST_CONCURRENCY" --frames "$FRAMES" \
+    --clone-fraction 1 --clone-mode audio --fresh-references --warmup 1 --level-timeout "$LEVEL_TIMEOUT" \
+    --json "$RES/loadgen_clone_first.json" --markdown "$WORK/loadgen_clone_first.md" $LOADGEN_ARGS || LG_FAIL=1
+  { echo "## loadgen, first use of a voice (a 10 s reference never sent before, encoded and prefilled each time)"; echo
+    cat "$WORK/loadgen_clone_first.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
+fi
 
 # ------------------------------------------------------------------------------------------------ 7. determinism
 if [ "$DETERMINISM" = 1 ] && time_left determinism; then
@@ -268,6 +283,10 @@ phase ""
 if grep -q "routing and decoding" "$WORK/server/tritonserver.log" 2>/dev/null; then
   { echo "## slow_ar's loop, from its log"; echo
     grep -oE "slow_ar: (last|sender, last) .*" "$WORK/server/tritonserver.log" | sed 's/^/- /'; echo; } >>"$RES/summary.md"
+fi
+# s2pro's calls out of its process (BLS calls to slow_ar / the codec, responses sent to the client), every 10 s
+if grep -q "s2pro, last" "$WORK/server/tritonserver.log" 2>/dev/null; then
+  { echo "## s2pro's calls, from its log"; echo; grep -oE "s2pro, last .*" "$WORK/server/tritonserver.log" | sed 's/^/- /'; echo; } >>"$RES/summary.md"
 fi
 
 # where the model processes' threads spent the run (PROFILE=1): the server is still up, the files are 10 s old at most

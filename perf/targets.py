@@ -4,10 +4,10 @@
     python3 perf/targets.py perf/out            # loadgen.json, loadgen_clone.json, run.log, determinism.jsonl there
 
 Each row: the target, what the run measured, and `met` / `NOT met` / `not run` (the level or phase was not in
-the run). A voice's first use needs a server without the prefix cache (every request then encodes and prefills its
-reference): copy the `loadgen_clone.json` of `CONCURRENCY= CLONE_CONCURRENCY=1 LOADGEN_ARGS="--clone-mode audio"
-SETTINGS="prefix_cache_mb=0 ..." bash perf/run_gpu.sh` in as `loadgen_clone_first.json`. run_gpu.sh writes it to targets.md and appends it to summary.md; `DETERMINISM=1` adds the determinism
-phase (`perf/determinism.py`). The numbers are the run's own: the card, the settings and the commit are in
+the run). A voice's first use is `loadgen_clone_first.json`: run_gpu.sh's phase of audio clones whose every reference
+clip is new to the server (`loadgen.py --clone-mode audio --fresh-references`: encoded by dac_encoder, its prefix
+prefilled). run_gpu.sh writes the table to targets.md and appends it to summary.md; `DETERMINISM=1` adds the
+determinism phase (`perf/determinism.py`). The numbers are the run's own: the card, the settings and the commit are in
 summary.md beside it.
 """
 
@@ -53,7 +53,7 @@ def _determinism(path: Path) -> dict[str, dict]:
 
 def rows(res: Path) -> list[tuple[str, str, str]]:
     plain, clone = _levels(res / "loadgen.json"), _levels(res / "loadgen_clone.json")
-    first_use = _levels(res / "loadgen_clone_first.json")  # a server without the prefix cache (see the doc)
+    first_use = _levels(res / "loadgen_clone_first.json")  # every reference new to the server (see the doc)
     out = []
 
     def level_row(target, c, text, ok, levels=plain):
