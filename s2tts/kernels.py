@@ -427,9 +427,12 @@ if triton is not None:
         h = h * 0xC2B2AE35
         return h ^ (h >> 16)
 
-    @triton.jit
-    def _choose_kernel(SL, T, P, K, Seed, Step, Out, stride, V, STREAM_MIX: tl.constexpr, BLOCK: tl.constexpr,
-                       SORT: tl.constexpr):
+    # Compiled once per (BLOCK, SORT): `stream` is a plain argument and the per-row inputs are not specialised on
+    # their alignment. With `stream` a constant (it was), each of the fast AR's nine codebooks and the slow AR's two
+    # draws, times the aligned and unaligned step rows of the sampling graphs, compiled a kernel of its own: 22
+    # compiles of ~2.7 s (the in-kernel sort) at a server's first start on a GPU, 55 of its 110 s.
+    @triton.jit(do_not_specialize=["T", "P", "K", "Seed", "Step", "Out", "stream"])
+    def _choose_kernel(SL, T, P, K, Seed, Step, Out, stride, V, stream, BLOCK: tl.constexpr, SORT: tl.constexpr):
         row = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         valid = r < V
@@ -457,7 +460,7 @@ if triton is not None:
         hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
         step = (tl.load(Step + row) & 0xFFFFFFFF).to(tl.uint32)
         h = _mix32(lo * 0x9E3779B1 + _mix32(hi + 0x632BE5AB))
-        h = _mix32(h + step * 0x7FEB352D + STREAM_MIX)
+        h = _mix32(h + step * 0x7FEB352D + stream.to(tl.uint32) * 0x68E31DA4)
         h = _mix32(h + r.to(tl.uint32) * 0x1B873593 + 0x2545F491)
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         score = tl.where(remove, -1.0, probs / (-tl.log(u)))
@@ -480,7 +483,7 @@ def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: boo
     sl = _unit_rows(logits)
     out = torch.empty(B, dtype=torch.int64, device=sl.device)
     _choose_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
-                         seed.contiguous(), step.contiguous(), out, sl.stride(0), V, (stream * 0x68E31DA4) & 0xFFFFFFFF,
+                         seed.contiguous(), step.contiguous(), out, sl.stride(0), V, stream,
                          BLOCK=triton.next_power_of_2(V), SORT=sort, num_warps=8 if V > 2048 else 4)
     return out
 
