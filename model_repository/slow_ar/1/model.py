@@ -18,6 +18,7 @@ and every answer carries its chunk's audio, decoded in the engine's loop (`Engin
 
 import itertools
 import json
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -54,7 +55,9 @@ class TritonPythonModel:
         self.name = args.get("model_name", "slow_ar")
         self.log = tu.setup_logging(self.name)
         v = settings.model_values(cfg, "slow_ar")
+        t0 = time.perf_counter()
         model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
+        t1 = time.perf_counter()
         engine = Engine(
             model,
             residual_size=codec_codebook_sizes(v.checkpoint)[1],
@@ -69,8 +72,10 @@ class TritonPythonModel:
             batch_invariant=v.batch_invariant,
             admit_every=v.admit_every_steps,
         )
+        t2 = time.perf_counter()
         self.C = model.s2.num_codebooks
         codec = self._codec(v, engine) if self._codec_here(v, engine) else None
+        t3 = time.perf_counter()
         self.streams = PullStreams(self.name, tu.s2_error_response, idle_timeout_s=v.stream_idle_timeout_s)
         self._anonymous = itertools.count(1)
         self.metrics = tu.Metrics(self.name)
@@ -82,9 +87,10 @@ class TritonPythonModel:
                                      frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
                                      codec=codec, codec_batch_steps=v.codec_batch_steps,
                                      load_chunk_frames=v.load_chunk_frames)
-        self.log.info("%s ready: device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d kv_cache=%d tokens in blocks of %d "
+        self.log.info("%s ready in %.1f s (weights %.1f s, engine and its CUDA graphs %.1f s, codec %.1f s; the GPU "
+                      "kernels' first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d kv_cache=%d tokens in blocks of %d "
                       "cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s adaptive_chunks=%s codec_in_engine=%s",
-                      self.name, engine.device, engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len,
+                      self.name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device, engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len,
                       engine.kv_capacity_tokens, engine.blocks.block_size, sorted(engine.graphs),
                       engine.prefix_cache.max_bytes >> 20, engine.batch_invariant, v.adaptive_chunks, codec is not None)
 
