@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import threading
+import time
 
 import numpy as np
 
@@ -122,19 +123,24 @@ def sampling_params(request, max_new_tokens_default: int, max_new_tokens_limit: 
 
 
 class TritonResponder:
-    """A request's response sender as a `lifecycle.Responder` (final = the FINAL flag)."""
+    """A request's response sender as a `lifecycle.Responder` (final = the FINAL flag); `times` (a
+    `service.CallTimes`): how long each send took, under "send"."""
 
-    def __init__(self, request):
+    def __init__(self, request, times=None):
         self.request = request
         self.sender = request.get_response_sender()
+        self.times = times
 
     def send(self, response, final: bool) -> None:
         import triton_python_backend_utils as pb_utils
 
+        t = time.perf_counter()
         if final:
             self.sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         else:
             self.sender.send(response)
+        if self.times is not None:
+            self.times.add("send", time.perf_counter() - t)
 
     def is_cancelled(self) -> bool:
         return self.sender.is_cancelled()

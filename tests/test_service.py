@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from s2tts.sampling import SamplingParams
-from s2tts.service import Chunker, Limits, PaceMeter, TTSRequest
+from s2tts.service import CallTimes, Chunker, Limits, PaceMeter, TTSRequest
 
 
 def frames(n, start=0):
@@ -93,6 +93,33 @@ def test_pace_of_unequal_chunks_at_equal_intervals_is_their_average():
     steady = PaceMeter()
     steady.observe(0.05, 0.25)  # the first observation is taken whole
     assert steady.pace == pytest.approx(0.2)
+
+
+def test_call_times_log_each_name_once_a_period(monkeypatch):
+    """s2pro's account of its calls out of the process: one line a period, each name with its count and p50 / p99 /
+    max in ms, from whichever thread's call ends the period; then a fresh period."""
+    import s2tts.service as sv
+
+    clock, lines = [50.0], []
+    monkeypatch.setattr(sv.time, "monotonic", lambda: clock[0])
+    t = CallTimes("s2pro", lines.append, every_s=10.0)
+    for i in range(100):
+        t.add("send", 0.001 * (i + 1))  # 1 .. 100 ms
+    t.add("slow_ar next chunk", 0.25)
+    assert lines == []
+    clock[0] += 10.0
+    t.add("send", 0.002)
+    assert len(lines) == 1
+    assert lines[0].startswith("s2pro, last 10 s: send 101 x, 50.0 ms p50 / 99.0 p99 / 100.0 max; ")
+    assert lines[0].endswith("slow_ar next chunk 1 x, 250.0 ms p50 / 250.0 p99 / 250.0 max")
+    clock[0] += 3.0
+    with t.timed("dac_decoder"):
+        pass
+    assert len(lines) == 1  # a new period: 3 s of it so far
+    clock[0] += 7.0
+    t.add("send", 0.004)
+    assert len(lines) == 2 and lines[1].startswith("s2pro, last 10 s: dac_decoder 1 x, ") and "send 1 x, 4.0 ms p50" in lines[1]
+    assert "slow_ar" not in lines[1]
 
 
 def test_adaptive_chunks_follow_the_pace_and_keep_slack_for_the_codec():

@@ -26,7 +26,7 @@ from s2tts.config import S2Config
 from s2tts.engine_service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields
 from s2tts.orchestrator import TTSService
 from s2tts.prompt import PromptBuilder
-from s2tts.service import Limits, TTSRequest
+from s2tts.service import CallTimes, Limits, TTSRequest
 
 
 def _raise_for(resp, model: str):
@@ -41,16 +41,19 @@ def _raise_for(resp, model: str):
 
 
 class BLSDownstream:
-    """The rest of the pipeline through BLS (see `s2tts.orchestrator.Downstream`)."""
+    """The rest of the pipeline through BLS (see `s2tts.orchestrator.Downstream`); `times` (a `service.CallTimes`):
+    how long each kind of BLS call took, from the call to its answer."""
 
-    def __init__(self, num_codebooks: int):
+    def __init__(self, num_codebooks: int, times: CallTimes):
         self.C = num_codebooks
+        self.times = times
 
     def encode(self, audio, sample_rate, tag):
         req = pb_utils.InferenceRequest(
             model_name="dac_encoder", requested_output_names=["codes"], request_id=tag,
             inputs=[tu.tensor("waveform", audio.astype(np.float32)), tu.tensor("sample_rate", np.array([sample_rate], np.int32))])
-        resp = req.exec()
+        with self.times.timed("dac_encoder"):
+            resp = req.exec()
         if resp.has_error():
             e = errors.parse(resp.error().message())
             if e.code == "invalid_argument":  # name the s2pro input, not the encoder's
@@ -81,8 +84,11 @@ class BLSDownstream:
             tu.tensor("codec_start", np.array([codec[1]])),
             tu.tensor("codec_final", np.array([codec[2]])),
         ]
+        what = "slow_ar first chunk"
         while True:
-            resp = self._slow_ar(engine, rid, inputs)
+            with self.times.timed(what):
+                resp = self._slow_ar(engine, rid, inputs)
+            what = "slow_ar next chunk"
             _raise_for(resp, engine)
             codes = pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().reshape(-1, self.C)
             reason = FINISH_NAMES.get(int(pb_utils.get_output_tensor_by_name(resp, "finish_reason").as_numpy().reshape(-1)[0]), "")
@@ -94,7 +100,8 @@ class BLSDownstream:
             inputs = [tu.string_tensor("request_id", rid), tu.string_tensor("control", "next")]
 
     def control(self, engine, rid, what):
-        resp = self._slow_ar(engine, rid, [tu.string_tensor("request_id", rid), tu.string_tensor("control", what)])
+        with self.times.timed("slow_ar " + what.split("=")[0]):
+            resp = self._slow_ar(engine, rid, [tu.string_tensor("request_id", rid), tu.string_tensor("control", what)])
         _raise_for(resp, engine)
         if what != "status":
             return {}
@@ -112,7 +119,8 @@ class BLSDownstream:
                     tu.tensor("stream_id", np.array([[sid.encode()]], dtype=object)),
                     tu.tensor("start", np.array([[start]], dtype=bool)),
                     tu.tensor("final", np.array([[final]], dtype=bool))])
-        resp = req.exec()
+        with self.times.timed("dac_decoder"):
+            resp = req.exec()
         _raise_for(resp, decoder)
         return pb_utils.get_output_tensor_by_name(resp, "audio").as_numpy().reshape(-1)
 
@@ -136,7 +144,9 @@ class TritonPythonModel:
         self.metrics.declare("s2tts_time_to_first_audio_seconds", "s2tts_request_duration_seconds")
         self._sent = (0, 0)  # audio samples and frames sent to clients
         self._sent_lock = threading.Lock()
-        self.service = TTSService(BLSDownstream(self.s2.num_codebooks), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
+        # where a request's time goes outside this process: BLS calls, responses sent (logged every 10 s)
+        self.times = CallTimes("s2pro", self.log.info)
+        self.service = TTSService(BLSDownstream(self.s2.num_codebooks, self.times), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
                                   self._chunk_response, self._final_response, tu.s2_error_response,
                                   on_tick=self._report)
 
@@ -152,7 +162,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            responder = tu.TritonResponder(request)
+            responder = tu.TritonResponder(request, self.times)
             client_id = request.request_id() or ""
             try:
                 req = self._parse(request)
