@@ -89,6 +89,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def python_backend_threads(settings: dict) -> int:
+    """Threads per model instance for the Python backend (`--backend-config=python,thread-pool-size=N`). A BLS
+    call holds one of these for its whole wait, and the responses a model sends go through the same pool
+    (python_be.cc: ExecuteBLSRequest blocks on the call's future; ResponseSendDecoupled is queued there too).
+    s2pro has up to `max_concurrent_requests` calls waiting on slow_ar at once, one per request: with the
+    default 32 threads its responses to clients and its control calls queued behind them at c=64 (13 ms p50 /
+    269 ms p99 a response, 101 ms a control call; perf/RESULTS.md). So: one thread per request, plus the default
+    32 for the sends and control calls."""
+    raw = settings.get("max_concurrent_requests")
+    per_request = SCHEMA["max_concurrent_requests"].parse(raw) if raw not in (None, "") else SCHEMA["max_concurrent_requests"].default
+    return per_request + 32
+
+
 class TritonServer:
     """A running tritonserver process on a rendered copy of the model repository."""
 
@@ -130,24 +143,29 @@ class TritonServer:
         repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models,
                                        has_tensorrt=server_has_tensorrt)
         binary, _, libs = find_server()
+        cmd = self.command(binary, repo)
         env = dict(os.environ)
         env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"  # the stub finds this venv's packages
         env["PYTHONPATH"] = f"{REPO_ROOT}:{env.get('PYTHONPATH', '')}"
         env.setdefault("PYTHONUTF8", "1")
         if libs:
             env["LD_LIBRARY_PATH"] = f"{libs}:{env.get('LD_LIBRARY_PATH', '')}"
-        cmd = [str(binary), f"--model-repository={repo}", f"--backend-directory={backend_dir(self.workdir)}",
-               f"--http-address={self.address}", f"--grpc-address={self.address}", f"--metrics-address={self.address}",
-               f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
-               "--allow-metrics=true", "--log-verbose=1" if self.verbose else "--log-verbose=0",
-               "--exit-on-error=true", "--strict-readiness=true",
-               # explicit control: a model that fails for good unloads itself (readiness turns false) and s2pro
-               # can load it again (auto_recover); every model is loaded at start
-               "--model-control-mode=explicit", "--load-model=*"]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         self.wait_ready(timeout)
         return self
+
+    def command(self, binary, repo) -> list[str]:
+        """The tritonserver command line for the rendered repository `repo`."""
+        return [str(binary), f"--model-repository={repo}", f"--backend-directory={backend_dir(self.workdir)}",
+                f"--http-address={self.address}", f"--grpc-address={self.address}", f"--metrics-address={self.address}",
+                f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
+                "--allow-metrics=true", "--log-verbose=1" if self.verbose else "--log-verbose=0",
+                "--exit-on-error=true", "--strict-readiness=true",
+                f"--backend-config=python,thread-pool-size={python_backend_threads(self.settings)}",
+                # explicit control: a model that fails for good unloads itself (readiness turns false) and s2pro
+                # can load it again (auto_recover); every model is loaded at start
+                "--model-control-mode=explicit", "--load-model=*"]
 
     def is_ready(self) -> bool:
         try:

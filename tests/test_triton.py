@@ -69,6 +69,47 @@ def test_concurrent_streams_match_alone(triton_server):
     assert not np.array_equal(alone[0].codes[:, :3], alone[1].codes[:, :3])
 
 
+def test_live_streams_keep_flowing_while_a_burst_waits_for_slots(triton_server):
+    """8 long streams on the 8 slots, then 40 more requests that wait for a slot. Each waiting request holds a
+    thread of the Python backend's pool in s2pro (its call to slow_ar waits there), and s2pro's responses and its
+    next calls need a thread of that pool too: with the backend's default 32 threads the live streams went silent
+    until the waiting calls got their slots (9.5 s of a 17 s stream here); the launcher sizes the pool for every
+    request s2pro admits (`s2tts.server.python_backend_threads`)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from s2tts.server import python_backend_threads
+
+    assert python_backend_threads({}) >= 64 + 32 and python_backend_threads({"max_concurrent_requests": "200"}) == 232
+    first_chunks = threading.Barrier(9)
+
+    def live(i):
+        arrivals = []
+        with S2ProClient(triton_server.grpc_url) as c:
+            for ev in c.stream(TTSInput(text=f"Long stream {i}.", seed=i, max_new_tokens=300, ignore_eos=True,
+                                        first_chunk_frames=2, chunk_frames=2), timeout=300):
+                if isinstance(ev, AudioChunk):
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 1:
+                        first_chunks.wait(timeout=120)
+        return arrivals
+
+    def waiting(i):
+        with S2ProClient(triton_server.grpc_url) as c:
+            return c.synthesize(TTSInput(text=f"Waiting request {i}.", seed=100 + i, max_new_tokens=4, ignore_eos=True),
+                                timeout=300)
+
+    with ThreadPoolExecutor(48) as ex:
+        lives = [ex.submit(live, i) for i in range(8)]
+        first_chunks.wait(timeout=120)  # every live stream has started: the burst finds the slots taken
+        burst = [ex.submit(waiting, i) for i in range(40)]
+        streams, rest = [f.result() for f in lives], [f.result() for f in burst]
+    assert all(r.stats["frames"] == 4 and r.audio.size == 4 * FRAME for r in rest)
+    for arrivals in streams:
+        assert len(arrivals) >= 100  # 300 frames in chunks of 2, or larger ones where the pace allows
+        span, gap = arrivals[-1] - arrivals[0], max(b - a for a, b in zip(arrivals, arrivals[1:]))
+        assert gap < span / 4, f"a live stream went silent for {gap:.2f} s of its {span:.2f} s"
+
+
 def test_cancel_mid_stream(triton_server):
     with S2ProClient(triton_server.grpc_url) as c:
         got = list(c.stream(TTSInput(text="Cancel me part way through.", seed=3, max_new_tokens=400, temperature=0.0,
