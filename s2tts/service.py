@@ -241,16 +241,19 @@ class PaceMeter:
 
 class CallTimes:
     """How long a process's calls across a boundary took (a response sent to the client, a BLS call), by name: every
-    `every_s` one line to `log` with each name's count and p50 / p99 / max ms. Thread-safe; the thread whose call
-    ends a period writes the line."""
+    `every_s` one line to `log` with each name's count and p50 / p99 / max ms, and each call to `observe(name,
+    seconds)` when given (a metrics histogram). Thread-safe; the thread whose call ends a period writes the line."""
 
-    def __init__(self, name: str, log: Callable[[str], None], every_s: float = 10.0):
-        self.name, self.log, self.every_s = name, log, every_s
+    def __init__(self, name: str, log: Callable[[str], None], every_s: float = 10.0,
+                 observe: Callable[[str, float], None] | None = None):
+        self.name, self.log, self.every_s, self.observe = name, log, every_s, observe
         self._lock = threading.Lock()
         self._times: dict[str, list[float]] = {}
         self._since = 0.0
 
     def add(self, what: str, seconds: float) -> None:
+        if self.observe is not None:
+            self.observe(what, seconds)
         now = time.monotonic()
         with self._lock:
             if not self._since:

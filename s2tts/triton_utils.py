@@ -269,6 +269,7 @@ def decode_chunk_requests(decoder, requests, now: float, name: str = "dac_decode
 TIME_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)  # seconds to first audio
 DURATION_BUCKETS = (0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)  # seconds per request
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # streams per codec call
+CALL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)  # seconds per call
 
 METRICS = {  # name -> (kind, help[, histogram buckets])
     "s2tts_requests_in_flight": ("gauge", "requests a model is serving now"),
@@ -280,6 +281,12 @@ METRICS = {  # name -> (kind, help[, histogram buckets])
     "s2tts_request_duration_seconds": ("histogram", "s2pro: from a request's arrival to its final response "
                                        "(requests that ended ok or cancelled)", DURATION_BUCKETS),
     "s2tts_audio_seconds_total": ("counter", "s2pro: seconds of audio sent to clients"),
+    "s2tts_pipeline_call_seconds": ("histogram", "s2pro: its calls out of its process, by `call`: BLS calls to the "
+                                    "pipeline's models (slow_ar_first_chunk: waits for a KV slot and the first chunk; "
+                                    "slow_ar_next_chunk: for the next chunk; slow_ar_<control>; dac_encoder; "
+                                    "dac_decoder) and responses sent to clients (send). Sends or control calls of "
+                                    "more than a few ms: s2pro waits for tritonserver's Python-backend threads "
+                                    "(thread-pool-size, README)", CALL_BUCKETS),
     "s2tts_frames_total": ("counter", "s2pro: codec frames generated for clients (21.5 per second of audio)"),
     "s2tts_engine_requests_waiting": ("gauge", "slow_ar requests waiting for a KV-cache slot"),
     "s2tts_engine_slots_used": ("gauge", "slow_ar KV-cache slots in use"),

@@ -97,12 +97,13 @@ def test_pace_of_unequal_chunks_at_equal_intervals_is_their_average():
 
 def test_call_times_log_each_name_once_a_period(monkeypatch):
     """s2pro's account of its calls out of the process: one line a period, each name with its count and p50 / p99 /
-    max in ms, from whichever thread's call ends the period; then a fresh period."""
+    max in ms, from whichever thread's call ends the period; then a fresh period. Every call also goes to `observe`
+    (s2pro's histogram)."""
     import s2tts.service as sv
 
-    clock, lines = [50.0], []
+    clock, lines, seen = [50.0], [], []
     monkeypatch.setattr(sv.time, "monotonic", lambda: clock[0])
-    t = CallTimes("s2pro", lines.append, every_s=10.0)
+    t = CallTimes("s2pro", lines.append, every_s=10.0, observe=lambda what, s: seen.append((what, s)))
     for i in range(100):
         t.add("send", 0.001 * (i + 1))  # 1 .. 100 ms
     t.add("slow_ar next chunk", 0.25)
@@ -120,6 +121,7 @@ def test_call_times_log_each_name_once_a_period(monkeypatch):
     t.add("send", 0.004)
     assert len(lines) == 2 and lines[1].startswith("s2pro, last 10 s: dac_decoder 1 x, ") and "send 1 x, 4.0 ms p50" in lines[1]
     assert "slow_ar" not in lines[1]
+    assert len(seen) == 104 and seen[0] == ("send", 0.001) and seen[100] == ("slow_ar next chunk", 0.25)  # every call
 
 
 def test_adaptive_chunks_follow_the_pace_and_keep_slack_for_the_codec():

@@ -263,6 +263,17 @@ def test_speech_metrics_move_with_requests(triton_server):
     ok = 's2tts_requests_finished_total{model="s2pro",outcome="ok"}'
     assert m[ok] >= before.get(ok, 0) + 2
 
+    def calls(m, call):  # (count, sum) of s2pro's histogram of its calls out of the process, for one call
+        got = [(k, v) for k, v in m.items() if k.startswith("s2tts_pipeline_call_seconds_") and f'call="{call}"' in k
+               and 'model="s2pro"' in k]
+        return (sum(v for k, v in got if k.startswith("s2tts_pipeline_call_seconds_count")),
+                sum(v for k, v in got if k.startswith("s2tts_pipeline_call_seconds_sum")))
+    # each request: one call for its first chunk, more for the later ones, a response sent per chunk and a final one
+    chunks = sum(len(r.chunks) for r in results)
+    for call, least in (("slow_ar_first_chunk", 2), ("slow_ar_next_chunk", 1), ("send", chunks + 2)):
+        (n0, s0), (n1, s1) = calls(before, call), calls(m, call)
+        assert n1 - n0 >= least and s1 > s0, (call, n1 - n0, least)
+
 
 def test_dialogue_streams_segment_after_segment_seamlessly(triton_server, tiny_ckpt, tmp_path):
     """A two-speaker dialogue over chunk_length: s2pro speaks it batch after batch (upstream's turn batching), each

@@ -84,11 +84,11 @@ class BLSDownstream:
             tu.tensor("codec_start", np.array([codec[1]])),
             tu.tensor("codec_final", np.array([codec[2]])),
         ]
-        what = "slow_ar first chunk"
+        what = "slow_ar_first_chunk"
         while True:
             with self.times.timed(what):
                 resp = self._slow_ar(engine, rid, inputs)
-            what = "slow_ar next chunk"
+            what = "slow_ar_next_chunk"
             _raise_for(resp, engine)
             codes = pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().reshape(-1, self.C)
             reason = FINISH_NAMES.get(int(pb_utils.get_output_tensor_by_name(resp, "finish_reason").as_numpy().reshape(-1)[0]), "")
@@ -100,7 +100,7 @@ class BLSDownstream:
             inputs = [tu.string_tensor("request_id", rid), tu.string_tensor("control", "next")]
 
     def control(self, engine, rid, what):
-        with self.times.timed("slow_ar " + what.split("=")[0]):
+        with self.times.timed("slow_ar_" + what.split("=")[0]):
             resp = self._slow_ar(engine, rid, [tu.string_tensor("request_id", rid), tu.string_tensor("control", what)])
         _raise_for(resp, engine)
         if what != "status":
@@ -144,8 +144,10 @@ class TritonPythonModel:
         self.metrics.declare("s2tts_time_to_first_audio_seconds", "s2tts_request_duration_seconds")
         self._sent = (0, 0)  # audio samples and frames sent to clients
         self._sent_lock = threading.Lock()
-        # where a request's time goes outside this process: BLS calls, responses sent (logged every 10 s)
-        self.times = CallTimes("s2pro", self.log.info)
+        # where a request's time goes outside this process: BLS calls, responses sent (a histogram by call, and a
+        # log line every 10 s)
+        self.times = CallTimes("s2pro", self.log.info,
+                               observe=lambda call, s: self.metrics.observe("s2tts_pipeline_call_seconds", s, call=call))
         self.service = TTSService(BLSDownstream(self.s2.num_codebooks, self.times), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
                                   self._chunk_response, self._final_response, tu.s2_error_response,
                                   on_tick=self._report)
