@@ -43,7 +43,7 @@ import numpy as np
 from . import errors
 from .engine import FINISH_ERROR, Engine, Output
 from .errors import S2Error
-from .lifecycle import RequestTable, Responder, Tracked, guarded
+from .lifecycle import RequestTable, Responder, Tombstones, Tracked, guarded
 from .prompt import Prompt
 from .sampling import SamplingParams
 from .service import LOAD_PACE, Chunker
@@ -213,6 +213,8 @@ class EngineService:
         self.make_response = make_response
         self.table = RequestTable(name, make_error, limit)
         self.health = self.table.health
+        self.tombstones = Tombstones()  # ids cancelled before their request came
+        self._admit_lock = threading.Lock()
         self.on_unhealthy = on_unhealthy
         self.on_tick = on_tick  # called from the sender thread every poll (metrics)
         self.cancel_poll_s = cancel_poll_s
@@ -243,19 +245,36 @@ class EngineService:
 
     # ---- requests ---------------------------------------------------------------------------
     def submit(self, client_id: str, responder: Responder, prompt: Prompt, params: SamplingParams,
-               first_chunk_frames: int, chunk_frames: int, codec_stream: CodecStream | None = None) -> Tracked | None:
+               first_chunk_frames: int, chunk_frames: int, codec_stream: CodecStream | None = None,
+               label: str = "") -> Tracked | None:
         """Admit a request (its responses go to `responder`). A refusal (duplicate id, full, unhealthy, a request
         the engine can never run) is answered on `responder` with one final error; returns None then. With an
-        in-engine codec, `codec_stream` says which decoder stream the audio continues (None: a stream of its own)."""
+        in-engine codec, `codec_stream` says which decoder stream the audio continues (None: a stream of its own).
+        A request whose id was cancelled before it came (`cancel`) ends at once: one final response, finish reason
+        "cancelled", no frames; the engine never sees it. `label` names the request in log lines (default: its id)."""
         try:
             pace = self.pace if self.frame_seconds else None
-            rec = self.table.open(client_id, responder,
-                                  state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace, lag=self.chunk_lag,
-                                                            loaded=self.under_load if pace else None,
-                                                            **self.chunk_options),
-                                                    prompt_tokens=len(prompt)))
+            with self._admit_lock:  # one order between this request and a cancel for its id
+                if client_id and self.tombstones.take(client_id):
+                    rec = None
+                else:
+                    rec = self.table.open(client_id, responder, label=label,
+                                          state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace,
+                                                                    lag=self.chunk_lag,
+                                                                    loaded=self.under_load if pace else None,
+                                                                    **self.chunk_options),
+                                                            prompt_tokens=len(prompt)))
+            if rec is None:
+                log.info("%s: request %s was cancelled before it came: ended at once", self.name, client_id)
+                if codec_stream is not None and not codec_stream.start:  # it would have continued (and closed) it
+                    self.close_codec(codec_stream.sid)
+                stats = {"frames": 0, "queue_s": None, "prompt_tokens": len(prompt), "first_frame_s": None,
+                         "first_audio_s": None}
+                responder.send(self.make_response(np.zeros((0, self.C), np.int32), "cancelled", stats, None), True)
+                return None
             if self.codec is not None:
-                rec.state.codec = codec_stream or CodecStream(f"{self.name}/{rec.iid}")
+                rec.state.codec = CodecStream(self.caller_stream(codec_stream.sid), codec_stream.start,
+                                              codec_stream.final) if codec_stream else CodecStream(f"own/{rec.iid}")
                 rec.state.codec_open = not rec.state.codec.start
                 self._codec_states[str(rec.iid)] = rec.state
         except S2Error as e:
@@ -275,18 +294,31 @@ class EngineService:
         return rec
 
     def cancel(self, client_id: str) -> bool:
-        rec = self.table.by_client(client_id)
-        if rec is None:
-            return False
+        """Cancel the request with the caller's id `client_id`: True if it is in flight here. A cancel for an id
+        never seen is remembered (`tombstones`): the request, if it comes later, ends at once, so a cancel wins
+        whatever order the two arrive in. An id that ended here recently leaves no tombstone (its cancel came late)."""
+        with self._admit_lock:
+            rec = self.table.by_client(client_id)
+            if rec is None:
+                if client_id and not self.table.ended_recently(client_id):
+                    self.tombstones.add(client_id)
+                return False
         self.engine.cancel(str(rec.iid))
         return True
 
     def close_codec(self, sid: str) -> None:
-        """Close codec stream `sid` if it is open (a caller that will not continue it); the engine thread does it."""
+        """Close the caller's codec stream `sid` if it is open (a caller that will not continue it); the engine thread
+        does it."""
         if self.codec is not None:
             with self._codec_lock:
-                self._codec_closing.append(sid)
+                self._codec_closing.append(self.caller_stream(sid))
             self.engine.wake()
+
+    @staticmethod
+    def caller_stream(sid: str) -> str:
+        """The decoder's name for a caller's codec stream `sid`: "caller/<sid>", apart from the streams of requests
+        that name none ("own/<internal id>"), whatever name a caller picks."""
+        return f"caller/{sid}"
 
     def pace(self) -> float:
         """The pace chunks follow: seconds to make a second of a stream's audio, the slower of the engine's own
@@ -616,7 +648,11 @@ class EngineService:
         """An unrecoverable fault: fail everything in flight, refuse what comes, tell the host (once)."""
         if not self.health.fail(reason):
             return
-        self.engine.fail_all(reason)
+        engine_thread = self.threads[0]
+        if threading.current_thread() is engine_thread or not engine_thread.is_alive():
+            self.engine.fail_all(reason)
+        else:  # the engine's state is the engine thread's: it drops everything at its next pass (see _engine_pass)
+            self.engine.wake()
         n = self.table.fail_all(self.health.error())
         log.error("%s: %d requests in flight ended with `unavailable`", self.name, n)
         if self.on_unhealthy is not None:

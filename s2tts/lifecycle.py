@@ -18,6 +18,7 @@ adapter tells Triton (the model unloads itself, so readiness turns false).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -49,6 +50,9 @@ class Tracked:
     state: Any = None
     outcome: str | None = None  # set when the final response has been sent
     dropped: int = 0  # responses refused because the final one had gone
+    label: str = ""  # how log lines name it, when not by `client_id` (e.g. the client's id behind an internal one)
+    _sending: int = field(default=0, repr=False)  # non-final responses being sent now
+    _pending_final: tuple | None = field(default=None, repr=False)  # (final response,) waiting for those sends
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _table: "RequestTable | None" = field(default=None, repr=False)
 
@@ -58,40 +62,61 @@ class Tracked:
 
     @property
     def tag(self) -> str:
-        """How log lines name this request: the caller's id and ours."""
-        return f"{self.client_id}#{self.iid}"
+        """How log lines name this request: its label (the caller's id, by default) and our id."""
+        return f"{self.label or self.client_id}#{self.iid}"
 
     def send(self, response: Any) -> bool:
-        """A non-final response; False (dropped) when the request has already ended."""
+        """A non-final response; False (dropped) when the request has already ended. `response` may be a function
+        that builds it: it is called only if the response will be sent (what it counts is then never counted for a
+        response that is dropped). The IPC send runs outside the record's lock: a `finish` meanwhile does not wait
+        for it, and its final response goes out right after this one (never before it)."""
         with self._lock:
             if self.outcome is not None:
                 self.dropped += 1
                 return False
-            self.responder.send(response, False)
-            return True
+            self._sending += 1
+        try:
+            self.responder.send(response() if callable(response) else response, False)
+        finally:
+            with self._lock:
+                self._sending -= 1
+                final, self._pending_final = (self._pending_final, None) if not self._sending else (None, None)
+            if final is not None:
+                self._deliver_final(final[0])
+        return True
 
     def finish(self, response: Any, outcome: str) -> bool:
-        """The final response, once: True if this call sent it. The request leaves its table first: a client that
-        sends its next request as soon as this one ends must not find the slot still taken (at c=64 with the
-        request limit at 64, some did: `busy`)."""
-        with self._lock:  # a non-final response being sent finishes first; later ones are dropped
+        """The final response, once: True if this call ended the request. `response` may be a function that builds
+        it, called only by the call that ends the request (a final response is built once: what it observes, e.g.
+        time to first audio, is observed once). The request leaves its table first: a client that sends its next
+        request as soon as this one ends must not find the slot still taken (at c=64 with the request limit at 64,
+        some did: `busy`). A non-final response being sent meanwhile goes first; later ones are dropped."""
+        with self._lock:
             if self.outcome is not None:
                 self.dropped += 1
                 return False
             self.outcome = outcome
         if self._table is not None:
             self._table._closed(self)
+        response = response() if callable(response) else response
+        with self._lock:
+            if self._sending:  # the sending thread delivers it once its response is out
+                self._pending_final = (response,)
+                return True
+        self._deliver_final(response)
+        return True
+
+    def _deliver_final(self, response: Any) -> None:
         try:
             self.responder.send(response, True)
         except Exception as e:  # the client is gone; the request has ended all the same
             log.info("request %s: final response not delivered (%s)", self.tag, e)
-        return True
 
     def fail(self, error: S2Error) -> bool:
         """End the request with an error response, once."""
         if self._table is None:
             raise RuntimeError("fail() needs a record opened by a RequestTable")
-        return self.finish(self._table.make_error(error), f"error:{error.code}")
+        return self.finish(lambda: self._table.make_error(error), f"error:{error.code}")
 
 
 class Health:
@@ -131,6 +156,8 @@ class RequestTable:
     `make_error(S2Error) -> response`: how the adapter answers an error (a Triton error response).
     """
 
+    ENDED_KEPT = 4096  # client ids of ended requests remembered (`ended_recently`)
+
     def __init__(self, name: str, make_error: Callable[[S2Error], Any], limit: int | None = None,
                  health: Health | None = None, retry_after_s: float = 1.0):
         self.name = name
@@ -142,12 +169,13 @@ class RequestTable:
         self._lock = threading.Lock()
         self._live: dict[int, Tracked] = {}
         self._by_client: dict[str, int] = {}
+        self._ended: "collections.OrderedDict[str, float]" = collections.OrderedDict()  # client ids that ended
         self.counts = {"opened": 0, "refused": 0, "finished": 0}
         self._outcomes: dict[str, int] = {}
 
     # ---- admission -------------------------------------------------------------------------
     def open(self, client_id: str, responder: Responder, timeout_s: float | None = None, state: Any = None,
-             unique: bool = True) -> Tracked:
+             unique: bool = True, label: str = "") -> Tracked:
         """Admit a request, or raise S2Error (and send nothing: the caller answers the refusal through
         `refuse`). `unique`: a client id that is live already is refused with `already_exists`; the live
         request is not touched."""
@@ -163,7 +191,7 @@ class RequestTable:
                                   f"{self.limit}; retry in {self.retry_after_s:g} s")
             now = time.monotonic()
             rec = Tracked(next(self._ids), client_id or "", responder,
-                          deadline=None if not timeout_s else now + timeout_s, state=state)
+                          deadline=None if not timeout_s else now + timeout_s, state=state, label=label)
             rec._table = self
             self._live[rec.iid] = rec
             if client_id and unique:
@@ -185,6 +213,16 @@ class RequestTable:
                 self._outcomes[rec.outcome] = self._outcomes.get(rec.outcome, 0) + 1
             if self._by_client.get(rec.client_id) == rec.iid:
                 del self._by_client[rec.client_id]
+            if rec.client_id:
+                self._ended[rec.client_id] = time.monotonic()
+                self._ended.move_to_end(rec.client_id)
+                while len(self._ended) > self.ENDED_KEPT:
+                    self._ended.popitem(last=False)
+
+    def ended_recently(self, client_id: str) -> bool:
+        """Whether a request with this client id ended here among the last `ENDED_KEPT` to end."""
+        with self._lock:
+            return client_id in self._ended
 
     # ---- lookups ---------------------------------------------------------------------------
     def get(self, iid: int) -> Tracked | None:
@@ -219,6 +257,39 @@ class RequestTable:
             return {"in_flight": len(self._live), **self.counts, "healthy": self.health.ok}
 
 
+class Tombstones:
+    """Ids cancelled before their request came: a cancel and its request travel as separate calls, and the cancel
+    must win whichever arrives first. Each is kept `ttl_s` (a request that never comes) and at most `limit` at once
+    (the oldest go first)."""
+
+    def __init__(self, ttl_s: float = 120.0, limit: int = 4096):
+        self.ttl_s, self.limit = ttl_s, limit
+        self._ids: "collections.OrderedDict[str, float]" = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, key: str) -> None:
+        with self._lock:
+            self._expire(time.monotonic())
+            self._ids[key] = time.monotonic()
+            self._ids.move_to_end(key)
+            while len(self._ids) > self.limit:
+                self._ids.popitem(last=False)
+
+    def take(self, key: str) -> bool:
+        """True (once) if `key` was cancelled before now and not yet taken."""
+        with self._lock:
+            self._expire(time.monotonic())
+            return self._ids.pop(key, None) is not None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ids)
+
+    def _expire(self, now: float) -> None:
+        while self._ids and now - next(iter(self._ids.values())) > self.ttl_s:
+            self._ids.popitem(last=False)
+
+
 def guarded(name: str, body: Callable[[], None], stop: threading.Event, on_death: Callable[[str], None],
             max_consecutive_errors: int = 3) -> Callable[[], None]:
     """A thread target that runs `body()` until `stop` is set. An exception in one pass is logged;
@@ -251,6 +322,10 @@ class WorkerPool:
     exits, so one worker blocked on a model that died keeps the process (the Triton stub, a test
     run) from ever exiting. A request's work must never be lost, so `submit` past the limit
     queues it; the admission limit (`RequestTable`) keeps that queue short.
+
+    A worker whose request was ended elsewhere while it waits in a call that may never return (a
+    model process that died) is given up (`give_up`): another worker may start in its place, so
+    capacity is never lost to such calls; if the call does return, that worker leaves the pool.
     """
 
     def __init__(self, max_workers: int, name: str):
@@ -260,7 +335,9 @@ class WorkerPool:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._idle = 0
+        self._idle = 0  # workers waiting for work that no queued item is promised to
+        self._backlog = 0  # queued items no worker is promised to yet
+        self._given_up: set[threading.Thread] = set()
         self._closed = False
 
     def submit(self, fn: Callable[..., None], *args) -> None:
@@ -270,12 +347,37 @@ class WorkerPool:
             self._q.put((fn, args))
             if self._idle:  # an idle worker takes it
                 self._idle -= 1
-            elif len(self._threads) < self.max_workers:
-                t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
-                self._threads.append(t)
-                t.start()
+            elif not self._spawn():
+                self._backlog += 1
+
+    def give_up(self, worker: threading.Thread | None) -> bool:
+        """`worker`'s work was ended elsewhere while it waits in a call that may never return: one more worker may
+        start in its place (at once if work is queued). True if it was a busy worker of this pool."""
+        with self._lock:
+            if worker is None or worker not in self._threads or worker in self._given_up or self._closed:
+                return False
+            self._given_up.add(worker)
+            self.max_workers += 1
+            if self._backlog and self._spawn():
+                self._backlog -= 1
+            return True
+
+    @property
+    def queued(self) -> int:
+        """Work waiting for a worker."""
+        with self._lock:
+            return self._backlog
+
+    def _spawn(self) -> bool:  # with the lock held
+        if len(self._threads) >= self.max_workers:
+            return False
+        t = threading.Thread(target=self._work, name=f"{self.name}-{len(self._threads)}", daemon=True)
+        self._threads.append(t)
+        t.start()
+        return True
 
     def _work(self) -> None:
+        me = threading.current_thread()
         while True:
             item = self._q.get()
             if item is None:
@@ -286,7 +388,17 @@ class WorkerPool:
             except BaseException:  # noqa: BLE001 - the work reports its own errors; a worker never dies of one
                 log.exception("%s: unhandled error in a worker", self.name)
             with self._lock:
-                self._idle += 1
+                if me in self._given_up:  # its replacement serves now: this one leaves
+                    self._given_up.discard(me)
+                    self._threads.remove(me)
+                    self.max_workers -= 1
+                    if self._backlog and self._spawn():
+                        self._backlog -= 1
+                    return
+                if self._backlog:  # it takes a queued item next
+                    self._backlog -= 1
+                else:
+                    self._idle += 1
 
     @property
     def size(self) -> int:

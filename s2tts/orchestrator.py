@@ -31,6 +31,7 @@ recovering takes no new requests while the others go on.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -52,18 +53,21 @@ class Downstream(Protocol):
     def encode(self, audio: np.ndarray, sample_rate: int, tag: str) -> np.ndarray:
         """-> codes [num_codebooks, frames]; raises S2Error."""
 
-    def generate(self, engine: str, rid: str, prompt, req: TTSRequest,
-                 codec: tuple[str, bool, bool]) -> Iterator[tuple[np.ndarray, np.ndarray | None, str, dict | None]]:
+    def generate(self, engine: str, rid: str, prompt, req: TTSRequest, codec: tuple[str, bool, bool],
+                 label: str = "") -> Iterator[tuple[np.ndarray, np.ndarray | None, str, dict | None]]:
         """The stream of slow_ar replica `engine`: (frames [n, C], their audio if slow_ar decoded it (codec_in_engine)
         else None, finish reason or "", stats on the last); raises S2Error. `codec` = (codec stream id, the first
-        chunk opens it, the last chunk closes it), for a slow_ar that decodes."""
+        chunk opens it, the last chunk closes it), for a slow_ar that decodes. `rid` keys the stream; `label` (the
+        client's id) only names it in log lines."""
 
     def control(self, engine: str, rid: str, what: str) -> dict:
         """A control request to slow_ar replica `engine` ("cancel" | "status" | "pace=R") -> its answer; raises
         S2Error."""
 
-    def decode(self, decoder: str, sid: str, frames: np.ndarray, start: bool, final: bool) -> np.ndarray:
-        """One chunk [n, C] of codec stream `sid` on dac_decoder replica `decoder` -> float32 audio; raises S2Error."""
+    def decode(self, decoder: str, sid: str, frames: np.ndarray, start: bool, final: bool,
+               label: str = "") -> np.ndarray:
+        """One chunk [n, C] of codec stream `sid` on dac_decoder replica `decoder` -> float32 audio; raises S2Error.
+        `label`: as in `generate`."""
 
     def is_ready(self, model: str) -> bool: ...
 
@@ -81,7 +85,7 @@ class Work:
 
     req: TTSRequest
     stats: Stats
-    rid: str = ""  # slow_ar's request id: "<client id>/<internal id>" (".<k>" added for segment k > 0)
+    rid: str = ""  # slow_ar's request id: "<TTSService.prefix>/<internal id>" (".<k>" added for segment k > 0)
     replica: int = -1  # where the whole request runs (s2tts/layout.py): its engine and that engine's decoder
     engine: str = ENGINE
     decoder: str = DECODER
@@ -97,6 +101,8 @@ class Work:
     stream: Any = None  # the segment's slow_ar stream being read
     seq: int = 0  # audio chunks sent
     last_sent: float = 0.0  # when the last one went (the pipeline's pace)
+    worker: threading.Thread | None = None  # the pool's worker serving it, while it does
+    checking: bool = False  # a liveness check of its model is under way (off the supervisor's thread)
 
     def step(self, phase: str) -> None:
         self.phase, self.progress = phase, time.monotonic()
@@ -106,7 +112,8 @@ class TTSService:
     def __init__(self, downstream: Downstream, prompts, s2, values: dict,
                  make_chunk: Callable[[np.ndarray, np.ndarray, int], Any],
                  make_final: Callable[[Stats, int], Any], make_error: Callable[[S2Error], Any],
-                 name: str = "s2pro", supervise_s: float = 0.2, on_tick: Callable[["TTSService"], None] | None = None):
+                 name: str = "s2pro", supervise_s: float = 0.2, on_tick: Callable[["TTSService"], None] | None = None,
+                 spare_workers: int = 16, on_unhealthy: Callable[[str], None] | None = None):
         self.down = downstream
         self.prompts = prompts
         self.s2 = s2
@@ -114,10 +121,20 @@ class TTSService:
         self.name = name
         self.make_chunk, self.make_final = make_chunk, make_final
         self.table = RequestTable(name, make_error, limit=values["max_concurrent_requests"])
+        # the names this service gives its requests downstream (slow_ar request ids, codec streams):
+        # "<name>~<random>/<internal id>", never a client's id, and new with each start of this process (slow_ar and
+        # the codec outlive a reload of s2pro); log lines name a request "<client id>#<internal id>"
+        self.prefix = f"{name}~{secrets.token_hex(3)}"
         self.layout = Layout.from_values(values)
         # A pool, as the previous main had: fewer Python threads made and destroyed under load (see perf/RESULTS.md,
-        # the soak); room above the admission limit for workers left waiting on a model that died.
-        self.pool = WorkerPool(values["max_concurrent_requests"] + 16, "s2pro-worker")
+        # the soak); room above the admission limit for workers left waiting on a model that died, and a worker
+        # still waiting `give_up_s` after its request was ended elsewhere is replaced (`WorkerPool.give_up`).
+        self.pool = WorkerPool(values["max_concurrent_requests"] + spare_workers, "s2pro-worker")
+        self.give_up_s = min(2.0, values["stall_timeout_s"] / 2)  # (before a queued request would be refused)
+        self._ended_elsewhere: list[tuple[float, Work]] = []  # (when, request) ended while its worker waited
+        self._ended_lock = threading.Lock()
+        # how long the supervisor's checks wait for a model's answer (they run off its thread; it never waits)
+        self.check_timeout_s = min(10.0, values["stall_timeout_s"])
         self.supervise_s = supervise_s
         self.cancel_check_s = 0.5  # a request waiting this long on a model: the supervisor checks for a cancel
         self.on_tick = on_tick  # called every supervisor pass (metrics)
@@ -127,12 +144,28 @@ class TTSService:
         self.pace_meter = PaceMeter()  # the pipeline's pace (see the module's doc)
         self.pace_report_s = 1.0
         self._pace_reported = (0.0, 0)  # (when, samples then)
+        self._pace_busy = False  # a report is under way (off the supervisor's thread)
         self._lock = threading.Lock()
         self.stop = threading.Event()
+        self.on_unhealthy = on_unhealthy  # told once when this service gives up (the host unloads it: not ready)
         self.supervisor = threading.Thread(target=guarded(f"{name} supervisor", self._supervise, self.stop,
-                                                          self.table.health.fail, max_consecutive_errors=10**9),
+                                                          self._supervisor_died, max_consecutive_errors=10**9),
                                            name="s2tts-supervisor", daemon=True)
         self.supervisor.start()
+
+    def _supervisor_died(self, reason: str) -> None:
+        """Without its supervisor nothing ends a stalled request or enforces a deadline: the service refuses new
+        requests, ends those in flight with `unavailable` and tells the host (s2pro unloads itself, so Triton's
+        readiness turns false and an orchestrator restarts it)."""
+        if not self.table.health.fail(reason):
+            return
+        n = self.table.fail_all(self.table.health.error())
+        log.error("%s: %d requests in flight ended with `unavailable`", self.name, n)
+        if self.on_unhealthy is not None:
+            try:
+                self.on_unhealthy(reason)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: could not report the fault to the host", self.name)
 
     # ---- admission ------------------------------------------------------------------------
     def submit(self, client_id: str, responder: Responder, req: TTSRequest) -> Tracked | None:
@@ -152,7 +185,7 @@ class TTSService:
             self.table.refuse(responder, e)
             return None
         w: Work = rec.state
-        w.rid = w.sid = f"{client_id or 'request'}/{rec.iid}"
+        w.rid = w.sid = f"{self.prefix}/{rec.iid}"  # never the client's id: no client can name another's stream
         w.replica = self._place(req, up, rec)
         w.engine, w.decoder = self.layout.engine(w.replica), self.layout.decoder(w.replica)
         self.pool.submit(self._serve, rec)
@@ -182,6 +215,10 @@ class TTSService:
     def _serve(self, rec: Tracked) -> None:
         w: Work = rec.state
         req, stats = w.req, w.stats
+        w.worker = threading.current_thread()
+        if rec.closed:  # ended while it waited for a worker
+            w.worker = None
+            return
         try:
             ref_codes = req.reference_codes
             if req.reference_audio is not None:
@@ -217,7 +254,7 @@ class TTSService:
                 w.step("done")
                 if reason == "cancelled":
                     log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
-                if rec.finish(self.make_final(stats, w.seq), "ok"):
+                if rec.finish(lambda: self.make_final(stats, w.seq), "ok"):
                     log.info("%s: request %s done: %d frames in %d segment(s), finish reason %s, first audio after %s s",
                              self.name, rec.tag, stats.frames, len(segments), reason,
                              None if stats.first_audio is None else round(stats.first_audio - stats.started, 3))
@@ -225,7 +262,7 @@ class TTSService:
             stats.finish_reason = "cancelled"
             self._release(w)  # cancel generation before answering
             log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
-            rec.finish(self.make_final(stats, w.seq), "cancelled")
+            rec.finish(lambda: self.make_final(stats, w.seq), "cancelled")
         except Exception as e:  # noqa: BLE001 - every other exit: one final error, downstream released
             err = errors.from_exception(e, self.name)
             if rec.fail(err):
@@ -233,6 +270,7 @@ class TTSService:
                     "%s: request %s failed in %s: %s", self.name, rec.tag, w.phase, err.wire())
         finally:
             self._release(w)
+            w.worker = None
 
     def _segment(self, rec: Tracked, prompt, first: bool, last: bool) -> tuple[list[np.ndarray], str | None]:
         """One text segment: its generation in slow_ar, each chunk decoded in the request's codec stream (one for
@@ -244,7 +282,8 @@ class TTSService:
         w.generation_open, w.stream_done = True, False
         if first:
             stats.to_engine_s = round(time.monotonic() - stats.started, 4)
-        w.stream = self._call(w.engine, self.down.generate, w.engine, w.rid, prompt, w.req, (w.sid, w.seq == 0, last))
+        w.stream = self._call(w.engine, self.down.generate, w.engine, w.rid, prompt, w.req, (w.sid, w.seq == 0, last),
+                              rec.client_id)
         made: list[np.ndarray] = []
         while not rec.closed:  # closed elsewhere: a deadline, shutdown, a dead model
             try:
@@ -274,11 +313,10 @@ class TTSService:
                 else:
                     w.step("decoding")
                     audio = self._call(w.decoder, self.down.decode, w.decoder, w.sid, frames, w.seq == 0,
-                                       bool(reason) and last)
+                                       bool(reason) and last, rec.client_id)
                     w.decoder_open = not (reason and last)
                     w.step("generating")
-                stats.audio_sent(audio.size)
-                if not rec.send(self.make_chunk(audio, frames, w.seq)):
+                if not rec.send(lambda: self._chunk(stats, audio, frames, w.seq)):
                     return made, None
                 now = time.monotonic()
                 if w.seq and audio.size and not reason:  # not the first (prefill) nor the last (a remainder)
@@ -291,6 +329,11 @@ class TTSService:
                 return made, reason
         return made, None
 
+    def _chunk(self, stats: Stats, audio: np.ndarray, frames: np.ndarray, seq: int):
+        """Build an audio chunk's response (only for a chunk that will be sent: what it counts is sent)."""
+        stats.audio_sent(audio.size)
+        return self.make_chunk(audio, frames, seq)
+
     def _prompt(self, segment: str, ref_codes, req: TTSRequest, history: list):
         """A segment's prompt beside the frames it may generate in slow_ar's sequence (the smaller of max_seq_len
         and the checkpoint's)."""
@@ -302,17 +345,24 @@ class TTSService:
         return self.pace_meter.pace
 
     def _report_pace(self) -> None:
-        """Measurements since the last report (none while idle: slow_ar then drops the old value after a while)."""
+        """Measurements since the last report (none while idle: slow_ar then drops the old value after a while); the
+        calls run off the supervisor's thread, one report at a time."""
         when, samples = self._pace_reported
         r, n = self.pace, self.pace_meter.samples
-        if r is None or n == samples or time.monotonic() - when < self.pace_report_s:
+        if r is None or n == samples or time.monotonic() - when < self.pace_report_s or self._pace_busy:
             return
-        self._pace_reported = (time.monotonic(), n)
-        for i in range(self.layout.replicas):
-            try:
-                self.down.control(self.layout.engine(i), "", f"pace={r:.4f}")
-            except Exception as e:  # noqa: BLE001 - chunks then follow slow_ar's own pace
-                log.info("%s: pace not reported to %s (%s)", self.name, self.layout.engine(i), e)
+        self._pace_reported, self._pace_busy = (time.monotonic(), n), True
+        self._off_thread("pace", self._send_pace, r)
+
+    def _send_pace(self, r: float) -> None:
+        try:
+            for i in range(self.layout.replicas):
+                try:
+                    self.down.control(self.layout.engine(i), "", f"pace={r:.4f}")
+                except Exception as e:  # noqa: BLE001 - chunks then follow slow_ar's own pace
+                    log.info("%s: pace not reported to %s (%s)", self.name, self.layout.engine(i), e)
+        finally:
+            self._pace_busy = False
 
     def _release(self, w: Work) -> None:
         """Whatever the request still holds downstream: its codec stream, and its generation (cancelled, and its
@@ -380,9 +430,15 @@ class TTSService:
             self.on_tick(self)
         self._report_pace()
         now = time.monotonic()
+        self._give_up_stuck_workers(now)
         for rec in self.table.live():
             w: Work = rec.state
             if rec.closed:
+                continue
+            if w.phase == "queued" and now - w.progress > self.v["stall_timeout_s"]:
+                self._abort(rec, errors.unavailable(
+                    f"{self.name} had no free worker for {now - w.progress:.0f} s ({self.pool.size} workers, "
+                    f"{self.pool.queued} requests waiting for one); retry"))
                 continue
             if rec.deadline is not None and now >= rec.deadline:
                 self._abort(rec, S2Error("deadline_exceeded", f"the request (or its current text segment) ran longer "
@@ -394,29 +450,93 @@ class TTSService:
                 if rec.responder.is_cancelled():
                     self._end_cancelled(rec)
                     continue
-            if now - w.progress > self.v["stall_timeout_s"] and now - w.last_check > self.v["stall_timeout_s"]:
-                w.last_check = now
-                self._check_stalled(rec)
+            if now - w.progress > self.v["stall_timeout_s"] and now - w.last_check > self.v["stall_timeout_s"] \
+                    and not w.checking:
+                w.last_check, w.checking = now, True
+                self._off_thread("check", self._check_stalled, rec)
+
+    def _off_thread(self, what: str, fn, *args) -> None:
+        """Work that calls a model, run off the supervisor's thread: a model that does not answer never stops the
+        supervision of the other requests."""
+        threading.Thread(target=fn, args=args, name=f"s2tts-{self.name}-{what}", daemon=True).start()
+
+    def _bounded(self, timeout_s: float, fn, *args):
+        """fn(*args), waited for at most `timeout_s` (then `unavailable`; the call itself is left to its thread)."""
+        box: dict = {}
+        done = threading.Event()
+
+        def run():
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"s2tts-{self.name}-call", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise errors.unavailable(f"no answer in {timeout_s:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _give_up_stuck_workers(self, now: float) -> None:
+        """A request ended elsewhere whose worker is still in a model's call `give_up_s` later: that call may never
+        return (the model died), so another worker may start in its place."""
+        keep = []
+        with self._ended_lock:
+            ended, self._ended_elsewhere = self._ended_elsewhere, []
+        for when, w in ended:
+            worker = w.worker
+            if worker is None:
+                continue  # it came back
+            if now - when < self.give_up_s:
+                keep.append((when, w))
+            elif self.pool.give_up(worker):
+                log.warning("%s: a worker still waits in %s's call %.0f s after its request ended; another takes its "
+                            "place", self.name, w.engine if w.phase != "encoding" else ENCODER, now - when)
+        with self._ended_lock:
+            self._ended_elsewhere[:0] = keep
 
     def _end_cancelled(self, rec: Tracked) -> None:
         """A client cancelled while the request's worker waits on a model: its final response now (so its admission
         slot is free at once), its generation cancelled; the worker finds the request closed when its call returns."""
         w: Work = rec.state
         w.stats.finish_reason = "cancelled"
-        if not rec.finish(self.make_final(w.stats, w.seq), "cancelled"):
+        if not rec.finish(lambda: self.make_final(w.stats, w.seq), "cancelled"):
             return
         log.info("%s: request cancelled by the client (%s, after %d frames, while %s)", self.name, rec.tag,
                  w.stats.frames, w.phase)
+        self._ended_outside(w)
+
+    def _ended_outside(self, w: Work) -> None:
+        """A request was ended from outside its worker: release what it holds downstream (off this thread), and
+        watch whether its worker comes back."""
+        with self._ended_lock:
+            self._ended_elsewhere.append((time.monotonic(), w))
+        self._off_thread("release", self._release_downstream, w)
+
+    def _release_downstream(self, w: Work) -> None:
+        """What a request ended from outside its worker holds downstream: its generation (cancelled) and, unless its
+        worker is inside a codec call now, its codec stream."""
         self._end_generation(w)
-        if w.phase != "decoding":
+        if w.phase != "decoding":  # its worker may never come back (a dead slow_ar): release the codec stream here
             self._close_decoder(w)
 
     def _check_stalled(self, rec: Tracked) -> None:
+        """Is the model a silent request waits on alive (off the supervisor's thread)? A model that does not answer
+        within `check_timeout_s`, or lost the request, ends it with `unavailable`."""
         w: Work = rec.state
+        try:
+            self._check_model(rec, w)
+        finally:
+            w.checking = False
+
+    def _check_model(self, rec: Tracked, w: Work) -> None:
         model = {"encoding": ENCODER, "decoding": w.decoder}.get(w.phase, w.engine)
         if model == w.engine and w.generation_open:
             try:
-                status = self.down.control(w.engine, w.rid, "status")
+                status = self._bounded(self.check_timeout_s, self.down.control, w.engine, w.rid, "status")
             except Exception as e:  # noqa: BLE001
                 err = errors.from_exception(e, w.engine)
                 self._model_failed(w.engine, err.message, force=True)
@@ -437,9 +557,7 @@ class TTSService:
         if not rec.fail(err):
             return
         log.warning("%s: request %s ended in %s: %s", self.name, rec.tag, w.phase, err.wire())
-        self._end_generation(w)
-        if w.phase != "decoding":  # its worker may never come back (a dead slow_ar): release the codec stream here
-            self._close_decoder(w)
+        self._ended_outside(w)
 
     def _model_failed(self, model: str, reason: str, force: bool = False, param: str | None = None) -> None:
         """A model answered `unavailable`: if it died or unloaded itself, end the requests that wait on it and

@@ -387,7 +387,9 @@ class Metrics:
         codec call since the last report (sent at the next `flush`)."""
         self.set("s2tts_codec_streams_open", len(decoder.states))
         self.count_to("s2tts_codec_fp32_redo_total", decoder.redone)
-        batches, decoder.batches = decoder.batches, []
+        n = len(decoder.batches)  # the engine thread appends meanwhile: take the first n, leave what comes after
+        batches = decoder.batches[:n]
+        del decoder.batches[:n]
         for b in batches:
             self.observe("s2tts_codec_batch_size", b)
 

@@ -52,6 +52,24 @@ def triton_server(tiny_ckpt, tmp_path_factory):
         yield server
 
 
+@pytest.fixture
+def harness_factory(tiny_ckpt, tmp_path):
+    """make(**settings) -> a `fake_triton.FakeTriton` running the repository's real model.py files in this process
+    (shut down at the end of the test)."""
+    from fake_triton import FakeTriton, render
+
+    made = []
+
+    def make(**settings):
+        h = FakeTriton(render(tiny_ckpt, tmp_path, **settings))
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.shutdown()
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """A real PostgreSQL server (Debian's package) for the session; `postgres.new_database()` gives a fresh one."""

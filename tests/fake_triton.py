@@ -253,3 +253,53 @@ class FakeTriton:
             model = self.models.pop(name)
             if name not in self.dead:
                 getattr(model, "finalize", lambda: None)()
+
+
+# ---- helpers for tests that run the repository on the fake --------------------------------------
+def render(tiny_ckpt, workdir, **settings) -> Path:
+    """The model repository on the tiny checkpoint (CPU, fp32; short stall checks) under `workdir`."""
+    from s2tts.repository import render_repository
+
+    base = {"checkpoint": str(tiny_ckpt), "device": "cpu", "dtype": "fp32", "max_batch": "4", "max_seq_len": "4096",
+            "chunk_frames": "4", "first_chunk_frames": "2", "stall_timeout_s": "1", "request_timeout_s": "60"}
+    base.update({k: str(v) for k, v in settings.items()})
+    return render_repository(Path(workdir) / "repo", base)
+
+
+def tts_inputs(text="Hello there.", seed=1, max_new_tokens=12, **kw) -> dict:
+    """s2pro's inputs for one request."""
+    inputs = {"text": np.array([text.encode()], dtype=object), "seed": np.array([seed], np.int64),
+              "max_new_tokens": np.array([max_new_tokens], np.int32)}
+    inputs.update(kw)
+    return inputs
+
+
+def wait_final(req: Request, timeout=60) -> Request:
+    assert req.sender.done.wait(timeout), "no final response"
+    return req
+
+
+def one_final(req: Request):
+    """Exactly one final response and nothing after it; returns its error (None if it succeeded)."""
+    s = req.sender
+    assert s.finals == 1 and s.late == 0, (s.finals, s.late)
+    return s.error
+
+
+def quiet(h: FakeTriton, timeout=30) -> dict:
+    """Everything released: no request in any table, every KV slot free, no codec state."""
+    import time
+
+    deadline = time.time() + timeout
+    slow, s2 = h.models["slow_ar"].service, h.models["s2pro"].service
+    dec = h.models["dac_decoder"].decoder
+    while time.time() < deadline:
+        counts = slow.engine.counts()
+        streams = h.models["slow_ar"].streams.sweep()
+        codec_states = [*(dec.states if dec is not None else ()), *(slow.codec.states if slow.codec is not None else ())]
+        if not len(slow.table) and not len(s2.table) and counts["live"] == counts["waiting"] == 0 and not codec_states \
+                and not streams:
+            return counts
+        time.sleep(0.05)
+    raise AssertionError(f"not released: slow_ar {slow.status()} ({streams} streams), s2pro {s2.status()}, "
+                         f"codec {codec_states}")

@@ -120,7 +120,7 @@ def test_one_codec_stream_across_two_requests(model, prompts, tiny_ckpt, codec):
                    3, 4, CodecStream("talk", start=True, final=False))
         _wait([a])
         time.sleep(0.2)
-        assert "talk" in decoder.states  # kept for the next segment
+        assert EngineService.caller_stream("talk") in decoder.states  # kept for the next segment
         svc.submit("seg1", b, prompts.build("Second segment."), SamplingParams(seed=2, max_new_tokens=6, ignore_end=True),
                    3, 4, CodecStream("talk", start=False, final=True))
         _wait([b])
@@ -155,7 +155,7 @@ def test_streams_close_on_cancel_and_on_request(model, prompts, tiny_ckpt, codec
         _wait([r, kept])
         time.sleep(0.3)
         assert r.sent[-1][2] == "cancelled" and r.sent[-1][3].size == 0
-        assert set(decoder.states) == {"left-open"}
+        assert set(decoder.states) == {EngineService.caller_stream("left-open")}
         svc.close_codec("left-open")
         deadline = time.monotonic() + 10
         while decoder.states and time.monotonic() < deadline:
@@ -180,7 +180,7 @@ def test_closing_the_stream_of_a_running_request_cancels_it(model, prompts, tiny
         deadline = time.monotonic() + 60
         while len(r.sent) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert "gone" in decoder.states
+        assert EngineService.caller_stream("gone") in decoder.states
         svc.close_codec("gone")
         _wait([r, other])
         time.sleep(0.3)
@@ -249,7 +249,7 @@ def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_c
     svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=4, frame_seconds=codec_frame_seconds(tiny_ckpt))
     svc.pace = lambda: pace
     rs = _serve_all(svc, prompts, [17, 22, 26, 30], 80, "Slice me", first_chunk_frames=2, chunk_frames=3)
-    sids = [f"slow_ar/{rec}" for rec in sorted({sid.split("/")[1] for call in calls for sid, *_ in call}, key=int)]
+    sids = [f"own/{rec}" for rec in sorted({sid.split("/")[1] for call in calls for sid, *_ in call}, key=int)]
     for r, n in zip(rs, [17, 22, 26, 30]):
         assert all(kind == "ok" for kind, *_ in r.sent) and r.sent[-1][2] == "length"
         codes = np.concatenate([c for _, c, _, _ in r.sent]).astype(np.int64)

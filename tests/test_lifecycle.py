@@ -25,6 +25,10 @@ from s2tts.prompt import PromptBuilder
 from s2tts.sampling import SamplingParams
 
 from fake_triton import FakeTriton
+from fake_triton import one_final as _one_final
+from fake_triton import quiet as _quiet
+from fake_triton import tts_inputs as _tts_inputs
+from fake_triton import wait_final as _wait
 
 C = 10
 
@@ -207,64 +211,6 @@ def test_worker_pool_queues_past_its_limit_and_never_holds_the_exit():
 
 
 # ---- the real model.py files in-process ---------------------------------------------------------------
-def _render(tiny_ckpt, tmp_path, **settings):
-    from s2tts.repository import render_repository
-
-    base = {"checkpoint": str(tiny_ckpt), "device": "cpu", "dtype": "fp32", "max_batch": "4", "max_seq_len": "4096",
-            "chunk_frames": "4", "first_chunk_frames": "2", "stall_timeout_s": "1", "request_timeout_s": "60"}
-    base.update({k: str(v) for k, v in settings.items()})
-    return render_repository(tmp_path / "repo", base)
-
-
-@pytest.fixture
-def harness_factory(tiny_ckpt, tmp_path):
-    made = []
-
-    def make(**settings):
-        h = FakeTriton(_render(tiny_ckpt, tmp_path, **settings))
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.shutdown()
-
-
-def _tts_inputs(text="Hello there.", seed=1, max_new_tokens=12, **kw):
-    inputs = {"text": np.array([text.encode()], dtype=object), "seed": np.array([seed], np.int64),
-              "max_new_tokens": np.array([max_new_tokens], np.int32)}
-    for k, v in kw.items():
-        inputs[k] = v
-    return inputs
-
-
-def _wait(req, timeout=60):
-    assert req.sender.done.wait(timeout), "no final response"
-    return req
-
-
-def _one_final(req):
-    s = req.sender
-    assert s.finals == 1 and s.late == 0, (s.finals, s.late)
-    return s.error
-
-
-def _quiet(h, timeout=30):
-    """Everything released: no request in any table, every KV slot free, no codec state."""
-    deadline = time.time() + timeout
-    slow, s2 = h.models["slow_ar"].service, h.models["s2pro"].service
-    dec = h.models["dac_decoder"].decoder
-    while time.time() < deadline:
-        counts = slow.engine.counts()
-        streams = h.models["slow_ar"].streams.sweep()
-        if not len(slow.table) and not len(s2.table) and counts["live"] == counts["waiting"] == 0 and not dec.states \
-                and not streams:
-            return counts
-        time.sleep(0.05)
-    raise AssertionError(f"not released: slow_ar {slow.status()} ({streams} streams), s2pro {s2.status()}, "
-                         f"codec {list(dec.states)}")
-
-
 def test_happy_path_and_release(harness_factory):
     h = harness_factory()
     req = _wait(h.request("s2pro", _tts_inputs(), "client-1"))
@@ -421,8 +367,15 @@ def test_s2pro_supervisor_death_is_reported(harness_factory):
     while time.time() < deadline and s2.table.health.ok:
         time.sleep(0.05)
     assert not s2.table.health.ok
-    err = _one_final(_wait(h.request("s2pro", _tts_inputs(), "after")))
-    assert errors.parse(err.message()).code == "unavailable"
+    # s2pro unloads itself: Triton's readiness says so (an orchestrator restarts the server); until the unload
+    # completes, a request is refused with `unavailable`
+    deadline = time.time() + 10
+    while time.time() < deadline and ("s2pro", "unload") not in h.calls:
+        time.sleep(0.05)
+    assert ("s2pro", "unload") in h.calls and not h.pb.is_model_ready("s2pro")
+    with pytest.raises(errors.S2Error) as ei:  # a request that reached the service before the unload
+        s2.table.open("late", None)
+    assert ei.value.code == "unavailable"
 
 
 def test_finalize_with_streams_in_flight(harness_factory):
@@ -677,7 +630,7 @@ def test_long_text_is_spoken_segment_after_segment_in_one_seamless_stream(harnes
     slow = h.models["slow_ar"].service
     prompts = []
     real_submit = slow.submit
-    slow.submit = lambda cid, resp, prompt, *a: (prompts.append(prompt), real_submit(cid, resp, prompt, *a))[1]
+    slow.submit = lambda cid, resp, prompt, *a, **kw: (prompts.append(prompt), real_submit(cid, resp, prompt, *a, **kw))[1]
     text = ("First sentence of a longer text. The second sentence follows it. A third one ends the first part. "
             "Then the fourth sentence. And a fifth to close.")
     segments = batches(text, 48)

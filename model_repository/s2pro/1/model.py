@@ -42,15 +42,20 @@ def _raise_for(resp, model: str):
 
 class BLSDownstream:
     """The rest of the pipeline through BLS (see `s2tts.orchestrator.Downstream`); `times` (a `service.CallTimes`):
-    how long each kind of BLS call took, from the call to its answer."""
+    how long each kind of BLS call took, from the call to its answer.
 
-    def __init__(self, num_codebooks: int, times: CallTimes):
+    Every call carries a timeout (`timeout_s`, Triton's request timeout): Triton applies it while a request waits in
+    a queue, not while a model runs it, so a call into a model process that died can still wait; `TTSService` ends
+    such a request from its supervisor and replaces the waiting worker."""
+
+    def __init__(self, num_codebooks: int, times: CallTimes, timeout_s: float):
         self.C = num_codebooks
         self.times = times
+        self.timeout_us = int(timeout_s * 1e6)
 
     def encode(self, audio, sample_rate, tag):
         req = pb_utils.InferenceRequest(
-            model_name="dac_encoder", requested_output_names=["codes"], request_id=tag,
+            model_name="dac_encoder", requested_output_names=["codes"], request_id=tag, timeout=self.timeout_us,
             inputs=[tu.tensor("waveform", audio.astype(np.float32)), tu.tensor("sample_rate", np.array([sample_rate], np.int32))])
         with self.times.timed("dac_encoder"):
             resp = req.exec()
@@ -61,10 +66,11 @@ class BLSDownstream:
             _raise_for(resp, "dac_encoder")
         return pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().astype(np.int64)
 
-    def generate(self, engine, rid, prompt, req: TTSRequest, codec):
+    def generate(self, engine, rid, prompt, req: TTSRequest, codec, label=""):
         """The chunks of slow_ar replica `engine`, pulled one request at a time (slow_ar is request-response: see
         its config.pbtxt); their audio too when slow_ar decodes it (codec_in_engine), in codec stream `codec`
-        = (id, start, final)."""
+        = (id, start, final). The stream is keyed by the `request_id` input, `rid`; Triton's request id, `label`
+        (the client's), names it in slow_ar's log lines."""
         p = req.params
         inputs = [
             tu.string_tensor("request_id", rid),
@@ -87,7 +93,7 @@ class BLSDownstream:
         what = "slow_ar_first_chunk"
         while True:
             with self.times.timed(what):
-                resp = self._slow_ar(engine, rid, inputs)
+                resp = self._slow_ar(engine, label or rid, inputs)
             what = "slow_ar_next_chunk"
             _raise_for(resp, engine)
             codes = pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().reshape(-1, self.C)
@@ -107,14 +113,13 @@ class BLSDownstream:
             return {}
         return decode_fields(pb_utils.get_output_tensor_by_name(resp, "stats").as_numpy(), STATUS_FIELDS)
 
-    @staticmethod
-    def _slow_ar(engine, rid, inputs):
-        return pb_utils.InferenceRequest(model_name=engine, inputs=inputs, request_id=rid,
+    def _slow_ar(self, engine, rid, inputs):
+        return pb_utils.InferenceRequest(model_name=engine, inputs=inputs, request_id=rid, timeout=self.timeout_us,
                                          requested_output_names=["codes", "finish_reason", "stats", "audio"]).exec()
 
-    def decode(self, decoder, sid, frames, start, final):
+    def decode(self, decoder, sid, frames, start, final, label=""):
         req = pb_utils.InferenceRequest(
-            model_name=decoder, requested_output_names=["audio"], request_id=sid,
+            model_name=decoder, requested_output_names=["audio"], request_id=label or sid, timeout=self.timeout_us,
             inputs=[tu.tensor("codes", frames[None].astype(np.int32)),
                     tu.tensor("stream_id", np.array([[sid.encode()]], dtype=object)),
                     tu.tensor("start", np.array([[start]], dtype=bool)),
@@ -148,9 +153,9 @@ class TritonPythonModel:
         # log line every 10 s)
         self.times = CallTimes("s2pro", self.log.info,
                                observe=lambda call, s: self.metrics.observe("s2tts_pipeline_call_seconds", s, call=call))
-        self.service = TTSService(BLSDownstream(self.s2.num_codebooks, self.times), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
+        self.service = TTSService(BLSDownstream(self.s2.num_codebooks, self.times, v.request_timeout_s), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
                                   self._chunk_response, self._final_response, tu.s2_error_response,
-                                  on_tick=self._report)
+                                  on_tick=self._report, on_unhealthy=lambda reason: tu.unload_self("s2pro", self.log))
 
     def _report(self, svc):
         self.metrics.report_table(svc.table)

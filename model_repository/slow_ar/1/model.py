@@ -125,9 +125,9 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = tu.TritonResponder(request)
-            rid = request.request_id() or ""
+            label = rid = request.request_id() or ""  # Triton's request id names the request in log lines
             try:
-                rid = tu.scalar(request, "request_id", str, "") or rid
+                rid = tu.scalar(request, "request_id", str, "") or rid  # ... and this one keys its stream
                 control = tu.scalar(request, "control", str, "")
                 if control:
                     self._control(control, rid, sender)
@@ -143,7 +143,7 @@ class TritonPythonModel:
                 first = size = params.max_new_tokens + 1
             stream = self.streams.open(rid, sender)
             if stream is not None:
-                self.service.submit(rid, stream, prompt, params, first, size, codec_stream)
+                self.service.submit(rid, stream, prompt, params, first, size, codec_stream, label=label)
         return None
 
     def _control(self, control, rid, sender):
