@@ -88,7 +88,9 @@ class PromptBuilder:
             if ref_codes.ndim != 2 or ref_codes.shape[0] != s2.num_codebooks or ref_codes.shape[1] == 0:
                 raise ValueError(f"reference codes must have shape [{s2.num_codebooks}, frames>0], got {list(ref_codes.shape)}")
             if int(ref_codes.min()) < 0 or int(ref_codes[0].max()) >= s2.num_semantic or int(ref_codes.max()) >= s2.codebook_size:
-                raise ValueError(f"reference codes out of range: code 0 must be in [0, {s2.num_semantic}), the others in [0, {s2.codebook_size})")
+                raise ValueError(f"reference codes out of range: row 0 (semantic codes) must be in [0, {s2.num_semantic}) "
+                                 f"and rows 1-{s2.num_codebooks - 1} (residual codes) in [0, {s2.codebook_size}): "
+                                 "send the codes dac_encoder made for the clip")
             ids += self._text(SYSTEM_CLONE) + self._text(ref_text) + self._text(CLONE_SPEECH)
             sem_at = len(ids)
             ids += (ref_codes[0] + s2.semantic_start_id).tolist()

@@ -28,6 +28,7 @@ class Limits:
 
     max_text_chars: int = SCHEMA["max_text_chars"].default
     max_reference_seconds: float = SCHEMA["max_reference_seconds"].default
+    min_reference_seconds: float = SCHEMA["min_reference_seconds"].default
     max_new_tokens: int = SCHEMA["max_new_tokens_limit"].default
     default_max_new_tokens: int = SCHEMA["default_max_new_tokens"].default
     default_first_chunk_frames: int = SCHEMA["first_chunk_frames"].default
@@ -37,13 +38,20 @@ class Limits:
 
     @classmethod
     def from_settings(cls, v: dict) -> "Limits":
-        return cls(v["max_text_chars"], v["max_reference_seconds"], v["max_new_tokens_limit"], v["default_max_new_tokens"],
-                   v["first_chunk_frames"], v["chunk_frames"], v["max_chunk_frames"], v["chunk_length"])
+        return cls(v["max_text_chars"], v["max_reference_seconds"], v["min_reference_seconds"], v["max_new_tokens_limit"],
+                   v["default_max_new_tokens"], v["first_chunk_frames"], v["chunk_frames"], v["max_chunk_frames"],
+                   v["chunk_length"])
 
     def as_settings(self) -> dict:
         """The limits keyed by setting name (what `settings.check_field` takes)."""
         return {"max_text_chars": self.max_text_chars, "max_reference_seconds": self.max_reference_seconds,
+                "min_reference_seconds": self.min_reference_seconds,
                 "max_new_tokens_limit": self.max_new_tokens, "max_chunk_frames": self.max_chunk_frames}
+
+
+# A reference clip's samples are float PCM in [-1, 1]; a peak above this is a clip sent in other units (16-bit
+# integers as floats), not a loud one (resampling may overshoot 1 a little)
+PCM_PEAK_LIMIT = 2.0
 
 
 @dataclass
@@ -96,13 +104,17 @@ class TTSRequest:
                 raise invalid("reference_audio is empty: send the samples of the reference clip", "reference_audio")
             if not np.all(np.isfinite(a)):
                 raise invalid("reference_audio holds NaN or infinite samples: send float PCM in [-1, 1]", "reference_audio")
+            peak = float(np.abs(a).max())
+            if peak > PCM_PEAK_LIMIT:
+                raise invalid(f"reference_audio peaks at {peak:g}: send float PCM in [-1, 1] (16-bit samples divided by "
+                              "32768)", "reference_audio")
             seconds = a.shape[-1] / self.reference_sample_rate
             if seconds > limits.max_reference_seconds:
                 raise invalid(f"reference_audio is {seconds:.1f} s long, over the limit of {limits.max_reference_seconds:g} s: "
                               "trim it", "reference_audio")
-            if seconds < 0.1:
-                raise invalid(f"reference_audio is only {seconds * 1000:.0f} ms long: send at least a second of speech",
-                              "reference_audio")
+            if seconds < limits.min_reference_seconds:
+                raise invalid(f"reference_audio is {seconds:.2f} s long; send at least {limits.min_reference_seconds:g} s "
+                              "(5-15 s of clean speech clone a voice best)", "reference_audio")
         if has_codes:
             c = self.reference_codes
             if c.ndim != 2 or c.shape[0] != num_codebooks or c.shape[1] == 0:

@@ -182,6 +182,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(upstream's API: 200)", min=16, max=100000),
     Setting("max_reference_seconds", float, 30.0, ("s2pro", "dac_encoder"), "longest reference clip accepted",
             min=0.5, max=600),
+    Setting("min_reference_seconds", float, 0.2, ("s2pro",), "shortest reference clip accepted (5-15 s of clean "
+            "speech clone a voice best)", min=0.01, max=60),
     Setting("default_max_new_tokens", int, 1024, ("s2pro",), "frames generated at most when a request does not say "
             "(unset: at most `max_new_tokens_limit`)", min=1),
     Setting("max_new_tokens_limit", int, 2048, ("s2pro",), "the most frames a request may ask for (unset: at most "

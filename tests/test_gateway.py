@@ -560,6 +560,7 @@ def test_voice_upload_errors(gw, reference_wav, tmp_path):
 
 BAD_REQUESTS = [
     (dict(input=""), "input", "input is required"),
+    (dict(input=5), "input", "input must be a string, the text to speak (got int)"),
     (dict(response_format="ogg"), "response_format", "use one of"),
     (dict(speed=5.0), "speed", "[0.25, 4.0]"),
     (dict(stream_format="chunks"), "stream_format", "'audio' (the default) or 'sse'"),
@@ -746,3 +747,60 @@ def test_concurrent_requests_under_the_limit(client):
         got, want = np.frombuffer(got, "<i2").astype(int), np.frombuffer(want, "<i2").astype(int)
         assert got.shape == want.shape and np.abs(got - want).max() <= 1
     assert seq[0] != seq[1]
+
+
+def test_gateway_admits_what_s2pro_admits(gw, triton):
+    """Without --max-in-flight the gateway admits as many speech requests at once as s2pro does (its
+    max_concurrent_requests, read from the server): 12 calls of the SDK at once, no retries, none refused."""
+    from s2tts.settings import SCHEMA
+
+    speech_raw(gw.client(), response_format="pcm", seed=1, max_new_tokens=2)  # the gateway reads s2pro's limits
+    assert gw.health()["max_in_flight"] == SCHEMA["max_concurrent_requests"].default  # as the server is configured
+    c = gw.client()
+    out, errs = [], []
+
+    def run(s):
+        try:
+            out.append(speech_raw(c, response_format="pcm", seed=s, max_new_tokens=3)[0])
+        except Exception as e:  # noqa: BLE001
+            errs.append(e)
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errs and len(out) == 12 and all(len(d) == 3 * FRAME * 2 for d in out), errs
+
+
+def test_a_stream_may_run_longer_than_the_answer_timeout(triton):
+    """The gateway's timeout bounds each wait for s2pro's next response, not a whole stream: a request whose chunks
+    keep coming runs to its end however long it takes in all (here several times the timeout)."""
+    import asyncio
+
+    from s2tts.gateway.triton import SynthesisRequest, TritonBackend
+
+    timeout = 1.0
+
+    async def run():
+        backend = TritonBackend(triton.grpc_url, timeout_s=timeout)
+        try:
+            t0 = time.monotonic()
+            s = backend.open_stream(SynthesisRequest(text=TEXT, request_id="long-stream", seed=3, max_new_tokens=LONG,
+                                                     ignore_eos=True, first_chunk_frames=2, chunk_frames=4))
+            samples, last = 0, None
+            while True:
+                chunk = await s.next()
+                if chunk is None:
+                    break
+                samples, last = samples + chunk.audio.size, chunk
+            return samples, last, time.monotonic() - t0
+        finally:
+            await backend.close()
+
+    samples, last, took = asyncio.run(run())
+    assert last.final and last.stats["frames"] == LONG and samples == LONG * FRAME
+    assert took > 2 * timeout, f"the request took {took:.1f} s: too short to show anything; raise LONG"
+
+
+LONG = 300  # frames: a few seconds of the tiny model's work on a CPU (about 80 frames a second here)

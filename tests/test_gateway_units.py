@@ -287,3 +287,33 @@ def test_parse_speech_chunk_length():
         with pytest.raises(APIError) as ei:
             parse_speech({"input": "hi", "chunk_length": bad}, CFG)
         assert ei.value.status == 400 and ei.value.param == "chunk_length"
+
+
+def test_a_silent_stream_is_cancelled_after_the_answer_timeout():
+    """The gateway waits at most `idle_s` for each response of an s2pro stream (never for the stream's whole length):
+    a stream that sends nothing for that long is cancelled and answered 504."""
+    import asyncio
+
+    from s2tts.gateway.triton import SpeechStream
+
+    class Silent:
+        cancelled = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.Event().wait()  # nothing ever comes
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def run():
+        s = SpeechStream("127.0.0.1:1", "quiet", idle_s=0.2)
+        s._call = Silent()
+        with pytest.raises(APIError) as ei:
+            await s.next()
+        return ei.value, s._call
+
+    err, call = asyncio.run(run())
+    assert err.status == 504 and err.code == "upstream_timeout" and call.cancelled

@@ -1,5 +1,7 @@
 """Transport-free logic of the s2pro/slow_ar models: chunk planning and request validation."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -144,10 +146,12 @@ def test_adaptive_chunks_follow_the_pace_and_keep_slack_for_the_codec():
     (dict(first_chunk_frames=0), "first_chunk_frames=0 is out of range"),
     (dict(reference_codes=np.zeros((10, 3)), reference_audio=np.zeros(16000, np.float32), reference_sample_rate=16000,
           reference_text="x"), "either reference_audio or reference_codes"),
-    (dict(reference_audio=np.zeros(10, np.float32), reference_sample_rate=16000, reference_text="x"), "at least a second"),
+    (dict(reference_audio=np.zeros(10, np.float32), reference_sample_rate=16000, reference_text="x"), "at least 0.2 s"),
+    (dict(reference_audio=np.full(16000, 1e6, np.float32), reference_sample_rate=16000, reference_text="x"),
+     "peaks at 1e+06: send float PCM in [-1, 1]"),
     (dict(reference_audio=np.zeros(16000, np.float32), reference_sample_rate=4000, reference_text="x"), "between 8000"),
 ])
 def test_request_validation(kw, msg):
     base = dict(text="Hello.", params=SamplingParams(), first_chunk_frames=4, chunk_frames=16)
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=re.escape(msg)):
         TTSRequest(**{**base, **kw}).validate(Limits(), 10)

@@ -21,7 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on every endpoint but /health, /metrics and the page / (default: env S2TTS_API_KEY)")
     ap.add_argument("--max-in-flight", type=int, default=d.max_in_flight,
-                    help="speech requests served at once; more get 503 + Retry-After (default %(default)s)")
+                    help="speech requests served at once; more get 503 + Retry-After (default: s2pro's "
+                         "max_concurrent_requests, read from the server)")
+    ap.add_argument("--triton-timeout", type=float, default=None,
+                    help="longest silence in seconds between two responses of a speech stream (default: s2pro's "
+                         "request_timeout_s + 30, read from the server)")
     ap.add_argument("--retry-after", type=int, default=d.retry_after_s, help="Retry-After seconds on 503 overload")
     ap.add_argument("--served-model-name", default=d.served_model_name, help="model id in /v1/models")
     ap.add_argument("--triton-model", default=d.triton_model)
@@ -46,7 +50,7 @@ def main(argv=None) -> None:
         retry_after_s=args.retry_after, served_model_name=args.served_model_name, triton_model=args.triton_model,
         encoder_model=args.encoder_model, max_input_chars=args.max_input_chars,
         max_new_tokens_limit=args.max_new_tokens_limit, max_upload_bytes=int(args.max_upload_mb * 2**20),
-        max_reference_seconds=args.max_reference_seconds)
+        max_reference_seconds=args.max_reference_seconds, triton_timeout_s=args.triton_timeout)
     import uvicorn  # noqa: PLC0415
 
     from .app import create_app  # noqa: PLC0415

@@ -31,7 +31,7 @@ from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, make_encoder
 from .errors import APIError, bad_request
 from .metrics import HTTPMetrics, MetricsMiddleware
-from .protocol import SpeechParams, parse_speech
+from .protocol import DEFAULT_LIMITS, SpeechParams, parse_speech
 from .tempo import TimeStretch
 from .triton import SynthesisRequest, TritonBackend
 from .voices import VoiceStore, open_store, validate_name
@@ -306,7 +306,7 @@ class GatewayState:
         self.cfg = cfg
         self.backend = backend
         self.store = store
-        self.limiter = Limiter(cfg.max_in_flight)
+        self.limiter = Limiter(cfg.max_in_flight or DEFAULT_LIMITS["max_concurrent_requests"])
         self.metrics = HTTPMetrics()
         self.metrics.in_flight = lambda: self.limiter.in_flight
         self.started_at = int(time.time())
@@ -318,8 +318,8 @@ def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: s
     if dur > limit:
         raise bad_request(f"the reference audio is {dur:.1f} s long; the limit is {limit:g} s: "
                           "trim it (5-15 s of clean speech is best)", param, code="reference_too_long")
-    if dur < cfg.min_reference_seconds:
-        raise bad_request(f"the reference audio is {dur:.2f} s long; send at least {cfg.min_reference_seconds:g} s",
+    if dur < limits["min_reference_seconds"]:
+        raise bad_request(f"the reference audio is {dur:.2f} s long; send at least {limits['min_reference_seconds']:g} s",
                           param, code="reference_too_short")
 
 
@@ -340,8 +340,9 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
 
     @asynccontextmanager
     async def lifespan(app):
-        log.info("gateway: Triton at %s (model %s), voices in %s, max %d in flight, API key %s",
-                 cfg.triton_url, cfg.triton_model, cfg.db_path, cfg.max_in_flight, "on" if cfg.api_key else "off")
+        log.info("gateway: Triton at %s (model %s), voices in %s, max %s in flight, API key %s",
+                 cfg.triton_url, cfg.triton_model, cfg.db_path, cfg.max_in_flight or f"{cfg.triton_model}'s",
+                 "on" if cfg.api_key else "off")
         yield
         await backend.close()
         store.close()
@@ -427,6 +428,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         except ValueError:
             raise bad_request("the request body is not valid JSON", None, code="invalid_json") from None
         limits = await backend.served_limits(cfg.limits_ttl_s)
+        state.limiter.limit = cfg.max_in_flight or limits["max_concurrent_requests"]
         p = parse_speech(body, cfg, limits)
         req = SynthesisRequest(
             text=p.input, request_id=_request_id(request),

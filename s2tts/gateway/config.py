@@ -10,7 +10,9 @@ class GatewayConfig:
     triton_url: str = "localhost:8001"
     db_path: str = "voices.sqlite3"
     api_key: str | None = None
-    max_in_flight: int = 8  # speech requests streaming at once; more are answered 503 + Retry-After
+    # speech requests streaming at once; more are answered 503 + Retry-After. None: s2pro's max_concurrent_requests,
+    # read from the server (a gateway never refuses what s2pro would admit)
+    max_in_flight: int | None = None
     retry_after_s: int = 1
     served_model_name: str = "s2-pro"
     model_aliases: tuple[str, ...] = ("s2pro", "fishaudio/s2-pro", "fishaudio/openaudio-s2-pro")
@@ -22,8 +24,10 @@ class GatewayConfig:
     max_new_tokens_limit: int | None = None
     max_upload_bytes: int = 10 * 1024 * 1024  # voice uploads; inline ref_audio is limited to the same decoded size
     max_reference_seconds: float | None = None
-    min_reference_seconds: float = 0.2
-    triton_timeout_s: float = 600.0
+    # the longest silence between two responses of an s2pro stream (and the longest dac_encoder call); None: s2pro's
+    # request_timeout_s (its deadline for each text segment) + 30 s, read from the server. No limit on a stream's
+    # total length: a long text runs segment after segment, each with its own deadline in s2pro.
+    triton_timeout_s: float | None = None
     limits_ttl_s: float = 30.0  # how long the limits read from s2pro's config are reused
 
     def limits(self, served: dict) -> dict:
@@ -37,7 +41,7 @@ class GatewayConfig:
         return out
 
     def __post_init__(self):
-        if self.max_in_flight < 1:
+        if self.max_in_flight is not None and self.max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         if self.api_key == "":
             self.api_key = None

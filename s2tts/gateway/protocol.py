@@ -12,8 +12,10 @@ from .encoders import FORMATS
 from .errors import APIError, bad_request
 
 # the s2pro limits the gateway checks itself (the server's values replace these; see GatewayConfig.limits)
+# (and how many requests it admits at once, how long one of its text segments may run)
 DEFAULT_LIMITS = {k: SCHEMA[k].default for k in ("max_text_chars", "max_new_tokens_limit", "max_chunk_frames",
-                                                 "max_reference_seconds")}
+                                                 "max_reference_seconds", "min_reference_seconds",
+                                                 "max_concurrent_requests", "request_timeout_s")}
 
 DEFAULT_VOICES = {"default", "none", ""}  # mean: no reference voice
 
@@ -147,6 +149,9 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
                           f"{', '.join(sorted(_FIELDS))}", unknown[0], code="unknown_parameter")
 
     text = body.get("input")
+    if text is not None and not isinstance(text, str):
+        raise bad_request(f"input must be a string, the text to speak (got {type(text).__name__})", "input",
+                          code="invalid_type")
     if not isinstance(text, str) or not text.strip():
         raise bad_request("input is required: the text to speak, a non-empty string", "input", code="missing_input")
     if len(text) > limits["max_text_chars"]:

@@ -92,9 +92,10 @@ class SpeechStream:
     the model's loop (which polls `is_cancelled()`) frees its engine slot.
     """
 
-    def __init__(self, url: str, request_id: str):
+    def __init__(self, url: str, request_id: str, idle_s: float):
         self.url = url
         self.request_id = request_id
+        self.idle_s = idle_s  # the longest wait for the next response
         self._call = None
         self._done = asyncio.Event()  # set: the request iterator ends and the stream half-closes
         self._finished = False  # the final response (or an error) arrived: nothing left to cancel
@@ -105,7 +106,13 @@ class SpeechStream:
         if self._finished:
             return None
         try:
-            result, error = await self._call.__anext__()
+            result, error = await asyncio.wait_for(self._call.__anext__(), self.idle_s)
+        except asyncio.TimeoutError:
+            self._finished = True
+            self._call.cancel()
+            raise APIError(504, f"s2pro sent nothing for {self.idle_s:g} s (its own deadline for a text segment had "
+                                "passed); the request was cancelled", code="upstream_timeout",
+                           type="server_error") from None
         except StopAsyncIteration:
             self._finished = True
             raise APIError(502, "the inference server closed the stream before the final response",
@@ -157,7 +164,9 @@ class SpeechStream:
 
 class TritonBackend:
     def __init__(self, url: str, model: str = "s2pro", encoder_model: str = "dac_encoder",
-                 timeout_s: float = 600.0):
+                 timeout_s: float | None = None):
+        """`timeout_s`: the longest wait for one answer of the server (a stream's next response, an encoder call);
+        None: s2pro's request_timeout_s (its deadline for each text segment) + 30 s."""
         self.url = url
         self.model = model
         self.encoder_model = encoder_model
@@ -203,8 +212,19 @@ class TritonBackend:
             log.info("gateway: could not read %s's limits (%s); using the defaults", self.model, _short(e))
             return dict(DEFAULT_LIMITS)
 
+    def answer_timeout_s(self) -> float:
+        """How long to wait for one answer of the server (see __init__)."""
+        from .protocol import DEFAULT_LIMITS
+
+        if self.timeout_s is not None:
+            return self.timeout_s
+        limits = self._limits[1] if self._limits is not None else DEFAULT_LIMITS
+        return limits["request_timeout_s"] + 30.0
+
     def open_stream(self, req: SynthesisRequest) -> SpeechStream:
-        stream = SpeechStream(self.url, req.request_id)
+        """The s2pro stream of `req`; no limit on its whole length, `answer_timeout_s` on each wait for its next
+        response."""
+        stream = SpeechStream(self.url, req.request_id, self.answer_timeout_s())
         done = stream._done
         item = {
             "model_name": self.model,
@@ -218,7 +238,7 @@ class TritonBackend:
             await done.wait()  # keep the stream open until the final response (or a cancel)
 
         try:
-            stream._call = self.client.stream_infer(requests(), stream_timeout=self.timeout_s)
+            stream._call = self.client.stream_infer(requests(), stream_timeout=None)
         except (grpc.aio.AioRpcError, InferenceServerException) as e:
             raise _rpc_error(self.url, e, "s2pro") from None
         return stream
@@ -232,7 +252,7 @@ class TritonBackend:
         try:
             res = await self.client.infer(self.encoder_model, [w, s],
                                           outputs=[grpcclient.InferRequestedOutput("codes")],
-                                          client_timeout=self.timeout_s)
+                                          client_timeout=self.answer_timeout_s())
         except (grpc.aio.AioRpcError, InferenceServerException) as e:
             raise _rpc_error(self.url, e, self.encoder_model) from None
         codes = res.as_numpy("codes")
