@@ -1,4 +1,4 @@
-"""Run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1 (Triton kernels on the CPU)."""
+"""Run by tests/test_kernels.py in subprocesses with TRITON_INTERPRET=1 (Triton kernels on the CPU)."""
 import os
 import sys
 
@@ -288,9 +288,9 @@ def check_fp8(ckpt):
     print("fp8 ok")
 
 
-if __name__ == "__main__":
-    check_ops()
-    check_codec(sys.argv[1])
-    check_engine(sys.argv[1])
-    check_invariant(sys.argv[1])
-    check_fp8(sys.argv[1])
+CHECKS = {"ops": lambda ckpt: check_ops(), "codec": check_codec, "engine": check_engine, "invariant": check_invariant,
+          "fp8": check_fp8}
+
+if __name__ == "__main__":  # interpreted_kernels.py CKPT [check ...] (default: all)
+    for name in sys.argv[2:] or CHECKS:
+        CHECKS[name](sys.argv[1])

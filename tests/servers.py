@@ -29,7 +29,9 @@ def tiny_server(ckpt, workdir, **settings):
     try:
         yield server
     finally:
-        server.stop()
+        # 10 s, not tritonserver's 30 s of grace: a server whose model processes were killed keeps their unfinished
+        # requests (and so those models) forever, and tritonserver waits the whole grace for them
+        server.stop(timeout=10)
         # a model process that crashed (while serving or at unload) leaves faulthandler's report in the log
         log = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
         allowed, aborted = server.upstream_aborts, False
