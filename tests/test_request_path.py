@@ -253,3 +253,17 @@ def test_a_callers_codec_stream_never_meets_slow_ars_own(harness_factory):
         assert reason == FINISH_CODES["length"] and sum(c.shape[0] for c in chunks) == 12
     assert not any(k.startswith("error") for k in slow.table.outcomes()), slow.table.outcomes()
     quiet(h)
+
+
+# ---- one default per request field ---------------------------------------------------------------
+def test_slow_ar_takes_its_configured_chunk_sizes_by_default(harness_factory):
+    """A slow_ar request that names no chunk sizes gets the ones slow_ar is configured with (the settings' defaults:
+    first_chunk_frames, chunk_frames), not a default of its parser's own."""
+    h = harness_factory(first_chunk_frames=3, chunk_frames=5)
+    inputs = _slow_ar_inputs(h, max_new_tokens=np.array([13], np.int32))
+    del inputs["first_chunk_frames"], inputs["chunk_frames"]
+    chunks, reason = _pull_to_end(h, h.request("slow_ar", inputs, "sized"), "sized")
+    sizes = [c.shape[0] for c in chunks if c.shape[0]]
+    assert reason == FINISH_CODES["length"] and sum(sizes) == 13
+    assert sizes[0] == 3 and max(sizes) <= 5, sizes
+    quiet(h)

@@ -55,6 +55,7 @@ class TritonPythonModel:
         self.name = args.get("model_name", "slow_ar")
         self.log = tu.setup_logging(self.name)
         v = settings.model_values(cfg, "slow_ar")
+        self.chunk_defaults = (v.first_chunk_frames, v.chunk_frames)  # a request that names no chunk sizes
         t0 = time.perf_counter()
         model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
         t1 = time.perf_counter()
@@ -199,8 +200,8 @@ class TritonPythonModel:
         prompt = Prompt(torch.from_numpy(ids), torch.from_numpy(codes.astype(np.int64)),
                         torch.from_numpy(mask.reshape(-1).astype(bool)), prefix_len)
         params = tu.sampling_params(request, max_new_tokens_default=settings.SCHEMA["default_max_new_tokens"].default)
-        first = tu.scalar(request, "first_chunk_frames", int, 1)
-        size = tu.scalar(request, "chunk_frames", int, 1)
+        first = tu.scalar(request, "first_chunk_frames", int, self.chunk_defaults[0])
+        size = tu.scalar(request, "chunk_frames", int, self.chunk_defaults[1])
         for name, val in (("first_chunk_frames", first), ("chunk_frames", size)):
             if val < 1:
                 raise errors.invalid(f"{name} must be at least 1 (got {val})", name)
