@@ -653,13 +653,7 @@ class EngineService:
             self.engine.fail_all(reason)
         else:  # the engine's state is the engine thread's: it drops everything at its next pass (see _engine_pass)
             self.engine.wake()
-        n = self.table.fail_all(self.health.error())
-        log.error("%s: %d requests in flight ended with `unavailable`", self.name, n)
-        if self.on_unhealthy is not None:
-            try:
-                self.on_unhealthy(reason)
-            except Exception:  # noqa: BLE001
-                log.exception("%s: could not report the fault to the host", self.name)
+        self.table.end_all(reason, self.on_unhealthy)
 
     def shutdown(self, timeout: float = 5.0) -> int:
         """Stop the threads; every request still in flight gets a final `unavailable` error. Returns how many."""

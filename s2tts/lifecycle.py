@@ -247,6 +247,18 @@ class RequestTable:
         """Fail every request in flight (shutdown, an unrecoverable fault); returns how many."""
         return sum(r.fail(error) for r in self.live())
 
+    def end_all(self, reason: str, tell: Callable[[str], None] | None) -> int:
+        """After `health` failed: every request in flight ends with `unavailable`, and `tell(reason)` informs the
+        host (a model unloads itself, so Triton's readiness says so). Returns how many ended."""
+        n = self.fail_all(self.health.error())
+        log.error("%s: %d requests in flight ended with `unavailable`", self.name, n)
+        if tell is not None:
+            try:
+                tell(reason)
+            except Exception:  # noqa: BLE001
+                log.exception("%s: could not report the fault to the host", self.name)
+        return n
+
     def outcomes(self) -> dict[str, int]:
         """Finished requests by outcome ("ok", "length", "cancelled", "error:<code>", ...)."""
         with self._lock:

@@ -157,15 +157,8 @@ class TTSService:
         """Without its supervisor nothing ends a stalled request or enforces a deadline: the service refuses new
         requests, ends those in flight with `unavailable` and tells the host (s2pro unloads itself, so Triton's
         readiness turns false and an orchestrator restarts it)."""
-        if not self.table.health.fail(reason):
-            return
-        n = self.table.fail_all(self.table.health.error())
-        log.error("%s: %d requests in flight ended with `unavailable`", self.name, n)
-        if self.on_unhealthy is not None:
-            try:
-                self.on_unhealthy(reason)
-            except Exception:  # noqa: BLE001
-                log.exception("%s: could not report the fault to the host", self.name)
+        if self.table.health.fail(reason):
+            self.table.end_all(reason, self.on_unhealthy)
 
     # ---- admission ------------------------------------------------------------------------
     def submit(self, client_id: str, responder: Responder, req: TTSRequest) -> Tracked | None:

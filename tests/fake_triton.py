@@ -274,6 +274,17 @@ def tts_inputs(text="Hello there.", seed=1, max_new_tokens=12, **kw) -> dict:
     return inputs
 
 
+def slow_ar_inputs(h: FakeTriton, text="Pulled a chunk at a time.", **kw) -> dict:
+    """A slow_ar generation request's inputs (the prompt s2pro would build for `text`; 2-then-4-frame chunks, a
+    seeded 40 frames with no end token unless `kw` says otherwise)."""
+    prompt = h.models["s2pro"].service.prompts.build(text)
+    base = {"input_ids": prompt.tokens.numpy().astype(np.int32), "input_codes": prompt.codes.numpy().astype(np.int32),
+            "semantic_mask": prompt.semantic.numpy(), "max_new_tokens": np.array([40], np.int32),
+            "ignore_eos": np.array([True]), "seed": np.array([3], np.int64), "first_chunk_frames": np.array([2], np.int32),
+            "chunk_frames": np.array([4], np.int32)}
+    return {**base, **kw}
+
+
 def wait_final(req: Request, timeout=60) -> Request:
     assert req.sender.done.wait(timeout), "no final response"
     return req

@@ -26,6 +26,7 @@ from s2tts.sampling import SamplingParams
 
 from fake_triton import FakeTriton
 from fake_triton import one_final as _one_final
+from fake_triton import slow_ar_inputs
 from fake_triton import quiet as _quiet
 from fake_triton import tts_inputs as _tts_inputs
 from fake_triton import wait_final as _wait
@@ -472,12 +473,7 @@ def _pull_all(h, first, rid, timeout=60):
 
 
 def _engine_inputs(h, text="Pulled a chunk at a time.", **kw):
-    prompt = h.models["s2pro"].service.prompts.build(text)
-    base = {"input_ids": prompt.tokens.numpy().astype(np.int32), "input_codes": prompt.codes.numpy().astype(np.int32),
-            "semantic_mask": prompt.semantic.numpy(), "max_new_tokens": np.array([24], np.int32),
-            "ignore_eos": np.array([True]), "seed": np.array([3], np.int64), "first_chunk_frames": np.array([2], np.int32),
-            "chunk_frames": np.array([4], np.int32)}
-    return {**base, **kw}
+    return slow_ar_inputs(h, text, **{"max_new_tokens": np.array([24], np.int32), **kw})
 
 
 def test_slow_ar_streams_by_pulls(harness_factory):

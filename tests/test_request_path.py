@@ -13,16 +13,7 @@ from s2tts import errors
 from s2tts.engine_service import FINISH_CODES
 from s2tts.lifecycle import RequestTable, WorkerPool
 
-from fake_triton import Request, one_final, quiet, tts_inputs, wait_final
-
-
-def _slow_ar_inputs(h, text="Pulled a chunk at a time.", **kw):
-    prompt = h.models["s2pro"].service.prompts.build(text)
-    base = {"input_ids": prompt.tokens.numpy().astype(np.int32), "input_codes": prompt.codes.numpy().astype(np.int32),
-            "semantic_mask": prompt.semantic.numpy(), "max_new_tokens": np.array([40], np.int32),
-            "ignore_eos": np.array([True]), "seed": np.array([3], np.int64), "first_chunk_frames": np.array([2], np.int32),
-            "chunk_frames": np.array([4], np.int32)}
-    return {**base, **kw}
+from fake_triton import Request, one_final, quiet, slow_ar_inputs, tts_inputs, wait_final
 
 
 def _control(h, rid, what):
@@ -52,16 +43,16 @@ def test_a_cancel_that_arrives_before_its_request_wins(harness_factory):
     h = harness_factory()
     slow = h.models["slow_ar"].service
     assert one_final(_control(h, "early", "cancel")) is None
-    first = h.request("slow_ar", _slow_ar_inputs(h), "early")
+    first = h.request("slow_ar", slow_ar_inputs(h), "early")
     chunks, reason = _pull_to_end(h, first, "early")
     assert reason == FINISH_CODES["cancelled"] and sum(c.shape[0] for c in chunks) == 0
     assert slow.table.counts["opened"] == 0 and slow.engine.counts()["live"] == 0  # never admitted
     # the tombstone is used up: the same id runs now, and a cancel after its end leaves none
-    chunks, reason = _pull_to_end(h, h.request("slow_ar", _slow_ar_inputs(h, max_new_tokens=np.array([6], np.int32)),
+    chunks, reason = _pull_to_end(h, h.request("slow_ar", slow_ar_inputs(h, max_new_tokens=np.array([6], np.int32)),
                                                "early"), "early")
     assert reason == FINISH_CODES["length"] and sum(c.shape[0] for c in chunks) == 6
     assert one_final(_control(h, "early", "cancel")) is None
-    chunks, reason = _pull_to_end(h, h.request("slow_ar", _slow_ar_inputs(h, max_new_tokens=np.array([6], np.int32)),
+    chunks, reason = _pull_to_end(h, h.request("slow_ar", slow_ar_inputs(h, max_new_tokens=np.array([6], np.int32)),
                                                "early"), "early")
     assert reason == FINISH_CODES["length"], "a late cancel for an ended id cancelled its next request"
     quiet(h)
@@ -244,7 +235,7 @@ def test_a_callers_codec_stream_never_meets_slow_ars_own(harness_factory):
     h = harness_factory(codec_in_engine="true")
     slow = h.models["slow_ar"].service
     assert slow.codec is not None
-    inputs = _slow_ar_inputs(h, max_new_tokens=np.array([12], np.int32))
+    inputs = slow_ar_inputs(h, max_new_tokens=np.array([12], np.int32))
     a = h.request("slow_ar", inputs, "a")
     own = next(iter(slow._codec_states.values())).codec.sid  # the decoder's name for a's stream
     b = h.request("slow_ar", {**inputs, "codec_stream": np.array([own.encode()], object)}, "b")
@@ -260,7 +251,7 @@ def test_slow_ar_takes_its_configured_chunk_sizes_by_default(harness_factory):
     """A slow_ar request that names no chunk sizes gets the ones slow_ar is configured with (the settings' defaults:
     first_chunk_frames, chunk_frames), not a default of its parser's own."""
     h = harness_factory(first_chunk_frames=3, chunk_frames=5)
-    inputs = _slow_ar_inputs(h, max_new_tokens=np.array([13], np.int32))
+    inputs = slow_ar_inputs(h, max_new_tokens=np.array([13], np.int32))
     del inputs["first_chunk_frames"], inputs["chunk_frames"]
     chunks, reason = _pull_to_end(h, h.request("slow_ar", inputs, "sized"), "sized")
     sizes = [c.shape[0] for c in chunks if c.shape[0]]
