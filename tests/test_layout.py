@@ -227,7 +227,7 @@ def test_real_server_with_two_engines(tiny_ckpt, tmp_path):
 
         def one(i):
             with S2ProClient(server.grpc_url) as c:
-                results[i] = c.synthesize(TTSInput(f"Stream number {i}.", seed=i, max_new_tokens=120, ignore_eos=True))
+                results[i] = c.synthesize(TTSInput(f"Stream number {i}.", seed=i, max_new_tokens=40, ignore_eos=True))
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
         for t in threads:
@@ -237,7 +237,7 @@ def test_real_server_with_two_engines(tiny_ckpt, tmp_path):
         assert sorted(results) == [0, 1, 2, 3]
         codec = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
         for res in results.values():  # every chunk of a stream went through one decoder state: no seam
-            assert res.codes.shape[1] == 120 and res.audio.size == 120 * 2048
+            assert res.codes.shape[1] == 40 and res.audio.size == 40 * 2048
             whole = StreamDecoder(codec).decode_many([("k", "s", res.codes.T.astype(np.int64), True, True)], now=0.0)["k"]
             np.testing.assert_allclose(res.audio, whole, atol=1e-4, rtol=0)
         client = grpcclient.InferenceServerClient(server.grpc_url)
