@@ -43,7 +43,7 @@ import numpy as np
 from . import errors
 from .engine import FINISH_ERROR, Engine, Output
 from .errors import S2Error
-from .lifecycle import RequestTable, Responder, Tombstones, Tracked, guarded
+from .lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
 from .prompt import Prompt
 from .sampling import SamplingParams
 from .service import LOAD_PACE, Chunker
@@ -213,7 +213,7 @@ class EngineService:
         self.make_response = make_response
         self.table = RequestTable(name, make_error, limit)
         self.health = self.table.health
-        self.tombstones = Tombstones()  # ids cancelled before their request came
+        self.tombstones = RecentIds(ttl_s=120.0)  # ids cancelled before their request came
         self._admit_lock = threading.Lock()
         self.on_unhealthy = on_unhealthy
         self.on_tick = on_tick  # called from the sender thread every poll (metrics)

@@ -169,7 +169,7 @@ class RequestTable:
         self._lock = threading.Lock()
         self._live: dict[int, Tracked] = {}
         self._by_client: dict[str, int] = {}
-        self._ended: "collections.OrderedDict[str, float]" = collections.OrderedDict()  # client ids that ended
+        self._ended = RecentIds(limit=self.ENDED_KEPT)  # client ids of the requests that ended last
         self.counts = {"opened": 0, "refused": 0, "finished": 0}
         self._outcomes: dict[str, int] = {}
 
@@ -213,16 +213,12 @@ class RequestTable:
                 self._outcomes[rec.outcome] = self._outcomes.get(rec.outcome, 0) + 1
             if self._by_client.get(rec.client_id) == rec.iid:
                 del self._by_client[rec.client_id]
-            if rec.client_id:
-                self._ended[rec.client_id] = time.monotonic()
-                self._ended.move_to_end(rec.client_id)
-                while len(self._ended) > self.ENDED_KEPT:
-                    self._ended.popitem(last=False)
+            if rec.client_id:  # under the table's lock: no moment where the id is neither live nor ended
+                self._ended.add(rec.client_id)
 
     def ended_recently(self, client_id: str) -> bool:
         """Whether a request with this client id ended here among the last `ENDED_KEPT` to end."""
-        with self._lock:
-            return client_id in self._ended
+        return client_id in self._ended
 
     # ---- lookups ---------------------------------------------------------------------------
     def get(self, iid: int) -> Tracked | None:
@@ -269,35 +265,45 @@ class RequestTable:
             return {"in_flight": len(self._live), **self.counts, "healthy": self.health.ok}
 
 
-class Tombstones:
-    """Ids cancelled before their request came: a cancel and its request travel as separate calls, and the cancel
-    must win whichever arrives first. Each is kept `ttl_s` (a request that never comes) and at most `limit` at once
-    (the oldest go first)."""
+class RecentIds:
+    """A bounded set of ids, the most recent kept: each for `ttl_s` at most (None: until pushed out) and at most
+    `limit` at once (the oldest go first). Thread-safe. Slow_ar's tombstones (ids cancelled before their request
+    came: a cancel and its request travel as separate calls, and the cancel must win whichever arrives first) and a
+    table's recently ended ids."""
 
-    def __init__(self, ttl_s: float = 120.0, limit: int = 4096):
+    def __init__(self, ttl_s: float | None = None, limit: int = 4096):
         self.ttl_s, self.limit = ttl_s, limit
-        self._ids: "collections.OrderedDict[str, float]" = collections.OrderedDict()
+        self._ids: "collections.OrderedDict[str, float]" = collections.OrderedDict()  # id -> when added
         self._lock = threading.Lock()
 
     def add(self, key: str) -> None:
         with self._lock:
-            self._expire(time.monotonic())
+            self._expire()
             self._ids[key] = time.monotonic()
             self._ids.move_to_end(key)
             while len(self._ids) > self.limit:
                 self._ids.popitem(last=False)
 
     def take(self, key: str) -> bool:
-        """True (once) if `key` was cancelled before now and not yet taken."""
+        """True (once) if `key` is held: it is removed."""
         with self._lock:
-            self._expire(time.monotonic())
+            self._expire()
             return self._ids.pop(key, None) is not None
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            self._expire()
+            return key in self._ids
 
     def __len__(self) -> int:
         with self._lock:
+            self._expire()
             return len(self._ids)
 
-    def _expire(self, now: float) -> None:
+    def _expire(self) -> None:
+        if self.ttl_s is None:
+            return
+        now = time.monotonic()
         while self._ids and now - next(iter(self._ids.values())) > self.ttl_s:
             self._ids.popitem(last=False)
 

@@ -208,10 +208,9 @@ class TTSService:
     def _serve(self, rec: Tracked) -> None:
         w: Work = rec.state
         req, stats = w.req, w.stats
-        w.worker = threading.current_thread()
         if rec.closed:  # ended while it waited for a worker
-            w.worker = None
             return
+        w.worker = threading.current_thread()
         try:
             ref_codes = req.reference_codes
             if req.reference_audio is not None:
