@@ -317,3 +317,20 @@ def test_a_silent_stream_is_cancelled_after_the_answer_timeout():
 
     err, call = asyncio.run(run())
     assert err.status == 504 and err.code == "upstream_timeout" and call.cancelled
+
+
+def test_reference_clip_limits_are_the_stricter_of_server_and_gateway():
+    """A reference clip (inline or uploaded) is held to s2pro's limits, made stricter by the gateway's own
+    --max-reference-seconds where set."""
+    from s2tts.gateway.app import _check_reference_length
+    from s2tts.gateway.protocol import DEFAULT_LIMITS
+
+    served = dict(DEFAULT_LIMITS)  # 30 s longest, 0.2 s shortest
+    clip = np.zeros(2 * SR, np.float32)
+    _check_reference_length(clip, SR, GatewayConfig(), "ref_audio", served)  # 2 s: fine by the server's limits
+    with pytest.raises(APIError) as ei:
+        _check_reference_length(clip, SR, GatewayConfig(max_reference_seconds=1.0), "ref_audio", served)
+    assert ei.value.status == 400 and ei.value.code == "reference_too_long" and "limit is 1 s" in ei.value.message
+    with pytest.raises(APIError) as ei:
+        _check_reference_length(clip[: SR // 10], SR, GatewayConfig(), "audio_sample", served)
+    assert ei.value.code == "reference_too_short" and "at least 0.2 s" in ei.value.message

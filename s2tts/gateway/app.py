@@ -313,6 +313,9 @@ class GatewayState:
 
 
 def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: str, limits: dict) -> None:
+    """A reference clip's length against the limits in force: s2pro's (`limits`, as served), each made stricter by
+    this gateway's own setting where one is set (`GatewayConfig.limits`)."""
+    limits = cfg.limits(limits)
     dur = len(x) / sr
     limit = limits["max_reference_seconds"]
     if dur > limit:
