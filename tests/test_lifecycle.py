@@ -24,7 +24,6 @@ from s2tts.lifecycle import RequestTable
 from s2tts.prompt import PromptBuilder
 from s2tts.sampling import SamplingParams
 
-from fake_triton import FakeTriton
 from fake_triton import one_final as _one_final
 from fake_triton import slow_ar_inputs
 from fake_triton import quiet as _quiet
