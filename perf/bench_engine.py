@@ -91,11 +91,11 @@ def profile(eng, batch):
     x = torch.randn(batch, 1, model.s2.text.dim, device=dev, dtype=eng.dtype)
     hidden = torch.randn(batch, model.s2.text.dim, device=dev, dtype=eng.dtype)
     code0 = torch.zeros(batch, dtype=torch.int64, device=dev)
-    t, p, k, sd = eng.temperature[slots], eng.top_p[slots], eng.top_k[slots], eng.seed[slots]
+    t, p, k, sd = eng.runner.temperature[slots], eng.runner.top_p[slots], eng.runner.top_k[slots], eng.runner.seed[slots]
     return {
         "slow_ar_ms": round(graph_time_ms(lambda: model.slow(x, pos, slots)), 3),
-        "fast_ar_ms": round(graph_time_ms(lambda: eng.fast_ar(hidden, code0, t, p, k, sd, step)), 3),
-        "full_step_ms": round(graph_time_ms(lambda: eng._decode_core(slots, pos, step)), 3),
+        "fast_ar_ms": round(graph_time_ms(lambda: eng.runner.fast_ar(hidden, code0, t, p, k, sd, step)), 3),
+        "full_step_ms": round(graph_time_ms(lambda: eng.runner._decode_core(slots, pos, step)), 3),
     }
 
 
@@ -153,10 +153,10 @@ def kernel_profile(eng, batch, path):
     step = torch.zeros(batch, dtype=torch.int64, device=dev)
     with torch.inference_mode():
         for _ in range(3):
-            eng._decode_core(slots, pos, step)
+            eng.runner._decode_core(slots, pos, step)
         torch.cuda.synchronize()
         with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-            eng._decode_core(slots, pos, step)
+            eng.runner._decode_core(slots, pos, step)
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
     out = {"batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
-           "passes_per_step": round(eng.passes / max(1, svc.loop.steps), 2),
+           "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
            "streams": args.streams, "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
            "step_ms": round(1e3 * (L.step_s - base[3]) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - base[4]) / steps, 2),

@@ -156,7 +156,7 @@ def main():
         t0 = time.perf_counter()
         step_ms, n = steady_steps(eng, mixed, args.window)
         free, total = torch.cuda.mem_get_info()
-        tag = f"mixed_splits{eng.decode_splits}"
+        tag = f"mixed_splits{eng.runner.decode_splits}"
         rows.update({
             "mixed_streams": len(mixed), "mixed_kv_pool_tokens": eng.kv_capacity_tokens,
             "mixed_kv_pool_gib": round(eng.blocks.capacity * eng.block_bytes / 2**30, 2),

@@ -1,7 +1,7 @@
 """GPU kernels written in Triton.
 
 `decode_attention`: one query token per request against that request's keys in the paged
-KV cache (s2tts/paged.py: each key's block looked up in the request's row of the block
+KV cache (s2tts/engine/paged.py: each key's block looked up in the request's row of the block
 table), reading only the request's own keys (its length comes from a device tensor, so
 the kernel runs inside a CUDA graph whose lengths change every step). One
 program per (request, KV head) serves the query heads of that GQA group together, with

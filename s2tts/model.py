@@ -1,7 +1,7 @@
 """The S2 Pro dual-AR transformer: a Qwen3-shaped slow AR and a 4-layer fast AR.
 
 Plain PyTorch, gpt-fast style: KV pools allocated once (`setup_caches`; paged, see
-s2tts/paged.py), positions passed as tensors, so the decode step has fixed shapes. Nothing here
+s2tts/engine/paged.py), positions passed as tensors, so the decode step has fixed shapes. Nothing here
 knows about serving.
 
 Shapes: B batch, S tokens, H query heads, K kv heads, D head dim, C codebooks.
@@ -14,7 +14,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ARConfig, S2Config
-from .paged import BlockPool
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +51,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache:
-    """One layer's view of its stack's paged KV pool (s2tts/paged.py): k/v [blocks, K, block_size, D] and the
+    """One layer's view of its stack's paged KV pool (s2tts/engine/paged.py): k/v [blocks, K, block_size, D] and the
     stack's block table [slots, max_blocks]; position p of a slot is row p % block_size of its block
     table[slot, p // block_size]."""
 
@@ -227,31 +226,39 @@ class Stack(nn.Module):
         self.register_buffer("rope", rope_table(rope_len, cfg.head_dim, cfg.rope_base), persistent=False)
 
     def setup_caches(self, slots: int, max_seq: int, dtype, device, block_size: int | None = None,
-                     num_blocks: int | None = None) -> BlockPool:
-        """One paged KV pool for every layer (s2tts/paged.py), `num_blocks` blocks of `block_size` positions,
-        and a block table of `slots` rows covering `max_seq` positions; blocks are handed out by the caller.
-        Without `block_size`: one block of `max_seq` positions per slot, each slot holding its own for good."""
+                     num_blocks: int | None = None) -> None:
+        """One paged KV pool for every layer (s2tts/engine/paged.py), `num_blocks` blocks of `block_size` positions,
+        and a device block table `self.block_table` [slots, max_blocks] covering `max_seq` positions, all pointing
+        at the null block 0: the blocks are handed out by the caller (`ModelRunner.apply`). Without `block_size`:
+        one block of `max_seq` positions per slot, slot s holding block s + 1 for good."""
         c = self.cfg
         fixed = block_size is None
         if fixed:
             block_size, num_blocks = max_seq, slots + 1
-        self.blocks = BlockPool(num_blocks, block_size, slots, max_seq, device)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.block_table = torch.zeros(slots, -(-max_seq // block_size), dtype=torch.int32, device=device)
+        if fixed:
+            self.block_table[:, 0] = torch.arange(1, slots + 1, dtype=torch.int32, device=device)
         shape = (c.n_layer, num_blocks, c.n_local_heads, block_size, c.head_dim)
         self.k_pool = torch.zeros(shape, dtype=dtype, device=device)
         self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
         for li, layer in enumerate(self.layers):
-            layer.attention.cache = KVCache(self.k_pool[li], self.v_pool[li], self.blocks.table, block_size)
-        if fixed:
-            for s in range(slots):
-                self.blocks.assign(s, self.blocks.alloc(1))
-        return self.blocks
+            layer.attention.cache = KVCache(self.k_pool[li], self.v_pool[li], self.block_table, block_size)
 
-    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy blocks src[i] -> dst[i] in every layer (keys and values)."""
-        s = torch.tensor(src, device=self.k_pool.device)
-        d = torch.tensor(dst, device=self.k_pool.device)
-        self.k_pool[:, d] = self.k_pool[:, s]
-        self.v_pool[:, d] = self.v_pool[:, s]
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy block src -> dst for each (src, dst) in order (a later copy may read what an earlier one wrote), in
+        every layer (keys and values)."""
+        i = 0
+        while i < len(copies):  # runs of copies that read no block the run writes, and write each block once
+            run, dsts = [], set()
+            while i < len(copies) and copies[i][0] not in dsts and copies[i][1] not in dsts:
+                run.append(copies[i])
+                dsts.add(copies[i][1])
+                i += 1
+            s = torch.tensor([a for a, _ in run], device=self.k_pool.device)
+            d = torch.tensor([b for _, b in run], device=self.k_pool.device)
+            self.k_pool[:, d] = self.k_pool[:, s]
+            self.v_pool[:, d] = self.v_pool[:, s]
 
     def run(self, x, pos, slots=None, kv_len_max=None):
         """x [B, S, dim] -> final-normed hidden [B, S, dim]."""

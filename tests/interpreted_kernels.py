@@ -133,11 +133,11 @@ def check_engine(ckpt):
                      fused_kernels=kern, kv_block_tokens=8 if kern else 0, decode_splits=4 if kern else None,
                      row_buckets=kern, max_prefill_tokens=16 if kern else 512)
         if kern:  # split every row's keys (a real server splits only past 2048 keys, in parts of at least 1024)
-            eng.SPLIT_FROM = 0
+            eng.runner.SPLIT_FROM = 0
             for layer in model.slow.layers:
                 layer.attention.decode_min_split = 16
-        mixed, inner = [], eng._slow_pass
-        eng._slow_pass = lambda dec, ch, first: mixed.append(bool(dec and ch)) or inner(dec, ch, first)
+        mixed, inner = [], eng.runner._slow_pass
+        eng.runner._slow_pass = lambda dec, ch, first: mixed.append(bool(dec and ch)) or inner(dec, ch, first)
         logits = {}
         eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
         frames = {f"r{i}": [] for i in range(2)}
@@ -149,7 +149,7 @@ def check_engine(ckpt):
             for o in eng.step():
                 frames[o.request_id].append(o.codes)
             step += 1
-        assert any(mixed) and eng.flat == kern, mixed  # prompt rows beside decode rows (with the kernel: as rows)
+        assert any(mixed) and eng.runner.flat == kern, mixed  # prompt rows beside decode rows (with the kernel: as rows)
         results.append(({k: np.concatenate(v) for k, v in frames.items()}, logits))
     (c0, l0), (c1, l1) = results
     for rid in c0:
@@ -193,7 +193,7 @@ def check_invariant(ckpt):
     def run(ids):
         eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True,
                      fused_kernels=True, batch_invariant=True, max_prefill_tokens=16)
-        assert not eng.apart and isinstance(model.slow.layers[0].attention.wqkv, InvariantLinear)
+        assert not eng.runner.apart and isinstance(model.slow.layers[0].attention.wqkv, InvariantLinear)
         out, step = {i: [] for i in ids}, 0
         while step < 2 * len(ids) or eng.has_work():
             if step % 2 == 0 and step // 2 < len(ids):

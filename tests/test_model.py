@@ -235,11 +235,11 @@ def test_ras_window_starts_empty_at_the_first_decode_step(model, prompts):
     eng.submit("a", prompts.build("Window check."), SamplingParams(seed=3, max_new_tokens=8, ignore_end=True))
     first = eng.step()  # prefill + the first frame
     slot = next(iter(eng.live))
-    assert first[0].codes.shape[0] == 1 and (eng.recent[slot] == -1).all()
+    assert first[0].codes.shape[0] == 1 and (eng.runner.recent[slot] == -1).all()
     codes = [first[0].codes[0, 0]]
     for _ in range(3):
         codes.append(eng.step()[0].codes[0, 0])
-    assert eng.recent[slot].tolist()[-3:] == [int(c) for c in codes[1:]] and (eng.recent[slot][:-3] == -1).all()
+    assert eng.runner.recent[slot].tolist()[-3:] == [int(c) for c in codes[1:]] and (eng.runner.recent[slot][:-3] == -1).all()
 
 
 def test_prompt_with_history_and_trimming(prompts):
@@ -334,8 +334,8 @@ def test_padded_row_buckets_match_exact_shapes(model, prompts):
     for padded in (False, True):
         eng = Engine(model, residual_size=RESIDUAL, max_batch=3, max_seq_len=1024, prefix_cache_bytes=64 << 20,
                      row_buckets=padded, max_prefill_tokens=40)
-        assert eng.pad_rows == padded and eng.sample_sizes == (1, 2, 3) and eng.row_sizes[-1] == 43
-        assert eng._bucket(eng.row_sizes, 5) == 8 and eng._bucket(eng.row_sizes, 33) == 43
+        assert eng.runner.pad_rows == padded and eng.runner.sample_sizes == (1, 2, 3) and eng.runner.row_sizes[-1] == 43
+        assert eng.runner._bucket(eng.runner.row_sizes, 5) == 8 and eng.runner._bucket(eng.runner.row_sizes, 33) == 43
         logits = {}
         eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
         codes = {}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
-from s2tts.paged import BlockPool
+from s2tts.engine.paged import BlockPool
 from s2tts.sampling import SamplingParams
 
 RESIDUAL = 32
@@ -90,7 +90,9 @@ def test_blocks_follow_each_requests_length_and_all_come_back(model, requests):
     assert eng.counts()["live"] == 0 and pool.used == eng.prefix_cache.held > 0
     eng.prefix_cache.clear()
     assert pool.used == 0 and pool.free == pool.capacity and not any(pool.refs[1:])
-    assert not pool.owned and int(pool.table.abs().sum()) == 0  # every table row points at the null block
+    assert not pool.owned and int(abs(pool.table).sum()) == 0  # every table row points at the null block
+    eng.runner.apply(pool)  # and so does the device's table
+    assert int(eng.model.slow.stack.block_table.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("bs", [8, 12])  # the tiny voice prefix is 104 tokens: whole blocks of 8, 8 + a part of 12
@@ -177,7 +179,7 @@ def test_pool_must_hold_one_full_request(model):
 
 
 def test_block_pool_bookkeeping():
-    pool = BlockPool(6, 4, slots=3, max_seq=16, device="cpu")
+    pool = BlockPool(6, 4, slots=3, max_seq=16)
     assert pool.capacity == 5 and pool.max_blocks == 4
     a = pool.alloc(2)
     pool.assign(0, a)
@@ -195,14 +197,14 @@ def test_block_pool_bookkeeping():
 
 
 def _count_rows(eng):
-    """Wrap eng._slow_pass: record (decode rows, prompt rows, request ids with prompt rows) of every pass."""
-    passes, inner = [], eng._slow_pass
+    """Wrap eng.runner._slow_pass: record (decode rows, prompt rows, request ids with prompt rows) of every pass."""
+    passes, inner = [], eng.runner._slow_pass
 
     def counted(decoding, chunks, first):
         passes.append((len(decoding), sum(e - s for _, s, e in chunks), [r.id for r, _, _ in chunks]))
         return inner(decoding, chunks, first)
 
-    eng._slow_pass = counted
+    eng.runner._slow_pass = counted
     return passes
 
 

@@ -1,23 +1,24 @@
-"""Paged KV cache: every request's keys and values live in fixed-size blocks of one pool per stack.
+"""Paged KV cache bookkeeping: which blocks of the pool each request's keys and values live in.
 
-A stack's pool holds `num_blocks` blocks of `block_size` token positions for every layer
-(`[layers, blocks, K, block_size, D]`, one tensor for keys and one for values). A device block table
-`[slots, max_blocks]` maps a slot's logical block i (positions i*block_size ...) to a physical block; the
-attention (eager code and the Triton kernels) reads and writes through it. The table is one static
-tensor whose contents change, so CUDA graphs captured over it stay valid.
+A stack's pool (`model.Stack.setup_caches`) holds `num_blocks` blocks of `block_size` token positions for every
+layer, and a device block table `[slots, max_blocks]` maps a slot's logical block i (positions i*block_size ...)
+to a physical block; the attention (eager code and the Triton kernels) reads and writes through it. The table is
+one static tensor whose contents change, so CUDA graphs captured over it stay valid.
 
-Block 0 is the null block: it belongs to no request. Every table entry that is not a request's block
-points at it, so the padding rows of a batch (the scratch slot, or positions past a prompt) write there
-and never into another request's block.
+Block 0 is the null block: it belongs to no request. Every table entry that is not a request's block points at
+it, so the padding rows of a batch (the scratch slot, or positions past a prompt) write there and never into
+another request's block.
 
-`BlockPool` is the host-side bookkeeping: the free list, reference counts (a voice prefix's blocks are
-shared by every request that uses it, see `PrefixCache`), and each slot's list of blocks. The slot layout
-of before is the special case `block_size = max_seq_len` with one block per slot.
+`BlockPool` is host-side only (plain Python and numpy, no device): the free list, reference counts (a voice
+prefix's blocks are shared by every request that uses it, see `PrefixCache`), each slot's blocks, a host copy of
+the block table with the rows changed since the last `take_changes`, and the block copies asked for meanwhile.
+The model runner applies both to the device before its next pass (`ModelRunner.apply`), so the scheduler that
+owns the pool never touches the device.
 """
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -25,12 +26,14 @@ def blocks_for(tokens: int, block_size: int) -> int:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, slots: int, max_seq: int, device):
+    def __init__(self, num_blocks: int, block_size: int, slots: int, max_seq: int):
         if num_blocks < 2:
             raise ValueError(f"a KV pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.max_blocks = blocks_for(max_seq, block_size)
-        self.table = torch.zeros(slots, self.max_blocks, dtype=torch.int32, device=device)
+        self.table = np.zeros((slots, self.max_blocks), dtype=np.int32)  # host copy of the device table
+        self._dirty: set[int] = set()  # slots whose table row changed since take_changes
+        self._copies: list[tuple[int, int]] = []  # (src, dst) block copies asked for since take_changes
         self._free = list(range(num_blocks - 1, 0, -1))
         self.refs = [0] * num_blocks
         self.owned: dict[int, list[int]] = {}  # slot -> its blocks, in logical order
@@ -75,6 +78,11 @@ class BlockPool:
             elif self.refs[b] < 0:
                 raise RuntimeError(f"KV block {b} released twice")
 
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        """Ask for the contents of blocks src[i] to be copied into dst[i] before the next pass (which has not
+        written any of them since the last one)."""
+        self._copies.extend(zip(src, dst))
+
     # ---- a slot's blocks ---------------------------------------------------------------------
     def assign(self, slot: int, blocks: list[int]) -> None:
         """Give `slot` these blocks (already counted for it) as its first logical blocks; the rest of its table
@@ -82,21 +90,17 @@ class BlockPool:
         if slot in self.owned:
             raise RuntimeError(f"slot {slot} still holds KV blocks")
         self.owned[slot] = list(blocks)
-        row = torch.zeros(self.max_blocks, dtype=torch.int32)
-        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        self.table[slot].copy_(row, non_blocking=True)
+        self.table[slot] = 0
+        self.table[slot, : len(blocks)] = blocks
+        self._dirty.add(slot)
 
     def extend(self, grants: list[tuple[int, int]]) -> None:
-        """Append one block to each (slot, block) pair's slot, in one table update."""
-        if not grants:
-            return
-        idx = []
+        """Append one block to each (slot, block) pair's slot."""
         for slot, block in grants:
             blocks = self.owned[slot]
-            idx.append((slot, len(blocks), block))
+            self.table[slot, len(blocks)] = block
             blocks.append(block)
-        t = torch.tensor(idx, dtype=torch.int64).to(self.table.device, non_blocking=True)
-        self.table[t[:, 0], t[:, 1]] = t[:, 2].to(torch.int32)
+            self._dirty.add(slot)
 
     def free_slot(self, slot: int) -> None:
         """Release the slot's blocks; its table row points at the null block again."""
@@ -104,7 +108,16 @@ class BlockPool:
         if blocks is None:
             return
         self.release(blocks)
-        self.table[slot].zero_()
+        self.table[slot] = 0
+        self._dirty.add(slot)
 
     def holds(self, slot: int) -> int:
         return len(self.owned.get(slot, ()))
+
+    # ---- what the device must learn ----------------------------------------------------------
+    def take_changes(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """-> (block copies asked for, slots whose row changed) since the last call; the caller copies first, then
+        writes those rows of `table` into the device table."""
+        copies, self._copies = self._copies, []
+        rows, self._dirty = sorted(self._dirty), set()
+        return copies, rows

@@ -2,7 +2,7 @@
 
 Requests that clone the same voice share the first `prompt.prefix_len` tokens. After the first such
 request prefills them, an entry here holds that request's full KV blocks of the prefix by reference
-(s2tts/paged.py counts references) and a private copy of the last, partial block (the request goes on
+(s2tts/engine/paged.py counts references) and a private copy of the last, partial block (the request goes on
 writing its own tokens into that one). A later request of the voice starts with the entry's full blocks
 in its block table (shared, never written: it writes only positions past the prefix) and its own copy
 of the partial block, and prefills only the rest of its prompt.
@@ -17,7 +17,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .prompt import Prompt
+from ..prompt import Prompt
 
 
 @dataclass
@@ -27,11 +27,11 @@ class PrefixEntry:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int, pool, block_bytes: int, copy, min_tokens: int = 32):
-        """Entries hold blocks of `pool` (a BlockPool), `block_bytes` each; `copy(src, dst)` copies blocks on the
-        device."""
+    def __init__(self, max_bytes: int, pool, block_bytes: int, min_tokens: int = 32):
+        """Entries hold blocks of `pool` (a BlockPool), `block_bytes` each; the partial blocks are copied through
+        the pool (`BlockPool.copy`: done on the device before the next pass)."""
         self.max_bytes, self.min_tokens = max_bytes, min_tokens
-        self.pool, self.block_bytes, self.copy = pool, block_bytes, copy
+        self.pool, self.block_bytes = pool, block_bytes
         self.entries: OrderedDict[str, PrefixEntry] = OrderedDict()
         self.held = 0  # blocks held by entries
         self.hits = self.misses = 0
@@ -68,7 +68,7 @@ class PrefixCache:
         if not rest:
             return list(shared)
         own = self.pool.alloc(1)
-        self.copy([e.blocks[full]], own)
+        self.pool.copy([e.blocks[full]], own)
         return shared + own
 
     def put(self, key: str, blocks: list[int], length: int) -> None:
@@ -89,7 +89,7 @@ class PrefixCache:
         own = []
         if rest:
             own = self.pool.alloc(1)
-            self.copy([blocks[full]], own)
+            self.pool.copy([blocks[full]], own)
         self.entries[key] = PrefixEntry(shared + own, length)
         self.held += n
 

@@ -1,0 +1,276 @@
+"""The engine core: continuous-batching generation for S2 Pro (slow AR + fast AR), one step at a time.
+
+A frame is one slow-AR token plus the fast AR's residual codes: `[num_codebooks]` codes. Callers on any thread
+`submit` requests and `cancel` them; both go into one ordered command queue. The thread that owns the engine calls
+`step()`, which does five things in order:
+
+1. take the commands queued since the last step, in the order they came (a request submitted and then cancelled
+   before this step never runs; a cancel for an id not (yet) submitted is ignored: callers that may see those in
+   either order keep tombstones, as `EngineService` does);
+2. schedule (`scheduler.Scheduler`, plain Python): admissions, KV blocks, preemption, the step's rows -> `StepPlan`;
+3. run it (`runner.ModelRunner`, the device): one pass over the slow AR's weights, sampling and the fast AR ->
+   `StepResult`;
+4. process the result (`Scheduler.update`): lengths, frames, requests that ended;
+5. return every request's `Output` of this step (new frames, or its end with a reason).
+
+A step is all or nothing per group of requests: if the pass that holds prompt rows fails (and the device is still
+usable), the requests of those rows end with an error and the decode rows run again by themselves; if the decode
+rows fail, their requests end with an error and the requests being prefilled go back to the head of the queue
+(they have sent nothing; they start their prefill again). Either way the step returns every output and frees every
+slot it took; the exception is kept in `last_fault` (None after a clean step) for the caller to judge.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+import torch
+
+from ..errors import is_fatal_device_error
+from ..model import S2Model
+from ..prompt import Prompt
+from ..sampling import SamplingParams
+from .runner import ModelRunner
+from .scheduler import FINISH_ERROR, Output, Request, Scheduler, StepPlan
+
+
+class Engine:
+    def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
+                 fast_ar=None, max_prefill_tokens: int = 512, cuda_graphs: bool | None = None,
+                 decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0,
+                 row_buckets: bool | None = None, batch_invariant: bool = False, kv_block_tokens: int = 32,
+                 kv_cache_tokens: int | None = None, decode_splits: int | None = None, admit_every: int = 1):
+        """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
+        None = on when the model is on a CUDA device. `row_buckets` (default: with `cuda_graphs`): pad every pass and
+        sampling batch to a bucket of `ModelRunner.ROW_BUCKETS` (the shapes the graphs are captured at).
+
+        `max_prefill_tokens`: prompt tokens a step adds to its pass (chunked prefill). It bounds how much arrivals
+        lengthen the step of the running streams, and sets the largest pass: `max_batch` + this many rows.
+
+        KV cache: a pool of `kv_cache_tokens` positions (default `max_batch` x `max_seq_len`: every slot can fill
+        its sequence) in blocks of `kv_block_tokens` (0: one block of `max_seq_len` per request, the slot layout).
+        `decode_splits`: programs that share one row's keys in the attention kernel (a power of two;
+        default: 1 up to max_seq_len 2048, then one per 2048 tokens of max_seq_len, at most 16), so that a long
+        context is read by many programs at once. A pass uses them only while some row has more than
+        `ModelRunner.SPLIT_FROM` keys (their extra programs cost ~15% of a step of short requests); with
+        `batch_invariant`, always.
+
+        `batch_invariant`: a request's numbers do not depend on the requests beside it. With the attention kernel
+        (GPU), every matrix product of both ARs goes through the row-invariant kernel (`kernels.linear`: its tiling
+        depends on the weight's shape, never on the rows) and the attention kernel splits every row's keys the same
+        way, so every operation computes a row the same whatever rows are beside it, and passes are scheduled as
+        usual. Without it (CPU), decode rows run in a pass of their own at one shape (`max_batch` rows; padding rows
+        use the scratch slot), each prompt chunk in a pass of its own, cut at points that depend on that request
+        alone (its voice prefix always by itself, so a prefix-cache hit leaves the same keys and values as a miss),
+        and sampling always at `max_batch` rows. Sampling is per request already (seed, step).
+
+        `admit_every`: while requests are decoding, waiting ones join only every this many steps, so that arrivals
+        spread over those steps start their prefill together (a request waits at most that many steps more). An
+        idle engine admits at once."""
+        s2 = model.s2
+        self.model, self.s2, self.batch_invariant = model, s2, batch_invariant
+        self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens}: use at least 1 (tokens of prompts per step)")
+        self.runner = ModelRunner(model, residual_size, max_batch=max_batch, max_seq_len=self.max_seq_len,
+                                  max_prefill_tokens=max_prefill_tokens, fast_ar=fast_ar, cuda_graphs=cuda_graphs,
+                                  decode_kernel=decode_kernel, fused_kernels=fused_kernels, row_buckets=row_buckets,
+                                  batch_invariant=batch_invariant, kv_block_tokens=kv_block_tokens,
+                                  kv_cache_tokens=kv_cache_tokens, decode_splits=decode_splits)
+        r = self.runner
+        self.scheduler = Scheduler(max_batch=max_batch, max_seq_len=self.max_seq_len, num_codebooks=s2.num_codebooks,
+                                   semantic_start_id=s2.semantic_start_id, num_blocks=r.num_blocks,
+                                   block_size=r.block_size, block_bytes=r.block_bytes,
+                                   max_prefill_tokens=max_prefill_tokens, prefix_cache_bytes=prefix_cache_bytes,
+                                   admit_every=admit_every, prefix_apart=r.apart)
+        r.apply(self.scheduler.pool)
+        model.engine_owner = self  # the caches (and graphs over them) are this engine's until another is made
+        self.device, self.dtype = r.device, r.dtype
+        self.fault_hook = None  # optional fn(phase "decode" | "prefill", requests) called before device work (tests)
+        self.last_fault: BaseException | None = None
+
+        self._lock = threading.Lock()  # the command queue, the ids, and the scheduler's state while others read it
+        self._work = threading.Condition(self._lock)
+        self._commands: deque[tuple[str, object]] = deque()  # ("add", Request) | ("abort", id), in order
+        self._ids: set[str] = set()  # requests submitted and not yet ended
+
+    # ---- commands, from any thread -----------------------------------------------------------
+    def submit(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
+        """Queue a request. Raises ValueError (with what to change) if it can never run, or if a request of this id
+        is still live."""
+        req = self.scheduler.make_request(request_id, prompt, params)
+        with self._work:
+            if request_id in self._ids:
+                raise ValueError(f"request id {request_id!r} is already live")
+            self._ids.add(request_id)
+            self._commands.append(("add", req))
+            self._work.notify()
+        return req
+
+    def cancel(self, request_id: str) -> None:
+        """End the request at the next step (with a FINISH_CANCELLED output), wherever it is."""
+        with self._work:
+            self._commands.append(("abort", request_id))
+            self._work.notify()
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        with self._work:
+            if not self.has_work():
+                self._work.wait(timeout)
+            return self.has_work()
+
+    def wake(self) -> None:
+        with self._work:
+            self._work.notify_all()
+
+    # ---- what it holds, from any thread ---------------------------------------------------------
+    def where(self, request_id: str) -> str:
+        """"waiting" (for a KV slot), "live" (decoding) or "unknown"."""
+        with self._lock:
+            if any(verb == "add" and req.id == request_id for verb, req in self._commands):
+                return "waiting"
+            return self.scheduler.where(request_id)
+
+    def decoding(self) -> bool:
+        """Whether some request is past its prompt (a step then makes frames; one of only prompt rows makes none)."""
+        with self._lock:
+            return self.scheduler.decoding()
+
+    def has_work(self) -> bool:
+        return bool(self._commands) or self.scheduler.has_work()
+
+    def counts(self) -> dict:
+        with self._lock:
+            c = self.scheduler.counts()
+            c["waiting"] += sum(verb == "add" for verb, _ in self._commands)
+            return c
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.scheduler.pool.capacity * self.scheduler.pool.block_size
+
+    # the parts, for tools and tests
+    blocks = property(lambda self: self.scheduler.pool)
+    prefix_cache = property(lambda self: self.scheduler.prefix_cache)
+    live = property(lambda self: self.scheduler.live)
+    preemptions = property(lambda self: self.scheduler.preemptions)
+    block_bytes = property(lambda self: self.runner.block_bytes)
+    graphs = property(lambda self: self.runner.graphs)
+
+    @property
+    def logits_hook(self):
+        """Optional observer fn(request_ids, logits [B, V]) of each sampling batch (tests, debugging; no graphs)."""
+        return self.runner.logits_hook
+
+    @logits_hook.setter
+    def logits_hook(self, fn) -> None:
+        self.runner.logits_hook = fn
+
+    # ---- the loop, on the engine's thread ---------------------------------------------------------
+    def step(self) -> list[Output]:
+        """One step (the module's doc). On a GPU it runs with the engine's device current (the current device is
+        per thread; Triton kernels and graphs launch on it, so an engine on cuda:1 stepped from a thread left on
+        cuda:0 would hand them pointers they cannot use)."""
+        if self.model.engine_owner is not self:
+            raise RuntimeError("another Engine was made over this model since this one: its KV cache (and the CUDA "
+                               "graphs that read it) now belong to that one; use one Engine per model")
+        if self.device.type != "cuda":
+            return self._ended(self._step())
+        with torch.cuda.device(self.device):
+            return self._ended(self._step())
+
+    @torch.inference_mode()
+    def _step(self) -> list[Output]:
+        self.last_fault = None
+        with self._lock:
+            outputs = self._take_commands()
+            plan = self.scheduler.schedule()
+        hook = self.fault_hook
+        if plan.prefill:
+            chunked = [c.request for c in plan.prefill]
+            try:
+                if hook is not None and plan.decode:
+                    hook("decode", plan.decode)
+            except Exception as e:  # noqa: BLE001 - judged by the caller through last_fault
+                return outputs + self._decode_failed(plan, e)
+            try:
+                if hook is not None:
+                    hook("prefill", chunked)
+                return outputs + self._run(plan)
+            except Exception as e:  # noqa: BLE001
+                self.last_fault = e
+                if is_fatal_device_error(e):
+                    return outputs + self._fail(plan.decode + chunked, e)
+                outputs += self._fail(chunked, e)  # the prompt rows' fault: their requests end, the others go on
+        if plan.decode:
+            try:
+                if hook is not None:
+                    hook("decode", plan.decode)
+                outputs += self._run(plan.decode_only())
+            except Exception as e:  # noqa: BLE001
+                outputs += self._decode_failed(plan.decode_only(), e)
+        return outputs
+
+    def _take_commands(self) -> list[Output]:
+        """Apply the queued commands in order (under the lock)."""
+        outputs = []
+        while self._commands:
+            verb, arg = self._commands.popleft()
+            if verb == "add":
+                self.scheduler.add(arg)
+            else:
+                outputs += self.scheduler.abort({arg})
+        return outputs
+
+    def _run(self, plan: StepPlan) -> list[Output]:
+        self.runner.apply(self.scheduler.pool)
+        result = self.runner.execute(plan)
+        with self._lock:
+            return self.scheduler.update(plan, result)
+
+    def _decode_failed(self, plan: StepPlan, e: BaseException) -> list[Output]:
+        """The decode rows failed: their requests end; the plan's prompt rows' requests start again later."""
+        self.last_fault = e
+        with self._lock:
+            self.scheduler.requeue([c.request for c in plan.prefill])
+        return self._fail(plan.decode, e)
+
+    def _fail(self, reqs: list[Request], e: BaseException) -> list[Output]:
+        with self._lock:
+            return self.scheduler.fail(reqs, e)
+
+    def _ended(self, outputs: list[Output]) -> list[Output]:
+        """The step's outputs, after forgetting the ids of the requests they end."""
+        done = [o.request_id for o in outputs if o.finished]
+        if done:
+            with self._lock:
+                self._ids.difference_update(done)
+        return outputs
+
+    def fail_all(self, message: str) -> list[Output]:
+        """End every request, queued, waiting or live, with an error output and free every slot (an unrecoverable
+        fault, shutdown); call it on the engine's thread. Pending cancellations are dropped: those requests end here
+        too."""
+        with self._lock:
+            queued = [arg for verb, arg in self._commands if verb == "add"]
+            self._commands.clear()
+            outputs = self.scheduler.fail_all(message)
+            outputs += [Output(r.id, np.zeros((0, self.s2.num_codebooks), dtype=np.int32), True, FINISH_ERROR,
+                               error=message) for r in queued]
+            self._ids.clear()
+        return outputs
+
+    # ---- convenience for offline use ----------------------------------------------------
+    def generate(self, prompt: Prompt, params: SamplingParams, request_id: str = "offline") -> tuple[np.ndarray, str]:
+        """Run one request to completion (others submitted meanwhile run beside it): codes [C, frames]."""
+        self.submit(request_id, prompt, params)
+        frames, reason = [], None
+        while reason is None:
+            for o in self.step():
+                if o.request_id == request_id:
+                    frames.append(o.codes)
+                    if o.finished:
+                        reason = o.finish_reason
+        return np.concatenate(frames, axis=0).T, reason
