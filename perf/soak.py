@@ -134,7 +134,9 @@ class Soak:
                         n += 1
                         if n >= max(cut, 1):
                             break
-                    c.client.close()
+                    # the connection itself: InferenceServerClient.close() would first wait for the stream to end
+                    # (stop_stream without cancel), which is no disconnect at all
+                    c.client._channel.close()
                     c._open = False
                     outcome = "disconnected"
             finally:

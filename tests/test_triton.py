@@ -125,6 +125,40 @@ def test_cancel_mid_stream(triton_server):
     assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * FRAME
 
 
+
+KILLED_CLIENT = """
+import sys
+from s2tts.client import S2ProClient, TTSInput
+c = S2ProClient(sys.argv[1])
+for ev in c.stream(TTSInput(text="A client that dies part way through.", seed=5, max_new_tokens=400, ignore_eos=True,
+                            first_chunk_frames=2, chunk_frames=2), request_id=sys.argv[2]):
+    print("chunk", flush=True)
+    break
+input()  # wait, connection open, for the kill
+"""
+
+
+def test_a_client_killed_mid_stream_frees_its_request(triton_server):
+    """A client process killed while it streams (its connection drops, nothing cancelled): s2pro sees the stream
+    cancelled, ends the request and frees the engine's slot, long before its 400 frames."""
+    rid = "killed-client-7"
+    p = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, triton_server.grpc_url, rid], stdout=subprocess.PIPE,
+                         stdin=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "chunk"
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and f"cancelled by the client ({rid}" not in triton_server.log_tail(400):
+        time.sleep(0.2)
+    log = triton_server.log_tail(400)
+    line = next((x for x in log.splitlines() if f"cancelled by the client ({rid}" in x), "")
+    frames = int(line.split("after ")[1].split(" frames")[0]) if line else None
+    assert frames is not None and frames < 400, log[-3000:]
+    res = synth(triton_server, text="The next request completes.", seed=4, max_new_tokens=10)
+    assert res.stats["finish_reason"] in ("end", "length")
+
 BAD = [  # (inputs, the input the error names, words of its message)
     (dict(text=""), "text", "text is empty"),
     (dict(text="x" * 100001), "text", "over the limit of 100000"),
