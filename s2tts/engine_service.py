@@ -47,6 +47,7 @@ from .lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
 from .prompt import Prompt
 from .sampling import SamplingParams
 from .service import LOAD_PACE, Chunker
+from .settings import SCHEMA
 
 log = logging.getLogger("s2tts")
 
@@ -185,11 +186,13 @@ class EngineService:
                  make_error: Callable[[S2Error], Any], name: str = "slow_ar", limit: int | None = None,
                  on_unhealthy: Callable[[str], None] | None = None, cancel_poll_s: float = 0.05,
                  max_step_faults: int = 3, on_tick: Callable[["EngineService"], None] | None = None,
-                 frame_seconds: float | None = None, codec=None, codec_batch_steps: int = 1,
-                 load_chunk_frames: int = 0):
+                 frame_seconds: float | None = None, codec=None,
+                 codec_batch_steps: int = SCHEMA["codec_batch_steps"].default,
+                 load_chunk_frames: int = SCHEMA["load_chunk_frames"].default):
         """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`service.Chunker`);
         None: fixed chunks. `codec` (a `codec_stream.StreamDecoder`): decode audio here (see the module's doc).
-        `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off)."""
+        `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off). Defaults: the
+        settings of the same names."""
         self.engine = engine
         self.codec = codec
         self._codec_closing: list[str] = []  # codec streams to close, asked from other threads (engine thread only

@@ -100,7 +100,7 @@ def test_first_chunk_grows_under_load(model, prompts, tiny_ckpt, codec, load, fi
     stream's first chunk is 8 frames, not first_chunk_frames' 4; later chunks still grow, and the audio is still one
     seamless decode of the codes."""
     svc = _service(model, tiny_ckpt, StreamDecoder(codec, pool_size=4), frame_seconds=codec_frame_seconds(tiny_ckpt),
-                   load_chunk_frames=load)
+                   load_chunk_frames=load, codec_batch_steps=1)  # chunks decoded each step: no held calls' lag
     svc.pace = lambda: 0.45  # the pace the chunker reads (measured from the steps otherwise)
     (r,) = _serve_all(svc, prompts, [30], 7, "load", first_chunk_frames=4, chunk_frames=16)
     sizes = [c.shape[0] for _, c, _, _ in r.sent]

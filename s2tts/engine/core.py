@@ -32,17 +32,27 @@ from ..errors import is_fatal_device_error
 from ..model import S2Model
 from ..prompt import Prompt
 from ..sampling import SamplingParams
+from ..settings import SCHEMA
 from .runner import ModelRunner
 from .scheduler import FINISH_ERROR, Output, Request, Scheduler, StepPlan
 
 
+def _default(key: str):
+    """A setting's default from the one schema (`s2tts.settings`): the engine restates none."""
+    return SCHEMA[key].default
+
+
 class Engine:
-    def __init__(self, model: S2Model, residual_size: int, max_batch: int = 8, max_seq_len: int = 2048,
-                 fast_ar=None, max_prefill_tokens: int = 512, cuda_graphs: bool | None = None,
-                 decode_kernel: bool | None = None, fused_kernels: bool | None = None, prefix_cache_bytes: int = 0,
-                 row_buckets: bool | None = None, batch_invariant: bool = False, kv_block_tokens: int = 32,
-                 kv_cache_tokens: int | None = None, decode_splits: int | None = None, admit_every: int = 1):
-        """`cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
+    def __init__(self, model: S2Model, residual_size: int, max_batch: int = _default("max_batch"),
+                 max_seq_len: int = _default("max_seq_len"), fast_ar=None,
+                 max_prefill_tokens: int = _default("max_prefill_tokens"), cuda_graphs: bool | None = None,
+                 decode_kernel: bool | None = None, fused_kernels: bool | None = None,
+                 prefix_cache_bytes: int = _default("prefix_cache_mb") << 20, row_buckets: bool | None = None,
+                 batch_invariant: bool = _default("batch_invariant"), kv_block_tokens: int = _default("kv_block_tokens"),
+                 kv_cache_tokens: int | None = _default("kv_cache_tokens"), decode_splits: int | None = None,
+                 admit_every: int = _default("admit_every_steps")):
+        """Defaults: the settings of the same names in `s2tts.settings` (`prefix_cache_bytes`: `prefix_cache_mb`,
+        `admit_every`: `admit_every_steps`). `cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
         None = on when the model is on a CUDA device. `row_buckets` (default: with `cuda_graphs`): pad every pass and
         sampling batch to a bucket of `ModelRunner.ROW_BUCKETS` (the shapes the graphs are captured at).
 
