@@ -19,6 +19,11 @@ import numpy as np
 MODEL = "s2pro"
 
 
+# a Triton data type of config.pbtxt -> (tritonclient's name, numpy type)
+WIRE_TYPES = {"TYPE_STRING": ("BYTES", object), "TYPE_FP32": ("FP32", np.float32), "TYPE_INT32": ("INT32", np.int32),
+              "TYPE_INT64": ("INT64", np.int64), "TYPE_BOOL": ("BOOL", np.bool_)}
+
+
 @dataclass
 class TTSInput:
     text: str
@@ -71,30 +76,24 @@ class TTSInput:
                 raise TTSError(str(e), "invalid_argument", "voices") from None
             return replace(self, voices=None, reference_text=text, reference_codes=codes).to_inputs(check=False)
 
-        def add(name, arr, dtype):
-            t = g.InferInput(name, list(arr.shape), dtype)
-            t.set_data_from_numpy(arr)
-            inputs.append(t)
+        from .settings import REQUEST_FIELDS
 
         inputs = []
-        add("text", np.array([self.text.encode("utf-8")], dtype=object), "BYTES")
-        if self.reference_audio is not None:
-            add("reference_audio", np.asarray(self.reference_audio, dtype=np.float32).reshape(-1), "FP32")
-        if self.reference_sample_rate is not None:
-            add("reference_sample_rate", np.array([self.reference_sample_rate], np.int32), "INT32")
-        if self.reference_text is not None:
-            add("reference_text", np.array([self.reference_text.encode("utf-8")], dtype=object), "BYTES")
-        if self.reference_codes is not None:
-            add("reference_codes", np.asarray(self.reference_codes, dtype=np.int32), "INT32")
-        for name, dtype, np_t in (("seed", "INT64", np.int64), ("temperature", "FP32", np.float32), ("top_p", "FP32", np.float32),
-                                  ("top_k", "INT32", np.int32), ("max_new_tokens", "INT32", np.int32),
-                                  ("first_chunk_frames", "INT32", np.int32), ("chunk_frames", "INT32", np.int32),
-                                  ("chunk_length", "INT32", np.int32)):
-            v = getattr(self, name)
-            if v is not None:
-                add(name, np.array([v], np_t), dtype)
-        if self.ignore_eos is not None:
-            add("ignore_eos", np.array([self.ignore_eos]), "BOOL")
+        for f in REQUEST_FIELDS.values():  # s2pro's inputs: names, types and shapes from the one schema
+            v = getattr(self, f.name)
+            if "s2pro" not in f.stages or v is None:
+                continue
+            dtype, np_t = WIRE_TYPES[f.triton]
+            if np_t is object:
+                arr = np.array([v.encode("utf-8")], dtype=object)
+            elif f.dims == "[ 1 ]":
+                arr = np.array([v], np_t)
+            else:
+                arr = np.asarray(v, dtype=np_t)
+                arr = arr.reshape(-1) if f.dims == "[ -1 ]" else arr
+            t = g.InferInput(f.name, list(arr.shape), dtype)
+            t.set_data_from_numpy(arr)
+            inputs.append(t)
         return inputs
 
 

@@ -5,12 +5,15 @@ Everything else reads from here:
 - the models' adapters (`model_values`: each model's own keys from its config.pbtxt, defaults from here),
 - the README's settings table (`markdown_table`, checked by a test),
 - the gateway's limits (it reads the served values from s2pro's config, with these as fallback),
-- request validation in the models and the gateway (`REQUEST_FIELDS`, `check_field`).
+- request validation in the models and the gateway (`REQUEST_FIELDS`, `check_field`), and the request inputs of
+  s2pro's and slow_ar's config.pbtxt (`pbtxt_inputs`: `python -m s2tts.settings --write-pbtxt` rewrites them,
+  a test checks them).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -341,6 +344,7 @@ def markdown_table() -> str:
 
 
 # ---- request fields (the s2pro inputs; the gateway's names in `http`) -------------------------------------------
+ENGINE_STAGES = ("s2pro", "slow_ar")  # fields s2pro passes on to the engine
 @dataclass(frozen=True)
 class Field:
     name: str  # the s2pro input
@@ -352,25 +356,46 @@ class Field:
     default: Any = None
     max_setting: str | None = None  # the upper bound is this setting's value
     doc: str = ""
+    triton: str = ""  # its Triton data type (config.pbtxt)
+    dims: str = "[ 1 ]"
+    stages: tuple[str, ...] = ("s2pro",)  # the models that take it as an input
+    required: bool = False
 
 
 REQUEST_FIELDS: dict[str, Field] = {f.name: f for f in (
-    Field("text", "input", str, doc="the text to speak"),
-    Field("reference_audio", "ref_audio", bytes, doc="reference clip (voice cloning)"),
-    Field("reference_sample_rate", "ref_audio", int, 8000, 192000, doc="its sample rate"),
-    Field("reference_text", "ref_text", str, doc="transcript of the reference"),
-    Field("reference_codes", "voice", bytes, doc="codes of a registered voice"),
-    Field("seed", "seed", int, 0, 2**63 - 1, doc="random seed; unset: random (reported in the stats)"),
-    Field("temperature", "temperature", float, 0.0, 2.0, default=0.8, doc="0 = greedy"),
-    Field("top_p", "top_p", float, 0.0, 1.0, min_open=True, default=0.8),
-    Field("top_k", "top_k", int, 0, 4096, default=30, doc="0 = greedy (upstream's meaning); 4096 = no top-k"),
+    Field("text", "input", str, doc="the text to speak", triton="TYPE_STRING", required=True),
+    Field("reference_audio", "ref_audio", bytes, doc="reference clip (voice cloning)", triton="TYPE_FP32",
+          dims="[ -1 ]"),
+    Field("reference_sample_rate", "ref_audio", int, 8000, 192000, doc="its sample rate", triton="TYPE_INT32"),
+    Field("reference_text", "ref_text", str, doc="transcript of the reference", triton="TYPE_STRING"),
+    Field("reference_codes", "voice", bytes, doc="codes of a registered voice", triton="TYPE_INT32", dims="[ -1, -1 ]"),
+    Field("seed", "seed", int, 0, 2**63 - 1, doc="random seed; unset: random (reported in the stats)",
+          triton="TYPE_INT64", stages=ENGINE_STAGES),
+    Field("temperature", "temperature", float, 0.0, 2.0, default=0.8, doc="0 = greedy", triton="TYPE_FP32",
+          stages=ENGINE_STAGES),
+    Field("top_p", "top_p", float, 0.0, 1.0, min_open=True, default=0.8, triton="TYPE_FP32", stages=ENGINE_STAGES),
+    Field("top_k", "top_k", int, 0, 4096, default=30, doc="0 = greedy (upstream's meaning); 4096 = no top-k",
+          triton="TYPE_INT32", stages=ENGINE_STAGES),
     Field("max_new_tokens", "max_new_tokens", int, 1, None, max_setting="max_new_tokens_limit",
-          doc="frames to generate at most"),
-    Field("first_chunk_frames", "first_chunk_frames", int, 1, None, max_setting="max_chunk_frames"),
-    Field("chunk_frames", "chunk_frames", int, 1, None, max_setting="max_chunk_frames"),
-    Field("ignore_eos", "ignore_eos", bool),
-    Field("chunk_length", "chunk_length", int, 16, 100000, doc="UTF-8 bytes of text per segment"),
+          doc="frames to generate at most", triton="TYPE_INT32", stages=ENGINE_STAGES),
+    Field("first_chunk_frames", "first_chunk_frames", int, 1, None, max_setting="max_chunk_frames",
+          triton="TYPE_INT32", stages=ENGINE_STAGES),
+    Field("chunk_frames", "chunk_frames", int, 1, None, max_setting="max_chunk_frames", triton="TYPE_INT32",
+          stages=ENGINE_STAGES),
+    Field("ignore_eos", "ignore_eos", bool, triton="TYPE_BOOL", stages=ENGINE_STAGES),
+    Field("chunk_length", "chunk_length", int, 16, 100000, doc="UTF-8 bytes of text per segment", triton="TYPE_INT32"),
 )}
+
+
+def pbtxt_inputs(stage: str) -> str:
+    """The `input [ ... ]` entries of the request fields that model `stage` takes, in declaration order, one a line
+    (no trailing comma): the block between the `request-fields` markers of its config.pbtxt (a test checks it)."""
+    lines = []
+    for f in REQUEST_FIELDS.values():
+        if stage in f.stages:
+            opt = "" if f.required else " optional: true"
+            lines.append(f'  {{ name: "{f.name}" data_type: {f.triton} dims: {f.dims}{opt} }}')
+    return ",\n".join(lines)
 
 
 def check_field(name: str, value, limits: dict | None = None, http: bool = False):
@@ -395,3 +420,36 @@ def check_field(name: str, value, limits: dict | None = None, http: bool = False
                           f"{fmt(f.min)}", label)
         raise invalid(f"{label}={value} is out of range: use {kind} in {lo_s}, {hi_s}", label)
     return value
+
+
+PBTXT_BLOCK = re.compile(r"(  # request-fields:begin[^\n]*\n)(.*?)(\n  # request-fields:end)", re.S)
+
+
+def write_pbtxt_inputs(repository) -> list[str]:
+    """Rewrite the request-fields block of each model's config.pbtxt under `repository` from `pbtxt_inputs` ->
+    the models whose file changed."""
+    from pathlib import Path
+
+    changed = []
+    for stage in sorted({st for f in REQUEST_FIELDS.values() for st in f.stages}):
+        path = Path(repository) / stage / "config.pbtxt"
+        text = path.read_text(encoding="utf-8")
+        new = PBTXT_BLOCK.sub(lambda m: m.group(1) + pbtxt_inputs(stage) + m.group(3), text)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(stage)
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--write-pbtxt"]:
+        from .repository import MODEL_REPOSITORY
+
+        print("rewritten:", write_pbtxt_inputs(MODEL_REPOSITORY) or "none (up to date)")
+    elif sys.argv[1:2] == ["--pbtxt"] and len(sys.argv) == 3:
+        print(pbtxt_inputs(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m s2tts.settings --write-pbtxt | --pbtxt <model>")
+

@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from s2tts import settings as S
@@ -118,3 +119,37 @@ def test_no_bls_call_reads_a_decoupled_stream():
     for name in called:
         cfg = parse_model_config(MODEL_REPOSITORY / name / "config.pbtxt")
         assert not cfg.model_transaction_policy.decoupled, f"{name} is called through BLS but is decoupled"
+
+
+@pytest.mark.parametrize("model", ["s2pro", "slow_ar"])
+def test_request_inputs_of_each_model_are_the_schema(model):
+    """The request fields' entries of s2pro's and slow_ar's inputs are generated from REQUEST_FIELDS (`python -m
+    s2tts.settings --write-pbtxt`), and Triton reads them as declared."""
+    text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
+    m = S.PBTXT_BLOCK.search(text)
+    assert m, f"{model}/config.pbtxt lacks the request-fields markers"
+    assert m.group(2) == S.pbtxt_inputs(model), f"{model}'s request inputs are stale: python -m s2tts.settings --write-pbtxt"
+    from tritonclient.grpc import model_config_pb2
+
+    inputs = {i.name: i for i in parse_model_config(MODEL_REPOSITORY / model / "config.pbtxt").input}
+    for f in S.REQUEST_FIELDS.values():
+        assert (f.name in inputs) == (model in f.stages), f.name
+        if f.name in inputs:
+            i = inputs[f.name]
+            assert model_config_pb2.DataType.Name(i.data_type) == f.triton and i.optional != f.required, f.name
+
+
+def test_the_client_sends_every_request_field_as_the_schema_declares():
+    from s2tts.client import WIRE_TYPES, TTSInput
+
+    values = dict(text="hi", reference_audio=np.zeros(8, np.float32), reference_sample_rate=16000, reference_text="x",
+                  reference_codes=np.zeros((10, 3), np.int32), seed=1, temperature=0.5, top_p=0.9, top_k=5,
+                  max_new_tokens=7, first_chunk_frames=2, chunk_frames=4, ignore_eos=True, chunk_length=200)
+    s2pro = {f.name: f for f in S.REQUEST_FIELDS.values() if "s2pro" in f.stages}
+    assert set(values) == set(s2pro)  # every s2pro field is a TTSInput field (this list follows the schema)
+    sent = {t.name(): t for t in TTSInput(**values).to_inputs(check=False)}
+    assert set(sent) == set(s2pro)
+    for name, t in sent.items():
+        f = s2pro[name]
+        assert t.datatype() == WIRE_TYPES[f.triton][0]
+        assert len(t.shape()) == (2 if f.dims == "[ -1, -1 ]" else 1), name
