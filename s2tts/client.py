@@ -19,9 +19,9 @@ import numpy as np
 MODEL = "s2pro"
 
 
-# a Triton data type of config.pbtxt -> (tritonclient's name, numpy type)
-WIRE_TYPES = {"TYPE_STRING": ("BYTES", object), "TYPE_FP32": ("FP32", np.float32), "TYPE_INT32": ("INT32", np.int32),
-              "TYPE_INT64": ("INT64", np.int64), "TYPE_BOOL": ("BOOL", np.bool_)}
+def wire_type(field) -> str:
+    """tritonclient's name of a request field's config.pbtxt data type (`TYPE_STRING` travels as BYTES)."""
+    return "BYTES" if field.triton == "TYPE_STRING" else field.triton.removeprefix("TYPE_")
 
 
 @dataclass
@@ -61,6 +61,7 @@ class TTSInput:
 
     def to_inputs(self, check: bool = True):
         import tritonclient.grpc as g
+        from tritonclient.utils import triton_to_np_dtype
 
         if check:
             self.check()
@@ -83,8 +84,9 @@ class TTSInput:
             v = getattr(self, f.name)
             if "s2pro" not in f.stages or v is None:
                 continue
-            dtype, np_t = WIRE_TYPES[f.triton]
-            if np_t is object:
+            dtype = wire_type(f)
+            np_t = triton_to_np_dtype(dtype)
+            if dtype == "BYTES":
                 arr = np.array([v.encode("utf-8")], dtype=object)
             elif f.dims == "[ 1 ]":
                 arr = np.array([v], np_t)

@@ -1,4 +1,4 @@
-"""The paged KV cache (s2tts/paged.py) on the tiny checkpoint, fp32, CPU: the same logits and codes as the slot
+"""The paged KV cache (s2tts/engine/paged.py) on the tiny checkpoint, fp32, CPU: the same logits and codes as the slot
 layout, blocks allocated as requests grow and all given back (finish, cancel, error), voice prefixes shared by
 reference, admission that waits for blocks, and preemption that resumes a request where it stopped."""
 

@@ -34,7 +34,7 @@ from ..prompt import Prompt
 from ..sampling import SamplingParams
 from ..settings import SCHEMA
 from .runner import ModelRunner
-from .scheduler import FINISH_ERROR, Output, Request, Scheduler, StepPlan
+from .scheduler import Output, Request, Scheduler, StepPlan
 
 
 def _default(key: str):
@@ -82,8 +82,7 @@ class Engine:
         s2 = model.s2
         self.model, self.s2, self.batch_invariant = model, s2, batch_invariant
         self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens={max_prefill_tokens}: use at least 1 (tokens of prompts per step)")
+        Scheduler.check_prefill_budget(max_prefill_tokens)  # before the runner takes the device's memory
         self.runner = ModelRunner(model, residual_size, max_batch=max_batch, max_seq_len=self.max_seq_len,
                                   max_prefill_tokens=max_prefill_tokens, fast_ar=fast_ar, cuda_graphs=cuda_graphs,
                                   decode_kernel=decode_kernel, fused_kernels=fused_kernels, row_buckets=row_buckets,
@@ -264,13 +263,12 @@ class Engine:
         fault, shutdown); call it on the engine's thread. Pending cancellations are dropped: those requests end here
         too."""
         with self._lock:
-            queued = [arg for verb, arg in self._commands if verb == "add"]
+            for verb, arg in self._commands:
+                if verb == "add":
+                    self.scheduler.add(arg)
             self._commands.clear()
-            outputs = self.scheduler.fail_all(message)
-            outputs += [Output(r.id, np.zeros((0, self.s2.num_codebooks), dtype=np.int32), True, FINISH_ERROR,
-                               error=message) for r in queued]
             self._ids.clear()
-        return outputs
+            return self.scheduler.fail_all(message)
 
     # ---- convenience for offline use ----------------------------------------------------
     def generate(self, prompt: Prompt, params: SamplingParams, request_id: str = "offline") -> tuple[np.ndarray, str]:

@@ -121,8 +121,7 @@ class Scheduler:
         `prefix_apart`: a prompt chunk never spans the end of its voice prefix (so a prefix-cache hit leaves the
         same keys and values as a miss when each chunk runs by itself: `batch_invariant` without the attention
         kernel)."""
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens={max_prefill_tokens}: use at least 1 (tokens of prompts per step)")
+        self.check_prefill_budget(max_prefill_tokens)
         self.max_batch, self.max_seq_len, self.C = max_batch, max_seq_len, num_codebooks
         self.semantic_start_id = semantic_start_id
         self.max_prefill_tokens, self.admit_every, self.prefix_apart = max_prefill_tokens, max(1, admit_every), prefix_apart
@@ -133,6 +132,12 @@ class Scheduler:
         self._free = list(range(max_batch - 1, -1, -1))
         self.preemptions = 0
         self._steps_since_admit = 0
+
+    @staticmethod
+    def check_prefill_budget(max_prefill_tokens: int) -> None:
+        """Raises ValueError (with what to change) for a prefill budget a scheduler cannot use."""
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens={max_prefill_tokens}: use at least 1 (tokens of prompts per step)")
 
     # ---- requests in and out ---------------------------------------------------------------
     def make_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> Request:
@@ -211,7 +216,7 @@ class Scheduler:
                 self._release(r)
             else:
                 r.generated += 1
-                codes = result.frames[i : i + 1].astype(np.int32)
+                codes = result.frames[i : i + 1]
                 r.frames.append(codes)
                 done = r.generated >= r.max_new
                 o = Output(r.id, codes, done, FINISH_LENGTH if done else None)
