@@ -162,6 +162,7 @@ class S2ProClient:
         self.client = g.InferenceServerClient(url)
         self._q: queue.Queue = queue.Queue()
         self._open = False
+        self._in_flight = False  # a request was sent on the stream and its last response has not come
         self._lock = threading.Lock()
 
     def _callback(self, result, error):
@@ -186,6 +187,7 @@ class S2ProClient:
             rid = request_id or uuid.uuid4().hex
             t0 = time.perf_counter()
             self.client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
+            self._in_flight = True
             if cancel_after_chunks == 0:
                 self.close(cancel=True)
                 return
@@ -197,7 +199,8 @@ class S2ProClient:
                     self.close(cancel=True)  # the request is abandoned: cancel it on the server
                     raise TTSError(f"no response within {timeout} s", "deadline_exceeded") from None
                 t = time.perf_counter() - t0
-                if error is not None:
+                if error is not None:  # tritonclient reports an error response without its final flag: it ends the request
+                    self._in_flight = False
                     msg = error.message() if hasattr(error, "message") else str(error)
                     raise TTSError.from_message(msg)
                 resp = result.get_response()
@@ -217,6 +220,7 @@ class S2ProClient:
                 if stats_s:
                     yield Final(json.loads(stats_s), t)
                 if is_final:
+                    self._in_flight = False
                     return
 
     def synthesize(self, req: TTSInput, timeout: float = 300.0, request_id: str | None = None) -> Result:
@@ -231,9 +235,13 @@ class S2ProClient:
         return Result(audio, sr, stats, chunks, chunks[0].t if chunks else None, t_end)
 
     def close(self, cancel: bool = False):
+        """Close the stream; `cancel`: cancel the request on it if it has not ended (a cancel for a request that has
+        ended is never sent: on Triton 24.10 one that races the end can leave the model unable to unload, and a
+        server stop then waits its whole grace)."""
         if self._open:
-            self.client.stop_stream(cancel_requests=cancel)
+            self.client.stop_stream(cancel_requests=cancel and self._in_flight)
             self._open = False
+            self._in_flight = False
             self._q = queue.Queue()
 
     def __enter__(self):

@@ -159,6 +159,36 @@ def test_a_client_killed_mid_stream_frees_its_request(triton_server):
     res = synth(triton_server, text="The next request completes.", seed=4, max_new_tokens=10)
     assert res.stats["finish_reason"] in ("end", "length")
 
+
+def test_closing_ended_streams_with_cancel_lets_the_server_stop(tiny_ckpt, tmp_path):
+    """Clients that close each finished stream with `close(cancel=True)` (as perf/soak.py does after every request),
+    from a worker thread: the server still unloads s2pro when it stops. A cancel sent for a request that had already
+    ended left s2pro unable to unload on Triton 24.10 (its `finalize` never ran; the stop waited its whole grace):
+    `S2ProClient.close` sends a cancel only for a request still in flight."""
+    from servers import tiny_server
+
+    with tiny_server(tiny_ckpt, tmp_path / "server", max_batch=8, max_seq_len=4096, chunk_frames=8) as server:
+        ended = []
+
+        def work():
+            for i in range(30):
+                c = S2ProClient(server.grpc_url)
+                try:
+                    events = list(c.stream(TTSInput(text="hello there friend", seed=i, max_new_tokens=20,
+                                                    ignore_eos=True, first_chunk_frames=2, chunk_frames=4),
+                                           request_id=f"ended-{i}"))
+                    ended.append(isinstance(events[-1], Final) and events[-1].stats["frames"] == 20)
+                finally:
+                    c.close(cancel=True)
+                    c.client.close()
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join(240)
+        assert ended == [True] * 30
+    log = server.log_path.read_text(errors="replace")
+    assert "successfully unloaded 's2pro'" in log, log[-3000:]
+
 BAD = [  # (inputs, the input the error names, words of its message)
     (dict(text=""), "text", "text is empty"),
     (dict(text="x" * 100001), "text", "over the limit of 100000"),
