@@ -188,12 +188,15 @@ class EngineService:
                  max_step_faults: int = 3, on_tick: Callable[["EngineService"], None] | None = None,
                  frame_seconds: float | None = None, codec=None,
                  codec_batch_steps: int = SCHEMA["codec_batch_steps"].default,
-                 load_chunk_frames: int = SCHEMA["load_chunk_frames"].default):
+                 load_chunk_frames: int = SCHEMA["load_chunk_frames"].default, direct_send: bool = False):
         """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`service.Chunker`);
         None: fixed chunks. `codec` (a `codec_stream.StreamDecoder`): decode audio here (see the module's doc).
         `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off). Defaults: the
-        settings of the same names."""
+        settings of the same names. `direct_send`: responders that only hand a response to another thread of this
+        process (s2pro holding the engine): the engine thread sends each response itself, with no hand-off to the
+        sender thread (which then only polls for cancels and reports)."""
         self.engine = engine
+        self.direct_send = direct_send
         self.codec = codec
         self._codec_closing: list[str] = []  # codec streams to close, asked from other threads (engine thread only
         self._codec_lock = threading.Lock()  # touches the decoder)
@@ -409,13 +412,15 @@ class EngineService:
         if self.codec is not None:
             ready = self._codec_pass(ready)
         now = time.monotonic()
-        for rec, kind, codes, reason, stats, audio in ready:  # responses are built on the sender thread
+        # responses are built and sent on the sender thread (or here, with `direct_send`)
+        hand = self._deliver if self.direct_send else lambda *item: self.outbox.put(item)
+        for rec, kind, codes, reason, stats, audio in ready:
             if rec.state.first_audio_s is None and kind != "error":
                 rec.state.first_audio_s = now - rec.state.arrived
             if kind == "error":
-                self.outbox.put((rec, "error", stats, None, now))
+                hand(rec, "error", stats, None, now)
             else:
-                self.outbox.put((rec, kind, (codes, reason, stats, audio), reason or None, now))
+                hand(rec, kind, (codes, reason, stats, audio), reason or None, now)
         if decoding and fault is None:
             t2 = time.monotonic()
             dt = t2 - t0
@@ -617,26 +622,11 @@ class EngineService:
     # ---- the sender thread ------------------------------------------------------------------
     def _send_pass(self) -> None:
         try:
-            rec, kind, payload, outcome, put_at = self.outbox.get(timeout=self.cancel_poll_s)
+            item = self.outbox.get(timeout=self.cancel_poll_s)
         except queue.Empty:
-            rec = None
-        if rec is not None:
-            t0 = time.monotonic()
-            if kind != "error":
-                payload = self.make_response(*payload)
-            if kind == "chunk":
-                try:
-                    rec.send(payload)
-                except Exception as e:  # noqa: BLE001 - the client went away
-                    log.info("%s: request %s: response not delivered (%s); cancelling", self.name, rec.tag, e)
-                    self.engine.cancel(str(rec.iid))
-            elif kind == "final":
-                if rec.finish(payload, outcome):
-                    log.info("%s: request %s done, finish reason %s", self.name, rec.tag, outcome)
-            else:
-                if rec.fail(payload):
-                    log.warning("%s: request %s failed: %s", self.name, rec.tag, payload.wire())
-            self.sends.add(t0 - put_at, time.monotonic() - t0, self.name)
+            item = None
+        if item is not None:
+            self._deliver(*item)
         now = time.monotonic()
         if now - self._last_poll >= self.cancel_poll_s:
             self._last_poll = now
@@ -645,6 +635,25 @@ class EngineService:
                     self.engine.cancel(str(r.iid))
             if self.on_tick is not None:
                 self.on_tick(self)
+
+    def _deliver(self, rec: Tracked, kind: str, payload, outcome: str | None, put_at: float) -> None:
+        """Build one item's response and send it: a chunk, the final response or the error."""
+        t0 = time.monotonic()
+        if kind != "error":
+            payload = self.make_response(*payload)
+        if kind == "chunk":
+            try:
+                rec.send(payload)
+            except Exception as e:  # noqa: BLE001 - the client went away
+                log.info("%s: request %s: response not delivered (%s); cancelling", self.name, rec.tag, e)
+                self.engine.cancel(str(rec.iid))
+        elif kind == "final":
+            if rec.finish(payload, outcome):
+                log.info("%s: request %s done, finish reason %s", self.name, rec.tag, outcome)
+        else:
+            if rec.fail(payload):
+                log.warning("%s: request %s failed: %s", self.name, rec.tag, payload.wire())
+        self.sends.add(t0 - put_at, time.monotonic() - t0, self.name)
 
     # ---- faults and shutdown ----------------------------------------------------------------
     def unhealthy(self, reason: str) -> None:
@@ -667,3 +676,70 @@ class EngineService:
         self.engine.fail_all("shutting down")
         return self.table.fail_all(errors.shutting_down(self.name))
 
+
+
+# ---- an engine from a model's settings (slow_ar, or s2pro holding the engine: `engine_in_s2pro`) ---------------------
+def codec_here(v, device) -> bool:
+    """`codec_in_engine` as rendering decided it; a config left unrendered takes the same rule (layout.py)."""
+    if v.codec_in_engine is not None:
+        return v.codec_in_engine
+    from .layout import Layout
+
+    return Layout((str(device),), (v.codec_device or str(device),)).codec_beside_engines()
+
+
+def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2Error], Any], name: str,
+                 on_unhealthy: Callable[[str], None] | None = None,
+                 on_tick: Callable[["EngineService"], None] | None = None, fast_ar=None,
+                 device: str | None = None, direct_send: bool = False) -> EngineService:
+    """An `EngineService` built from a model's settings `v` (`settings.model_values`): the AR weights on `device`
+    (default `v.device`), the `Engine` with its KV pool and CUDA graphs, and with `codec_in_engine` the served
+    stream decoder on the same device, warmed for the chunk lengths the chunker makes and the slices held calls
+    decode. `fast_ar`: a `HostFastAR` replacing the in-process fast AR (slow_ar's fast_ar=bls)."""
+    from .checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
+
+    t0 = time.perf_counter()
+    model = load_model(v.checkpoint, device or v.device, v.dtype, weights=v.ar_weights)
+    t1 = time.perf_counter()
+    engine = Engine(model, residual_size=codec_codebook_sizes(v.checkpoint)[1], max_batch=v.max_batch,
+                    max_seq_len=v.max_seq_len, kv_cache_tokens=v.kv_cache_tokens, kv_block_tokens=v.kv_block_tokens,
+                    fast_ar=fast_ar, prefix_cache_bytes=v.prefix_cache_mb << 20,
+                    max_prefill_tokens=v.max_prefill_tokens, cuda_graphs=v.cuda_graphs,
+                    batch_invariant=v.batch_invariant, admit_every=v.admit_every_steps)
+    t2 = time.perf_counter()
+    codec = _engine_codec(v, engine, name) if codec_here(v, engine.device) else None
+    t3 = time.perf_counter()
+    service = EngineService(engine, make_response, make_error, name=name, limit=v.max_batch + v.max_queued_requests,
+                            on_unhealthy=on_unhealthy, on_tick=on_tick,
+                            frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
+                            codec=codec, codec_batch_steps=v.codec_batch_steps, load_chunk_frames=v.load_chunk_frames,
+                            direct_send=direct_send)
+    log.info("%s ready in %.1f s (weights %.1f s, engine and its CUDA graphs %.1f s, codec %.1f s; the GPU kernels' "
+             "first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d "
+             "kv_cache=%d tokens in blocks of %d cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s "
+             "adaptive_chunks=%s codec_in_engine=%s", name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device,
+             engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len, engine.kv_capacity_tokens,
+             engine.blocks.block_size, sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20,
+             engine.batch_invariant, v.adaptive_chunks, codec is not None)
+    return service
+
+
+def _engine_codec(v, engine: Engine, name: str):
+    """The served stream decoder (`codec_stream.open_stream_decoder`) on the engine's device, warmed for the chunk
+    lengths the chunker makes and the slices held calls decode (`codec_batch_steps`, and twice that for a stream
+    catching up), at up to max_batch streams per call."""
+    import torch
+
+    from .codec_stream import open_stream_decoder
+
+    t0 = time.monotonic()
+    torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
+    # streams open here: the live requests, and a long text's stream between two of its segments
+    slots = min(v.codec_max_streams, 2 * v.max_batch)
+    decoder, dtype, graphs = open_stream_decoder(v.checkpoint, engine.device, v.codec_dtype, slots,
+                                                 v.codec_idle_timeout_s,
+                                                 EngineService.codec_lengths(v.first_chunk_frames, v.chunk_frames,
+                                                                             v.codec_batch_steps), v.max_batch)
+    log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s", name, dtype,
+             " (fp32 fallback)" if decoder.fallback is not None else "", slots, graphs, time.monotonic() - t0)
+    return decoder

@@ -74,6 +74,10 @@ class Downstream(Protocol):
     def reload(self, model: str) -> None:
         """Unload and load `model` again (raises if the server does not allow it)."""
 
+    def holds(self, model: str) -> bool:
+        """`model` runs inside this process (`local_engine.LocalEngines`): it is never reloaded on its own; its
+        fault unloads this process's model instead. Optional (default: False)."""
+
 
 class Cancelled(Exception):
     pass
@@ -556,6 +560,8 @@ class TTSService:
         (auto_recover) reload it. Not when it is being shut down (param "shutdown"), nor while this one is."""
         if self.stop.is_set() or param == errors.SHUTDOWN:
             return
+        if getattr(self.down, "holds", lambda m: False)(model):  # its requests end with its own fault, and its
+            return  # fault unloads this model (on_unhealthy): nothing to reload from here
         if not force and not (errors.model_is_dead(reason) or not self.down.is_ready(model)):
             return  # busy: that request alone failed
         with self._lock:

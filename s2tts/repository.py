@@ -52,6 +52,8 @@ def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REP
               **{n: {"codec_device": d} for n, d in layout.models(DECODER)},
               "fast_ar": {"device": layout.engines[0]}, ENCODER: {"codec_device": layout.codecs[0]}}
     targets = [(name, name) for name in models] + [(role_of(n), n) for n in layout.replica_models() if role_of(n) in models]
+    if values["engine_in_s2pro"] == "true":  # s2pro holds the engine: no slow_ar model
+        targets = [(t, n) for t, n in targets if t != ENGINE]
     if dst.exists():
         shutil.rmtree(dst)
     for template, name in targets:
@@ -296,7 +298,9 @@ def validate_repository(repo: str | Path, manifest: dict | None = None, referenc
     if "s2pro" in configs:
         try:
             layout = Layout.from_values(params["s2pro"])
-            callees = [ENCODER] + [n for role in (ENGINE, DECODER) for n, _ in layout.models(role)]
+            in_s2pro = params["s2pro"].get("engine_in_s2pro") == "true"  # then it holds the engine itself
+            callees = [ENCODER] + [n for role in (ENGINE, DECODER) if not (role == ENGINE and in_s2pro)
+                                   for n, _ in layout.models(role)]
         except Exception as e:  # noqa: BLE001 - S2Error: a bad device list
             problems.append(f"s2pro: {e}")
             callees = [ENGINE, DECODER, ENCODER]

@@ -101,8 +101,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("codec_device", str, None, ("dac_encoder", "dac_decoder", "s2pro", "slow_ar"), "where the codec runs, e.g. `cuda:1`; "
             "a list gives one decoder per entry, engine i using decoder i mod their number (default: each engine's "
             "codec beside it)", derived_from="device"),
-    Setting("dtype", str, "bf16", ("slow_ar", "fast_ar"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
-    Setting("ar_weights", str, "dtype", ("slow_ar",), "`dtype`: the AR matrices as `dtype`; `fp8`: slow_ar's "
+    Setting("dtype", str, "bf16", ("slow_ar", "fast_ar", "s2pro"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
+    Setting("ar_weights", str, "dtype", ("slow_ar", "s2pro"), "`dtype`: the AR matrices as `dtype`; `fp8`: slow_ar's "
             "layers' matrices (both ARs; the `fast_ar` model of fast_ar=bls keeps `dtype`; embeddings, norms and heads "
             "stay) in FP8 e4m3 with a scale per output row: decode steps multiply in the Triton kernel with the weight "
             "widened in registers, prompt passes of over 256 rows in cuBLAS's FP8 product. Half the weight bytes; "
@@ -111,42 +111,42 @@ SETTINGS: tuple[Setting, ...] = (
             "kernel is slower than cuBLAS in bf16, 10.5 against 9.7 ms a step with its wide tiling, 12.0 before; "
             "perf/RESULTS.md): a setting for latency. Its effect on the real "
             "weights' speech is not measured here", choices=("dtype", "fp8")),
-    Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar"), "codec precision; `auto`: fp16 for the "
+    Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "codec precision; `auto`: fp16 for the "
             "decoder on a GPU (1.0% audio error, 1.5x TF32's speed; a chunk that overflows is decoded again in fp32 "
             "and its stream stays fp32), fp32 for the encoder and on a CPU. `fp32` is the exact one",
             choices=("auto", "fp32", "fp16", "bf16")),
-    Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder", "slow_ar"), "let cuDNN use TF32 for the fp32 codec on GPUs "
+    Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "let cuDNN use TF32 for the fp32 codec on GPUs "
             "(about 2x faster at batch 32-64)"),
-    Setting("max_batch", int, 8, ("slow_ar",), "live requests decoded together (KV-cache slots)", min=1, max=1024),
+    Setting("max_batch", int, 8, ("slow_ar", "s2pro"), "live requests decoded together (KV-cache slots)", min=1, max=1024),
     Setting("max_seq_len", int, 4096, ("slow_ar", "s2pro"), "tokens per request (prompt + frames); a request holds KV "
             "memory only for the tokens it has (`kv_cache_tokens`)", min=64, max=32768),
-    Setting("kv_cache_tokens", int, None, ("slow_ar",), "the KV cache's size in tokens, shared by all requests in "
+    Setting("kv_cache_tokens", int, None, ("slow_ar", "s2pro"), "the KV cache's size in tokens, shared by all requests in "
             "blocks (147 KB a token on the full-size model); a request holds the blocks of the tokens it has. When "
             "running requests outgrow it the one admitted last pauses and resumes where it stopped (unset: "
             "max_batch x 2048, at least max_seq_len)", min=64),
-    Setting("kv_block_tokens", int, 32, ("slow_ar",), "tokens per KV-cache block; 0 = one block of max_seq_len per "
+    Setting("kv_block_tokens", int, 32, ("slow_ar", "s2pro"), "tokens per KV-cache block; 0 = one block of max_seq_len per "
             "request (the unpaged slot layout)", min=0, max=32768),
-    Setting("max_queued_requests", int, 64, ("slow_ar",), "requests waiting for a KV slot; more are refused at once "
+    Setting("max_queued_requests", int, 64, ("slow_ar", "s2pro"), "requests waiting for a KV slot; more are refused at once "
             "with `unavailable`", min=0, max=100000),
     Setting("fast_ar", str, "inprocess", ("slow_ar",), "`inprocess`, or `bls` (call the `fast_ar` model per frame)",
             choices=("inprocess", "bls")),
     Setting("fast_ar_max_batch", int, None, ("fast_ar",), "rows the `fast_ar` model takes per request; must be at "
             "least `max_batch` when fast_ar=bls", min=1, max=1024, derived_from="max_batch"),
-    Setting("prefix_cache_mb", int, 512, ("slow_ar",), "KV cache of voice prefixes (system turn + reference codes), "
+    Setting("prefix_cache_mb", int, 512, ("slow_ar", "s2pro"), "KV cache of voice prefixes (system turn + reference codes), "
             "reused by later requests of that voice; 0 = off", min=0),
-    Setting("max_prefill_tokens", int, 512, ("slow_ar",), "prompt tokens an engine step adds to the running "
+    Setting("max_prefill_tokens", int, 512, ("slow_ar", "s2pro"), "prompt tokens an engine step adds to the running "
             "streams' pass over the weights (chunked prefill: a longer prompt takes several steps); bounds how much "
             "arrivals lengthen a step, and sets the largest captured pass (`max_batch` + this many rows)", min=16,
             max=8192),
-    Setting("admit_every_steps", int, 1, ("slow_ar",), "while streams are decoding, new requests join the batch only "
+    Setting("admit_every_steps", int, 1, ("slow_ar", "s2pro"), "while streams are decoding, new requests join the batch only "
             "every this many steps, so that their prefills run together (one pass over the weights for several "
             "prompts); each waits at most that many steps more for its first audio", min=1, max=64),
-    Setting("adaptive_chunks", bool, True, ("slow_ar",), "later chunks grow from `first_chunk_frames` to "
+    Setting("adaptive_chunks", bool, True, ("slow_ar", "s2pro"), "later chunks grow from `first_chunk_frames` to "
             "`chunk_frames` only as fast as playback allows at the measured pace (the slower of slow_ar's step and the "
             "whole pipeline's, reported by s2pro), and under load the first chunk grows to the next chunk length that "
             "covers the second's making, so a stream played from its first chunk does not run dry; false: the first "
             "chunk is `first_chunk_frames` and every later one `chunk_frames`"),
-    Setting("load_chunk_frames", int, 8, ("slow_ar",), "with `adaptive_chunks`, under load (from a measured pace of "
+    Setting("load_chunk_frames", int, 8, ("slow_ar", "s2pro"), "with `adaptive_chunks`, under load (from a measured pace of "
             "0.35 s of work a second of audio, c=64 on one H100 but not c=16, until its one-second average falls below "
             "0.28) a stream's first chunk is at least "
             "this many frames (rounded up to a chunk length), so that more audio is in hand while the next is made; "
@@ -154,23 +154,29 @@ SETTINGS: tuple[Setting, ...] = (
             "(perf/RESULTS.md)", min=0, max=4096),
     Setting("stream_idle_timeout_s", float, 60.0, ("slow_ar",), "a stream whose reader (s2pro) takes none of its "
             "responses for this long is cancelled and dropped", min=1),
-    Setting("batch_invariant", bool, False, ("slow_ar",), "a seeded request gives the same codes alone and beside "
+    Setting("batch_invariant", bool, False, ("slow_ar", "s2pro"), "a seeded request gives the same codes alone and beside "
             "any others: on a GPU every matrix product goes through a row-invariant kernel (free at one stream, +16% "
             "a step at 64); on a CPU steps run at one padded shape (perf/RESULTS.md)"),
-    Setting("codec_in_engine", bool, None, ("slow_ar", "dac_decoder"), "decode audio in slow_ar's own loop: after "
+    Setting("codec_in_engine", bool, None, ("slow_ar", "dac_decoder", "s2pro"), "decode audio in slow_ar's own loop: after "
             "each step, the chunks all streams finished go through the codec in batched calls and leave with their "
             "codes, with no round trip to `dac_decoder` per chunk (which then serves direct callers only, eagerly, "
             "without its stream pool, and loads its codec on the first such request). `auto`: on when every engine runs on a GPU with its codec on that same device "
             "(one GPU: the AR and the codec share it either way); off on a CPU (separate processes use more cores), "
             "with `codec_device` elsewhere, and with backend=tensorrt/onnxruntime (their codec is the `dac_decoder` "
             "model)", auto=True),
-    Setting("codec_batch_steps", int, 8, ("slow_ar",), "with codec_in_engine, under load (the pace of "
+    Setting("codec_batch_steps", int, 8, ("slow_ar", "s2pro"), "with codec_in_engine, under load (the pace of "
             "`load_chunk_frames`) the codec decodes every stream's new frames together once every this many engine "
             "steps, in slices of this many frames: one codec call of one length for all streams, a chunk leaving once "
             "its frames are decoded (up to about twice this many steps later); best equal to `load_chunk_frames`. At a lighter "
             "load, and with 1, each chunk is decoded as soon as it is complete", min=1, max=64),
-    Setting("cuda_graphs", bool, None, ("slow_ar",), "CUDA graphs for the decode step; on by default on a GPU",
+    Setting("cuda_graphs", bool, None, ("slow_ar", "s2pro"), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
+    Setting("engine_in_s2pro", bool, False, ("s2pro",), "run the engine (and its codec, with `codec_in_engine`) in "
+            "s2pro's own process: a chunk crosses processes twice between the engine and the client instead of six "
+            "times, and no `slow_ar` model is loaded. One engine only (one `device`), with fast_ar=inprocess. A fault "
+            "that makes the engine unhealthy unloads s2pro (restart the server or load s2pro again) instead of "
+            "s2pro reloading slow_ar. Off by default: on one H100 at c=64 it served 12% fewer audio-s/s (145 against "
+            "164-171: s2pro's per-request Python shares the engine thread's GIL; c=1 unchanged; perf/RESULTS.md)"),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once; more are refused at "
             "once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
     Setting("first_chunk_frames", int, 4, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk (1 frame = 2048 "
@@ -198,14 +204,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("auto_recover", bool, True, ("s2pro",), "reload a model of the pipeline whose process died or that "
             "reported an unrecoverable fault (needs --model-control-mode=explicit, which this project's launcher "
             "uses)"),
-    Setting("codec_max_streams", int, 256, ("dac_decoder", "slow_ar"), "decoder states held in one pool on the codec's "
+    Setting("codec_max_streams", int, 256, ("dac_decoder", "slow_ar", "s2pro"), "decoder states held in one pool on the codec's "
             "device (4.4 MB a stream in fp16); on a GPU each batch of the default chunk lengths runs as a CUDA graph, "
             "captured at start. Streams beyond it run eagerly on their own state; 0 = no pool (slow_ar with "
             "codec_in_engine: at most 2 x max_batch)", min=0, max=4096),
     Setting("codec_queue_delay_us", int, 3000, ("dac_decoder",), "how long dac_decoder's batcher waits for chunks of "
             "other streams to decode them together (microseconds): longer makes bigger batches under load",
             min=0, max=1000000),
-    Setting("codec_idle_timeout_s", float, 600.0, ("dac_decoder", "slow_ar"), "decoder state of a stream that sends no chunk "
+    Setting("codec_idle_timeout_s", float, 600.0, ("dac_decoder", "slow_ar", "s2pro"), "decoder state of a stream that sends no chunk "
             "for this long is dropped", min=1),
 )
 SCHEMA: dict[str, Setting] = {s.key: s for s in SETTINGS}
@@ -242,9 +248,9 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
     if out["kv_cache_tokens"] is None:
         out["kv_cache_tokens"] = max(out["max_seq_len"], out["max_batch"] * 2048)
     check_rules(out)
-    if out["codec_in_engine"] is None:  # decided here, so that slow_ar and dac_decoder agree
-        from .layout import Layout
+    from .layout import Layout
 
+    if out["codec_in_engine"] is None:  # decided here, so that slow_ar and dac_decoder agree
         out["codec_in_engine"] = Layout.from_values(out).codec_beside_engines()
     return out
 
@@ -264,6 +270,10 @@ def check_rules(v: dict[str, Any]) -> None:
     need(v["fast_ar"] != "bls" or layout.replicas == 1,
          f"fast_ar=bls runs one fast_ar model, but device={v['device']} asks for {layout.replicas} engines: use "
          "fast_ar=inprocess (the default) with several devices", "fast_ar")
+    need(not v["engine_in_s2pro"] or (layout.replicas == 1 and v["fast_ar"] == "inprocess"),
+         f"engine_in_s2pro=true holds one engine in s2pro's process with its fast AR: it needs one device (device="
+         f"{v['device']}) and fast_ar=inprocess (fast_ar={v['fast_ar']}); leave engine_in_s2pro unset or false",
+         "engine_in_s2pro")
     need(v["first_chunk_frames"] <= v["max_chunk_frames"] and v["chunk_frames"] <= v["max_chunk_frames"],
          f"first_chunk_frames={v['first_chunk_frames']} and chunk_frames={v['chunk_frames']} must be at most "
          f"max_chunk_frames={v['max_chunk_frames']}", "chunk_frames")

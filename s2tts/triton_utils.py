@@ -317,13 +317,18 @@ class Metrics:
     histograms); a no-op where it is missing. Observations for histograms are buffered (`observe`, from any
     thread) and sent by `flush`, from the model's reporting thread: a request never waits on the metrics IPC."""
 
-    def __init__(self, model: str):
+    def __init__(self, model: str, families_of: "Metrics | None" = None):
+        """`families_of`: another `Metrics` of this process whose families these series join (a family is made once
+        per process: s2pro holding the engine reports it under the engine's model name)."""
         self.model = model
         self._families: dict = {}
         self._metrics: dict = {}
         self._last: dict = {}
         self._pending: list = []  # (name, value, labels) waiting for flush
         self._lock = threading.Lock()
+        if families_of is not None:
+            self._families = families_of._families
+            return
         try:
             import os
 
@@ -381,6 +386,29 @@ class Metrics:
                 self._last[key] = value
             except Exception:  # noqa: BLE001
                 pass
+
+    def report_engine(self, service, streams_open: int | None = None) -> None:
+        """An `engine_service.EngineService`'s numbers: its requests, the engine's slots, KV cache, preemptions and
+        prefix cache, its step time, and its codec's when it decodes in the engine's loop."""
+        engine = service.engine
+        counts = engine.counts()
+        self.report_table(service.table)
+        if streams_open is not None:
+            self.set("s2tts_engine_streams_open", streams_open)
+        self.set("s2tts_engine_requests_waiting", counts["waiting"])
+        self.set("s2tts_engine_slots_used", counts["live"])
+        self.set("s2tts_engine_slots_total", engine.max_batch)
+        self.set("s2tts_engine_kv_tokens", counts["kv_tokens"])
+        self.set("s2tts_engine_kv_capacity_tokens", engine.kv_capacity_tokens)
+        self.set("s2tts_engine_kv_blocks_used", counts["kv_blocks_used"])
+        self.count_to("s2tts_engine_preemptions_total", counts["preemptions"])
+        self.count_to("s2tts_engine_prefix_cache_hits_total", engine.prefix_cache.hits)
+        self.count_to("s2tts_engine_prefix_cache_misses_total", engine.prefix_cache.misses)
+        if service.step_s is not None:
+            self.set("s2tts_engine_step_seconds", round(service.step_s, 4))
+        if service.codec is not None:  # codec_in_engine: the codec's metrics, under the engine's model name
+            self.report_codec(service.codec)
+            self.flush()
 
     def report_codec(self, decoder) -> None:
         """A `codec_stream.StreamDecoder`'s numbers: streams open, chunks redone in fp32, and the batch size of every

@@ -302,11 +302,13 @@ def quiet(h: FakeTriton, timeout=30) -> dict:
     import time
 
     deadline = time.time() + timeout
-    slow, s2 = h.models["slow_ar"].service, h.models["s2pro"].service
+    s2 = h.models["s2pro"].service
+    # the engine: slow_ar's, or the one s2pro holds (engine_in_s2pro), which has no pull streams
+    slow = h.models["slow_ar"].service if "slow_ar" in h.models else h.models["s2pro"].downstream.services["slow_ar"]
     dec = h.models["dac_decoder"].decoder
     while time.time() < deadline:
         counts = slow.engine.counts()
-        streams = h.models["slow_ar"].streams.sweep()
+        streams = h.models["slow_ar"].streams.sweep() if "slow_ar" in h.models else 0
         codec_states = [*(dec.states if dec is not None else ()), *(slow.codec.states if slow.codec is not None else ())]
         if not len(slow.table) and not len(s2.table) and counts["live"] == counts["waiting"] == 0 and not codec_states \
                 and not streams:

@@ -127,3 +127,39 @@ def assert_together_as_alone(server, texts, seeds, max_new_tokens=20):
         np.testing.assert_array_equal(a.codes, b.codes)
         np.testing.assert_allclose(a.audio, b.audio, atol=2e-4, rtol=0)
     return alone
+
+
+KILLED_CLIENT = """
+import sys
+from s2tts.client import S2ProClient, TTSInput
+c = S2ProClient(sys.argv[1])
+for ev in c.stream(TTSInput(text="A client that dies part way through.", seed=5, max_new_tokens=400, ignore_eos=True,
+                            first_chunk_frames=2, chunk_frames=2), request_id=sys.argv[2]):
+    print("chunk", flush=True)
+    break
+input()  # wait, connection open, for the kill
+"""
+
+
+def assert_killed_client_is_cancelled(server, rid: str) -> None:
+    """A client process killed while it streams (its connection drops, nothing cancelled): s2pro must log the
+    request cancelled by the client before its 400 frames, and a next request must complete."""
+    from s2tts.client import S2ProClient, TTSInput
+
+    p = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, server.grpc_url, rid], stdout=subprocess.PIPE,
+                         stdin=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "chunk"
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline and f"cancelled by the client ({rid}" not in server.log_tail(400):
+        time.sleep(0.2)
+    log = server.log_tail(400)
+    line = next((x for x in log.splitlines() if f"cancelled by the client ({rid}" in x), "")
+    frames = int(line.split("after ")[1].split(" frames")[0]) if line else None
+    assert frames is not None and frames < 400, log[-3000:]
+    with S2ProClient(server.grpc_url) as c:
+        res = c.synthesize(TTSInput(text="The next request completes.", seed=4, max_new_tokens=10))
+    assert res.stats["finish_reason"] in ("end", "length")

@@ -1,12 +1,15 @@
-"""codec_in_engine through a real tritonserver (tiny checkpoint, CPU): slow_ar decodes the audio in its own loop and
-s2pro never calls dac_decoder; the streamed audio is the offline CLI's, a dialogue spoken in several segments is one
-seamless decode through one codec stream, concurrent streams match their solo runs, and every codec stream is closed
-after a cancel."""
+"""A GPU's default pipeline through a real tritonserver (tiny checkpoint, CPU): codec_in_engine, slow_ar decoding the
+audio in its own loop, s2pro never calling dac_decoder: the streamed audio is the offline CLI's, a dialogue spoken in
+several segments is one seamless decode through one codec stream, concurrent streams match their solo runs, and
+every codec stream is closed after a cancel. Beside it the same with engine_in_s2pro (s2pro holds the engine, no
+slow_ar model): a chunk crosses processes twice between the engine and the client, and a killed client frees its
+request. Both servers must stop cleanly after all of it."""
 
 import json
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -20,13 +23,25 @@ ROOT = Path(__file__).resolve().parents[1]
 FRAME = 2048
 
 
-@pytest.fixture(scope="module")
-def server(tiny_ckpt, tmp_path_factory):
+def _serve(tiny_ckpt, tmp_path_factory, **settings):
     from servers import tiny_server
 
     with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("triton_codec_in_engine"), max_batch=8, max_seq_len=2048,
-                     chunk_frames=8, codec_in_engine="true") as s:
+                     chunk_frames=8, codec_in_engine="true", **settings) as s:
         yield s
+    # stopped: s2pro (and the engine, where it holds it) unloaded within the stop's grace, whatever the tests did
+    log = s.log_path.read_text(errors="replace")
+    assert "successfully unloaded 's2pro'" in log, log[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt, tmp_path_factory):
+    yield from _serve(tiny_ckpt, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def in_s2pro(tiny_ckpt, tmp_path_factory):
+    yield from _serve(tiny_ckpt, tmp_path_factory, engine_in_s2pro="true")
 
 
 def synth(server, **kw):
@@ -150,3 +165,49 @@ def test_dac_decoder_loads_its_codec_on_the_first_direct_request(server, tiny_ck
     audio = np.concatenate(got)
     assert audio.shape == want.shape == (6 * FRAME,)
     assert np.abs(audio - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+
+
+def _calls(m: dict, call: str) -> int:
+    """How many of s2pro's calls out of its process of one kind its metrics have counted."""
+    return int(sum(v for k, v in m.items() if k.startswith("s2tts_pipeline_call_seconds_count")
+                   and f'call="{call}"' in k and 'model="s2pro"' in k))
+
+
+def test_the_engine_in_s2pro_and_a_chunk_crosses_processes_twice(in_s2pro):
+    """engine_in_s2pro: no slow_ar model; s2pro's log says it holds the engine; a request's chunks make no call out
+    of s2pro but their responses: 2 process crossings a chunk between the engine and the client (s2pro ->
+    tritonserver -> client), where through slow_ar each chunk is also a BLS call (4 more; tests/test_triton.py
+    counts those)."""
+    server = in_s2pro
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(f"{server.http_url}/v2/models/slow_ar/ready", timeout=5)
+    log = server.log_path.read_text(errors="replace")
+    assert "[s2tts:s2pro] INFO slow_ar ready in" in log and "codec_in_engine=True" in log
+    before = read_metrics(server.metrics_url)
+    res = synth(server, text="Count the crossings of every chunk.", seed=6, max_new_tokens=20, ignore_eos=True,
+                first_chunk_frames=2, chunk_frames=4)
+    chunks = len(res.chunks)
+    assert res.stats["frames"] == 20 and chunks >= 2
+    deadline = time.monotonic() + 10
+    while True:  # the send of the final response is observed after it went
+        m = read_metrics(server.metrics_url)
+        sends = _calls(m, "send") - _calls(before, "send")
+        if sends >= chunks + 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sends == chunks + 1  # each chunk's response and the final one: 2 crossings each
+    outside = {k for k in m if k.startswith("s2tts_pipeline_call_seconds_count") and 'model="s2pro"' in k
+               and 'call="send"' not in k and m[k] > before.get(k, 0)}
+    assert not outside, outside  # no BLS call for this request: no slow_ar, no dac_decoder, no dac_encoder
+    assert _gauge(server, "s2tts_engine_slots_total", "slow_ar") == 8  # the engine's metrics, from s2pro's process
+
+
+def test_a_killed_client_frees_the_engine_in_s2pro(in_s2pro):
+    from servers import assert_killed_client_is_cancelled
+
+    server = in_s2pro
+    assert_killed_client_is_cancelled(server, "killed-in-process")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _gauge(server, "s2tts_engine_slots_used", "slow_ar") != 0:
+        time.sleep(0.2)
+    assert _gauge(server, "s2tts_engine_slots_used", "slow_ar") == 0

@@ -37,6 +37,25 @@ def test_device_lists():
     assert two.preferred("a voice") == two.preferred("a voice")
 
 
+def test_engine_in_s2pro_renders_no_slow_ar_and_needs_one_engine(tiny_ckpt, tmp_path):
+    """engine_in_s2pro: rendering leaves slow_ar out (s2pro holds the engine, with the engine's settings in its own
+    config) and the repository validates; several engines, or fast_ar=bls, are refused naming the setting."""
+    from s2tts import settings as S
+    from s2tts.repository import render_repository, validate_repository
+
+    base = {"checkpoint": str(tiny_ckpt), "device": "cpu"}
+    repo = render_repository(tmp_path / "in", {**base, "engine_in_s2pro": "true", "max_batch": "5"})
+    assert not (repo / "slow_ar").exists() and (repo / "s2pro").is_dir()
+    assert validate_repository(repo) == []
+    cfg = (repo / "s2pro" / "config.pbtxt").read_text()
+    assert 'key: "max_batch" value { string_value: "5" }' in cfg and 'key: "engine_in_s2pro" value { string_value: "true" }' in cfg
+    assert (render_repository(tmp_path / "out", base) / "slow_ar").is_dir()  # the default: slow_ar, its own process
+    for bad in ({"device": "cpu,cpu"}, {"fast_ar": "bls"}):
+        with pytest.raises(S2Error) as ei:
+            S.resolve({**base, "engine_in_s2pro": "true", **bad})
+        assert ei.value.param == "engine_in_s2pro" and "engine_in_s2pro" in ei.value.message
+
+
 def test_codec_in_engine_is_decided_once_from_the_layout(tiny_ckpt):
     """auto: on when every engine has its codec on its own GPU; the rendered value is what slow_ar and dac_decoder
     both read (so dac_decoder knows to skip its stream pool)."""

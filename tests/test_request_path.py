@@ -235,7 +235,7 @@ def test_no_client_id_names_a_stream_downstream(harness_factory):
 def test_a_callers_codec_stream_never_meets_slow_ars_own(harness_factory):
     """With the codec in slow_ar's loop, a request that names no codec stream gets one of slow_ar's own; a caller's
     stream named exactly like it is another stream: both requests decode their own audio, side by side."""
-    h = harness_factory(codec_in_engine="true")
+    h = harness_factory(codec_in_engine="true", engine_in_s2pro="false")  # slow_ar as its own model
     slow = h.models["slow_ar"].service
     assert slow.codec is not None
     inputs = slow_ar_inputs(h, max_new_tokens=np.array([12], np.int32))

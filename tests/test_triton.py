@@ -126,68 +126,41 @@ def test_cancel_mid_stream(triton_server):
 
 
 
-KILLED_CLIENT = """
-import sys
-from s2tts.client import S2ProClient, TTSInput
-c = S2ProClient(sys.argv[1])
-for ev in c.stream(TTSInput(text="A client that dies part way through.", seed=5, max_new_tokens=400, ignore_eos=True,
-                            first_chunk_frames=2, chunk_frames=2), request_id=sys.argv[2]):
-    print("chunk", flush=True)
-    break
-input()  # wait, connection open, for the kill
-"""
-
-
 def test_a_client_killed_mid_stream_frees_its_request(triton_server):
     """A client process killed while it streams (its connection drops, nothing cancelled): s2pro sees the stream
     cancelled, ends the request and frees the engine's slot, long before its 400 frames."""
-    rid = "killed-client-7"
-    p = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, triton_server.grpc_url, rid], stdout=subprocess.PIPE,
-                         stdin=subprocess.PIPE, text=True)
-    try:
-        assert p.stdout.readline().strip() == "chunk"
-    finally:
-        p.kill()
-        p.wait()
+    from servers import assert_killed_client_is_cancelled
+
+    assert_killed_client_is_cancelled(triton_server, "killed-client-7")
+
+
+def test_close_with_cancel_cancels_only_a_request_in_flight(triton_server, monkeypatch):
+    """`S2ProClient.close(cancel=True)` (perf/soak.py after every request, the tests' clients) sends a cancel only
+    for a request still in flight. A cancel for a stream whose request had already ended races Triton 24.10's gRPC
+    frontend and keeps s2pro from unloading: 30 such streams from a worker thread, then a stop, waited the stop's
+    whole grace and never ran s2pro's `finalize` (perf/RESULTS.md, fourteenth session)."""
+    import tritonclient.grpc as grpcclient
+
+    asked = []
+    stop = grpcclient.InferenceServerClient.stop_stream
+    monkeypatch.setattr(grpcclient.InferenceServerClient, "stop_stream",
+                        lambda self, cancel_requests=False: (asked.append(cancel_requests), stop(self, cancel_requests))[1])
+    ended = S2ProClient(triton_server.grpc_url)
+    events = list(ended.stream(TTSInput(text="hello there friend", seed=1, max_new_tokens=8, ignore_eos=True)))
+    assert isinstance(events[-1], Final) and events[-1].stats["frames"] == 8
+    ended.close(cancel=True)  # ended: nothing to cancel
+    assert asked == [False]
+    live = S2ProClient(triton_server.grpc_url)
+    stream = live.stream(TTSInput(text="hello there friend", seed=2, max_new_tokens=400, ignore_eos=True,
+                                  first_chunk_frames=2, chunk_frames=2), request_id="closed-in-flight")
+    assert isinstance(next(stream), AudioChunk)
+    live.close(cancel=True)  # in flight: cancelled
+    assert asked == [False, True]
     deadline = time.time() + 30
-    while time.time() < deadline and f"cancelled by the client ({rid}" not in triton_server.log_tail(400):
+    while time.time() < deadline and "cancelled by the client (closed-in-flight" not in triton_server.log_tail(400):
         time.sleep(0.2)
-    log = triton_server.log_tail(400)
-    line = next((x for x in log.splitlines() if f"cancelled by the client ({rid}" in x), "")
-    frames = int(line.split("after ")[1].split(" frames")[0]) if line else None
-    assert frames is not None and frames < 400, log[-3000:]
-    res = synth(triton_server, text="The next request completes.", seed=4, max_new_tokens=10)
-    assert res.stats["finish_reason"] in ("end", "length")
+    assert "cancelled by the client (closed-in-flight" in triton_server.log_tail(400)
 
-
-def test_closing_ended_streams_with_cancel_lets_the_server_stop(tiny_ckpt, tmp_path):
-    """Clients that close each finished stream with `close(cancel=True)` (as perf/soak.py does after every request),
-    from a worker thread: the server still unloads s2pro when it stops. A cancel sent for a request that had already
-    ended left s2pro unable to unload on Triton 24.10 (its `finalize` never ran; the stop waited its whole grace):
-    `S2ProClient.close` sends a cancel only for a request still in flight."""
-    from servers import tiny_server
-
-    with tiny_server(tiny_ckpt, tmp_path / "server", max_batch=8, max_seq_len=4096, chunk_frames=8) as server:
-        ended = []
-
-        def work():
-            for i in range(30):
-                c = S2ProClient(server.grpc_url)
-                try:
-                    events = list(c.stream(TTSInput(text="hello there friend", seed=i, max_new_tokens=20,
-                                                    ignore_eos=True, first_chunk_frames=2, chunk_frames=4),
-                                           request_id=f"ended-{i}"))
-                    ended.append(isinstance(events[-1], Final) and events[-1].stats["frames"] == 20)
-                finally:
-                    c.close(cancel=True)
-                    c.client.close()
-
-        t = threading.Thread(target=work)
-        t.start()
-        t.join(240)
-        assert ended == [True] * 30
-    log = server.log_path.read_text(errors="replace")
-    assert "successfully unloaded 's2pro'" in log, log[-3000:]
 
 BAD = [  # (inputs, the input the error names, words of its message)
     (dict(text=""), "text", "text is empty"),

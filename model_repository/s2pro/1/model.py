@@ -1,5 +1,10 @@
 """s2pro: the decoupled BLS model clients call.
 
+With `engine_in_s2pro` (opt-in, one engine) this process also holds the engine (`s2tts.local_engine`):
+generation makes no BLS call, and there is no slow_ar model. Not the default: on one H100 at c=64 it
+served 12% fewer audio-s/s than the BLS path (this process's requests then share the engine thread's
+GIL; perf/RESULTS.md).
+
 text (+ reference audio or codes + transcript) -> prompt -> `slow_ar` stream of frames
 -> `dac_decoder` (stateful per stream, so chunks join without seams) -> audio responses
 (or, with codec_in_engine, slow_ar's chunks arrive with their audio: no dac_decoder call),
@@ -23,7 +28,9 @@ import triton_python_backend_utils as pb_utils
 from s2tts import errors, settings
 from s2tts import triton_utils as tu
 from s2tts.config import S2Config
-from s2tts.engine_service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields
+from s2tts.engine_service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, serve_engine
+from s2tts.layout import ENGINE
+from s2tts.local_engine import LocalEngines, local_error, local_response
 from s2tts.orchestrator import TTSService
 from s2tts.prompt import PromptBuilder
 from s2tts.service import CallTimes, Limits, TTSRequest
@@ -153,9 +160,22 @@ class TritonPythonModel:
         # log line every 10 s)
         self.times = CallTimes("s2pro", self.log.info,
                                observe=lambda call, s: self.metrics.observe("s2tts_pipeline_call_seconds", s, call=call))
-        self.service = TTSService(BLSDownstream(self.s2.num_codebooks, self.times, v.request_timeout_s), PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
+        downstream = BLSDownstream(self.s2.num_codebooks, self.times, v.request_timeout_s)
+        self.engine_metrics = None
+        if v.engine_in_s2pro:  # the engine in this process (rendering left slow_ar out): no BLS call per chunk
+            self.engine_metrics = tu.Metrics(ENGINE, families_of=self.metrics)
+            if v.codec_in_engine:
+                self.engine_metrics.declare("s2tts_codec_batch_size")
+            engine = serve_engine(v, local_response, local_error, ENGINE, on_unhealthy=self._unhealthy,
+                                  on_tick=self.engine_metrics.report_engine, direct_send=True)
+            downstream = LocalEngines({ENGINE: engine}, downstream)
+        self.downstream = downstream
+        self.service = TTSService(downstream, PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
                                   self._chunk_response, self._final_response, tu.s2_error_response,
-                                  on_tick=self._report, on_unhealthy=lambda reason: tu.unload_self("s2pro", self.log))
+                                  on_tick=self._report, on_unhealthy=self._unhealthy)
+
+    def _unhealthy(self, reason):
+        tu.unload_self("s2pro", self.log)
 
     def _report(self, svc):
         self.metrics.report_table(svc.table)
@@ -231,4 +251,7 @@ class TritonPythonModel:
         n = self.service.shutdown()
         if n:
             self.log.info("s2pro: %d requests in flight ended at shutdown", n)
+        if isinstance(self.downstream, LocalEngines):
+            self.downstream.shutdown()
+            self.engine_metrics.close()
         self.metrics.close()

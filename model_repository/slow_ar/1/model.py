@@ -18,18 +18,14 @@ and every answer carries its chunk's audio, decoded in the engine's loop (`Engin
 
 import itertools
 import json
-import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from s2tts import errors, settings
 from s2tts import triton_utils as tu
-from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
-from s2tts.codec_stream import open_stream_decoder
-from s2tts.engine import Engine, HostFastAR
-from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, EngineService, encode_fields
-from s2tts.layout import Layout
+from s2tts.engine import HostFastAR
+from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, encode_fields, serve_engine
 from s2tts.lifecycle import PullStreams
 from s2tts.prompt import Prompt
 
@@ -56,72 +52,14 @@ class TritonPythonModel:
         self.log = tu.setup_logging(self.name)
         v = settings.model_values(cfg, "slow_ar")
         self.chunk_defaults = (v.first_chunk_frames, v.chunk_frames)  # a request that names no chunk sizes
-        t0 = time.perf_counter()
-        model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
-        t1 = time.perf_counter()
-        engine = Engine(
-            model,
-            residual_size=codec_codebook_sizes(v.checkpoint)[1],
-            max_batch=v.max_batch,
-            max_seq_len=v.max_seq_len,
-            kv_cache_tokens=v.kv_cache_tokens,
-            kv_block_tokens=v.kv_block_tokens,
-            fast_ar=BLSFastAR() if v.fast_ar == "bls" else None,
-            prefix_cache_bytes=v.prefix_cache_mb << 20,
-            max_prefill_tokens=v.max_prefill_tokens,
-            cuda_graphs=v.cuda_graphs,
-            batch_invariant=v.batch_invariant,
-            admit_every=v.admit_every_steps,
-        )
-        t2 = time.perf_counter()
-        self.C = model.s2.num_codebooks
-        codec = self._codec(v, engine) if self._codec_here(v, engine) else None
-        t3 = time.perf_counter()
         self.streams = PullStreams(self.name, tu.s2_error_response, idle_timeout_s=v.stream_idle_timeout_s)
         self._anonymous = itertools.count(1)
         self.metrics = tu.Metrics(self.name)
-        if codec is not None:
+        self.service = serve_engine(v, self._response, tu.s2_error_response, self.name, on_unhealthy=self._unload,
+                                    on_tick=self._report, fast_ar=BLSFastAR() if v.fast_ar == "bls" else None)
+        self.C = self.service.C
+        if self.service.codec is not None:
             self.metrics.declare("s2tts_codec_batch_size")
-        self.service = EngineService(engine, self._response, tu.s2_error_response, name=self.name,
-                                     limit=v.max_batch + v.max_queued_requests, on_unhealthy=self._unload,
-                                     on_tick=self._report,
-                                     frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
-                                     codec=codec, codec_batch_steps=v.codec_batch_steps,
-                                     load_chunk_frames=v.load_chunk_frames)
-        self.log.info("%s ready in %.1f s (weights %.1f s, engine and its CUDA graphs %.1f s, codec %.1f s; the GPU "
-                      "kernels' first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d kv_cache=%d tokens in blocks of %d "
-                      "cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s adaptive_chunks=%s codec_in_engine=%s",
-                      self.name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device, engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len,
-                      engine.kv_capacity_tokens, engine.blocks.block_size, sorted(engine.graphs),
-                      engine.prefix_cache.max_bytes >> 20, engine.batch_invariant, v.adaptive_chunks, codec is not None)
-
-    @staticmethod
-    def _codec_here(v, engine) -> bool:
-        """`codec_in_engine` as rendering decided it; a config left unrendered takes the same rule (layout.py)."""
-        if v.codec_in_engine is not None:
-            return v.codec_in_engine
-        return Layout((str(engine.device),), (v.codec_device or str(engine.device),)).codec_beside_engines()
-
-    def _codec(self, v, engine):
-        """The served stream decoder (`codec_stream.open_stream_decoder`) on the engine's device, warmed for the chunk
-        lengths the chunker makes and the slices held calls decode (`codec_batch_steps`, and twice that for a stream
-        catching up), at up to max_batch streams per call."""
-        import time
-
-        import torch
-
-        t0 = time.monotonic()
-        torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
-        # streams open here: the live requests, and a long text's stream between two of its segments
-        slots = min(v.codec_max_streams, 2 * v.max_batch)
-        decoder, dtype, graphs = open_stream_decoder(v.checkpoint, engine.device, v.codec_dtype, slots,
-                                                     v.codec_idle_timeout_s,
-                                                     EngineService.codec_lengths(v.first_chunk_frames, v.chunk_frames,
-                                                                                 v.codec_batch_steps), v.max_batch)
-        self.log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s", self.name,
-                      dtype, " (fp32 fallback)" if decoder.fallback is not None else "", slots, graphs,
-                      time.monotonic() - t0)
-        return decoder
 
     def execute(self, requests):
         for request in requests:
@@ -222,24 +160,7 @@ class TritonPythonModel:
             tu.tensor("audio", np.zeros(0, np.float32) if audio is None else np.ascontiguousarray(audio, np.float32))])
 
     def _report(self, service):
-        counts = service.engine.counts()
-        self.metrics.report_table(service.table)
-        self.metrics.set("s2tts_engine_streams_open", self.streams.sweep())
-        self.metrics.set("s2tts_engine_requests_waiting", counts["waiting"])
-        self.metrics.set("s2tts_engine_slots_used", counts["live"])
-        self.metrics.set("s2tts_engine_slots_total", service.engine.max_batch)
-        self.metrics.set("s2tts_engine_kv_tokens", counts["kv_tokens"])
-        self.metrics.set("s2tts_engine_kv_capacity_tokens", service.engine.kv_capacity_tokens)
-        self.metrics.set("s2tts_engine_kv_blocks_used", counts["kv_blocks_used"])
-        self.metrics.count_to("s2tts_engine_preemptions_total", counts["preemptions"])
-        cache = service.engine.prefix_cache
-        self.metrics.count_to("s2tts_engine_prefix_cache_hits_total", cache.hits)
-        self.metrics.count_to("s2tts_engine_prefix_cache_misses_total", cache.misses)
-        if service.step_s is not None:
-            self.metrics.set("s2tts_engine_step_seconds", round(service.step_s, 4))
-        if service.codec is not None:  # codec_in_engine: the codec's metrics, under this model's name
-            self.metrics.report_codec(service.codec)
-            self.metrics.flush()
+        self.metrics.report_engine(service, streams_open=self.streams.sweep())
 
     def _unload(self, reason):
         tu.unload_self(self.name, self.log)
