@@ -104,12 +104,34 @@ def _live_children() -> list[tuple[int, str]]:
     return out
 
 
+def pytest_collection_finish(session):
+    """With the interpreted kernel checks among other tests: start them now, niced (tests/kernel_checks.py), on a
+    checkpoint of their own; their test collects the results."""
+    kernels = [i for i in session.items if i.nodeid.endswith("test_kernels_match_pytorch_under_interpreter")]
+    if not kernels or len(session.items) < 20 or session.config.option.collectonly:
+        return
+    import tempfile
+
+    from kernel_checks import BACKGROUND, start_checks
+    from s2tts.tiny import write_checkpoint
+
+    folder = tempfile.mkdtemp(prefix="s2tts-kernel-checks-")
+    session.config.stash[BACKGROUND] = start_checks(write_checkpoint(Path(folder) / "tiny", "tiny", seed=0), nice=19)
+    session.config.add_cleanup(lambda: __import__("shutil").rmtree(folder, ignore_errors=True))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     """The run must end when its tests do. A non-daemon thread still running (the interpreter joins
     it at exit) or a child process still alive hangs CI after the summary, so either fails the run,
     with the thread's stack or the process's command line. A backstop: if the exit itself hangs,
     faulthandler prints every thread's stack and ends the process after 5 minutes."""
+    from kernel_checks import BACKGROUND
+
+    for p in session.config.stash.get(BACKGROUND, []):  # started for a test that did not run (-x, -k, interrupted)
+        if p.poll() is None:
+            p.kill()
+            p.wait()
     leaks = []
     frames = sys._current_frames()
     for t in threading.enumerate():

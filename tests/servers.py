@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @contextmanager
-def tiny_server(ckpt, workdir, **settings):
-    """A started server (fp32 on the CPU unless `settings` say otherwise), stopped on exit."""
+def tiny_server(ckpt, workdir, stop_timeout: float = 10, **settings):
+    """A started server (fp32 on the CPU unless `settings` say otherwise), stopped on exit (`stop_timeout`: the
+    grace tritonserver gets for its models to unload)."""
     from s2tts.server import TritonServer
 
     server = TritonServer(ckpt, {"device": "cpu", "dtype": "fp32", **{k: str(v) for k, v in settings.items()}},
@@ -31,7 +32,7 @@ def tiny_server(ckpt, workdir, **settings):
     finally:
         # 10 s, not tritonserver's 30 s of grace: a server whose model processes were killed keeps their unfinished
         # requests (and so those models) forever, and tritonserver waits the whole grace for them
-        server.stop(timeout=10)
+        server.stop(timeout=stop_timeout)
         # a model process that crashed (while serving or at unload) leaves faulthandler's report in the log
         log = server.log_path.read_text(errors="replace") if server.log_path.exists() else ""
         allowed, aborted = server.upstream_aborts, False

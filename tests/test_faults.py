@@ -50,9 +50,10 @@ def stub_pid(server, model: str) -> int:
 
 @pytest.fixture(scope="module")
 def fault_server(tiny_ckpt, tmp_path_factory):
-    """A server of its own (its models get killed): quick stall checks."""
-    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("faults"), max_batch=4, max_seq_len=2048, stall_timeout_s=1,
-                     chunk_frames=4, first_chunk_frames=2) as server:
+    """A server of its own (its models get killed): quick stall checks, and a short stop (tritonserver holds a killed
+    model process's unfinished requests, and so that model, to the end of its grace)."""
+    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("faults"), stop_timeout=3, max_batch=4, max_seq_len=2048,
+                     stall_timeout_s=1, chunk_frames=4, first_chunk_frames=2) as server:
         yield server
 
 
