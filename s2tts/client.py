@@ -46,13 +46,13 @@ class TTSInput:
         """Refuse here what the server would refuse (a negative or too large seed, out-of-range sampling), with the
         same message; raises TTSError."""
         from .errors import S2Error
-        from .settings import check_field
+        from .settings import REQUEST_FIELDS, check_field
 
+        server_bounds = {f.max_setting: None for f in REQUEST_FIELDS.values() if f.max_setting}  # the server checks
         try:
-            for name in ("seed", "temperature", "top_p", "top_k", "chunk_length"):
-                check_field(name, getattr(self, name), {})
-            for name in ("max_new_tokens", "first_chunk_frames", "chunk_frames"):  # upper bounds: the server's
-                check_field(name, getattr(self, name), {"max_new_tokens_limit": None, "max_chunk_frames": None})
+            for f in REQUEST_FIELDS.values():
+                if f.type in (int, float) and f.dims == "[ 1 ]":
+                    check_field(f.name, getattr(self, f.name), server_bounds)
         except S2Error as e:
             raise TTSError(e.message, e.code, e.param) from None
         if not isinstance(self.text, str):

@@ -24,23 +24,19 @@ from .settings import SCHEMA, check_field
 
 @dataclass
 class Limits:
-    """The request limits of s2pro: its settings (defaults from `s2tts.settings`)."""
+    """The request limits of s2pro: its settings (defaults from `s2tts.settings`). A request's defaults are not
+    here: `settings.field_default`."""
 
     max_text_chars: int = SCHEMA["max_text_chars"].default
     max_reference_seconds: float = SCHEMA["max_reference_seconds"].default
     min_reference_seconds: float = SCHEMA["min_reference_seconds"].default
     max_new_tokens: int = SCHEMA["max_new_tokens_limit"].default
-    default_max_new_tokens: int = SCHEMA["default_max_new_tokens"].default
-    default_first_chunk_frames: int = SCHEMA["first_chunk_frames"].default
-    default_chunk_frames: int = SCHEMA["chunk_frames"].default
     max_chunk_frames: int = SCHEMA["max_chunk_frames"].default
-    default_chunk_length: int = SCHEMA["chunk_length"].default
 
     @classmethod
     def from_settings(cls, v: dict) -> "Limits":
         return cls(v["max_text_chars"], v["max_reference_seconds"], v["min_reference_seconds"], v["max_new_tokens_limit"],
-                   v["default_max_new_tokens"], v["first_chunk_frames"], v["chunk_frames"], v["max_chunk_frames"],
-                   v["chunk_length"])
+                   v["max_chunk_frames"])
 
     def as_settings(self) -> dict:
         """The limits keyed by setting name (what `settings.check_field` takes)."""
@@ -97,9 +93,7 @@ class TTSRequest:
             a = self.reference_audio
             if self.reference_sample_rate is None:
                 raise invalid("reference_audio needs reference_sample_rate", "reference_sample_rate")
-            if not (8000 <= self.reference_sample_rate <= 192000):
-                raise invalid(f"reference_sample_rate must be between 8000 and 192000 Hz (got {self.reference_sample_rate})",
-                              "reference_sample_rate")
+            check_field("reference_sample_rate", self.reference_sample_rate, lim)
             if a.size == 0:
                 raise invalid("reference_audio is empty: send the samples of the reference clip", "reference_audio")
             if not np.all(np.isfinite(a)):

@@ -370,6 +370,7 @@ class Field:
     dims: str = "[ 1 ]"
     stages: tuple[str, ...] = ("s2pro",)  # the models that take it as an input
     required: bool = False
+    default_setting: str | None = None  # the default is this setting's value (else `default`)
 
 
 REQUEST_FIELDS: dict[str, Field] = {f.name: f for f in (
@@ -387,24 +388,44 @@ REQUEST_FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("top_k", "top_k", int, 0, 4096, default=30, doc="0 = greedy (upstream's meaning); 4096 = no top-k",
           triton="TYPE_INT32", stages=ENGINE_STAGES),
     Field("max_new_tokens", "max_new_tokens", int, 1, None, max_setting="max_new_tokens_limit",
-          doc="frames to generate at most", triton="TYPE_INT32", stages=ENGINE_STAGES),
+          doc="frames to generate at most", triton="TYPE_INT32", stages=ENGINE_STAGES,
+          default_setting="default_max_new_tokens"),
     Field("first_chunk_frames", "first_chunk_frames", int, 1, None, max_setting="max_chunk_frames",
-          triton="TYPE_INT32", stages=ENGINE_STAGES),
+          triton="TYPE_INT32", stages=ENGINE_STAGES, default_setting="first_chunk_frames"),
     Field("chunk_frames", "chunk_frames", int, 1, None, max_setting="max_chunk_frames", triton="TYPE_INT32",
-          stages=ENGINE_STAGES),
+          stages=ENGINE_STAGES, default_setting="chunk_frames"),
     Field("ignore_eos", "ignore_eos", bool, triton="TYPE_BOOL", stages=ENGINE_STAGES),
-    Field("chunk_length", "chunk_length", int, 16, 100000, doc="UTF-8 bytes of text per segment", triton="TYPE_INT32"),
+    Field("chunk_length", "chunk_length", int, 16, 100000, doc="UTF-8 bytes of text per segment", triton="TYPE_INT32",
+          default_setting="chunk_length"),
 )}
+
+
+def field_default(name: str, values: dict | None = None):
+    """A request field's value when the request leaves it out: its setting's value in `values` (a model's settings)
+    where it has one (`default_setting`), else its own `default` (None: unset)."""
+    f = REQUEST_FIELDS[name]
+    if f.default_setting is not None:
+        return (values or {}).get(f.default_setting, SCHEMA[f.default_setting].default)
+    return f.default
+
+
+def stage_fields(stage: str) -> list[Field]:
+    """The request fields model `stage` takes, in declaration order."""
+    return [f for f in REQUEST_FIELDS.values() if stage in f.stages]
+
+
+# the numeric fields the gateway takes under the same name as s2pro (the rest it builds: text, voices)
+HTTP_NUMBERS = tuple(f.name for f in REQUEST_FIELDS.values() if f.type in (int, float) and f.http == f.name)
+SAMPLING_FIELDS = ("seed", "temperature", "top_p", "top_k", "max_new_tokens")  # -> sampling.SamplingParams
 
 
 def pbtxt_inputs(stage: str) -> str:
     """The `input [ ... ]` entries of the request fields that model `stage` takes, in declaration order, one a line
     (no trailing comma): the block between the `request-fields` markers of its config.pbtxt (a test checks it)."""
     lines = []
-    for f in REQUEST_FIELDS.values():
-        if stage in f.stages:
-            opt = "" if f.required else " optional: true"
-            lines.append(f'  {{ name: "{f.name}" data_type: {f.triton} dims: {f.dims}{opt} }}')
+    for f in stage_fields(stage):
+        opt = "" if f.required else " optional: true"
+        lines.append(f'  {{ name: "{f.name}" data_type: {f.triton} dims: {f.dims}{opt} }}')
     return ",\n".join(lines)
 
 

@@ -105,21 +105,34 @@ def scalar(request, name: str, kind, default):
     return kind(v)
 
 
-def sampling_params(request, max_new_tokens_default: int, max_new_tokens_limit: int | None = None):
-    """The sampling inputs of a request (seed, temperature, top_p, top_k, max_new_tokens, ignore_eos), each
-    checked against its range in `s2tts.settings.REQUEST_FIELDS`; S2Error names the input that is wrong."""
-    from .sampling import SamplingParams
-    from .settings import REQUEST_FIELDS as F, check_field
+def read_fields(request, stage: str, values: dict | None = None) -> dict:
+    """Every request field model `stage` takes (`settings.REQUEST_FIELDS`), as the schema declares it: a scalar as
+    its Python type, an array as sent (numpy); a field left out is its default (`settings.field_default`: the
+    model's setting `values` where the field has one). Ranges are checked where the fields are used
+    (`sampling_params`, `service.TTSRequest.validate`)."""
+    from .settings import field_default, stage_fields
 
-    limits = {"max_new_tokens_limit": max_new_tokens_limit}  # None: no upper bound here
-    return SamplingParams(
-        temperature=check_field("temperature", scalar(request, "temperature", float, F["temperature"].default)),
-        top_p=check_field("top_p", scalar(request, "top_p", float, F["top_p"].default)),
-        top_k=check_field("top_k", scalar(request, "top_k", int, F["top_k"].default)),
-        max_new_tokens=check_field("max_new_tokens", scalar(request, "max_new_tokens", int, max_new_tokens_default), limits),
-        seed=check_field("seed", scalar(request, "seed", int, None)),
-        ignore_end=scalar(request, "ignore_eos", bool, False),
-    )
+    out = {}
+    for f in stage_fields(stage):
+        if f.dims == "[ 1 ]":
+            out[f.name] = scalar(request, f.name, f.type, field_default(f.name, values))
+        else:
+            out[f.name] = optional_input(request, f.name)
+    return out
+
+
+def sampling_params(fields: dict, limits: dict | None = None):
+    """The sampling fields of a request (`read_fields`) -> `SamplingParams`, each checked against its range in
+    `settings.REQUEST_FIELDS` (upper bounds from `limits`, a model's settings; None where a bound is not this
+    model's to check); S2Error names the input that is wrong."""
+    from .sampling import SamplingParams
+    from .settings import SAMPLING_FIELDS, check_field
+
+    for name in SAMPLING_FIELDS:
+        check_field(name, fields[name], limits)
+    return SamplingParams(temperature=fields["temperature"], top_p=fields["top_p"], top_k=fields["top_k"],
+                          max_new_tokens=fields["max_new_tokens"], seed=fields["seed"],
+                          ignore_end=bool(fields["ignore_eos"]))
 
 
 class TritonResponder:

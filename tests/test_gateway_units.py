@@ -115,7 +115,8 @@ def test_parse_speech_defaults_and_voice_forms():
     assert parse_speech({"input": "hi", "stream": False}, CFG).stream_format is None  # the whole file
     p = parse_speech({"input": "hi", "seed": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 50.0},
                      CFG)
-    assert (p.seed, p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (3, 0.7, 0.9, 20, 50)
+    assert p.fields == {"seed": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 50}
+    assert type(p.fields["max_new_tokens"]) is int  # as the schema declares it
     assert len(parse_speech({"input": "A long book. " * 7000}, CFG).input) > 90000  # long-form text is one request
     two = parse_speech({"input": "hi", "ref_audio": ["data:a", "data:b"], "ref_text": ["one", "two"]}, CFG)
     assert (two.ref_audio, two.ref_text, two.voice) == (["data:a", "data:b"], ["one", "two"], None)
@@ -281,8 +282,8 @@ def test_postgres_store_errors_say_what_to_do(postgres):
 
 def test_parse_speech_chunk_length():
     """`chunk_length` (UTF-8 bytes of text per segment) is passed on as given and checked against the one range."""
-    assert parse_speech({"input": "hi", "chunk_length": 64}, CFG).chunk_length == 64
-    assert parse_speech({"input": "hi"}, CFG).chunk_length is None  # the server's default
+    assert parse_speech({"input": "hi", "chunk_length": 64}, CFG).fields == {"chunk_length": 64}
+    assert parse_speech({"input": "hi"}, CFG).fields == {}  # the server's defaults
     for bad in (4, 10**6, "64", 1.5):
         with pytest.raises(APIError) as ei:
             parse_speech({"input": "hi", "chunk_length": bad}, CFG)

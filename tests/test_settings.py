@@ -153,3 +153,40 @@ def test_the_client_sends_every_request_field_as_the_schema_declares():
         f = s2pro[name]
         assert t.datatype() == wire_type(f) == {"TYPE_STRING": "BYTES"}.get(f.triton, f.triton[5:])
         assert len(t.shape()) == (2 if f.dims == "[ -1, -1 ]" else 1), name
+
+
+def test_each_model_parses_its_request_fields_from_the_schema(harness_factory):
+    """s2pro and slow_ar read every request field of their stage as the schema declares it (tritonserver's types,
+    `triton_utils.read_fields`), a field left out taking the schema's default: the model's setting where the field
+    has one (`default_setting`), else the field's own. Given fields reach the request as sent."""
+    from fake_triton import Request
+
+    from s2tts import triton_utils as tu
+
+    h = harness_factory(first_chunk_frames=3, chunk_frames=5, chunk_length=77, default_max_new_tokens=9)
+    s2pro = h.models["s2pro"]
+    bare = s2pro._parse(Request({"text": np.array([b"Hello."], object)}))
+    for name in ("first_chunk_frames", "chunk_frames", "chunk_length"):
+        assert getattr(bare, name) == S.field_default(name, s2pro.values) == {"first_chunk_frames": 3, "chunk_frames": 5,
+                                                                               "chunk_length": 77}[name]
+    p = bare.params
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.ignore_end) == (9, 0.8, 0.8, 30, False)
+    assert S.field_default("temperature") == S.REQUEST_FIELDS["temperature"].default == 0.8
+    given = {"text": np.array(["Bonjour.".encode()], object), "seed": np.array([5], np.int64),
+             "temperature": np.array([0.5], np.float32), "top_p": np.array([0.5], np.float32),
+             "top_k": np.array([7], np.int32), "max_new_tokens": np.array([11], np.int32),
+             "first_chunk_frames": np.array([2], np.int32), "chunk_frames": np.array([6], np.int32),
+             "ignore_eos": np.array([True]), "chunk_length": np.array([40], np.int32),
+             "reference_codes": np.zeros((10, 4), np.int32), "reference_text": np.array([b"Ref."], object)}
+    assert set(given) | {"reference_audio", "reference_sample_rate"} == {f.name for f in S.stage_fields("s2pro")}
+    r = s2pro._parse(Request(given))
+    assert (r.text, r.params.seed, r.params.temperature, r.params.top_k, r.params.max_new_tokens) == \
+        ("Bonjour.", 5, 0.5, 7, 11)
+    assert (r.first_chunk_frames, r.chunk_frames, r.chunk_length, r.params.ignore_end, r.reference_text) == \
+        (2, 6, 40, True, "Ref.")
+    fields = tu.read_fields(Request(given), "slow_ar", h.models["slow_ar"].values)
+    assert set(fields) == {f.name for f in S.stage_fields("slow_ar")} and fields["chunk_frames"] == 6
+    assert tu.read_fields(Request({}), "slow_ar", h.models["slow_ar"].values)["first_chunk_frames"] == 3
+    with pytest.raises(S2Error) as ei:
+        s2pro._parse(Request({**given, "chunk_frames": np.array([0], np.int32)}))
+    assert ei.value.param == "chunk_frames"

@@ -433,11 +433,8 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         limits = await backend.served_limits(cfg.limits_ttl_s)
         state.limiter.limit = cfg.max_in_flight or limits["max_concurrent_requests"]
         p = parse_speech(body, cfg, limits)
-        req = SynthesisRequest(
-            text=p.input, request_id=_request_id(request),
-            seed=p.seed if p.seed is not None else secrets.randbelow(2**63),
-            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_new_tokens=p.max_new_tokens,
-            first_chunk_frames=p.first_chunk_frames, chunk_frames=p.chunk_frames, chunk_length=p.chunk_length)
+        req = SynthesisRequest(text=p.input, request_id=_request_id(request),
+                               **{"seed": secrets.randbelow(2**63), **p.fields})  # a seed always: it is reported
         if p.voice is not None:
             names = p.voice if isinstance(p.voice, list) else [p.voice]
             found = []

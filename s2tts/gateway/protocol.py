@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import S2Error
-from ..settings import REQUEST_FIELDS, SCHEMA, check_field
+from ..settings import HTTP_NUMBERS, REQUEST_FIELDS, SCHEMA, check_field
 from .config import GatewayConfig
 from .encoders import FORMATS
 from .errors import APIError, bad_request
@@ -24,9 +24,8 @@ _FIELDS = {
     "model", "input", "voice", "response_format", "speed", "stream_format", "instructions",
     # an extension: stream=false asks for the whole file in one response (true, as vllm-omni: streamed audio)
     "stream",
-    # S2 Pro extensions
-    "ref_audio", "ref_text", "seed", "temperature", "top_p", "top_k", "max_new_tokens",
-    "first_chunk_frames", "chunk_frames", "chunk_length",
+    # S2 Pro extensions: the reference clip, and the numeric request fields of the schema
+    "ref_audio", "ref_text", *HTTP_NUMBERS,
 }
 
 
@@ -40,14 +39,9 @@ class SpeechParams:
     stream_format: str | None = None  # None: whole file; "audio" | "sse": streamed
     ref_audio: str | None = None
     ref_text: str | None = None  # (ref_audio, ref_text as lists: one inline voice per speaker)
-    seed: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    max_new_tokens: int | None = None
-    first_chunk_frames: int | None = None
-    chunk_frames: int | None = None
-    chunk_length: int | None = None  # UTF-8 bytes of text per segment (long text, dialogue)
+    # the numeric request fields by s2pro's name (settings.HTTP_NUMBERS: seed, sampling, chunk sizes, chunk_length),
+    # the ones the request gave, checked against the schema's ranges and the server's limits
+    fields: dict = field(default_factory=dict)
 
 
 MAX_VOICES = 8  # voices in one request (one per speaker)
@@ -217,7 +211,7 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
         raise bad_request(f"both a registered voice ({voice!r}) and ref_audio were given: send one of them "
                           "(with ref_audio, set voice to \"default\")", "voice")
 
-    values = {name: _field(body, name, limits) for name in ("seed", "temperature", "top_p", "top_k", "max_new_tokens",
-                                                            "first_chunk_frames", "chunk_frames", "chunk_length")}
+    values = {name: _field(body, name, limits) for name in HTTP_NUMBERS}
     return SpeechParams(input=text, model=model, voice=voice, response_format=fmt, speed=speed,
-                        stream_format=stream_format, ref_audio=ref_audio, ref_text=ref_text, **values)
+                        stream_format=stream_format, ref_audio=ref_audio, ref_text=ref_text,
+                        fields={k: v for k, v in values.items() if v is not None})

@@ -148,7 +148,7 @@ class BLSDownstream:
 
 class TritonPythonModel:
     def initialize(self, args):
-        v = settings.model_values(json.loads(args["model_config"]), "s2pro")
+        v = self.values = settings.model_values(json.loads(args["model_config"]), "s2pro")
         self.log = tu.setup_logging("s2pro")
         self.s2 = S2Config.from_dir(v.checkpoint)
         self.limits = Limits.from_settings(v)
@@ -202,26 +202,27 @@ class TritonPythonModel:
         return None
 
     def _parse(self, request) -> TTSRequest:
-        L = self.limits
-        audio = tu.optional_input(request, "reference_audio")
-        codes = tu.optional_input(request, "reference_codes")
-        params = tu.sampling_params(request, L.default_max_new_tokens, L.max_new_tokens)
+        """The request's fields as the schema declares them (`settings.REQUEST_FIELDS`, defaults from this model's
+        settings), checked (`TTSRequest.validate`)."""
+        f = tu.read_fields(request, "s2pro", self.values)
+        params = tu.sampling_params(f, self.limits.as_settings())
         if params.seed is None:
             import random
 
             params.seed = random.getrandbits(63)
+        audio, codes = f["reference_audio"], f["reference_codes"]
         req = TTSRequest(
-            text=tu.scalar(request, "text", str, ""),
+            text=f["text"] or "",
             params=params,
-            first_chunk_frames=tu.scalar(request, "first_chunk_frames", int, L.default_first_chunk_frames),
-            chunk_frames=tu.scalar(request, "chunk_frames", int, L.default_chunk_frames),
-            chunk_length=tu.scalar(request, "chunk_length", int, L.default_chunk_length),
+            first_chunk_frames=f["first_chunk_frames"],
+            chunk_frames=f["chunk_frames"],
+            chunk_length=f["chunk_length"],
             reference_audio=None if audio is None else audio.astype(np.float32).reshape(-1),
-            reference_sample_rate=tu.scalar(request, "reference_sample_rate", int, None),
-            reference_text=tu.scalar(request, "reference_text", str, None),
+            reference_sample_rate=f["reference_sample_rate"],
+            reference_text=f["reference_text"],
             reference_codes=None if codes is None else codes.astype(np.int64),
         )
-        return req.validate(L, self.s2.num_codebooks)
+        return req.validate(self.limits, self.s2.num_codebooks)
 
     def _chunk_response(self, audio, frames, seq):
         with self._sent_lock:

@@ -50,8 +50,7 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         self.name = args.get("model_name", "slow_ar")
         self.log = tu.setup_logging(self.name)
-        v = settings.model_values(cfg, "slow_ar")
-        self.chunk_defaults = (v.first_chunk_frames, v.chunk_frames)  # a request that names no chunk sizes
+        v = self.values = settings.model_values(cfg, "slow_ar")  # (a request's defaults among them)
         self.streams = PullStreams(self.name, tu.s2_error_response, idle_timeout_s=v.stream_idle_timeout_s)
         self._anonymous = itertools.count(1)
         self.metrics = tu.Metrics(self.name)
@@ -137,12 +136,12 @@ class TritonPythonModel:
             raise errors.invalid(f"prefix_len must be between 0 and {T}", "prefix_len")
         prompt = Prompt(torch.from_numpy(ids), torch.from_numpy(codes.astype(np.int64)),
                         torch.from_numpy(mask.reshape(-1).astype(bool)), prefix_len)
-        params = tu.sampling_params(request, max_new_tokens_default=settings.SCHEMA["default_max_new_tokens"].default)
-        first = tu.scalar(request, "first_chunk_frames", int, self.chunk_defaults[0])
-        size = tu.scalar(request, "chunk_frames", int, self.chunk_defaults[1])
-        for name, val in (("first_chunk_frames", first), ("chunk_frames", size)):
-            if val < 1:
-                raise errors.invalid(f"{name} must be at least 1 (got {val})", name)
+        f = tu.read_fields(request, "slow_ar", self.values)  # as the schema declares them, defaults from its settings
+        unbounded = {"max_new_tokens_limit": None, "max_chunk_frames": None}  # s2pro's limits, not the engine's
+        params = tu.sampling_params(f, unbounded)
+        first, size = f["first_chunk_frames"], f["chunk_frames"]
+        for name in ("first_chunk_frames", "chunk_frames"):
+            settings.check_field(name, f[name], unbounded)
         sid = tu.scalar(request, "codec_stream", str, "")
         codec_stream = CodecStream(sid, tu.scalar(request, "codec_start", bool, True),
                                    tu.scalar(request, "codec_final", bool, True)) if sid else None
