@@ -12,7 +12,7 @@ closes with the request's last chunk when `final`, and whenever the request ends
 decodes is a stream's frames, not its chunks: a chunk leaves once all of its frames are decoded.
 - Light load (and `codec_batch_steps=1`): after each step, the frames of the chunks that step completed, all
   streams in one call.
-- Under load (a pace of at least `service.LOAD_PACE`) with `codec_batch_steps=K` > 1: every K steps the frames
+- Under load (a pace of at least `chunking.LOAD_PACE`) with `codec_batch_steps=K` > 1: every K steps the frames
   every stream made since, in slices of K (a stream's last frames padded to a prepared length), so that one call
   of one length (one CUDA graph) decodes all streams; between those steps nothing. A call's cost on a GPU is mostly
   per length it decodes, not per frame (perf/RESULTS.md). A stream's chunks that become ready together leave as
@@ -46,7 +46,7 @@ from .errors import S2Error
 from .lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
 from .prompt import Prompt
 from .sampling import SamplingParams
-from .service import LOAD_PACE, Chunker
+from .chunking import LOAD_PACE, Chunker
 from .settings import SCHEMA
 
 log = logging.getLogger("s2tts")
@@ -99,7 +99,10 @@ class CodecStream:
 
 
 @dataclass
-class StreamState:
+class RequestState:
+    """A request's state in the engine service: its chunker, its numbers, its codec stream and (with an in-engine
+    codec) its frames and audio on their way out. (The codec's own per-stream state is `codec.StreamState`.)"""
+
     chunker: Chunker
     queue_s: float | None = None
     arrived: float = field(default_factory=time.monotonic)
@@ -189,7 +192,7 @@ class EngineService:
                  frame_seconds: float | None = None, codec=None,
                  codec_batch_steps: int = SCHEMA["codec_batch_steps"].default,
                  load_chunk_frames: int = SCHEMA["load_chunk_frames"].default, direct_send: bool = False):
-        """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`service.Chunker`);
+        """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`chunking.Chunker`);
         None: fixed chunks. `codec` (a `codec_stream.StreamDecoder`): decode audio here (see the module's doc).
         `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off). Defaults: the
         settings of the same names. `direct_send`: responders that only hand a response to another thread of this
@@ -200,11 +203,11 @@ class EngineService:
         self.codec = codec
         self._codec_closing: list[str] = []  # codec streams to close, asked from other threads (engine thread only
         self._codec_lock = threading.Lock()  # touches the decoder)
-        self._codec_states: dict[str, StreamState] = {}  # engine request id -> its state, until its last output
+        self._codec_states: dict[str, RequestState] = {}  # engine request id -> its state, until its last output
         self.codec_batch_steps = max(1, codec_batch_steps)
         # under load a chunk waits for its frames' slice (up to 2 (codec_batch_steps - 1) steps, K - 1 on average)
         # and a step's own codec call delays it by about one more: the chunker keeps K frames of room
-        # (service.Chunker; no stream ran dry at c=64 with it: perf/RESULTS.md)
+        # (chunking.Chunker; no stream ran dry at c=64 with it: perf/RESULTS.md)
         self.chunk_lag = self.codec_batch_steps if codec is not None else 0
         # Chunker keyword overrides (perf/bench_loop.py tries more; the rest: Chunker's defaults)
         self.chunk_options: dict = {"load_frames": load_chunk_frames} if load_chunk_frames else {}
@@ -265,7 +268,7 @@ class EngineService:
                     rec = None
                 else:
                     rec = self.table.open(client_id, responder, label=label,
-                                          state=StreamState(Chunker(first_chunk_frames, chunk_frames, pace,
+                                          state=RequestState(Chunker(first_chunk_frames, chunk_frames, pace,
                                                                     lag=self.chunk_lag,
                                                                     loaded=self.under_load if pace else None,
                                                                     **self.chunk_options),
@@ -439,7 +442,7 @@ class EngineService:
             elif codec_state is not None:
                 self._end_codec(codec_state)
             return []
-        st: StreamState = rec.state
+        st: RequestState = rec.state
         if o.queue_s is not None:
             st.queue_s = o.queue_s
         if o.finish_reason == FINISH_ERROR:
@@ -503,10 +506,10 @@ class EngineService:
                     plans.append((rec, plan))
             self._run_codec(plans)
         for rec in list(self._decoding.values()):
-            out.extend(self._release(rec))
+            out.extend(self._ready_items(rec))
         return out
 
-    def _plan(self, st: StreamState, K: int) -> list[tuple[np.ndarray, bool, bool]]:
+    def _plan(self, st: RequestState, K: int) -> list[tuple[np.ndarray, bool, bool]]:
         """What to decode of one request's frames now -> [(codes, start, final)] in order, one per codec call.
         All of them once its last item is routed. Else without K (light load) the frames its waiting chunks need;
         with K (under load) as many whole slices of K frames as it has made (a chunk ending in a partial slice waits
@@ -567,7 +570,7 @@ class EngineService:
                 st.waiting = [[rec, "error", None, "", err, None]]
                 self.engine.cancel(str(rec.iid))
 
-    def _release(self, rec: Tracked) -> list[list]:
+    def _ready_items(self, rec: Tracked) -> list[list]:
         """A request's waiting items whose audio is all decoded, in order; consecutive chunks as one."""
         st, out = rec.state, []
         while st.waiting:
@@ -595,7 +598,7 @@ class EngineService:
                 self._decoding.pop(rec.iid, None)
         return out
 
-    def _end_codec(self, st: StreamState) -> None:
+    def _end_codec(self, st: RequestState) -> None:
         """Close the request's codec stream unless a later request continues it (then only after a normal end)."""
         if st.codec is not None and st.codec_open:
             st.codec_open = False

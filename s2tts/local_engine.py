@@ -25,7 +25,7 @@ import numpy as np
 from . import errors
 from .engine_service import CodecStream, EngineService
 from .errors import S2Error
-from .service import TTSRequest
+from .request import TTSRequest
 
 
 class Inbox:

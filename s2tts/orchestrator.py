@@ -19,7 +19,7 @@ is reloaded when `auto_recover` is on (the requests that depended on it end at o
 meanwhile new requests are refused with `unavailable`.
 
 s2pro also measures the pipeline's pace (the moving average of the seconds between a stream's audio
-chunks over that of their audio, across streams: `service.PaceMeter`) and, while it has new measurements, reports it to slow_ar
+chunks over that of their audio, across streams: `chunking.PaceMeter`) and, while it has new measurements, reports it to slow_ar
 about once a second (`control` = `pace=R`): slow_ar's chunker must not outrun the slowest
 stage, which slow_ar's own step time does not see when the codec is the bottleneck.
 
@@ -44,7 +44,8 @@ from .errors import S2Error
 from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from .lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
 from .segment import batches, overall_finish_reason
-from .service import PaceMeter, Stats, TTSRequest
+from .chunking import PaceMeter
+from .request import Stats, TTSRequest
 
 log = logging.getLogger("s2tts")
 
@@ -256,7 +257,7 @@ class TTSService:
                              None if stats.first_audio is None else round(stats.first_audio - stats.started, 3))
         except Cancelled:
             stats.finish_reason = "cancelled"
-            self._release(w)  # cancel generation before answering
+            self._free_downstream(w)  # cancel generation before answering
             log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
             rec.finish(lambda: self.make_final(stats, w.seq), "cancelled")
         except Exception as e:  # noqa: BLE001 - every other exit: one final error, downstream released
@@ -265,7 +266,7 @@ class TTSService:
                 (log.info if err.code == "invalid_argument" else log.warning)(
                     "%s: request %s failed in %s: %s", self.name, rec.tag, w.phase, err.wire())
         finally:
-            self._release(w)
+            self._free_downstream(w)
             w.worker = None
 
     def _segment(self, rec: Tracked, prompt, first: bool, last: bool) -> tuple[list[np.ndarray], str | None]:
@@ -360,7 +361,7 @@ class TTSService:
         finally:
             self._pace_busy = False
 
-    def _release(self, w: Work) -> None:
+    def _free_downstream(self, w: Work) -> None:
         """Whatever the request still holds downstream: its codec stream, and its generation (cancelled, and its
         stream read to the end so that no BLS stream stays open; if slow_ar died this thread waits there for good,
         holding nothing)."""
@@ -510,9 +511,9 @@ class TTSService:
         watch whether its worker comes back."""
         with self._ended_lock:
             self._ended_elsewhere.append((time.monotonic(), w))
-        self._off_thread("release", self._release_downstream, w)
+        self._off_thread("release", self._free_from_outside, w)
 
-    def _release_downstream(self, w: Work) -> None:
+    def _free_from_outside(self, w: Work) -> None:
         """What a request ended from outside its worker holds downstream: its generation (cancelled) and, unless its
         worker is inside a codec call now, its codec stream."""
         self._end_generation(w)

@@ -32,7 +32,7 @@ def test_stream_in_order_with_final_stats(triton_server):
     assert [c.sequence for c in chunks] == list(range(len(chunks)))
     assert chunks and all(c.audio.size > 0 and c.sample_rate == 44100 for c in chunks)
     # the first chunk is small: 3 frames, or the next chunk length (5) when the measured pace is slow enough that
-    # playback from 3 frames would run dry (adaptive_chunks; CPU paces vary, tests/test_service.py pins the rule)
+    # playback from 3 frames would run dry (adaptive_chunks; CPU paces vary, tests/test_request.py pins the rule)
     assert chunks[0].codes.shape[0] in (3, 5) and chunks[0].audio.size == chunks[0].codes.shape[0] * FRAME
     # later chunks: 3 (the first size) or 5 (the cap), as fast as the engine's pace allows (adaptive_chunks)
     assert all(c.codes.shape[0] in (3, 5) for c in chunks[1:-1])

@@ -12,7 +12,7 @@ import time
 from s2tts import settings
 from s2tts import triton_utils as tu
 from s2tts.codec_stream import open_stream_decoder
-from s2tts.service import Chunker
+from s2tts.chunking import Chunker
 
 
 class TritonPythonModel:

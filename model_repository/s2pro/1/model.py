@@ -33,7 +33,8 @@ from s2tts.layout import ENGINE
 from s2tts.local_engine import LocalEngines, local_error, local_response
 from s2tts.orchestrator import TTSService
 from s2tts.prompt import PromptBuilder
-from s2tts.service import CallTimes, Limits, TTSRequest
+from s2tts.request import Limits, TTSRequest
+from s2tts.timing import CallTimes
 
 
 def _raise_for(resp, model: str):
@@ -48,7 +49,7 @@ def _raise_for(resp, model: str):
 
 
 class BLSDownstream:
-    """The rest of the pipeline through BLS (see `s2tts.orchestrator.Downstream`); `times` (a `service.CallTimes`):
+    """The rest of the pipeline through BLS (see `s2tts.orchestrator.Downstream`); `times` (a `timing.CallTimes`):
     how long each kind of BLS call took, from the call to its answer.
 
     Every call carries a timeout (`timeout_s`, Triton's request timeout): Triton applies it while a request waits in

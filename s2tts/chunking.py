@@ -1,0 +1,137 @@
+"""How a stream's frames become audio chunks: `Chunker` (frames first, growing with the measured pace so playback
+does not run dry), `PaceMeter` (seconds of work a second of audio, across streams) and the pace from which a server is
+under load (`LOAD_PACE`). slow_ar's engine service and dac_decoder plan chunks with them; s2pro measures the pace."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+# From this pace (seconds of work a second of audio: c=64 on one H100, not c=16) a server is "under load": first
+# chunks grow (`Chunker(load_frames=)`) and slow_ar's in-engine codec decodes all streams together every few steps
+LOAD_PACE = 0.35
+
+
+class Chunker:
+    """Groups streamed frames into decode chunks [n, num_codebooks] (frames first, as on every wire).
+
+    The first chunk is `first` frames (time to first audio); later ones are at most `size`. With `pace` (a callable
+    giving the production real-time factor r now: seconds of work per second of audio, as the engine measures it),
+    later chunks grow only as fast as playback allows. A client plays from the first chunk; frames come one every
+    r frame-durations, so the chunk ending at frame F' arrives F' r after the start while playback needs it by
+    (F_1 r + F), F being the frames sent before it and F_1 the first chunk's: F' <= F_1 + F / r. `safety` (< 1)
+    leaves room for the codec's time and jitter, `lag` (frames) for a delay of later chunks that the first does
+    not have (chunks held to be decoded together with other streams'). Under load the first chunk grows too: its
+    audio must last while the next chunk is made and about two steps more (a prefill, a codec call: the jitter
+    that made streams run dry at their second chunk at c=64), F_1 >= 2 r / (1 - r), rounded up to a chunk length.
+    From a pace of `uniform_from` (default 0.5) later chunks keep the first one's length instead of growing: each is
+    made in F_1 r of the F_1 frame-durations the one before plays, with the same margin of F_1 (1 - r) >= 2 r frames
+    every time (growing chunks spend that margin; at c=64 out of step 11% of streams ran dry with them, none with
+    equal ones: perf/RESULTS.md). `load_frames` (default 0: off) sets the least first chunk from a pace of `load_from`
+    (default `LOAD_PACE`, 0.35, reached at c=64 on one H100, not at c=16), or whenever `loaded()` says so: more
+    audio in hand while the next chunk is made (at c=64 on an H100, 8-frame first chunks: 1 stream of 384 ran dry,
+    7 with 4-frame ones; perf/RESULTS.md).
+    Sizes are `first` times a power of two, or `size` (few distinct chunk lengths, so the codec still batches
+    chunks of many streams together). At a pace no cadence keeps up with (r >= safety), and without `pace`, later
+    chunks are `size`: the fewest codec calls.
+    """
+
+    def __init__(self, first: int, size: int, pace: Callable[[], float] | None = None, safety: float = 0.8,
+                 lag: int = 0, uniform_from: float = 0.5, load_frames: int = 0, load_from: float | None = None,
+                 loaded: Callable[[], bool] | None = None):
+        self.first, self.size = first, size
+        self.pace, self.safety, self.lag = pace, safety, lag
+        self.uniform_from, self.load_frames = uniform_from, load_frames
+        self.load_from = LOAD_PACE if load_from is None else load_from
+        self.loaded = loaded  # "under load?" as the caller decides it (else: the pace now, from load_from)
+        self.pending: list[np.ndarray] = []
+        self.n_pending = 0
+        self.emitted = 0  # chunks handed out
+        self.first_sent = first  # the first chunk's length
+        self.sent = 0  # frames handed out
+
+    @staticmethod
+    def lengths(first: int, size: int) -> list[int]:
+        """The chunk lengths a chunker makes, besides a stream's last remainder: `first`, its doublings, `size`."""
+        out, n = {first, size}, min(first, size)
+        while n < size:
+            n = min(2 * n, size)
+            out.add(n)
+        return sorted(out)
+
+    def first_size(self) -> int:
+        if self.pace is None:
+            return self.first
+        r = self.pace()
+        need = self.first if r >= 1.0 else max(self.first, math.ceil(2 * r / (1 - r)))
+        if self.loaded() if self.loaded is not None else self.load_from <= r < 1.0:
+            need = max(need, self.load_frames)
+        return next((n for n in self.lengths(self.first, self.size) if n >= need), max(self.first, self.size))
+
+    def next_size(self) -> int:
+        if self.emitted == 0:
+            return self.first_size()
+        if self.pace is None:
+            return self.size
+        r = self.pace()
+        if self.uniform_from <= r < 1.0:
+            return self.first_sent
+        if r >= self.safety:  # no cadence keeps up at this pace: favour throughput
+            return self.size
+        bound = self.first_sent + self.safety * self.sent / max(r, 1e-3) - self.sent - self.lag
+        n = min(self.first, self.size)
+        while n < self.size and min(2 * n, self.size) <= bound:
+            n = min(2 * n, self.size)
+        return n
+
+    def add(self, frames: np.ndarray) -> list[np.ndarray]:
+        """frames [n, C] -> zero or more chunks [k, C] ready to decode."""
+        if frames.shape[0]:
+            self.pending.append(frames)
+            self.n_pending += frames.shape[0]
+        out = []
+        k = self.next_size()
+        while self.n_pending >= k:
+            allf = np.concatenate(self.pending, axis=0)
+            out.append(allf[:k])
+            if not self.emitted:
+                self.first_sent = k
+            self.pending = [allf[k:]] if allf.shape[0] > k else []
+            self.n_pending -= k
+            self.emitted += 1
+            self.sent += k
+            k = self.next_size()
+        return out
+
+    def flush(self) -> np.ndarray | None:
+        if not self.n_pending:
+            return None
+        allf = np.concatenate(self.pending, axis=0)
+        self.pending, self.n_pending = [], 0
+        self.emitted += 1
+        self.sent += allf.shape[0]
+        return allf
+
+
+class PaceMeter:
+    """Seconds of waiting per second of audio, from a stream's chunk arrivals (interval, audio seconds) across streams:
+    the ratio of the two moving averages, not an average of ratios, so that chunks of unequal sizes arriving at
+    equal intervals (slow_ar releases a stream's chunks together after a held codec call: 4 frames, then 12) give
+    the pace they average to, not more."""
+
+    def __init__(self, weight: float = 0.1):
+        self.weight = weight
+        self.wait_s = self.audio_s = 0.0
+        self.samples = 0
+
+    def observe(self, wait_s: float, audio_s: float) -> None:
+        a = 1.0 if not self.samples else self.weight
+        self.wait_s += a * (wait_s - self.wait_s)
+        self.audio_s += a * (audio_s - self.audio_s)
+        self.samples += 1
+
+    @property
+    def pace(self) -> float | None:
+        return self.wait_s / self.audio_s if self.samples and self.audio_s > 0 else None
