@@ -244,7 +244,7 @@ def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
     codec-batching settings and held admissions; every row delivered audio from finished requests, with no error."""
     out = tmp_path / "loop.json"
     _run([sys.executable, "perf/bench_loop.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--streams", "3",
-          "--frames", "12", "--frames-jitter", "3", "--stagger-ms", "20", "--seconds", "4", "--warm-s", "1",
+          "--frames", "12", "--frames-jitter", "3", "--stagger-ms", "20", "--seconds", "2", "--warm-s", "0.5",
           "--batch-steps", "1,4", "--admit-every", "1,2", "--json", str(out)], timeout=600)
     rows = json.loads(out.read_text())
     assert [(r["batch_steps"], r["admit_every"]) for r in rows] == [(1, 1), (4, 1), (1, 2)]
