@@ -554,6 +554,21 @@ def test_voice_upload_errors(gw, reference_wav, tmp_path):
     assert httpx.get(f"{gw.url}/v1/audio/voices", timeout=10).json()["data"] == []
 
 
+def test_inline_reference_at_a_sample_rate_the_model_refuses_is_a_400(gw, tmp_path):
+    """A clip the gateway decodes but s2pro refuses (4 kHz: below its 8 kHz floor) is the model's 400, naming
+    ref_audio and the range, never a 500 from a check of the gateway's own on the way."""
+    low = tmp_path / "low.wav"
+    t = np.arange(4000 * 2) / 4000
+    sf.write(low, (0.2 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), 4000, subtype="PCM_16")
+    data_url = "data:audio/wav;base64," + base64.b64encode(low.read_bytes()).decode()
+    r = httpx.post(f"{gw.url}/v1/audio/speech", json={"model": MODEL, "input": "hi", "voice": "default",
+                                                      "ref_audio": data_url, "ref_text": "hi",
+                                                      "response_format": "pcm"}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "ref_audio" and "[8000, 192000]" in err["message"], err
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # errors
 
