@@ -694,15 +694,15 @@ def codec_here(v, device) -> bool:
 def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2Error], Any], name: str,
                  on_unhealthy: Callable[[str], None] | None = None,
                  on_tick: Callable[["EngineService"], None] | None = None, fast_ar=None,
-                 device: str | None = None, direct_send: bool = False) -> EngineService:
-    """An `EngineService` built from a model's settings `v` (`settings.model_values`): the AR weights on `device`
-    (default `v.device`), the `Engine` with its KV pool and CUDA graphs, and with `codec_in_engine` the served
+                 direct_send: bool = False) -> EngineService:
+    """An `EngineService` built from a model's settings `v` (`settings.model_values`): the AR weights on `v.device`,
+    the `Engine` with its KV pool and CUDA graphs, and with `codec_in_engine` the served
     stream decoder on the same device, warmed for the chunk lengths the chunker makes and the slices held calls
     decode. `fast_ar`: a `HostFastAR` replacing the in-process fast AR (slow_ar's fast_ar=bls)."""
     from .checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
 
     t0 = time.perf_counter()
-    model = load_model(v.checkpoint, device or v.device, v.dtype, weights=v.ar_weights)
+    model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
     t1 = time.perf_counter()
     engine = Engine(model, residual_size=codec_codebook_sizes(v.checkpoint)[1], max_batch=v.max_batch,
                     max_seq_len=v.max_seq_len, kv_cache_tokens=v.kv_cache_tokens, kv_block_tokens=v.kv_block_tokens,

@@ -248,9 +248,9 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
     if out["kv_cache_tokens"] is None:
         out["kv_cache_tokens"] = max(out["max_seq_len"], out["max_batch"] * 2048)
     check_rules(out)
-    from .layout import Layout
-
     if out["codec_in_engine"] is None:  # decided here, so that slow_ar and dac_decoder agree
+        from .layout import Layout
+
         out["codec_in_engine"] = Layout.from_values(out).codec_beside_engines()
     return out
 

@@ -104,6 +104,15 @@ class Gateway:
         self._log.close()
 
 
+def pipeline_calls(metrics: dict, call: str) -> tuple[float, float]:
+    """(count, sum of seconds) of s2pro's histogram of its calls out of its process (`s2tts_pipeline_call_seconds`)
+    for one kind of call, from `s2tts.client.read_metrics`."""
+    got = [(k, v) for k, v in metrics.items() if k.startswith("s2tts_pipeline_call_seconds_") and f'call="{call}"' in k
+           and 'model="s2pro"' in k]
+    return (sum(v for k, v in got if k.startswith("s2tts_pipeline_call_seconds_count")),
+            sum(v for k, v in got if k.startswith("s2tts_pipeline_call_seconds_sum")))
+
+
 def assert_together_as_alone(server, texts, seeds, max_new_tokens=20):
     """Each request gives the same codes and audio when run alone and when all run at once (batched in one engine,
     their chunks decoded side by side); returns the solo results."""

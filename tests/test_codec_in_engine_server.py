@@ -167,17 +167,13 @@ def test_dac_decoder_loads_its_codec_on_the_first_direct_request(server, tiny_ck
     assert np.abs(audio - want).max() < 1e-4 * max(1.0, np.abs(want).max())
 
 
-def _calls(m: dict, call: str) -> int:
-    """How many of s2pro's calls out of its process of one kind its metrics have counted."""
-    return int(sum(v for k, v in m.items() if k.startswith("s2tts_pipeline_call_seconds_count")
-                   and f'call="{call}"' in k and 'model="s2pro"' in k))
-
-
 def test_the_engine_in_s2pro_and_a_chunk_crosses_processes_twice(in_s2pro):
     """engine_in_s2pro: no slow_ar model; s2pro's log says it holds the engine; a request's chunks make no call out
     of s2pro but their responses: 2 process crossings a chunk between the engine and the client (s2pro ->
     tritonserver -> client), where through slow_ar each chunk is also a BLS call (4 more; tests/test_triton.py
     counts those)."""
+    from servers import pipeline_calls
+
     server = in_s2pro
     with pytest.raises(urllib.error.HTTPError):
         urllib.request.urlopen(f"{server.http_url}/v2/models/slow_ar/ready", timeout=5)
@@ -191,7 +187,7 @@ def test_the_engine_in_s2pro_and_a_chunk_crosses_processes_twice(in_s2pro):
     deadline = time.monotonic() + 10
     while True:  # the send of the final response is observed after it went
         m = read_metrics(server.metrics_url)
-        sends = _calls(m, "send") - _calls(before, "send")
+        sends = pipeline_calls(m, "send")[0] - pipeline_calls(before, "send")[0]
         if sends >= chunks + 1 or time.monotonic() > deadline:
             break
         time.sleep(0.2)

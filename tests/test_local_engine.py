@@ -43,7 +43,6 @@ def test_codes_and_audio_equal_slow_ars(harness_factory):
         assert not [m for m in calls if m.startswith("dac_decoder")]  # the codec decodes in the engine's loop
         quiet(h)
         h.shutdown()  # (the fake's module is one per process: the next harness replaces it)
-        h.models.clear()
     for (c0, a0), (c1, a1) in zip(got["false"], got["true"]):
         np.testing.assert_array_equal(c0, c1)
         # (chunk lengths follow the measured pace, and the codec's sums round differently per length: ~4e-6)

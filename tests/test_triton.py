@@ -300,11 +300,8 @@ def test_speech_metrics_move_with_requests(triton_server):
     ok = 's2tts_requests_finished_total{model="s2pro",outcome="ok"}'
     assert m[ok] >= before.get(ok, 0) + 2
 
-    def calls(m, call):  # (count, sum) of s2pro's histogram of its calls out of the process, for one call
-        got = [(k, v) for k, v in m.items() if k.startswith("s2tts_pipeline_call_seconds_") and f'call="{call}"' in k
-               and 'model="s2pro"' in k]
-        return (sum(v for k, v in got if k.startswith("s2tts_pipeline_call_seconds_count")),
-                sum(v for k, v in got if k.startswith("s2tts_pipeline_call_seconds_sum")))
+    from servers import pipeline_calls as calls
+
     # each request: one call for its first chunk, more for the later ones, a response sent per chunk and a final one
     # (each observed after its call returned: the final sends may reach /metrics a tick after the TTFA above)
     chunks = sum(len(r.chunks) for r in results)
