@@ -99,6 +99,9 @@ def test_rendered_replicas(tiny_ckpt, tmp_path):
     assert params["slow_ar_1"]["codec_in_engine"] == "false" and params["slow_ar_1"]["codec_device"] == "cpu"
     assert (repo / "slow_ar_1" / "1" / "model.py").read_text() == (repo / "slow_ar" / "1" / "model.py").read_text()
     assert validate_repository(repo) == []
+    from s2tts.server import TritonServer  # the launcher loads all 7 at once (Triton's default is 4 at a time)
+
+    assert "--model-load-thread-count=7" in TritonServer(tiny_ckpt, workdir=tmp_path / "w").command("tritonserver", repo)
     (repo / "dac_decoder_1" / "config.pbtxt").unlink()
     assert any("dac_decoder_1" in p for p in validate_repository(repo))
 
