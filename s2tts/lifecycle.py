@@ -381,6 +381,12 @@ class WorkerPool:
             return True
 
     @property
+    def given_up(self) -> int:
+        """Workers given up in calls that have not returned."""
+        with self._lock:
+            return len(self._given_up)
+
+    @property
     def queued(self) -> int:
         """Work waiting for a worker."""
         with self._lock:
@@ -425,14 +431,15 @@ class WorkerPool:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Idle workers exit, and are waited for (up to `timeout` in all): a daemon thread still running when the
         interpreter is torn down (the Triton stub's, at unload) crashes it. Busy ones exit when their work
-        returns (one blocked on a dead model never does; it is a daemon, so it does not hold the exit)."""
+        returns (one blocked on a dead model never does; it is a daemon, so it does not hold the exit). Workers
+        given up (`give_up`) are not waited for: their call may never return."""
         import time
 
         with self._lock:
             self._closed = True
-            for _ in self._threads:
+            threads = [t for t in self._threads if t not in self._given_up]
+            for _ in threads:
                 self._q.put(None)
-            threads = list(self._threads)
         deadline = time.monotonic() + timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -611,4 +611,5 @@ class TTSService:
             recovering = sorted(self.recovering)
         load = self.load()
         return {**self.table.stats(), "recovering": recovering, "worker_threads": self.pool.size,
+                "workers_given_up": self.pool.given_up,
                 "replicas": {self.layout.engine(i): load[i] for i in range(self.layout.replicas)}}

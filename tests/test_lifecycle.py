@@ -210,6 +210,22 @@ def test_worker_pool_queues_past_its_limit_and_never_holds_the_exit():
     assert r.returncode == 0 and "exiting" in r.stdout, r.stderr
 
 
+def test_worker_pool_shutdown_waits_for_idle_workers_not_for_given_up_ones():
+    """A model's unload (`finalize`) shuts its pool down: idle workers are joined, a worker given up in a call that
+    never returns is not (it once held every unload after a dead model for the whole 5 s of the join)."""
+    from s2tts.lifecycle import WorkerPool
+
+    pool, started, stuck, worker = WorkerPool(2, "t-worker"), threading.Event(), threading.Event(), []
+    pool.submit(lambda: (worker.append(threading.current_thread()), started.set(), stuck.wait(120)))
+    pool.submit(lambda: None)
+    assert started.wait(10) and pool.give_up(worker[0])
+    done = threading.Event()
+    threading.Thread(target=lambda: (pool.shutdown(timeout=60), done.set()), daemon=True).start()
+    assert done.wait(20), "shutdown waited for the worker stuck in its call"
+    assert [t for t in pool._threads if t.is_alive()] == worker  # the idle one was joined, the stuck one left
+    stuck.set()
+
+
 # ---- the real model.py files in-process ---------------------------------------------------------------
 def test_happy_path_and_release(harness_factory):
     h = harness_factory()
@@ -542,6 +558,12 @@ def test_killed_slow_ar_mid_stream(harness_factory):
         time.sleep(0.05)
     assert ("slow_ar", "unload") in h.calls and h.calls.count(("slow_ar", "load")) == 2
     assert _one_final(_wait(h.request("s2pro", _tts_inputs("After recovery."), "next"))) is None
+    # the victim's worker, still in the dead process's call, is given up: another serves in its place, and s2pro's
+    # unload does not wait for it
+    s2, deadline = h.models["s2pro"].service, time.time() + 10
+    while s2.status()["workers_given_up"] < 1 and time.time() < deadline:
+        time.sleep(0.05)
+    assert s2.status()["workers_given_up"] == 1
 
 
 def test_grpc_input_edges(harness_factory):
