@@ -56,6 +56,7 @@
 #   loadgen_clone_first.json                      the same for the first use of a voice
 #   run.log               everything printed, with timestamps and each phase's time
 #   tritonserver.log      the server's log
+#   model_stats.json      Triton's statistics of every model at the end of the run (/v2/models/stats)
 #   details.tar.gz        perf_analyzer CSV/logs, its input meta, environment info, rendered settings
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -211,7 +212,7 @@ until grep -q "tritonserver ready" "$WORK/server.out" 2>/dev/null; do
     log "the server exited before it was ready:"; cat "$WORK/server.out"; exit 1
   fi
   if [ $((SECONDS - T_PHASE)) -gt $((SERVER_TIMEOUT + 30)) ]; then log "server not ready after $SERVER_TIMEOUT s"; exit 1; fi
-  sleep 2
+  sleep 0.5
 done
 cat "$WORK/server.out"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv 2>/dev/null | tee "$WORK/details/gpu-mem-after-load.txt" || true
@@ -296,6 +297,10 @@ if [ "$PROFILE" = 1 ]; then
     for f in "$WORK"/details/profile/*.txt; do [ -f "$f" ] && { echo '```'; head -32 "$f"; echo '```'; echo; }; done
   } >>"$RES/summary.md"
 fi
+
+# Triton's own statistics of every model (requests, executions, queue and compute times), the server still up
+"$PY" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=30).read().decode())' \
+  "http://127.0.0.1:$HTTP_PORT/v2/models/stats" >"$RES/model_stats.json" 2>/dev/null || log "no model statistics"
 
 # ------------------------------------------------------------------------------------------------ 9. targets
 "$PY" perf/targets.py "$RES" >"$RES/targets.md" || true

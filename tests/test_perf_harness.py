@@ -204,7 +204,9 @@ def test_make_pa_inputs_and_perf_analyzer(triton_server, tiny_ckpt, tmp_path):
 
 def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/scale_gpus.sh end to end with `device=cpu` and `cpu,cpu` (what it runs as cuda:0 and cuda:0,cuda:1 on a
-    GPU host): both layouts serve every request, and the two-engine server loaded slow_ar_1 and dac_decoder_1."""
+    GPU host): both layouts serve every request, and the two-engine server loaded slow_ar_1 and dac_decoder_1 and
+    served through both engines and both codecs (the real tritonserver with two engines; what s2pro does with them
+    is tests/test_layout.py's, on the fake)."""
     import tarfile
 
     from servers import free_port
@@ -223,6 +225,10 @@ def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert "successfully loaded 'slow_ar_1'" in log and "successfully loaded 'dac_decoder_1'" in log
     assert re.search(r"slow_ar_1 ready in [\d.]+ s \(weights [\d.]+ s, .*\): device=cpu", log), log[-3000:]
     assert "dac_decoder_1 ready: device=cpu" in log
+    with tarfile.open(tmp_path / "out" / "g2.tar.gz") as tar:  # Triton's statistics: both engines and codecs served
+        stats = json.loads(tar.extractfile("g2/model_stats.json").read())["model_stats"]
+    served = {m["name"]: int(m["inference_stats"]["success"].get("count", 0)) for m in stats}
+    assert all(served[m] > 0 for m in ("slow_ar", "slow_ar_1", "dac_decoder", "dac_decoder_1")), served
 
 
 def test_paged_mixed_script_on_the_cpu(tiny_ckpt, tmp_path):

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_short_soak(triton_server, tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "perf/soak.py", "--url", triton_server.grpc_url, "--metrics", triton_server.metrics_url,
-           "--minutes", "0.2", "--concurrency", "6", "--frames", "5,30", "--cancel", "0.3", "--disconnect", "0.2",
+           "--minutes", "0.1", "--concurrency", "6", "--frames", "5,30", "--cancel", "0.3", "--disconnect", "0.2",
            "--first-chunk-frames", "2", "--chunk-frames", "4", "--sample", "3", "--settle", "30", "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
