@@ -11,7 +11,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from s2tts import triton_utils as tu
-from s2tts.export import ort_session
+from s2tts.export.runtime import ort_session
 
 
 class TritonPythonModel:

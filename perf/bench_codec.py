@@ -27,7 +27,7 @@ import torch  # noqa: E402
 def timed(fn, iters=10, warmup=2, queued=False):
     """Median milliseconds of `iters` calls after `warmup`. `queued`: each call queued behind a GPU sleep first, so
     that the time is the GPU's alone (as in a CUDA graph), not that of launching it."""
-    from s2tts.codec import gpu_time_ms
+    from s2tts.codec.dac import gpu_time_ms
 
     for _ in range(warmup):
         fn()
@@ -48,21 +48,21 @@ def main():
     ap.add_argument("--device", default="cuda", help="--served-only: cpu is a smoke test of this script")
     ap.add_argument("--paths", default="own_state,pool_eager,pool_graphs,pool_graphs_kernels,served",
                     help="--served-only: which of dac_decoder's paths to time (`_kernels`: the codec's Triton kernels; "
-                         "`served`: what the servers open, `codec_stream.open_stream_decoder`)")
+                         "`served`: what the servers open, `codec.stream.open_stream_decoder`)")
     ap.add_argument("--profile", help="--served-only: directory for kernel and operator tables of one fp16 chunk at "
                                       "the largest batch, as PyTorch ops and with the codec's Triton kernels")
     ap.add_argument("--no-phases", action="store_true",
                     help="run every dilated convolution as one (never as its phases, `codec.conv1d_phases`)")
     args = ap.parse_args()
     if args.no_phases:
-        from s2tts import codec as codec_module
+        from s2tts.codec import dac as codec_module
 
         codec_module._phases_pay = lambda *a: False
     if args.served_only:
         return bench_served(args)
     from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec import use_triton_kernels
-    from s2tts.codec_stream import StreamDecoder
+    from s2tts.codec.dac import use_triton_kernels
+    from s2tts.codec.stream import StreamDecoder
 
     torch.backends.cudnn.benchmark = True
     rows = []
@@ -119,8 +119,8 @@ def bench_served(args):
     import numpy as np
 
     from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec import use_triton_kernels
-    from s2tts.codec_stream import StreamDecoder, open_stream_decoder
+    from s2tts.codec.dac import use_triton_kernels
+    from s2tts.codec.stream import StreamDecoder, open_stream_decoder
 
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
     dev = args.device
@@ -148,7 +148,7 @@ def bench_served(args):
             dec = StreamDecoder(codec, fallback=fallback, pool_size=pool, graphs=graphs)
             made = dec.pool.warm([4, 8, n], max_batch=max_batch) if pool else 0
         if pool:
-            from s2tts import codec as codec_module
+            from s2tts.codec import dac as codec_module
 
             rows.append({"path": label, "warm_s": round(time.perf_counter() - t0, 2), "graphs": made,
                          "pool_mib": round(dec.pool.bytes / 2**20),
@@ -189,7 +189,7 @@ def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
     serving), PyTorch ops then the codec's Triton kernels."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    from s2tts.codec import use_triton_kernels
+    from s2tts.codec.dac import use_triton_kernels
 
     out.mkdir(parents=True, exist_ok=True)
     codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (batch, 1, n)),

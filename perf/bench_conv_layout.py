@@ -43,7 +43,7 @@ def record_convs(codec, codes) -> list[tuple]:
             return real[kind](x, w, b, *rest)
         return call
 
-    from s2tts import codec as codec_module
+    from s2tts.codec import dac as codec_module
 
     plan, codec_module._phases_pay = codec_module._phases_pay, lambda *a: False  # the codec's own form of each
     F.conv1d, F.conv_transpose1d = spy("conv1d"), spy("conv_transpose1d")
@@ -63,7 +63,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=4)
     args = ap.parse_args()
     from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec import use_triton_kernels
+    from s2tts.codec.dac import use_triton_kernels
 
     codec = load_codec_from_dir(args.checkpoint, "cuda", "fp16")
     codec.drop_encoding()
@@ -74,7 +74,7 @@ def main():
                        torch.randint(0, cfg.codebook_size, (args.streams, cfg.n_codebooks, args.chunk), generator=g)],
                       1).cuda()
     convs = record_convs(codec, codes)
-    from s2tts.codec import conv1d_phases
+    from s2tts.codec.dac import conv1d_phases
 
     rows, totals = {}, [0.0, 0.0, 0]
     with torch.inference_mode():

@@ -186,7 +186,7 @@ def main():
 
     from s2tts import kernels
     from s2tts.checkpoint import codec_codebook_sizes, load_model
-    from s2tts.prompt import PromptBuilder
+    from s2tts.frontend.prompt import PromptBuilder
 
     ck = Path(args.checkpoint)
     if args.make_full and not (ck / "config.json").is_file():

@@ -69,9 +69,9 @@ def _stall_points(clients) -> dict:
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
         prefill_tokens, uniform=None, load_frames=None):
-    from s2tts.codec_stream import StreamDecoder
+    from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
-    from s2tts.engine_service import EngineService
+    from s2tts.engine.service import EngineService
     from s2tts.sampling import SamplingParams
     from s2tts.settings import SCHEMA
 
@@ -183,9 +183,9 @@ def main() -> int:
     args = ap.parse_args()
 
     from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir, load_model
-    from s2tts.codec_stream import tune_for_device
+    from s2tts.codec.stream import tune_for_device
     from s2tts.config import S2Config
-    from s2tts.prompt import PromptBuilder
+    from s2tts.frontend.prompt import PromptBuilder
 
     ck = Path(args.checkpoint)
     if args.make_full and not (ck / "config.json").is_file():

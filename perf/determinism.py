@@ -41,7 +41,7 @@ def main() -> None:
 
     from s2tts.checkpoint import codec_codebook_sizes, load_model
     from s2tts.engine import Engine
-    from s2tts.prompt import PromptBuilder
+    from s2tts.frontend.prompt import PromptBuilder
     from s2tts.sampling import SamplingParams
     from s2tts.tiny import write_checkpoint
 

@@ -42,7 +42,7 @@ def sentence(i: int) -> str:
 
 def long_text(segments: int, chunk_length: int) -> str:
     """Enough sentences for `segments` segments of `chunk_length` bytes, as the server will cut them."""
-    from s2tts.segment import batches
+    from s2tts.frontend.segment import batches
 
     n = max(1, segments * chunk_length // 60)
     while len(batches(text := "".join(sentence(i) for i in range(n)), chunk_length)) < segments:

@@ -92,7 +92,7 @@ def main():
 
     from s2tts.checkpoint import codec_codebook_sizes, load_model
     from s2tts.engine import Engine
-    from s2tts.prompt import Prompt, PromptBuilder
+    from s2tts.frontend.prompt import Prompt, PromptBuilder
     from s2tts.sampling import SamplingParams
 
     ck = Path(args.checkpoint)

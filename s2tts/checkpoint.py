@@ -162,7 +162,7 @@ def _codec_file(path: str | Path) -> Path:
 
 
 def load_codec_from_dir(path: str | Path, device="cpu", dtype: str | torch.dtype = "fp32"):
-    from .codec import load_codec
+    from .codec.dac import load_codec
 
     f = _codec_file(path)
     return load_codec(str(f), device=resolve_device(device), dtype=parse_dtype(dtype))
@@ -171,7 +171,7 @@ def load_codec_from_dir(path: str | Path, device="cpu", dtype: str | torch.dtype
 def codec_frame_seconds(path: str | Path) -> float:
     """Seconds of audio per codec frame (2048 / 44100 for S2 Pro), from codec.pth's tensor shapes without
     building the codec (the file is memory-mapped)."""
-    from .codec import _infer_config, _normalise
+    from .codec.dac import _infer_config, _normalise
 
     f = _codec_file(path)
     config = _infer_config(_normalise(torch.load(str(f), map_location="cpu", mmap=True, weights_only=True),

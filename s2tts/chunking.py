@@ -5,6 +5,7 @@ under load (`LOAD_PACE`). slow_ar's engine service and dac_decoder plan chunks w
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 

@@ -10,9 +10,9 @@ import torch
 
 from .checkpoint import load_codec_from_dir, load_model, resolve_device
 from .engine import Engine
-from .prompt import PromptBuilder, clean_text
+from .frontend.prompt import PromptBuilder, clean_text
 from .sampling import SamplingParams
-from .segment import DEFAULT_CHUNK_LENGTH, batches, overall_finish_reason
+from .frontend.segment import DEFAULT_CHUNK_LENGTH, batches, overall_finish_reason
 
 
 @dataclass
@@ -47,7 +47,7 @@ class S2Pipeline:
     @torch.inference_mode()
     def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
         """Reference waveform ([T], [T, C] or [C, T]) at any rate -> codes [num_codebooks, frames]."""
-        from .codec import prepare_audio
+        from .codec.dac import prepare_audio
 
         wav = prepare_audio(audio, sample_rate, self.codec.config.sample_rate).to(self.device)
         return self.codec.encode(wav)[0].cpu().numpy().astype(np.int32)

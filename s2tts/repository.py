@@ -120,7 +120,7 @@ def render_trt_variants(repo: str | Path, settings: dict, backend: str = "tensor
     the repository holds are replaced (a subset rendered with `models=` stays a subset). Returns the
     names of the models written.
     """
-    from .export import MANIFEST, load_manifest  # here, not at the top: s2tts.export imports torch
+    from .export.driver import MANIFEST, load_manifest  # here, not at the top: s2tts.export imports torch
 
     if backend not in ("tensorrt", "onnxruntime"):
         raise ValueError(f"backend={backend!r}: render_trt_variants takes tensorrt or onnxruntime")

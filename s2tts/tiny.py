@@ -100,7 +100,7 @@ def write_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, device:
     """Write the checkpoint directory `out`; returns its path."""
     from safetensors.torch import save_file
 
-    from .codec import codec_state_dict, full_codec_config, make_codec, tiny_codec_config
+    from .codec.dac import codec_state_dict, full_codec_config, make_codec, tiny_codec_config
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}")

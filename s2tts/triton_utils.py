@@ -401,7 +401,7 @@ class Metrics:
                 pass
 
     def report_engine(self, service, streams_open: int | None = None) -> None:
-        """An `engine_service.EngineService`'s numbers: its requests, the engine's slots, KV cache, preemptions and
+        """An `engine.service.EngineService`'s numbers: its requests, the engine's slots, KV cache, preemptions and
         prefix cache, its step time, and its codec's when it decodes in the engine's loop."""
         engine = service.engine
         counts = engine.counts()
@@ -424,7 +424,7 @@ class Metrics:
             self.flush()
 
     def report_codec(self, decoder) -> None:
-        """A `codec_stream.StreamDecoder`'s numbers: streams open, chunks redone in fp32, and the batch size of every
+        """A `codec.stream.StreamDecoder`'s numbers: streams open, chunks redone in fp32, and the batch size of every
         codec call since the last report (sent at the next `flush`)."""
         self.set("s2tts_codec_streams_open", len(decoder.states))
         self.count_to("s2tts_codec_fp32_redo_total", decoder.redone)

@@ -36,7 +36,7 @@ def model(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def prompts(tiny_ckpt):
-    from s2tts.prompt import PromptBuilder
+    from s2tts.frontend.prompt import PromptBuilder
 
     return PromptBuilder.from_dir(tiny_ckpt)
 

@@ -11,7 +11,7 @@ import torch  # noqa: E402
 from s2tts import kernels  # noqa: E402
 from s2tts.checkpoint import load_model  # noqa: E402
 from s2tts.engine import Engine  # noqa: E402
-from s2tts.prompt import PromptBuilder  # noqa: E402
+from s2tts.frontend.prompt import PromptBuilder  # noqa: E402
 from s2tts.sampling import SamplingParams  # noqa: E402
 
 
@@ -219,7 +219,7 @@ def check_codec(ckpt):
     import torch.nn.functional as F
 
     from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec import use_triton_kernels
+    from s2tts.codec.dac import use_triton_kernels
 
     torch.manual_seed(0)
     wide = torch.randn(2, 5, 40)
@@ -235,7 +235,7 @@ def check_codec(ckpt):
         w, b = torch.randn(1, 5, 7), torch.randn(1)
         assert rel(kernels.conv_to_one(wide, w, b, dil), F.conv1d(wide, w, b, dilation=dil)) < 1e-6
 
-    from s2tts.codec import apply_rope, rope_cos_sin
+    from s2tts.codec.dac import apply_rope, rope_cos_sin
 
     qkv = torch.randn(2, 5, 3, 4, 16)  # [B, T, q|k|v, H, D]: q and k are strided views, as the codec's are
     rope = rope_cos_sin(torch.arange(7, 12)[None].expand(2, 5), 16, 10000.0)

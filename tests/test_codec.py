@@ -1,4 +1,4 @@
-"""Tests for s2tts.codec: reference parity, loader strictness, shapes, streaming, audio helpers."""
+"""Tests for s2tts.codec.dac: reference parity, loader strictness, shapes, streaming, audio helpers."""
 
 from __future__ import annotations
 
@@ -12,18 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.codec import (
-    DAC,
-    CodecConfig,
-    StreamState,
-    codec_state_dict,
-    full_codec_config,
-    load_codec,
-    make_codec,
-    prepare_audio,
-    resample,
-    tiny_codec_config,
-)
+from s2tts.codec.dac import (DAC, CodecConfig, StreamState, codec_state_dict, full_codec_config, load_codec, make_codec, prepare_audio, resample, tiny_codec_config)
 
 SR = 44100
 
@@ -158,7 +147,7 @@ def test_parity_full_decode_and_stream(reference_full):
 
 @pytest.mark.parametrize("batch,channels,length,dilation", [(2, 5, 60, 9), (3, 4, 37, 3), (1, 6, 55, 9), (2, 3, 20, 2)])
 def test_conv1d_phases_is_the_dilated_convolution(batch, channels, length, dilation):
-    from s2tts.codec import conv1d_phases
+    from s2tts.codec.dac import conv1d_phases
 
     g = torch.Generator().manual_seed(length)
     x = torch.randn(batch, channels, length, generator=g)
@@ -173,7 +162,7 @@ def test_gpu_formulations_match_reference(reference_tiny, monkeypatch):
     """What `use_triton_kernels` changes on a GPU besides the kernels: the codebooks decoded as one lookup in a table
     of their projections, and dilated convolutions as their phases (there only for shapes where that is faster; all
     of them here) still give the reference codec's audio, whole and streamed."""
-    import s2tts.codec as codec_module
+    import s2tts.codec.dac as codec_module
 
     ref, ours = reference_tiny
     codes = _random_codes(ours.config, 9, seed=4)

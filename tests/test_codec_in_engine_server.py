@@ -80,8 +80,8 @@ def test_audio_comes_from_slow_ar_and_equals_the_offline_cli(server, tiny_ckpt, 
 
 def test_dialogue_segments_continue_one_codec_stream(server, tiny_ckpt):
     from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec_stream import StreamDecoder
-    from s2tts.segment import batches
+    from s2tts.codec.stream import StreamDecoder
+    from s2tts.frontend.segment import batches
 
     text = "".join(f"<|speaker:{i % 2}|>Line {i} of the dialogue, spoken in turn. " for i in range(6))
     n = len(batches(text, 64))

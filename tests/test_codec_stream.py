@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from s2tts.checkpoint import load_codec_from_dir
-from s2tts.codec_stream import StreamDecoder
+from s2tts.codec.stream import StreamDecoder
 from s2tts.errors import S2Error
 
 
@@ -226,7 +226,7 @@ def test_a_decode_only_codec_streams_as_before_and_refuses_to_encode(tiny_ckpt):
 def test_the_served_decoder_opens_with_the_device_as_settings_name_it(tiny_ckpt):
     """`open_stream_decoder` (dac_decoder, slow_ar) takes `codec_device` as written in the settings: `auto` (the
     default) opened no decoder once (tritonserver refused to load dac_decoder)."""
-    from s2tts.codec_stream import open_stream_decoder
+    from s2tts.codec.stream import open_stream_decoder
 
     for device in ("auto", "cpu"):
         dec, dtype, graphs = open_stream_decoder(tiny_ckpt, device, "auto", 4, 60.0, [4], 2)

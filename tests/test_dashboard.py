@@ -9,7 +9,6 @@ import re
 import shutil
 import subprocess
 import time
-import urllib.parse
 from pathlib import Path
 
 import httpx

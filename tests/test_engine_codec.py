@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir
-from s2tts.codec_stream import StreamDecoder
+from s2tts.codec.stream import StreamDecoder
 from s2tts.engine import Engine
-from s2tts.engine_service import CodecStream, EngineService
+from s2tts.engine.service import CodecStream, EngineService
 from s2tts.sampling import SamplingParams
 
 
@@ -333,7 +333,7 @@ def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny
     """`under_load` (what grows first chunks and holds codec calls): on from the first pass at a pace of 0.35 (a
     wave of arrivals), kept while the pace averaged over about a second stays above 0.28 (a held call's own
     saving, single light steps), off once that average falls below it. Without a measured pace: never."""
-    import s2tts.engine_service as es
+    import s2tts.engine.service as es
 
     clock = [100.0]
     monkeypatch.setattr(es.time, "monotonic", lambda: clock[0])

@@ -18,10 +18,13 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
-from s2tts import export as ex  # noqa: E402
+from s2tts.export import checks as xc  # noqa: E402
+from s2tts.export import driver as xd  # noqa: E402
+from s2tts.export import graphs as xg  # noqa: E402
+from s2tts.export import runtime as xr  # noqa: E402
 from s2tts import repository as rp  # noqa: E402
 from s2tts.checkpoint import load_codec_from_dir, load_model  # noqa: E402
-from s2tts.codec import make_codec, tiny_codec_config  # noqa: E402
+from s2tts.codec.dac import make_codec, tiny_codec_config  # noqa: E402
 from s2tts.sampling import sample  # noqa: E402
 from s2tts.repository import MODEL_REPOSITORY, render_repository  # noqa: E402
 from s2tts.server import server_has_tensorrt  # noqa: E402
@@ -42,13 +45,13 @@ def codec(tiny_ckpt):
 @pytest.fixture(scope="module")
 def onnx_dir(tiny_ckpt, fast_model, codec, tmp_path_factory):
     out = tmp_path_factory.mktemp("onnx")
-    ex.export_all(tiny_ckpt, out, model=fast_model, codec=codec)
+    xd.export_all(tiny_ckpt, out, model=fast_model, codec=codec)
     return out
 
 
 @pytest.fixture(scope="module")
 def manifest(onnx_dir):
-    return ex.load_manifest(onnx_dir)
+    return xd.load_manifest(onnx_dir)
 
 
 def _report(check):
@@ -72,19 +75,19 @@ def test_sample_from_uniforms_is_sample():
     seed, step = torch.randint(0, 2**62, (B,), generator=g), torch.randint(0, 5000, (B,), generator=g)
     for stream in (2, 10):
         want = sample(logits, temperature, top_p, top_k, seed, step, stream)
-        u = ex.fast_ar_uniforms(seed, step, 9, V)[:, stream - 1 - ex.FAST_AR_STREAM0]
-        got = ex.sample_from_uniforms(logits, temperature, top_p, top_k.int(), u, V)
+        u = xg.fast_ar_uniforms(seed, step, 9, V)[:, stream - 1 - xg.FAST_AR_STREAM0]
+        got = xg.sample_from_uniforms(logits, temperature, top_p, top_k.int(), u, V)
         assert torch.equal(got, want)
 
 
 def test_frame_module_equals_cached_fast_ar(fast_model, tiny_ckpt):
     """The cache-free unrolled frame (what is exported) gives the engine's codes, both noise flavours."""
-    x = ex.random_sampling_inputs(256, fast_model.s2.audio.dim, fast_model.s2.codebook_size, seed=7)
-    ref = ex.reference_fast_ar(fast_model, 32, x)
+    x = xc.random_sampling_inputs(256, fast_model.s2.audio.dim, fast_model.s2.codebook_size, seed=7)
+    ref = xc.reference_fast_ar(fast_model, 32, x)
     base = [x[k] for k in ("hidden", "code0", "temperature", "top_p", "top_k")]
     with torch.inference_mode():
-        seeded = ex.FastARFrame(fast_model.fast, 32, seeded=True)(*base, x["seed"], x["step"])
-        given = ex.FastARFrame(fast_model.fast, 32)(*base, ex.fast_ar_uniforms(x["seed"], x["step"], 9, 32))
+        seeded = xg.FastARFrame(fast_model.fast, 32, seeded=True)(*base, x["seed"], x["step"])
+        given = xg.FastARFrame(fast_model.fast, 32)(*base, xg.fast_ar_uniforms(x["seed"], x["step"], 9, 32))
     assert seeded.dtype == torch.int32 and seeded.shape == (256, 9)
     assert torch.equal(seeded.long(), ref) and torch.equal(given.long(), ref)
 
@@ -93,7 +96,7 @@ def test_frame_module_equals_cached_fast_ar(fast_model, tiny_ckpt):
 
 
 def test_manifest_describes_the_graphs(manifest, codec, onnx_dir):
-    assert set(manifest["graphs"]) == set(ex.GRAPHS)
+    assert set(manifest["graphs"]) == set(xg.GRAPHS)
     assert (manifest["num_codebooks"], manifest["residual_size"], manifest["dim"], manifest["frame_length"]) == (10, 32, 64, 2048)
     fa = manifest["graphs"]["fast_ar"]
     assert [(t["name"], t["data_type"], t["dims"]) for t in fa["inputs"]] == [
@@ -104,8 +107,8 @@ def test_manifest_describes_the_graphs(manifest, codec, onnx_dir):
     st = manifest["graphs"]["dac_decoder_stream"]
     keys = list(codec.new_stream_state(1).tensors)
     assert [s["key"] for s in st["state"]] == keys
-    assert [t["name"] for t in st["inputs"]] == ["codes"] + [ex.state_tensor_name(k) for k in keys]
-    assert [t["name"] for t in st["outputs"]] == ["audio"] + [ex.state_tensor_name(k, new=True) for k in keys]
+    assert [t["name"] for t in st["inputs"]] == ["codes"] + [xg.state_tensor_name(k) for k in keys]
+    assert [t["name"] for t in st["outputs"]] == ["audio"] + [xg.state_tensor_name(k, new=True) for k in keys]
     assert st["profile"]["shapes"]["max"]["codes"] == [64, 10, 32]
     assert manifest["graphs"]["dac_encoder"]["profile"]["shapes"]["max"]["waveform"] == [4, 1, 660 * 2048]
     assert st["profile"]["trtexec"]["min"].startswith("codes:1x10x1,state_quantizer_post_module_pos:1x1,")
@@ -113,19 +116,19 @@ def test_manifest_describes_the_graphs(manifest, codec, onnx_dir):
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["uniforms", "seeded"])
 def test_fast_ar_graph_gives_identical_codes(onnx_dir, fast_model, seeded):
-    c = _report(ex.check_fast_ar(onnx_dir, fast_model, 32, batch=64, rounds=2, seeded=seeded))
+    c = _report(xc.check_fast_ar(onnx_dir, fast_model, 32, batch=64, rounds=2, seeded=seeded))
     assert c.value == 0 and c.ok, c.line()
 
 
 def test_decoder_graphs_match_pytorch(onnx_dir, codec, manifest):
-    checks = [ex.check_decoder(onnx_dir, codec, batch=3, frames=7)]
-    checks += ex.check_stream_decoder(onnx_dir, codec, manifest, batch=2, chunks=(1, 4, 5))
+    checks = [xc.check_decoder(onnx_dir, codec, batch=3, frames=7)]
+    checks += xc.check_stream_decoder(onnx_dir, codec, manifest, batch=2, chunks=(1, 4, 5))
     for c in map(_report, checks):
         assert c.ok, c.line()
 
 
 def test_encoder_graph_matches_pytorch(onnx_dir, codec):
-    c = _report(ex.check_encoder(onnx_dir, codec, batch=2, frames=8))
+    c = _report(xc.check_encoder(onnx_dir, codec, batch=2, frames=8))
     assert c.ok, c.line()
 
 
@@ -134,9 +137,9 @@ def test_graphs_cross_transformer_windows(tmp_path):
     chunked window attention of the graphs runs with several chunks, partial last chunks and a state
     that carries across windows."""
     small = make_codec(dataclasses.replace(tiny_codec_config(), quantizer_window=8, encoder_window=16), seed=3)
-    m = ex.export_all("unused", tmp_path, graphs=("dac_decoder_stream", "dac_encoder"), codec=small, max_positions=512)
-    checks = ex.check_stream_decoder(tmp_path, small, m, batch=2, chunks=(3, 9, 1, 6))  # windows end at 8, 16
-    checks.append(ex.check_encoder(tmp_path, small, batch=1, frames=9))  # 36 latent steps: 3 windows of 16
+    m = xd.export_all("unused", tmp_path, graphs=("dac_decoder_stream", "dac_encoder"), codec=small, max_positions=512)
+    checks = xc.check_stream_decoder(tmp_path, small, m, batch=2, chunks=(3, 9, 1, 6))  # windows end at 8, 16
+    checks.append(xc.check_encoder(tmp_path, small, batch=1, frames=9))  # 36 latent steps: 3 windows of 16
     for c in map(_report, checks):
         assert c.ok, c.line()
 
@@ -146,12 +149,12 @@ def test_checks_fail_when_the_graph_drifts(onnx_dir, tiny_ckpt, codec, manifest)
     drifted = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
     with torch.no_grad():
         drifted.decoder.model[0].conv.weight.mul_(1.01)
-    assert not ex.check_decoder(onnx_dir, drifted, frames=4).ok
-    assert not ex.check_stream_decoder(onnx_dir, drifted, manifest, chunks=(2, 3))[0].ok
+    assert not xc.check_decoder(onnx_dir, drifted, frames=4).ok
+    assert not xc.check_stream_decoder(onnx_dir, drifted, manifest, chunks=(2, 3))[0].ok
     fast = load_model(tiny_ckpt, "cpu", "fp32", parts=("fast",))
     with torch.no_grad():
         fast.fast.output.weight.mul_(1.5)
-    c = ex.check_fast_ar(onnx_dir, fast, 32, batch=64, rounds=1)
+    c = xc.check_fast_ar(onnx_dir, fast, 32, batch=64, rounds=1)
     assert not c.ok and c.detail["rows_differing"] > 0
 
 
@@ -159,19 +162,19 @@ def test_tensorrt_operator_table(onnx_dir):
     """The graphs meant for TensorRT use only operators/types its ONNX parser lists; the seeded fast AR
     needs integer XOR (onnxruntime only, hence the uniforms input)."""
     for g in ("fast_ar", "dac_decoder", "dac_decoder_stream", "dac_encoder"):
-        assert ex.tensorrt_lint(onnx_dir / f"{g}.onnx") == [], g
-    assert "BitwiseXor: not supported by TensorRT" in ex.tensorrt_lint(onnx_dir / "fast_ar_seeded.onnx")
+        assert xc.tensorrt_lint(onnx_dir / f"{g}.onnx") == [], g
+    assert "BitwiseXor: not supported by TensorRT" in xc.tensorrt_lint(onnx_dir / "fast_ar_seeded.onnx")
 
 
 def test_stream_decoder_over_the_graph(onnx_dir, codec, manifest):
-    """codec_stream.StreamDecoder with the graph-backed codec (what dac_decoder runs in the TensorRT variant)
+    """codec.stream.StreamDecoder with the graph-backed codec (what dac_decoder runs in the TensorRT variant)
     against StreamDecoder with the PyTorch codec: interleaved streams, batched chunks, pieces cut to the
     engine's frame profile (max_frames=4), released states."""
-    from s2tts.codec_stream import StreamDecoder
+    from s2tts.codec.stream import StreamDecoder
 
-    graph = ex.GraphStreamCodec(ex.ort_runner(onnx_dir / "dac_decoder_stream.onnx"), manifest, max_frames=4, max_batch=2)
+    graph = xr.GraphStreamCodec(xr.ort_runner(onnx_dir / "dac_decoder_stream.onnx"), manifest, max_frames=4, max_batch=2)
     ours, ref = StreamDecoder(graph), StreamDecoder(codec)
-    codes = {s: ex._random_codes(codec, 1, 14, seed=s)[0].numpy() for s in range(3)}
+    codes = {s: xc._random_codes(codec, 1, 14, seed=s)[0].numpy() for s in range(3)}
     plan = [[("a", 0, 0, 3), ("b", 1, 0, 3), ("c", 2, 0, 3)],  # three streams, same length: one batch (cut to 2+1)
             [("a", 0, 3, 12), ("b", 1, 3, 4)],                  # a long chunk (cut into pieces of 4 frames)
             [("a", 0, 12, 14), ("b", 1, 4, 6), ("c", 2, 3, 5)]]
@@ -181,7 +184,7 @@ def test_stream_decoder_over_the_graph(onnx_dir, codec, manifest):
         assert got.keys() == want.keys()
         for k in want:
             assert got[k].shape == want[k].shape
-            assert ex.relative_error(got[k], want[k]) < ex.LIMITS["audio_rel"], (step, k)
+            assert xc.relative_error(got[k], want[k]) < xc.LIMITS["audio_rel"], (step, k)
     assert ours.states == {}
     with pytest.raises(ValueError, match="batch"):
         graph.decode_stream(torch.zeros(2, 10, 1, dtype=torch.long), graph.new_stream_state(1))
@@ -195,7 +198,7 @@ def test_export_cli(tiny_ckpt, tmp_path):
     assert "ok   fast_ar" in p.stdout and "fast_ar: no problem found" in p.stdout
     report = json.loads((out / "check_report.json").read_text())
     assert report[0]["ok"] and report[0]["rows_differing"] == 0
-    assert ex.load_manifest(out)["graphs"]["fast_ar"]["profile"]["sizes"]["batch"] == [1, 8, 32]
+    assert xd.load_manifest(out)["graphs"]["fast_ar"]["profile"]["sizes"]["batch"] == [1, 8, 32]
     bad = subprocess.run([sys.executable, "build/export_onnx.py", "--checkpoint", str(tiny_ckpt), "--out", str(out),
                           "--graphs", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "unknown graph" in bad.stderr
@@ -381,8 +384,8 @@ def test_variant_served_by_tritonserver_matches_offline(tiny_ckpt, onnx_dir, man
                            SamplingParams(temperature=0.9, top_p=0.9, top_k=20, max_new_tokens=20, seed=1234))
     assert plain.codes.shape == want.codes.shape and len(plain.chunks) > 2
     np.testing.assert_array_equal(plain.codes, want.codes)
-    assert ex.relative_error(plain.audio, want.audio) < 1e-4
+    assert xc.relative_error(plain.audio, want.audio) < 1e-4
     ref_codes = pipe.encode_reference(ref_audio, 44100)
     want = pipe.synthesize("Cloned voice.", SamplingParams(max_new_tokens=10, seed=9), ref_codes, "A humming tone.")
     np.testing.assert_array_equal(clone.codes, want.codes)
-    assert ex.relative_error(clone.audio, want.audio) < 1e-4
+    assert xc.relative_error(clone.audio, want.audio) < 1e-4

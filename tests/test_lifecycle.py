@@ -21,7 +21,7 @@ from s2tts import errors
 from s2tts.checkpoint import codec_codebook_sizes, load_model
 from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
 from s2tts.lifecycle import RequestTable
-from s2tts.prompt import PromptBuilder
+from s2tts.frontend.prompt import PromptBuilder
 from s2tts.sampling import SamplingParams
 
 from fake_triton import one_final as _one_final
@@ -640,8 +640,8 @@ def test_long_text_is_spoken_segment_after_segment_in_one_seamless_stream(harnes
     """A text longer than chunk_length: each segment is its own slow_ar generation whose prompt holds the earlier
     segments with their codes; every chunk goes through one codec stream, so the streamed audio equals one whole
     decode of all the request's codes (no gap or click at the joins)."""
-    from s2tts.codec_stream import StreamDecoder
-    from s2tts.segment import batches
+    from s2tts.codec.stream import StreamDecoder
+    from s2tts.frontend.segment import batches
 
     h = harness_factory()
     slow = h.models["slow_ar"].service

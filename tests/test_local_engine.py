@@ -1,4 +1,4 @@
-"""s2pro holding the engine (`engine_in_s2pro`, `s2tts.local_engine`), on the tests' fake Triton: the same codes
+"""s2pro holding the engine (`engine_in_s2pro`, `s2tts.frontend.local_engine`), on the tests' fake Triton: the same codes
 and audio as through slow_ar, no BLS call for generation, a client's cancel ending the engine's request, a cancel
 that reaches the engine before its request, and an engine fault that ends every request once and unloads s2pro."""
 

@@ -245,7 +245,7 @@ def test_service_says_when_requests_were_paused(model, requests, s2_log):
     every request still gets all its frames, and the log says what to raise."""
     import time
 
-    from s2tts.engine_service import EngineService
+    from s2tts.engine.service import EngineService
 
     longest = max(len(p) + sp.max_new_tokens for _, p, sp in requests)
     eng = _engine(model, kv_block_tokens=8, max_seq_len=longest + 8, kv_cache_tokens=longest + 80, prefix_cache_bytes=0)

@@ -7,7 +7,7 @@ import pytest
 
 from s2tts.sampling import SamplingParams
 from s2tts.chunking import Chunker, PaceMeter
-from s2tts.request import Limits, TTSRequest
+from s2tts.frontend.request import Limits, TTSRequest
 from s2tts.timing import CallTimes
 
 

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from s2tts import errors
-from s2tts.engine_service import FINISH_CODES
+from s2tts.engine.service import FINISH_CODES
 from s2tts.lifecycle import RequestTable, WorkerPool
 
 from fake_triton import Request, one_final, quiet, slow_ar_inputs, tts_inputs, wait_final

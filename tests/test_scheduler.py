@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from s2tts.engine import FINISH_CANCELLED, FINISH_END, FINISH_LENGTH, Scheduler, StepResult
-from s2tts.prompt import Prompt
+from s2tts.frontend.prompt import Prompt
 from s2tts.sampling import SamplingParams
 
 C = 3  # codebooks

@@ -1,4 +1,4 @@
-"""Long-form text and dialogue as segments (s2tts.segment): upstream's turn batching, sentence cuts in any
+"""Long-form text and dialogue as segments (s2tts.frontend.segment): upstream's turn batching, sentence cuts in any
 script, graphemes and speaker tags never split, the text's own whitespace kept."""
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import regex
 
-from s2tts.segment import SPEAKER_TAG, Turn, batches, nbytes, split_text, split_turns
+from s2tts.frontend.segment import SPEAKER_TAG, Turn, batches, nbytes, split_text, split_turns
 
 
 def _grapheme_ends(text):
@@ -114,7 +114,7 @@ def test_bad_sizes_are_refused():
 def test_several_voices_combine_as_upstream():
     import numpy as np
 
-    from s2tts.segment import combine_voices
+    from s2tts.frontend.segment import combine_voices
 
     a, b = np.zeros((10, 3), np.int32), np.ones((10, 2), np.int32)
     text, codes = combine_voices([("First voice speaking.", a), ("<speaker:7>Second voice.", b)])
@@ -130,7 +130,7 @@ def _split_reference(text, max_bytes):
     """The first, quadratic version of split_text (every cut re-scans the whole rest): the definition it must keep."""
     import regex
 
-    from s2tts.segment import _CLAUSE, _SENTENCE, _SPACE, nbytes
+    from s2tts.frontend.segment import _CLAUSE, _SENTENCE, _SPACE, nbytes
 
     pieces = []
     while nbytes(text) > max_bytes:
@@ -158,7 +158,7 @@ def test_split_text_windowed_equals_the_definition():
     does, on mixed scripts, emoji sequences, combining marks, long words and no punctuation at all."""
     import random
 
-    from s2tts.segment import split_text
+    from s2tts.frontend.segment import split_text
 
     rng = random.Random(7)
     atoms = ["Hello there. ", "a, ", "word ", "naïve ", "e\u0301", "👩‍👩‍👧 ", "這是句子。", "没有标点", "한국어 ",

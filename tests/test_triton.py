@@ -317,8 +317,8 @@ def test_dialogue_streams_segment_after_segment_seamlessly(triton_server, tiny_c
     with the earlier ones in context, through one codec stream: the streamed audio is one whole decode of all
     its codes."""
     from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec_stream import StreamDecoder
-    from s2tts.segment import batches
+    from s2tts.codec.stream import StreamDecoder
+    from s2tts.frontend.segment import batches
 
     text = "".join(f"<|speaker:{i % 2}|>Line {i} of the dialogue, spoken in turn. " for i in range(6))
     n = len(batches(text, 64))

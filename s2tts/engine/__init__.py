@@ -7,13 +7,12 @@
 - `runner.ModelRunner`: the device: KV pools, per-slot sampling state, passes over the slow AR, sampling and the
   fast AR, CUDA graphs -> a `StepResult` per plan.
 
-The serving loop around it (codec batching, responses, the request table) is `s2tts.engine_service`.
+The serving loop around it (codec batching, responses, the request table) is `s2tts.engine.service`.
 """
 
 from .core import Engine
 from .runner import HostFastAR, InProcessFastAR, ModelRunner
-from .scheduler import (FINISH_CANCELLED, FINISH_END, FINISH_ERROR, FINISH_LENGTH, Output, PrefillChunk, Request,
-                        Scheduler, StepPlan, StepResult)
+from .scheduler import (FINISH_CANCELLED, FINISH_END, FINISH_ERROR, FINISH_LENGTH, Output, PrefillChunk, Request, Scheduler, StepPlan, StepResult)
 
 __all__ = ["Engine", "ModelRunner", "Scheduler", "InProcessFastAR", "HostFastAR", "Output", "Request", "PrefillChunk",
            "StepPlan", "StepResult", "FINISH_END", "FINISH_LENGTH", "FINISH_CANCELLED", "FINISH_ERROR"]

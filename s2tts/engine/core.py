@@ -30,7 +30,7 @@ import torch
 
 from ..errors import is_fatal_device_error
 from ..model import S2Model
-from ..prompt import Prompt
+from ..frontend.prompt import Prompt
 from ..sampling import SamplingParams
 from ..settings import SCHEMA
 from .runner import ModelRunner

@@ -17,7 +17,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..prompt import Prompt
+from ..frontend.prompt import Prompt
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..prompt import Prompt
+from ..frontend.prompt import Prompt
 from ..sampling import SamplingParams
 from .paged import BlockPool
 from .prefix_cache import PrefixCache

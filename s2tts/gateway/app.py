@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..segment import combine_voices
+from ..frontend.segment import combine_voices
 from .audio_io import decode_audio, decode_data_url
 from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, make_encoder

@@ -2,7 +2,7 @@
 
 Each request is one chunk `[1, frames, num_codebooks]` of the stream `stream_id`; `start`
 opens the stream, `final` releases it. The state (conv left context, transformer window)
-is kept between chunks so that they join without seams (`s2tts.codec_stream`). Requests
+is kept between chunks so that they join without seams (`s2tts.codec.stream`). Requests
 that Triton's dynamic batcher hands over together are decoded as one batch per chunk length.
 """
 
@@ -11,7 +11,7 @@ import time
 
 from s2tts import settings
 from s2tts import triton_utils as tu
-from s2tts.codec_stream import open_stream_decoder
+from s2tts.codec.stream import open_stream_decoder
 from s2tts.chunking import Chunker
 
 

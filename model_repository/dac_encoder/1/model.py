@@ -23,7 +23,7 @@ class TritonPythonModel:
         self.torch = torch
 
     def execute(self, requests):
-        from s2tts.codec import prepare_audio
+        from s2tts.codec.dac import prepare_audio
 
         out = []
         for request in requests:

@@ -1,6 +1,6 @@
 """s2pro: the decoupled BLS model clients call.
 
-With `engine_in_s2pro` (opt-in, one engine) this process also holds the engine (`s2tts.local_engine`):
+With `engine_in_s2pro` (opt-in, one engine) this process also holds the engine (`s2tts.frontend.local_engine`):
 generation makes no BLS call, and there is no slow_ar model. Not the default: on one H100 at c=64 it
 served 12% fewer audio-s/s than the BLS path (this process's requests then share the engine thread's
 GIL; perf/RESULTS.md).
@@ -8,7 +8,7 @@ GIL; perf/RESULTS.md).
 text (+ reference audio or codes + transcript) -> prompt -> `slow_ar` stream of frames
 -> `dac_decoder` (stateful per stream, so chunks join without seams) -> audio responses
 (or, with codec_in_engine, slow_ar's chunks arrive with their audio: no dac_decoder call),
-then one final response with stats. A thin adapter: `s2tts.orchestrator.TTSService`
+then one final response with stats. A thin adapter: `s2tts.frontend.orchestrator.TTSService`
 owns each request's life (worker thread, deadlines, cancellation, recovery); this file
 parses tensors, builds responses and makes the BLS calls (`BLSDownstream`).
 
@@ -28,12 +28,12 @@ import triton_python_backend_utils as pb_utils
 from s2tts import errors, settings
 from s2tts import triton_utils as tu
 from s2tts.config import S2Config
-from s2tts.engine_service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, serve_engine
+from s2tts.engine.service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, serve_engine
 from s2tts.layout import ENGINE
-from s2tts.local_engine import LocalEngines, local_error, local_response
-from s2tts.orchestrator import TTSService
-from s2tts.prompt import PromptBuilder
-from s2tts.request import Limits, TTSRequest
+from s2tts.frontend.local_engine import LocalEngines, local_error, local_response
+from s2tts.frontend.orchestrator import TTSService
+from s2tts.frontend.prompt import PromptBuilder
+from s2tts.frontend.request import Limits, TTSRequest
 from s2tts.timing import CallTimes
 
 
@@ -49,7 +49,7 @@ def _raise_for(resp, model: str):
 
 
 class BLSDownstream:
-    """The rest of the pipeline through BLS (see `s2tts.orchestrator.Downstream`); `times` (a `timing.CallTimes`):
+    """The rest of the pipeline through BLS (see `s2tts.frontend.orchestrator.Downstream`); `times` (a `timing.CallTimes`):
     how long each kind of BLS call took, from the call to its answer.
 
     Every call carries a timeout (`timeout_s`, Triton's request timeout): Triton applies it while a request waits in

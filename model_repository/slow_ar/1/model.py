@@ -1,6 +1,6 @@
 """slow_ar: the continuous-batching AR engine (slow AR + fast AR per frame), streamed by pulls.
 
-A thin adapter: tensors in, `s2tts.engine_service.EngineService` does the rest (one
+A thin adapter: tensors in, `s2tts.engine.service.EngineService` does the rest (one
 engine thread, one sender thread, every request ending in exactly one final response).
 A generation request carries `request_id` (the caller's id: its stream, cancellation, status,
 log lines) and is answered with its first chunk; `control`="next" with that id answers the
@@ -8,7 +8,7 @@ next chunk (`s2tts.lifecycle.PullStreams`), until the one with a finish reason. 
 `request_id` the answer is the whole generation, in one response. `control`="cancel" cancels
 that request; `control`="status" answers with the engine's health and where that request is
 (waiting / live / unknown) in `stats`; `control`="pace=R" (from s2pro) tells the chunker the
-pipeline's pace. Everything but codes travels as numbers (`s2tts.engine_service.FINISH_CODES`,
+pipeline's pace. Everything but codes travels as numbers (`s2tts.engine.service.FINISH_CODES`,
 `STATS_FIELDS`, `STATUS_FIELDS`). Request-response, not decoupled: see config.pbtxt.
 
 With `codec_in_engine` (auto: on a GPU with the codec beside the engine) this process also loads the codec
@@ -25,9 +25,9 @@ import triton_python_backend_utils as pb_utils
 from s2tts import errors, settings
 from s2tts import triton_utils as tu
 from s2tts.engine import HostFastAR
-from s2tts.engine_service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, encode_fields, serve_engine
+from s2tts.engine.service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, encode_fields, serve_engine
 from s2tts.lifecycle import PullStreams
-from s2tts.prompt import Prompt
+from s2tts.frontend.prompt import Prompt
 
 
 class BLSFastAR(HostFastAR):
@@ -87,28 +87,20 @@ class TritonPythonModel:
     def _control(self, control, rid, sender):
         if control == "next":
             self.streams.pull(rid, sender)
-        elif control == "cancel":
-            found = self.service.cancel(rid)
-            self.log.info("slow_ar: cancel for request %s (%s)", rid, "live" if found else "not in flight")
-            sender.send(self._answer(np.array([float(found)], np.float32)), True)
-        elif control.startswith("pace="):  # the pipeline's pace, from s2pro: chunks follow the slower stage
-            try:
-                r = float(control[5:])
-            except ValueError:
-                raise errors.invalid(f"control={control!r}: pace=R needs a number", "control") from None
-            self.service.set_downstream_pace(r)
-            sender.send(self._answer(np.array([r], np.float32)), True)
-        elif control == "close_codec":  # rid: the codec stream's id
-            self.service.close_codec(rid)
-            sender.send(self._answer(np.zeros(0, np.float32)), True)
+            return
+        out = self.service.control(control, rid)  # raises `invalid` for an unknown word
+        if control == "cancel":
+            self.log.info("slow_ar: cancel for request %s (%s)", rid, "live" if out else "not in flight")
+            answer = np.array([float(out)], np.float32)
         elif control == "status":
-            status = self.service.status(rid)
-            if status.get("request") == "unknown" and self.streams.get(rid) is not None:
-                status["request"] = "live"  # generation ended, its last chunks not read yet
-            sender.send(self._answer(encode_fields(status, STATUS_FIELDS)), True)
-        else:
-            raise errors.invalid(f"control={control!r}: use next, cancel, status, pace=R or close_codec (or leave it "
-                                 "out to generate)", "control")
+            if out.get("request") == "unknown" and self.streams.get(rid) is not None:
+                out["request"] = "live"  # generation ended, its last chunks not read yet
+            answer = encode_fields(out, STATUS_FIELDS)
+        elif control == "close_codec":
+            answer = np.zeros(0, np.float32)
+        else:  # pace=R
+            answer = np.array([out], np.float32)
+        sender.send(self._answer(answer), True)
 
     def _answer(self, stats):
         """A control request's answer: no codes, the numbers in `stats`."""

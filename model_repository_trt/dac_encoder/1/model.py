@@ -10,7 +10,8 @@ import triton_python_backend_utils as pb_utils
 
 from s2tts import errors
 from s2tts import triton_utils as tu
-from s2tts.export import load_manifest, triton_bls_runner
+from s2tts.export.driver import load_manifest
+from s2tts.export.runtime import triton_bls_runner
 
 
 class TritonPythonModel:
@@ -32,7 +33,7 @@ class TritonPythonModel:
         self.torch = torch
 
     def execute(self, requests):
-        from s2tts.codec import prepare_audio
+        from s2tts.codec.dac import prepare_audio
 
         torch = self.torch
         out = []

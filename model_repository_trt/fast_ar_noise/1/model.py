@@ -12,7 +12,9 @@ import triton_python_backend_utils as pb_utils
 
 from s2tts import triton_utils as tu
 from s2tts.checkpoint import resolve_device
-from s2tts.export import fast_ar_uniforms, load_manifest, to_triton_tensor
+from s2tts.export.graphs import fast_ar_uniforms
+from s2tts.export.driver import load_manifest
+from s2tts.export.runtime import to_triton_tensor
 
 
 class TritonPythonModel:

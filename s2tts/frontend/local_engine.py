@@ -2,8 +2,8 @@
 
     LocalEngines({"slow_ar": engine_service}, rest)
 
-is s2pro's `orchestrator.Downstream` when s2pro holds the engine itself: `generate` and `control` go straight to
-the `engine_service.EngineService` of this process (built with `direct_send`: the engine thread hands each
+is s2pro's `frontend.orchestrator.Downstream` when s2pro holds the engine itself: `generate` and `control` go straight to
+the `engine.service.EngineService` of this process (built with `direct_send`: the engine thread hands each
 response to the request's inbox, which its worker reads), and `encode` / `decode` (`dac_encoder`, and
 `dac_decoder` for chunks that come without audio) go to `rest`, the BLS calls. A chunk then crosses processes
 twice between the engine and the client (s2pro's response to tritonserver, tritonserver's to the client) instead
@@ -22,9 +22,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from . import errors
-from .engine_service import CodecStream, EngineService
-from .errors import S2Error
+from .. import errors
+from ..engine.service import CodecStream, EngineService
+from ..errors import S2Error
 from .request import TTSRequest
 
 
@@ -85,21 +85,12 @@ class LocalEngines:
             self._reading.pop(rid, None)
 
     def control(self, engine: str, rid: str, what: str) -> dict:
-        svc = self._service(engine)
-        if what == "cancel":
-            svc.cancel(rid)
-        elif what == "close_codec":
-            svc.close_codec(rid)
-        elif what == "status":
-            status = svc.status(rid)
-            if status.get("request") == "unknown" and rid in self._reading:
-                status["request"] = "live"  # generation ended, its last chunks not read yet
-            return status
-        elif what.startswith("pace="):
-            svc.set_downstream_pace(float(what[5:]))
-        else:
-            raise errors.internal(f"unknown control {what!r}")
-        return {}
+        out = self._service(engine).control(what, rid)
+        if what != "status":
+            return {}
+        if out.get("request") == "unknown" and rid in self._reading:
+            out["request"] = "live"  # generation ended, its last chunks not read yet
+        return out
 
     def encode(self, audio, sample_rate, tag):
         return self.rest.encode(audio, sample_rate, tag)

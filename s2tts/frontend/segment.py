@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import regex
 
-from .settings import SCHEMA
+from ..settings import SCHEMA
 
 SPEAKER_TAG = re.compile(r"<\|speaker:(\d+)\|>")
 MAX_TURNS = 5  # upstream's turns per batch

@@ -39,12 +39,12 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
-from . import errors
-from .errors import S2Error
-from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
-from .lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
+from .. import errors
+from ..errors import S2Error
+from ..layout import DECODER, ENCODER, ENGINE, Layout, role_of
+from ..lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
 from .segment import batches, overall_finish_reason
-from .chunking import PaceMeter
+from ..chunking import PaceMeter
 from .request import Stats, TTSRequest
 
 log = logging.getLogger("s2tts")
@@ -76,7 +76,7 @@ class Downstream(Protocol):
         """Unload and load `model` again (raises if the server does not allow it)."""
 
     def holds(self, model: str) -> bool:
-        """`model` runs inside this process (`local_engine.LocalEngines`): it is never reloaded on its own; its
+        """`model` runs inside this process (`frontend.local_engine.LocalEngines`): it is never reloaded on its own; its
         fault unloads this process's model instead. Optional (default: False)."""
 
 

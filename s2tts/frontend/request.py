@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import invalid
-from .sampling import SamplingParams
+from ..errors import invalid
+from ..sampling import SamplingParams
 from .segment import clean_text
-from .settings import SCHEMA, check_field
+from ..settings import SCHEMA, check_field
 
 
 @dataclass
@@ -53,7 +53,7 @@ class TTSRequest:
     reference_sample_rate: int | None = None
     reference_text: str | None = None
     reference_codes: np.ndarray | None = None
-    chunk_length: int = SCHEMA["chunk_length"].default  # UTF-8 bytes of text per segment (`s2tts.segment`)
+    chunk_length: int = SCHEMA["chunk_length"].default  # UTF-8 bytes of text per segment (`s2tts.frontend.segment`)
 
     def validate(self, limits: Limits, num_codebooks: int) -> "TTSRequest":
         """Raises S2Error(invalid_argument) naming the input to change."""

@@ -5,7 +5,7 @@ in order and polls for cancellation, so IPC never stalls the device loop. Frames
 grouped per request as it asked (`first_chunk_frames`, then `chunk_frames`): one
 response per audio chunk, then one final response with the finish reason and stats.
 
-With a `codec` (`codec_stream.StreamDecoder`: `codec_in_engine`), the engine thread also decodes, and each
+With a `codec` (`codec.stream.StreamDecoder`: `codec_in_engine`), the engine thread also decodes, and each
 response carries its audio beside its codes, so no chunk makes a round trip to another process. A request names
 its codec stream (`CodecStream`: several requests, one per text segment, can continue one stream); the stream
 closes with the request's last chunk when `final`, and whenever the request ends otherwise. What a codec call
@@ -40,14 +40,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from . import errors
-from .engine import FINISH_ERROR, Engine, Output
-from .errors import S2Error
-from .lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
-from .prompt import Prompt
-from .sampling import SamplingParams
-from .chunking import LOAD_PACE, Chunker
-from .settings import SCHEMA
+from .. import errors
+from . import FINISH_ERROR, Engine, Output
+from ..errors import S2Error
+from ..lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
+from ..frontend.prompt import Prompt
+from ..sampling import SamplingParams
+from ..chunking import LOAD_PACE, Chunker
+from ..settings import SCHEMA
 
 log = logging.getLogger("s2tts")
 
@@ -193,7 +193,7 @@ class EngineService:
                  codec_batch_steps: int = SCHEMA["codec_batch_steps"].default,
                  load_chunk_frames: int = SCHEMA["load_chunk_frames"].default, direct_send: bool = False):
         """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`chunking.Chunker`);
-        None: fixed chunks. `codec` (a `codec_stream.StreamDecoder`): decode audio here (see the module's doc).
+        None: fixed chunks. `codec` (a `codec.stream.StreamDecoder`): decode audio here (see the module's doc).
         `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off). Defaults: the
         settings of the same names. `direct_send`: responders that only hand a response to another thread of this
         process (s2pro holding the engine): the engine thread sends each response itself, with no hand-off to the
@@ -361,6 +361,27 @@ class EngineService:
             elif r >= LOAD_PACE:
                 loaded, avg = True, max(avg, r)  # the average starts from the pace that turned it on
         self._load = (avg, now, loaded)
+
+    def control(self, what: str, client_id: str):
+        """One of s2pro's control words for this engine, the same over BLS (slow_ar) and in-process
+        (`frontend.local_engine`): `cancel` -> whether `client_id` was in flight; `close_codec` -> None (`client_id`
+        names the codec stream); `status` -> the engine's counts and where `client_id` is; `pace=R` -> R, the
+        pipeline's pace set (chunks follow the slower stage). Anything else is `invalid`."""
+        if what == "cancel":
+            return self.cancel(client_id)
+        if what == "close_codec":
+            return self.close_codec(client_id)
+        if what == "status":
+            return self.status(client_id)
+        if what.startswith("pace="):
+            try:
+                r = float(what[5:])
+            except ValueError:
+                raise errors.invalid(f"control={what!r}: pace=R needs a number", "control") from None
+            self.set_downstream_pace(r)
+            return r
+        raise errors.invalid(f"control={what!r}: use next, cancel, status, pace=R or close_codec (or leave it out to "
+                             "generate)", "control")
 
     def set_downstream_pace(self, r: float) -> None:
         if not (0.0 < r < 1e3):
@@ -686,7 +707,7 @@ def codec_here(v, device) -> bool:
     """`codec_in_engine` as rendering decided it; a config left unrendered takes the same rule (layout.py)."""
     if v.codec_in_engine is not None:
         return v.codec_in_engine
-    from .layout import Layout
+    from ..layout import Layout
 
     return Layout((str(device),), (v.codec_device or str(device),)).codec_beside_engines()
 
@@ -699,7 +720,7 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     the `Engine` with its KV pool and CUDA graphs, and with `codec_in_engine` the served
     stream decoder on the same device, warmed for the chunk lengths the chunker makes and the slices held calls
     decode. `fast_ar`: a `HostFastAR` replacing the in-process fast AR (slow_ar's fast_ar=bls)."""
-    from .checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
+    from ..checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
 
     t0 = time.perf_counter()
     model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
@@ -728,12 +749,12 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
 
 
 def _engine_codec(v, engine: Engine, name: str):
-    """The served stream decoder (`codec_stream.open_stream_decoder`) on the engine's device, warmed for the chunk
+    """The served stream decoder (`codec.stream.open_stream_decoder`) on the engine's device, warmed for the chunk
     lengths the chunker makes and the slices held calls decode (`codec_batch_steps`, and twice that for a stream
     catching up), at up to max_batch streams per call."""
     import torch
 
-    from .codec_stream import open_stream_decoder
+    from ..codec.stream import open_stream_decoder
 
     t0 = time.monotonic()
     torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .config import IM_END, IM_START, VOICE, S2Config
+from ..config import IM_END, IM_START, VOICE, S2Config
 from .segment import SPEAKER_TAG as _SPEAKER
 from .segment import clean_text, combine_voices  # noqa: F401 - re-exported: prompts and their text go together
 
@@ -63,7 +63,7 @@ class PromptBuilder:
         """ref_codes: [C, frames] codes of the reference clip (from the DAC encoder).
 
         history: earlier segments of the same request as (user text, generated codes [frames, C]), oldest first
-        (long-form speech and dialogue, `s2tts.segment`): each stays in the conversation as its user turn and an
+        (long-form speech and dialogue, `s2tts.frontend.segment`): each stays in the conversation as its user turn and an
         assistant turn `<|voice|>` + its codes + `<|im_end|>`, as upstream does, so voices and prosody carry over.
         max_tokens: the oldest history turns are left out until the prompt fits (never the system turn with the
         reference voice, never the current text); `Prompt.history_dropped` counts them."""
@@ -125,7 +125,7 @@ class PromptBuilder:
 
     def build_segment(self, segment: str, ref_codes=None, ref_text: str | None = None, history=(),
                       room: int | None = None) -> Prompt:
-        """A long text's segment k (`s2tts.segment`): its prompt with as many of the earlier segments as fit in
+        """A long text's segment k (`s2tts.frontend.segment`): its prompt with as many of the earlier segments as fit in
         `room` tokens (the sequence less the frames it may generate). Never fails for length: the first segment
         is built as a single request always was (generation then stops with `length` when the sequence is full),
         and a segment that does not fit beside any history goes without it."""

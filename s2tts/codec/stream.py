@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import kernels
-from .codec import StreamState, use_triton_kernels
-from .errors import S2Error, invalid
+from .. import kernels
+from .dac import StreamState, use_triton_kernels
+from ..errors import S2Error, invalid
 
 log = logging.getLogger("s2tts")
 
@@ -107,7 +107,7 @@ class StreamDecoder:
                 else:
                     self._decode_own(group, codes, out, wide=path == "fp32")
             except Exception as e:  # noqa: BLE001 - this group's streams fail; their state is gone
-                from .errors import from_exception
+                from ..errors import from_exception
 
                 err = from_exception(e, "dac_decoder")
                 for key, sid, *_ in group:
@@ -216,7 +216,7 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
     decoder on `device` (`auto`: fp16 on a GPU), with the fp32 codec as its fallback when that is not fp32, and a
     pool of `pool_size` stream slots warmed for these chunk lengths at up to `max_batch` streams a call (CUDA graphs
     on a GPU). The caller sets the process's fp32 precision (TF32) first. -> (decoder, dtype, graphs captured)."""
-    from .checkpoint import codec_dtype_for, load_codec_from_dir
+    from ..checkpoint import codec_dtype_for, load_codec_from_dir
 
     dtype = codec_dtype_for(codec_dtype, device, "decoder")
     codec = load_codec_from_dir(checkpoint, device, dtype).drop_encoding()
@@ -230,7 +230,7 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
 def tune_for_device(device, *codecs) -> None:
     """How a serving process runs its streaming decoders on a GPU: the codec's Triton kernels (`use_triton_kernels`).
     Nothing changes on a CPU. `device`: as the settings name it (`auto` included)."""
-    from .checkpoint import resolve_device
+    from ..checkpoint import resolve_device
 
     if resolve_device(device).type != "cuda":
         return
