@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Callable
 from pathlib import Path
 
 from .repository import MODELS, REPO_ROOT, render_model_repository
@@ -101,6 +102,10 @@ def python_backend_threads(settings: dict) -> int:
     return (setting.default if raw in (None, "") else setting.parse(raw)) + 32
 
 
+class Cancelled(Exception):
+    """`TritonServer.start` was cancelled before the server was ready; the server is stopped."""
+
+
 class TritonServer:
     """A running tritonserver process on a rendered copy of the model repository."""
 
@@ -137,7 +142,9 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
-    def start(self, timeout: float = 300.0) -> "TritonServer":
+    def start(self, timeout: float = 300.0, cancelled: Callable[[], bool] | None = None) -> "TritonServer":
+        """Render the repository, start tritonserver and wait until it is ready (at most `timeout` s). `cancelled`
+        (polled while waiting): True stops the server and raises `Cancelled` (a SIGTERM while the models load)."""
         # the `backend` switch: python | tensorrt | onnxruntime (tensorrt only on a server that has it)
         repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models,
                                        has_tensorrt=server_has_tensorrt)
@@ -151,7 +158,7 @@ class TritonServer:
             env["LD_LIBRARY_PATH"] = f"{libs}:{env.get('LD_LIBRARY_PATH', '')}"
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_ready(timeout)
+        self.wait_ready(timeout, cancelled)
         return self
 
     def command(self, binary, repo) -> list[str]:
@@ -175,14 +182,17 @@ class TritonServer:
         except OSError:
             return False
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, cancelled: Callable[[], bool] | None = None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with code {self.proc.returncode}; log:\n{self.log_tail()}")
             if self.is_ready():
                 return
-            time.sleep(0.5)
+            if cancelled is not None and cancelled():
+                self.stop()
+                raise Cancelled("stopped while the models were loading")
+            time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"tritonserver not ready after {timeout:.0f} s; log:\n{self.log_tail()}")
 
@@ -193,6 +203,9 @@ class TritonServer:
             return ""
 
     def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to tritonserver and its model processes (one process group), SIGKILL after `timeout`; model
+        processes that outlive tritonserver (it exits without waiting for them when stopped while they load, or when
+        it died) get 5 s to exit by themselves, then SIGKILL: nothing of the server is left running."""
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -200,11 +213,9 @@ class TritonServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+            _end_group(self.proc.pid, grace=5.0)
         elif self.proc is not None:  # tritonserver died (an abort, a kill): its model processes, in its process
-            try:                     # group, may live on without it
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _end_group(self.proc.pid, grace=0.0)  # group, may live on without it
         if getattr(self, "_log", None):
             self._log.close()
         if self.own_workdir and self.proc is not None and self.proc.poll() is not None:
@@ -215,6 +226,21 @@ class TritonServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _end_group(pgid: int, grace: float) -> None:
+    """Wait up to `grace` s for the processes of group `pgid` to exit, then SIGKILL those left."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def parse_settings(items: list[str]) -> dict[str, str]:
@@ -257,7 +283,10 @@ def main(argv=None) -> int:
             settings["address"] = args.address
         server = TritonServer(args.checkpoint, settings, args.http_port, args.grpc_port, args.metrics_port, args.workdir)
         t0 = time.monotonic()
-        server.start(args.timeout)
+        print(f"starting tritonserver: log {server.log_path}", flush=True)
+        server.start(args.timeout, cancelled=lambda: stop["now"])  # a SIGTERM while loading stops it at once
+    except Cancelled:
+        return 0
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -59,8 +59,9 @@ ORPHAN_STUB = "Non-graceful termination detected"
 class Gateway:
     """`python -m s2tts.gateway` in a subprocess on a free port."""
 
-    def __init__(self, triton_url: str, db: Path, log: Path, *extra: str, wait_healthy: bool = True):
-        self.port = free_port()
+    def __init__(self, triton_url: str, db: Path, log: Path, *extra: str, wait_healthy: bool = True,
+                 port: int | None = None):
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log
         self._log = open(log, "ab")

@@ -28,8 +28,9 @@ def test_launch_once_serves_the_demo_request(tiny_ckpt, tmp_path):
 
 
 def test_server_removes_its_temporary_folder_on_sigterm(tiny_ckpt):
-    """`python -m s2tts.server` without --workdir renders into a temporary folder; SIGTERM stops tritonserver and
-    removes that folder."""
+    """`python -m s2tts.server` without --workdir renders into a temporary folder; a SIGTERM, here while the models
+    load (the operator's stop during a start that takes minutes on a GPU), stops tritonserver at once and removes that
+    folder (a SIGTERM after the ready line takes the same way out: `server.stop()`)."""
     import os
     import re
     import signal
@@ -40,13 +41,20 @@ def test_server_removes_its_temporary_folder_on_sigterm(tiny_ckpt):
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     try:
-        line = p.stdout.readline()
-        m = re.search(r"log (\S+)/tritonserver\.log", line)
+        line = p.stdout.readline()  # "starting tritonserver: log <workdir>/tritonserver.log"
+        m = re.search(r"starting tritonserver: log (\S+)/tritonserver\.log", line)
         assert m, line + p.stdout.read()[-2000:]
         workdir = m.group(1)
         assert os.path.isdir(workdir) and "s2tts-triton-" in workdir
+        log, deadline = Path(workdir) / "tritonserver.log", time.time() + 120
+        while "successfully loaded" not in (log.read_text(errors="replace") if log.exists() else "") \
+                and time.time() < deadline:  # a model loaded, the others' processes running
+            time.sleep(0.1)
+        assert "successfully loaded" in log.read_text(errors="replace")
         p.send_signal(signal.SIGTERM)
-        assert p.wait(60) == 0
+        assert p.wait(60) == 0, p.stdout.read()[-2000:]
+        stubs = subprocess.run(["pgrep", "-f", f"{workdir}/"], capture_output=True, text=True).stdout.split()
+        assert stubs == [], stubs  # tritonserver and every model process ended
         deadline = time.time() + 10
         while os.path.exists(workdir) and time.time() < deadline:
             time.sleep(0.1)
