@@ -11,8 +11,8 @@ import torch
 from .checkpoint import load_codec_from_dir, load_model, resolve_device
 from .engine import Engine
 from .frontend.prompt import PromptBuilder, clean_text
-from .sampling import SamplingParams
 from .frontend.segment import DEFAULT_CHUNK_LENGTH, batches, overall_finish_reason
+from .sampling import SamplingParams
 
 
 @dataclass

@@ -121,14 +121,15 @@ def read_fields(request, stage: str, values: dict | None = None) -> dict:
     return out
 
 
-def sampling_params(fields: dict, limits: dict | None = None):
+def sampling_params(fields: dict, limits: dict | None = None, check: bool = True):
     """The sampling fields of a request (`read_fields`) -> `SamplingParams`, each checked against its range in
     `settings.REQUEST_FIELDS` (upper bounds from `limits`, a model's settings; None where a bound is not this
-    model's to check); S2Error names the input that is wrong."""
+    model's to check); S2Error names the input that is wrong. `check=False` for a caller that checks them with the
+    rest of its request (s2pro: `TTSRequest.validate`)."""
     from .sampling import SamplingParams
     from .settings import SAMPLING_FIELDS, check_field
 
-    for name in SAMPLING_FIELDS:
+    for name in SAMPLING_FIELDS if check else ():
         check_field(name, fields[name], limits)
     return SamplingParams(temperature=fields["temperature"], top_p=fields["top_p"], top_k=fields["top_k"],
                           max_new_tokens=fields["max_new_tokens"], seed=fields["seed"],

@@ -18,15 +18,15 @@ import torch
 pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
+from s2tts import repository as rp  # noqa: E402
+from s2tts.checkpoint import load_codec_from_dir, load_model  # noqa: E402
+from s2tts.codec.dac import make_codec, tiny_codec_config  # noqa: E402
 from s2tts.export import checks as xc  # noqa: E402
 from s2tts.export import driver as xd  # noqa: E402
 from s2tts.export import graphs as xg  # noqa: E402
 from s2tts.export import runtime as xr  # noqa: E402
-from s2tts import repository as rp  # noqa: E402
-from s2tts.checkpoint import load_codec_from_dir, load_model  # noqa: E402
-from s2tts.codec.dac import make_codec, tiny_codec_config  # noqa: E402
-from s2tts.sampling import sample  # noqa: E402
 from s2tts.repository import MODEL_REPOSITORY, render_repository  # noqa: E402
+from s2tts.sampling import sample  # noqa: E402
 from s2tts.server import server_has_tensorrt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from s2tts.checkpoint import load_model
-from s2tts.model import Fp8Linear
 from s2tts.frontend.prompt import PromptBuilder
+from s2tts.model import Fp8Linear
 
 from servers import assert_together_as_alone, tiny_server
 

@@ -20,8 +20,8 @@ import torch
 from s2tts import errors
 from s2tts.checkpoint import codec_codebook_sizes, load_model
 from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
-from s2tts.lifecycle import RequestTable
 from s2tts.frontend.prompt import PromptBuilder
+from s2tts.lifecycle import RequestTable
 from s2tts.sampling import SamplingParams
 
 from fake_triton import one_final as _one_final

@@ -5,9 +5,9 @@ import re
 import numpy as np
 import pytest
 
-from s2tts.sampling import SamplingParams
 from s2tts.chunking import Chunker, PaceMeter
 from s2tts.frontend.request import Limits, TTSRequest
+from s2tts.sampling import SamplingParams
 from s2tts.timing import CallTimes
 
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from .. import kernels
-from .dac import StreamState, use_triton_kernels
 from ..errors import S2Error, invalid
+from .dac import StreamState, use_triton_kernels
 
 log = logging.getLogger("s2tts")
 

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from ..errors import is_fatal_device_error
-from ..model import S2Model
 from ..frontend.prompt import Prompt
+from ..model import S2Model
 from ..sampling import SamplingParams
 from ..settings import SCHEMA
 from .runner import ModelRunner

@@ -41,13 +41,13 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import errors
-from . import FINISH_ERROR, Engine, Output
-from ..errors import S2Error
-from ..lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
-from ..frontend.prompt import Prompt
-from ..sampling import SamplingParams
 from ..chunking import LOAD_PACE, Chunker
+from ..errors import S2Error
+from ..frontend.prompt import Prompt
+from ..lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
+from ..sampling import SamplingParams
 from ..settings import SCHEMA
+from . import FINISH_ERROR, Engine, Output
 
 log = logging.getLogger("s2tts")
 

@@ -40,12 +40,12 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 
 from .. import errors
+from ..chunking import PaceMeter
 from ..errors import S2Error
 from ..layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from ..lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
-from .segment import batches, overall_finish_reason
-from ..chunking import PaceMeter
 from .request import Stats, TTSRequest
+from .segment import batches, overall_finish_reason
 
 log = logging.getLogger("s2tts")
 

@@ -11,8 +11,8 @@ import numpy as np
 
 from ..errors import invalid
 from ..sampling import SamplingParams
+from ..settings import SAMPLING_FIELDS, SCHEMA, check_field
 from .segment import clean_text
-from ..settings import SCHEMA, check_field
 
 
 @dataclass
@@ -68,7 +68,7 @@ class TTSRequest:
             raise invalid(str(e), "text") from None
         lim = limits.as_settings()
         p = self.params
-        for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed"):
+        for name in SAMPLING_FIELDS:
             check_field(name, getattr(p, name), lim)
         check_field("first_chunk_frames", self.first_chunk_frames, lim)
         check_field("chunk_frames", self.chunk_frames, lim)

@@ -11,8 +11,8 @@ import time
 
 from s2tts import settings
 from s2tts import triton_utils as tu
-from s2tts.codec.stream import open_stream_decoder
 from s2tts.chunking import Chunker
+from s2tts.codec.stream import open_stream_decoder
 
 
 class TritonPythonModel:

@@ -29,11 +29,11 @@ from s2tts import errors, settings
 from s2tts import triton_utils as tu
 from s2tts.config import S2Config
 from s2tts.engine.service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, serve_engine
-from s2tts.layout import ENGINE
 from s2tts.frontend.local_engine import LocalEngines, local_error, local_response
 from s2tts.frontend.orchestrator import TTSService
 from s2tts.frontend.prompt import PromptBuilder
 from s2tts.frontend.request import Limits, TTSRequest
+from s2tts.layout import ENGINE
 from s2tts.timing import CallTimes
 
 
@@ -206,7 +206,7 @@ class TritonPythonModel:
         """The request's fields as the schema declares them (`settings.REQUEST_FIELDS`, defaults from this model's
         settings), checked (`TTSRequest.validate`)."""
         f = tu.read_fields(request, "s2pro", self.values)
-        params = tu.sampling_params(f, self.limits.as_settings())
+        params = tu.sampling_params(f, check=False)  # checked with the rest of the request by TTSRequest.validate
         if params.seed is None:
             import random
 

@@ -26,8 +26,8 @@ from s2tts import errors, settings
 from s2tts import triton_utils as tu
 from s2tts.engine import HostFastAR
 from s2tts.engine.service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, encode_fields, serve_engine
-from s2tts.lifecycle import PullStreams
 from s2tts.frontend.prompt import Prompt
+from s2tts.lifecycle import PullStreams
 
 
 class BLSFastAR(HostFastAR):

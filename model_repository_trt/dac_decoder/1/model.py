@@ -11,8 +11,8 @@ import time
 from s2tts import settings
 from s2tts import triton_utils as tu
 from s2tts.codec.stream import StreamDecoder
-from s2tts.export.runtime import GraphStreamCodec, triton_bls_runner
 from s2tts.export.driver import load_manifest
+from s2tts.export.runtime import GraphStreamCodec, triton_bls_runner
 
 
 class TritonPythonModel:

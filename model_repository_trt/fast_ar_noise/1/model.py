@@ -12,8 +12,8 @@ import triton_python_backend_utils as pb_utils
 
 from s2tts import triton_utils as tu
 from s2tts.checkpoint import resolve_device
-from s2tts.export.graphs import fast_ar_uniforms
 from s2tts.export.driver import load_manifest
+from s2tts.export.graphs import fast_ar_uniforms
 from s2tts.export.runtime import to_triton_tensor
 
 
