@@ -127,19 +127,26 @@ class Attention(nn.Module):
         out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)
         return self.wo(out.transpose(1, 2).reshape(B, S, c.q_size))
 
-    def forward(self, x, rope, pos, slots, kv_len_max: int | None):
-        """x [B, S, dim]; rope [B, S, D/2, 2]; pos [B, S]; slots [B] or None (no cache: plain causal)."""
+    def heads(self, x, rope):
+        """x [B, S, dim] -> q [B, S, n_head, D], k and v [B, S, n_local_heads, D]: projected, q/k normed (qk_norm)
+        and rotated; the plain PyTorch path (the exported graphs use it too)."""
         c = self.cfg
         B, S, _ = x.shape
-        if self.fused and slots is not None and (S > 1 or self.decode_kernel):
-            return self._fused(x, pos, slots, kv_len_max)
         q, k, v = self.wqkv(x).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         q = q.view(B, S, c.n_head, c.head_dim)
         k = k.view(B, S, c.n_local_heads, c.head_dim)
         v = v.view(B, S, c.n_local_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def forward(self, x, rope, pos, slots, kv_len_max: int | None):
+        """x [B, S, dim]; rope [B, S, D/2, 2]; pos [B, S]; slots [B] or None (no cache: plain causal)."""
+        c = self.cfg
+        B, S, _ = x.shape
+        if self.fused and slots is not None and (S > 1 or self.decode_kernel):
+            return self._fused(x, pos, slots, kv_len_max)
+        q, k, v = self.heads(x, rope)
         if slots is None:
             out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, S)
         elif S == 1 and self.decode_kernel:

@@ -54,21 +54,12 @@ def _repeat_heads(x: torch.Tensor, rep: int) -> torch.Tensor:
 def _fast_block(layer, x, rope, cache, mask):
     """One fast-AR block over x [B, S, dim] with a functional KV cache ((k, v) [B, K, s, D] or None);
     mask [S, L] bool or None (all keys visible)."""
-    from ..model import apply_rope
-
     a = layer.attention
     c = a.cfg
     if a.fused or a.decode_kernel or layer.fused:
         raise ValueError("export the plain PyTorch fast AR (not switched to the Triton kernels)")
     B, S, _ = x.shape
-    q, k, v = a.wqkv(layer.attention_norm(x)).split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-    q = q.view(B, S, c.n_head, c.head_dim)
-    k = k.view(B, S, c.n_local_heads, c.head_dim)
-    v = v.view(B, S, c.n_local_heads, c.head_dim)
-    if c.qk_norm:
-        q, k = a.q_norm(q), a.k_norm(k)
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k, v = (t.transpose(1, 2) for t in a.heads(layer.attention_norm(x), rope))
     if cache is not None:
         k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
     rep = c.n_head // c.n_local_heads
