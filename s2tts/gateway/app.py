@@ -16,6 +16,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Callable
 
 import anyio
 import numpy as np
@@ -30,6 +31,7 @@ from .audio_io import decode_audio, decode_data_url
 from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, make_encoder
 from .errors import APIError, bad_request
+from .fish import FISH_PATHS, FishError, decode_body, parse_fish_tts
 from .metrics import HTTPMetrics, MetricsMiddleware
 from .protocol import DEFAULT_LIMITS, SpeechParams, parse_speech
 from .tempo import TimeStretch
@@ -69,6 +71,11 @@ def _too_large(limit: int, upload_limit: int | None = None) -> APIError:
     return APIError(413, msg, code="payload_too_large")
 
 
+def _shaped(scope, e: APIError) -> APIError:
+    """An error in the form of the API its path belongs to: Fish Audio's on its routes, OpenAI's elsewhere."""
+    return FishError.of(e) if scope.get("path", "").startswith(FISH_PATHS) else e
+
+
 class GuardMiddleware:
     """Pure ASGI (does not buffer streams): API key check and request body size limits."""
 
@@ -91,14 +98,14 @@ class GuardMiddleware:
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
                 err = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                return await err.response()(scope, receive, send)
+                return await _shaped(scope, err).response()(scope, receive, send)
         limit = self._limit(scope)
         try:
             length = int(headers.get("content-length", "0") or 0)
         except ValueError:
             length = 0
         if length > limit:
-            return await _too_large(limit, self.cfg.max_upload_bytes).response()(scope, receive, send)
+            return await _shaped(scope, _too_large(limit, self.cfg.max_upload_bytes)).response()(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -114,14 +121,18 @@ class GuardMiddleware:
 
 
 class AudioPipeline:
-    """float32 chunks -> (time-stretch) -> encoder -> bytes. Same bytes whatever the chunking."""
+    """float32 chunks -> (gain) -> (time-stretch) -> encoder -> bytes. Same bytes whatever the chunking."""
 
-    def __init__(self, fmt: str, sample_rate: int, speed: float, streaming: bool):
+    def __init__(self, fmt: str, sample_rate: int, speed: float, streaming: bool, gain: float = 1.0,
+                 bit_rate: int | None = None):
         self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
-        self.encoder = make_encoder(fmt, sample_rate, streaming)
+        self.encoder = make_encoder(fmt, sample_rate, streaming, bit_rate)
+        self.gain = gain
         self.samples_out = 0
 
     def push(self, x: np.ndarray) -> bytes:
+        if self.gain != 1.0:
+            x = np.clip(x * self.gain, -1.0, 1.0)
         if self.stretch is not None:
             x = self.stretch.push(x)
         self.samples_out += len(x)
@@ -157,11 +168,14 @@ class SpeechResponse(Response):
     Triton stream whether it leaves before the first byte or mid-stream.
     """
 
-    def __init__(self, state: "GatewayState", params: SpeechParams, req: SynthesisRequest):
+    def __init__(self, state: "GatewayState", params: SpeechParams, req: SynthesisRequest,
+                 error_shape: Callable[[APIError], APIError] = lambda e: e):
+        """`error_shape`: the route's form of an error (OpenAI's by default; Fish's on /v1/tts)."""
         super().__init__()
         self.state = state
         self.params = params
         self.req = req
+        self.error_shape = error_shape
 
     async def __call__(self, scope, receive, send):
         state, p = self.state, self.params
@@ -170,7 +184,7 @@ class SpeechResponse(Response):
             err = APIError(503, f"the server is busy: {state.limiter.limit} requests are in flight; "
                                 f"retry after {state.cfg.retry_after_s} s",
                            code="server_overloaded", headers={"Retry-After": str(state.cfg.retry_after_s)})
-            return await err.response()(scope, receive, send)
+            return await self.error_shape(err).response()(scope, receive, send)
         self._stream = None
         self._started = False  # response headers sent
         self._completed = False  # last byte handed to the server: a disconnect after it is the normal end
@@ -188,7 +202,7 @@ class SpeechResponse(Response):
             log.exception("speech request %s failed", self.req.request_id)
             self._outcome = "error 500"
             try:
-                await APIError(500, "internal error in the gateway", code="internal_error").response()(
+                await self.error_shape(APIError(500, "internal error in the gateway", code="internal_error")).response()(
                     scope, receive, send)
             except Exception:  # noqa: BLE001 - the client may be gone too
                 pass
@@ -212,7 +226,7 @@ class SpeechResponse(Response):
     async def _send_error(self, e: APIError, scope, receive, send) -> None:
         self._outcome = f"error {e.status}"
         self._completed = True
-        await e.response()(scope, receive, send)
+        await self.error_shape(e).response()(scope, receive, send)
 
     async def _start(self, send, headers: dict[str, str]) -> None:
         await send({"type": "http.response.start", "status": 200,
@@ -226,7 +240,8 @@ class SpeechResponse(Response):
             first = await self._stream.next()
         except APIError as e:  # refused before any audio: a normal HTTP error
             return await self._send_error(e, scope, receive, send)
-        pipeline = AudioPipeline(p.response_format, first.sample_rate or 44100, p.speed, p.stream_format is not None)
+        pipeline = AudioPipeline(p.response_format, first.sample_rate or 44100, p.speed, p.stream_format is not None,
+                                 p.gain, p.bit_rate)
         headers = {"x-request-id": self.req.request_id, "x-s2-seed": str(self.req.seed),
                    "x-s2-sample-rate": str(pipeline.encoder.output_sample_rate)}
         if p.stream_format is None:
@@ -357,28 +372,30 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
-        return exc.response()
+        return _shaped(request.scope, exc).response()
 
     @app.exception_handler(BodyTooLarge)
     async def _body_too_large(request, exc: BodyTooLarge):
-        return _too_large(exc.limit, cfg.max_upload_bytes).response()
+        return _shaped(request.scope, _too_large(exc.limit, cfg.max_upload_bytes)).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc: StarletteHTTPException):
         msg = {404: f"unknown endpoint {request.method} {request.url.path}",
                405: f"method {request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-        return APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404 else None).response()
+        return _shaped(request.scope, APIError(exc.status_code, msg, code="not_found" if exc.status_code == 404
+                                               else None)).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request, exc: RequestValidationError):
         e = exc.errors()[0] if exc.errors() else {}
         loc = [str(x) for x in e.get("loc", []) if x not in ("body", "query", "path")]
-        return bad_request(f"{'.'.join(loc) or 'request'}: {e.get('msg', 'invalid')}", ".".join(loc) or None).response()
+        return _shaped(request.scope, bad_request(f"{'.'.join(loc) or 'request'}: {e.get('msg', 'invalid')}",
+                                                  ".".join(loc) or None)).response()
 
     @app.exception_handler(Exception)
     async def _internal(request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return APIError(500, "internal error in the gateway", code="internal_error").response()
+        return _shaped(request.scope, APIError(500, "internal error in the gateway", code="internal_error")).response()
 
     # ---- health and models -------------------------------------------------------------------
     page = (Path(__file__).with_name("page.html")).read_bytes()
@@ -436,40 +453,73 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         req = SynthesisRequest(text=p.input, request_id=_request_id(request),
                                **{"seed": secrets.randbelow(2**63), **p.fields})  # a seed always: it is reported
         if p.voice is not None:
-            names = p.voice if isinstance(p.voice, list) else [p.voice]
-            found = []
-            for name in names:
-                voice = await anyio.to_thread.run_sync(store.get, name)
-                if voice is None:
-                    raise APIError(404, f"voice {name!r} not found. S2 Pro has no built-in voices: register one with "
-                                        "POST /v1/audio/voices (GET /v1/audio/voices lists them), or leave voice out / "
-                                        "set it to \"default\" for no reference voice", param="voice",
-                                   code="voice_not_found")
-                found.append(voice)
-            if len(found) == 1:
-                req.reference_codes, req.reference_text = found[0].codes, found[0].ref_text
-            else:  # one voice per speaker, in upstream's format
-                req.reference_text, req.reference_codes = combine_voices([(v.ref_text, v.codes) for v in found])
+            await _registered_voices(req, p.voice if isinstance(p.voice, list) else [p.voice], "voice")
         elif isinstance(p.ref_audio, list):  # inline clips, one per speaker: encoded here, combined as registered ones
-            voices = []
-            for i, (url, text) in enumerate(zip(p.ref_audio, p.ref_text)):
-                x, sr = await _inline_clip(url, f"ref_audio[{i}]", limits)
-                voices.append((text, await backend.encode_reference(x, sr)))
-            req.reference_text, req.reference_codes = combine_voices(voices)
+            clips = [(decode_data_url(url), text, f"ref_audio[{i}]") for i, (url, text) in
+                     enumerate(zip(p.ref_audio, p.ref_text))]
+            await _inline_voices(req, clips, "ref_audio", limits)
         elif p.ref_audio is not None:
-            x, sr = await _inline_clip(p.ref_audio, "ref_audio", limits)
+            x, sr = await _inline_clip(decode_data_url(p.ref_audio), "ref_audio", "ref_audio", limits)
             req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, p.ref_text
         return SpeechResponse(state, p, req)
 
-    async def _inline_clip(url: str, what: str, limits: dict):
-        data = decode_data_url(url)
+    async def _registered_voices(req: SynthesisRequest, names: list[str], param: str) -> None:
+        """Registered voices as the request's reference: one, or one per speaker in upstream's format."""
+        found = []
+        for name in names:
+            voice = await anyio.to_thread.run_sync(store.get, name)
+            if voice is None:
+                raise APIError(404, f"voice {name!r} not found. S2 Pro has no built-in voices: register one with "
+                                    "POST /v1/audio/voices (GET /v1/audio/voices lists them), or leave it out / "
+                                    "set it to \"default\" for no reference voice", param=param,
+                               code="voice_not_found")
+            found.append(voice)
+        if len(found) == 1:
+            req.reference_codes, req.reference_text = found[0].codes, found[0].ref_text
+        else:  # one voice per speaker, in upstream's format
+            req.reference_text, req.reference_codes = combine_voices([(v.ref_text, v.codes) for v in found])
+
+    async def _inline_voices(req: SynthesisRequest, clips: list[tuple[bytes, str, str]], param: str,
+                             limits: dict) -> None:
+        """Clips (file bytes, transcript, name) as one voice per speaker: each encoded here (dac_encoder), combined as
+        registered voices are."""
+        voices = []
+        for data, text, what in clips:
+            x, sr = await _inline_clip(data, what, param, limits)
+            voices.append((text, await backend.encode_reference(x, sr)))
+        req.reference_text, req.reference_codes = combine_voices(voices)
+
+    async def _inline_clip(data: bytes, what: str, param: str, limits: dict):
         if len(data) > cfg.max_upload_bytes:
             raise APIError(413, f"{what} is {len(data) / 2**20:.1f} MiB; audio files are limited to "
                                 f"{cfg.max_upload_bytes / 2**20:.1f} MiB: send a shorter or smaller file",
-                           param="ref_audio", code="payload_too_large")
-        x, sr = await anyio.to_thread.run_sync(decode_audio, data, "ref_audio")
-        _check_reference_length(x, sr, cfg, "ref_audio", limits)
+                           param=param, code="payload_too_large")
+        x, sr = await anyio.to_thread.run_sync(decode_audio, data, param)
+        _check_reference_length(x, sr, cfg, param, limits)
         return x, sr
+
+    # ---- Fish Audio's API (its official SDK; s2tts/gateway/fish.py) ---------------------------
+    @app.post("/v1/tts")
+    async def fish_tts(request: Request):
+        body = decode_body(await request.body(), request.headers.get("content-type", ""))
+        limits = await backend.served_limits(cfg.limits_ttl_s)
+        state.limiter.limit = cfg.max_in_flight or limits["max_concurrent_requests"]
+        f = parse_fish_tts(body, request.headers.get("model"), cfg, limits)
+        p = SpeechParams(input=f.text, model=cfg.served_model_name, voice=f.reference_id or None,
+                         response_format=f.format, speed=f.speed, stream_format="audio", fields=f.fields,
+                         gain=f.gain, bit_rate=f.bit_rate)
+        req = SynthesisRequest(text=f.text, request_id=_request_id(request),
+                               **{"seed": secrets.randbelow(2**63), **f.fields})
+        if f.reference_id:
+            await _registered_voices(req, f.reference_id, "reference_id")
+        elif len(f.references) > 1:
+            await _inline_voices(req, [(a, t, f"references[{i}]") for i, (a, t) in enumerate(f.references)],
+                                 "references", limits)
+        elif f.references:
+            (data, text), = f.references
+            x, sr = await _inline_clip(data, "references[0]", "references", limits)
+            req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, text
+        return SpeechResponse(state, p, req, error_shape=FishError.of)
 
     # ---- voices ------------------------------------------------------------------------------
     @app.post("/v1/audio/voices")

@@ -129,14 +129,16 @@ class _StreamSink:
 
 
 class AvEncoder(Encoder):
-    """mp3 / aac / opus / flac through PyAV (FFmpeg's encoders and muxers, bundled in the wheel)."""
+    """mp3 / aac / opus / flac through PyAV (FFmpeg's encoders and muxers, bundled in the wheel); `bit_rate` (bits per
+    second) replaces the format's default."""
 
-    def __init__(self, fmt, sample_rate, streaming):
+    def __init__(self, fmt, sample_rate, streaming, bit_rate: int | None = None):
         super().__init__(fmt, sample_rate, streaming)
         import av  # noqa: PLC0415 - optional heavy import, only when a compressed format is asked for
 
         self._av = av
-        muxer, codec, rate, bit_rate = _AV[fmt]
+        muxer, codec, rate, default_bit_rate = _AV[fmt]
+        bit_rate = bit_rate or default_bit_rate
         self._rate = rate or sample_rate
         self._sink = _StreamSink() if streaming else io.BytesIO()
         options = {"flush_packets": "1"}
@@ -187,9 +189,9 @@ class AvEncoder(Encoder):
         return self._sink.getvalue()
 
 
-def make_encoder(fmt: str, sample_rate: int, streaming: bool) -> Encoder:
+def make_encoder(fmt: str, sample_rate: int, streaming: bool, bit_rate: int | None = None) -> Encoder:
     if fmt in ("pcm", "wav"):
         return PcmEncoder(fmt, sample_rate, streaming)
     if fmt in _AV:
-        return AvEncoder(fmt, sample_rate, streaming)
+        return AvEncoder(fmt, sample_rate, streaming, bit_rate)
     raise ValueError(f"unknown format {fmt!r}")

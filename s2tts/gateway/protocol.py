@@ -42,6 +42,8 @@ class SpeechParams:
     # the numeric request fields by s2pro's name (settings.HTTP_NUMBERS: seed, sampling, chunk sizes, chunk_length),
     # the ones the request gave, checked against the schema's ranges and the server's limits
     fields: dict = field(default_factory=dict)
+    gain: float = 1.0  # a factor on the audio (Fish's prosody.volume)
+    bit_rate: int | None = None  # compressed formats' bits per second (Fish's mp3_bitrate / opus_bitrate)
 
 
 MAX_VOICES = 8  # voices in one request (one per speaker)

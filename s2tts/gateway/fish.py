@@ -1,0 +1,190 @@
+"""Fish Audio's own API on the gateway (what its official SDK, `fish-audio-sdk`, and fish-speech's server speak):
+`POST /v1/tts` with a msgpack or JSON body and the `model` header. This module reads and checks the body; the audio is
+made and streamed as on the OpenAI route (`app.SpeechResponse`).
+
+Fields (Fish Audio's names and ranges; the numeric ones are checked against the same schema as every other route,
+`s2tts.settings.REQUEST_FIELDS`, and the server's limits):
+
+| field | here |
+|---|---|
+| `text` | the text to speak (required) |
+| `format` | `wav`, `pcm`, `mp3` (default, as Fish's), `opus`; streamed as it is made |
+| `sample_rate` | the format's own rate only (44100 for wav / pcm / mp3, 48000 for opus); another is a 400 |
+| `mp3_bitrate`, `opus_bitrate` | 64 / 128 / 192 kbps; 24 / 32 / 48 / 64 kbps, -1000 = the encoder's choice |
+| `references` | `[{audio, text}]`: clips (bytes; base64 in JSON) and their transcripts; several = one voice per speaker |
+| `reference_id` | a registered voice (`/v1/audio/voices`), or a list of them (one per speaker) |
+| `prosody` | `{speed: 0.5-2, volume: -20..20 dB}`: speed by time-stretching, volume as a gain |
+| `chunk_length`, `top_p`, `temperature`, `max_new_tokens`, `seed` | as s2pro's fields (`max_new_tokens`: per segment) |
+| `normalize`, `latency`, `repetition_penalty`, `min_chunk_length`, `condition_on_previous_chunks`, `early_stop_threshold` | accepted with no effect: the text is always normalized as upstream does, audio always streams at the lowest latency, every segment is conditioned on the earlier ones, and S2 Pro's sampling has no repetition penalty (the SDK sends these on every call) |
+
+Errors are Fish's shape, `{"status", "message", "detail"}` (both SDK generations read one of the last two).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse
+
+from ..settings import REQUEST_FIELDS
+from .config import GatewayConfig
+from .errors import APIError, bad_request
+from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, MAX_VOICES, _field
+
+FISH_PATHS = ("/v1/tts", "/model")  # the routes that answer errors in Fish's shape
+FISH_FORMATS = ("wav", "pcm", "mp3", "opus")
+FISH_NUMBERS = ("chunk_length", "top_p", "temperature", "max_new_tokens", "seed", "top_k")  # s2pro's names
+ADVISORY = ("normalize", "latency", "repetition_penalty", "min_chunk_length", "condition_on_previous_chunks",
+            "early_stop_threshold")
+KNOWN = {"text", "format", "sample_rate", "mp3_bitrate", "opus_bitrate", "references", "reference_id", "prosody",
+         *FISH_NUMBERS, *ADVISORY}
+MP3_BITRATES = (64, 128, 192)
+OPUS_BITRATES = (-1000, 24, 32, 48, 64)
+RATES = {"wav": 44100, "pcm": 44100, "mp3": 44100, "opus": 48000}  # what the encoders write (encoders.py)
+
+
+class FishError(APIError):
+    """An error in Fish Audio's shape: {"status", "message", "detail"}."""
+
+    @classmethod
+    def of(cls, e: APIError) -> "FishError":
+        if isinstance(e, FishError):
+            return e
+        return cls(e.status, e.message, param=e.param, code=e.code, headers=e.headers)
+
+    def body(self) -> dict:
+        return {"status": self.status, "message": self.message, "detail": self.message}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+@dataclass
+class FishTTS:
+    text: str
+    format: str = "mp3"
+    bit_rate: int | None = None  # bits per second for mp3 / opus; None: the encoder's default
+    speed: float = 1.0
+    gain: float = 1.0  # prosody.volume as a factor
+    references: list[tuple[bytes, str]] = field(default_factory=list)
+    reference_id: list[str] = field(default_factory=list)
+    fields: dict = field(default_factory=dict)  # s2pro's numeric fields the request gave, checked
+
+
+def decode_body(raw: bytes, content_type: str) -> dict:
+    """The body as msgpack (Content-Type: application/msgpack, as the SDK sends it) or JSON."""
+    ctype = content_type.split(";")[0].strip().lower()
+    if ctype in ("application/msgpack", "application/x-msgpack"):
+        import ormsgpack
+
+        try:
+            body = ormsgpack.unpackb(raw)
+        except (ormsgpack.MsgpackDecodeError, ValueError, TypeError):
+            raise bad_request("the request body is not valid msgpack", None, code="invalid_body") from None
+    elif ctype == "application/json" or ctype.endswith("+json"):
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            raise bad_request("the request body is not valid JSON", None, code="invalid_json") from None
+    else:
+        raise APIError(415, f"send the request body as msgpack (Content-Type: application/msgpack) or JSON "
+                            f"(application/json); got {ctype or 'no Content-Type'}", code="unsupported_media")
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a map of the request's fields", None, code="invalid_body")
+    return body
+
+
+def _choice(body, key, allowed):
+    v = body.get(key)
+    if v is not None and (isinstance(v, bool) or v not in allowed):
+        raise bad_request(f"{key}={v!r} is not supported: use one of {', '.join(map(str, allowed))}", key)
+    return v
+
+
+def _number(body, key, lo, hi):
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
+        raise bad_request(f"{key}={v!r}: use a number in [{lo:g}, {hi:g}]", key)
+    return float(v)
+
+
+def _references(refs) -> list[tuple[bytes, str]]:
+    if refs is None:
+        return []
+    if not isinstance(refs, list) or len(refs) > MAX_VOICES:
+        raise bad_request(f"references must be a list of at most {MAX_VOICES} {{audio, text}} maps", "references")
+    out = []
+    for i, r in enumerate(refs):
+        if not isinstance(r, dict) or set(r) - {"audio", "text"}:
+            raise bad_request(f"references[{i}] must be a map {{audio: the clip's bytes, text: its transcript}}",
+                              "references")
+        audio, text = r.get("audio"), r.get("text")
+        if isinstance(audio, str):  # JSON has no bytes: base64
+            try:
+                audio = base64.b64decode(audio, validate=True)
+            except (binascii.Error, ValueError):
+                raise bad_request(f"references[{i}].audio: in JSON, send the clip's bytes as base64", "references") \
+                    from None
+        if not isinstance(audio, (bytes, bytearray)) or not audio:
+            raise bad_request(f"references[{i}].audio must be the bytes of an audio file (wav, mp3, flac, ...)",
+                              "references")
+        if not isinstance(text, str) or not text.strip():
+            raise bad_request(f"references[{i}].text must be the transcript of its audio, a non-empty string",
+                              "references")
+        out.append((bytes(audio), text))
+    return out
+
+
+def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: dict | None = None) -> FishTTS:
+    """The fields of POST /v1/tts, checked (APIError naming the field to change). `model`: the `model` header."""
+    limits = cfg.limits(limits or DEFAULT_LIMITS)
+    if model not in (None, "") and model not in cfg.model_names and model != "s2-pro":
+        raise bad_request(f"model {model!r} is not served here: this server runs S2 Pro (send the header "
+                          f"model: s2-pro)", "model", code="model_not_found")
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        raise bad_request(f"unknown field {unknown[0]!r}; the fields of /v1/tts are {', '.join(sorted(KNOWN))}",
+                          unknown[0], code="unknown_parameter")
+    text = body.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise bad_request("text is required: the words to speak, a non-empty string", "text", code="missing_input")
+    if len(text) > limits["max_text_chars"]:
+        raise bad_request(f"text has {len(text)} characters; the limit is {limits['max_text_chars']}: split it into "
+                          "several requests", "text", code="input_too_long")
+    fmt = _choice(body, "format", FISH_FORMATS) or "mp3"
+    rate = body.get("sample_rate")
+    if rate is not None and rate != RATES[fmt]:
+        raise bad_request(f"sample_rate={rate!r}: {fmt} is written at {RATES[fmt]} Hz here; leave sample_rate out or "
+                          f"send {RATES[fmt]}", "sample_rate")
+    mp3 = _choice(body, "mp3_bitrate", MP3_BITRATES)
+    opus = _choice(body, "opus_bitrate", OPUS_BITRATES)
+    bit_rate = (mp3 * 1000 if fmt == "mp3" and mp3 else None) or \
+        (opus * 1000 if fmt == "opus" and opus and opus > 0 else None)
+    prosody = body.get("prosody") or {}
+    if not isinstance(prosody, dict) or set(prosody) - {"speed", "volume"}:
+        raise bad_request("prosody must be a map {speed: 0.5-2.0, volume: dB in -20..20}", "prosody")
+    speed = _number(prosody, "speed", 0.5, 2.0)
+    volume = _number(prosody, "volume", -20.0, 20.0)
+    ref_id = body.get("reference_id")
+    ids = [] if ref_id is None else ref_id if isinstance(ref_id, list) else [ref_id]
+    if not all(isinstance(i, str) and i.strip() for i in ids) or len(ids) > MAX_VOICES:
+        raise bad_request(f"reference_id must be a registered voice's id, or a list of at most {MAX_VOICES} (one per "
+                          "speaker)", "reference_id")
+    ids = [i for i in ids if i.strip().lower() not in DEFAULT_VOICES]
+    refs = _references(body.get("references"))
+    if refs and ids:
+        raise bad_request("send references or reference_id, not both", "reference_id")
+    values = {}
+    for name in FISH_NUMBERS:
+        v = _field({REQUEST_FIELDS[name].http: body.get(name)}, name, limits)
+        if v is not None:
+            values[name] = v
+    return FishTTS(text=text, format=fmt, bit_rate=bit_rate, speed=1.0 if speed is None else speed,
+                   gain=1.0 if volume is None else 10 ** (volume / 20), references=refs, reference_id=ids,
+                   fields=values)

@@ -1,0 +1,186 @@
+"""Fish Audio's own API on the gateway (`POST /v1/tts`, s2tts/gateway/fish.py), through its official Python SDK,
+unmodified (`fish-audio-sdk`: the current `fishaudio` client and the older `fish_audio_sdk` session), against the
+real tritonserver on the tiny checkpoint: every format, inline references, a registered voice by `reference_id`,
+prosody, and Fish's error shape; the same seeded request gives the same audio as the OpenAI route."""
+
+import io
+
+import httpx
+import numpy as np
+import ormsgpack
+import pytest
+import soundfile as sf
+
+from servers import Gateway
+
+FRAME = 2048
+KEY = "fish-test-key"
+TEXT = "Fish says hello."
+
+
+@pytest.fixture(scope="module")
+def gw(triton_server, tmp_path_factory):
+    d = tmp_path_factory.mktemp("fish_gateway")
+    g = Gateway(triton_server.grpc_url, d / "voices.sqlite3", d / "gateway.log", "--api-key", KEY)
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def sdk(gw):
+    from fishaudio import FishAudio
+
+    return FishAudio(api_key=KEY, base_url=gw.url)
+
+
+@pytest.fixture(scope="module")
+def reference_wav() -> bytes:
+    """1.5 s of a hummed tone at 24 kHz, as a WAV file's bytes (the encoder resamples)."""
+    t = np.arange(int(24000 * 1.5)) / 24000
+    x = 0.3 * np.sin(2 * np.pi * 180 * t + 2 * np.sin(2 * np.pi * 4 * t)) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    buf = io.BytesIO()
+    sf.write(buf, x.astype(np.float32), 24000, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def _tts(gw, body: dict, model="s2-pro", ctype="application/msgpack", raw: bytes | None = None) -> httpx.Response:
+    """POST /v1/tts as the SDK sends it (msgpack, the `model` header), with fields the SDK has no parameter for."""
+    content = raw if raw is not None else ormsgpack.packb(body) if ctype == "application/msgpack" else \
+        __import__("json").dumps(body).encode()
+    return httpx.post(f"{gw.url}/v1/tts", content=content, timeout=120,
+                      headers={"Content-Type": ctype, "model": model, "Authorization": f"Bearer {KEY}"})
+
+
+def _openai_pcm(gw, **fields) -> bytes:
+    r = httpx.post(f"{gw.url}/v1/audio/speech", timeout=120, headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "s2-pro", "input": TEXT, "voice": "default", "response_format": "pcm",
+                         "stream": False, **fields})
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def _decode(data: bytes) -> tuple[np.ndarray, int]:
+    """Any container the encoders write (wav, mp3, ogg/opus) -> float samples, rate (PyAV)."""
+    import av
+
+    with av.open(io.BytesIO(data)) as c:
+        frames = [f.to_ndarray().reshape(-1) for f in c.decode(audio=0)]
+        rate = c.streams.audio[0].rate
+    return np.concatenate(frames).astype(np.float32), rate
+
+
+SEEDED = {"seed": 5, "temperature": 0.7, "top_p": 0.7, "max_new_tokens": 12}
+
+
+def test_the_sdk_speaks_every_format(sdk):
+    from fishaudio.types import TTSConfig
+
+    config = TTSConfig(max_new_tokens=12, chunk_length=200)
+    out = {fmt: sdk.tts.convert(text=TEXT, format=fmt, config=config) for fmt in ("wav", "pcm", "mp3", "opus")}
+    wav, sr = sf.read(io.BytesIO(out["wav"]), dtype="float32")
+    assert sr == 44100 and 0 < len(wav) <= 12 * FRAME and len(wav) % FRAME == 0 and np.abs(wav).max() > 1e-4
+    pcm = np.frombuffer(out["pcm"], np.int16)
+    assert 0 < len(pcm) <= 12 * FRAME and len(pcm) % FRAME == 0
+    for fmt, rate in (("mp3", 44100), ("opus", 48000)):
+        x, got_rate = _decode(out[fmt])
+        assert got_rate == rate and len(x) > 0.5 * FRAME * rate / 44100, fmt
+    streamed = b"".join(sdk.tts.stream(text=TEXT, format="wav", config=config))  # the stream form of the same call
+    assert streamed[:4] == b"RIFF" and sf.read(io.BytesIO(streamed))[1] == 44100
+
+
+def test_seeded_fish_request_equals_the_openai_route(gw):
+    r = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "repetition_penalty": 1.2, "normalize": True,
+                  "latency": "balanced", "min_chunk_length": 50, "condition_on_previous_chunks": True,
+                  "early_stop_threshold": 1.0, "mp3_bitrate": 128, "opus_bitrate": 32})
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"] == "audio/pcm" and r.content == _openai_pcm(gw, **SEEDED)
+    as_json = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED}, ctype="application/json")
+    assert as_json.status_code == 200 and as_json.content == r.content
+
+
+def test_prosody_volume_and_speed(gw):
+    base = np.frombuffer(_tts(gw, {"text": TEXT, "format": "pcm", **SEEDED}).content, np.int16) / 32768
+    quiet = np.frombuffer(_tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "prosody": {"volume": -6}}).content,
+                          np.int16) / 32768
+    np.testing.assert_allclose(quiet, base * 10 ** (-6 / 20), atol=2 / 32768)
+    fast = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "prosody": {"speed": 2.0}}).content
+    assert abs(len(fast) / 2 / len(base) - 0.5) < 0.05
+
+
+def test_inline_references_and_a_registered_voice(gw, sdk, reference_wav):
+    from fishaudio.exceptions import NotFoundError
+    from fishaudio.types import ReferenceAudio, TTSConfig
+
+    config = TTSConfig(max_new_tokens=8)
+    cloned = sdk.tts.convert(text=TEXT, format="pcm", config=config,
+                             references=[ReferenceAudio(audio=reference_wav, text="A hummed tone.")])
+    assert len(cloned) > 0 and len(cloned) % (2 * FRAME) == 0
+    # the same clip, seeded, through Fish's route and OpenAI's inline form: the same audio
+    import base64
+
+    fish = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED,
+                     "references": [{"audio": reference_wav, "text": "A hummed tone."}]})
+    url = "data:audio/wav;base64," + base64.b64encode(reference_wav).decode()
+    assert fish.status_code == 200 and fish.content == _openai_pcm(gw, ref_audio=url, ref_text="A hummed tone.",
+                                                                    **SEEDED)
+    # registered once (OpenAI's voices route), used by id
+    up = httpx.post(f"{gw.url}/v1/audio/voices", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                    data={"name": "hum", "ref_text": "A hummed tone."},
+                    files={"audio_sample": ("ref.wav", reference_wav, "audio/wav")})
+    assert up.status_code == 200, up.text
+    by_id = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "reference_id": "hum"})
+    assert by_id.status_code == 200 and by_id.content == _openai_pcm(gw, voice="hum", **SEEDED)
+    assert len(sdk.tts.convert(text=TEXT, format="pcm", reference_id="hum", config=config)) > 0
+    with pytest.raises(NotFoundError) as ei:
+        sdk.tts.convert(text=TEXT, reference_id="nobody", config=config)
+    assert "nobody" in str(ei.value)
+
+
+def test_the_older_sdk_session_reads_fish_errors(gw):
+    """`fish_audio_sdk.Session` (the SDK's first generation) raises `HttpCodeErr(**body)` from an error body, or
+    reads `body["detail"]`: Fish's error shape gives it the status and the message."""
+    from fish_audio_sdk import HttpCodeErr, Session, TTSRequest
+
+    s = Session(KEY, base_url=gw.url)
+    with pytest.raises(HttpCodeErr) as ei:  # its default model is one this server does not run
+        b"".join(s.tts(TTSRequest(text=TEXT)))
+    assert ei.value.status == 400
+    with pytest.raises(HttpCodeErr) as ei:
+        b"".join(s.tts(TTSRequest(text=TEXT, reference_id="nobody"), backend="s2-pro"))
+    assert ei.value.status == 404
+
+
+@pytest.mark.parametrize("case", ["malformed", "unknown_field", "sample_rate", "not_audio", "speed", "model",
+                                  "no_text", "media_type", "no_key"])
+def test_bad_requests_get_fish_errors(gw, case):
+    body, kw = {"text": TEXT, "format": "pcm", "max_new_tokens": 4}, {}
+    param = {"unknown_field": "nope", "sample_rate": "sample_rate", "not_audio": "references", "speed": "prosody",
+             "model": "model", "no_text": "text"}.get(case)
+    if case == "malformed":
+        kw["raw"] = b"\xc1\xff not msgpack"
+    elif case == "unknown_field":
+        body["nope"] = 1
+    elif case == "sample_rate":
+        body["sample_rate"] = 16000
+    elif case == "not_audio":
+        body["references"] = [{"audio": b"this is not an audio file", "text": "Words."}]
+    elif case == "speed":
+        body["prosody"] = {"speed": 3.0}
+    elif case == "model":
+        kw["model"] = "speech-1.5"
+    elif case == "no_text":
+        body["text"] = "  "
+    elif case == "media_type":
+        kw["ctype"] = "text/plain"
+    if case == "no_key":
+        r = httpx.post(f"{gw.url}/v1/tts", content=ormsgpack.packb(body), timeout=30,
+                       headers={"Content-Type": "application/msgpack"})
+    else:
+        r = _tts(gw, body, **kw)
+    expect = {"media_type": 415, "not_audio": 415, "no_key": 401}.get(case, 400)
+    assert r.status_code == expect, r.text
+    err = r.json()
+    assert err["status"] == expect and err["detail"] == err["message"] and err["message"], err
+    if param:
+        assert param in err["message"] or param == "prosody" and "speed" in err["message"], err
+    assert httpx.get(f"{gw.url}/health", timeout=10).status_code == 200  # the server still ready
