@@ -174,3 +174,13 @@ def assert_killed_client_is_cancelled(server, rid: str) -> None:
     with S2ProClient(server.grpc_url) as c:
         res = c.synthesize(TTSInput(text="The next request completes.", seed=4, max_new_tokens=10))
     assert res.stats["finish_reason"] in ("end", "length")
+
+
+@contextmanager
+def gateway_in(triton_url: str, folder: Path, *extra: str):
+    """A gateway with its voice database and log in `folder` (`extra`: its command-line options), stopped on exit."""
+    g = Gateway(triton_url, folder / "voices.sqlite3", folder / "gateway.log", *extra)
+    try:
+        yield g
+    finally:
+        g.stop()

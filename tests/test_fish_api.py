@@ -11,7 +11,7 @@ import ormsgpack
 import pytest
 import soundfile as sf
 
-from servers import Gateway
+from servers import gateway_in
 
 FRAME = 2048
 KEY = "fish-test-key"
@@ -20,10 +20,8 @@ TEXT = "Fish says hello."
 
 @pytest.fixture(scope="module")
 def gw(triton_server, tmp_path_factory):
-    d = tmp_path_factory.mktemp("fish_gateway")
-    g = Gateway(triton_server.grpc_url, d / "voices.sqlite3", d / "gateway.log", "--api-key", KEY)
-    yield g
-    g.stop()
+    with gateway_in(triton_server.grpc_url, tmp_path_factory.mktemp("fish_gateway"), "--api-key", KEY) as g:
+        yield g
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from servers import Gateway
+from servers import gateway_in
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
@@ -28,10 +28,8 @@ FRAME = 2048
 
 @pytest.fixture(scope="module")
 def page_gw(triton_server, tmp_path_factory):
-    d = tmp_path_factory.mktemp("page")
-    g = Gateway(triton_server.grpc_url, d / "voices.sqlite3", d / "gateway.log", "--api-key", KEY)
-    yield g
-    g.stop()
+    with gateway_in(triton_server.grpc_url, tmp_path_factory.mktemp("page"), "--api-key", KEY) as g:
+        yield g
 
 
 @pytest.fixture
