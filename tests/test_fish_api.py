@@ -134,6 +134,43 @@ def test_inline_references_and_a_registered_voice(gw, sdk, reference_wav):
     assert "nobody" in str(ei.value)
 
 
+def test_voices_through_the_sdk_are_the_gateways_voices(gw, sdk, reference_wav):
+    """The SDK's voices methods on `/model`: created there, listed, used by id, the same voice on the OpenAI route
+    (and one registered there listed here), deleted."""
+    from fishaudio.exceptions import APIError, NotFoundError
+    from fishaudio.types import TTSConfig
+
+    made = sdk.voices.create(title="Hum voice", voices=[reference_wav], texts=["A hummed tone."],
+                             description="a test voice", tags=["test"])
+    again = sdk.voices.create(title="Hum voice", voices=[reference_wav], texts=["A hummed tone."])
+    assert made.id == "Hum-voice" and again.id == "Hum-voice-2" and made.title == "Hum-voice"
+    got = sdk.voices.get(made.id)
+    assert got.samples[0].text == "A hummed tone." and got.state == "trained"
+    listed = sdk.voices.list(page_size=100)
+    assert {made.id, again.id} <= {v.id for v in listed.items} and listed.total == len(listed.items)
+    assert [v.id for v in sdk.voices.list(page_size=1, page_number=2).items] == [listed.items[1].id]
+    # the same voice by id on Fish's route and by name on OpenAI's: the same seeded audio
+    fish = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "reference_id": made.id})
+    assert fish.status_code == 200 and fish.content == _openai_pcm(gw, voice=made.id, **SEEDED)
+    assert len(sdk.tts.convert(text=TEXT, format="pcm", reference_id=made.id, config=TTSConfig(max_new_tokens=6)))
+    names = [v["id"] for v in httpx.get(f"{gw.url}/v1/audio/voices", headers={"Authorization": f"Bearer {KEY}"},
+                                        timeout=30).json()["data"]]
+    assert made.id in names
+    sdk.voices.delete(again.id)
+    with pytest.raises(NotFoundError):
+        sdk.voices.get(again.id)
+    with pytest.raises(NotFoundError):
+        sdk.voices.delete(again.id)
+    with pytest.raises(APIError) as ei:  # no transcript: this server cannot transcribe the clip
+        sdk.voices.create(title="Silent", voices=[reference_wav])
+    assert ei.value.status == 400 and "texts" in str(ei.value)
+    with pytest.raises(APIError) as ei:  # not audio
+        sdk.voices.create(title="Noise", voices=[b"not an audio file"], texts=["Words."])
+    assert ei.value.status == 415
+    sdk.voices.delete(made.id)
+    assert made.id not in {v.id for v in sdk.voices.list(page_size=100).items}
+
+
 def test_the_older_sdk_session_reads_fish_errors(gw):
     """`fish_audio_sdk.Session` (the SDK's first generation) raises `HttpCodeErr(**body)` from an error body, or
     reads `body["detail"]`: Fish's error shape gives it the status and the message."""

@@ -31,7 +31,8 @@ from .audio_io import decode_audio, decode_data_url
 from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, make_encoder
 from .errors import APIError, bad_request
-from .fish import FISH_PATHS, FishError, decode_body, parse_fish_tts
+from .fish import FISH_PATHS, FishError, decode_body, fish_voice, fish_voice_id, parse_fish_tts
+from .fish import page as fish_page
 from .metrics import HTTPMetrics, MetricsMiddleware
 from .protocol import DEFAULT_LIMITS, SpeechParams, parse_speech
 from .tempo import TimeStretch
@@ -84,7 +85,7 @@ class GuardMiddleware:
         self.cfg = cfg
 
     def _limit(self, scope) -> int:
-        if scope["path"].rstrip("/") == "/v1/audio/voices":
+        if scope["path"].rstrip("/") in ("/v1/audio/voices", "/model"):
             return self.cfg.max_form_body_bytes
         return self.cfg.max_json_body_bytes
 
@@ -555,13 +556,17 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             raise APIError(409, f"a voice named {name!r} already exists: delete it first "
                                 f"(DELETE /v1/audio/voices/{name}) or choose another name", param="name",
                            code="voice_exists")
-        x, sr = await anyio.to_thread.run_sync(decode_audio, data, "audio_sample")
-        _check_reference_length(x, sr, cfg, "audio_sample", await backend.served_limits(cfg.limits_ttl_s))
+        return (await _register(name, ref_text, data, mime, consent, "audio_sample")).public()
+
+    async def _register(name: str, ref_text: str, data: bytes, mime: str, consent: str | None, param: str):
+        """A clip and its transcript encoded once (dac_encoder) and stored as the voice `name`."""
+        x, sr = await anyio.to_thread.run_sync(decode_audio, data, param)
+        _check_reference_length(x, sr, cfg, param, await backend.served_limits(cfg.limits_ttl_s))
         codes = await backend.encode_reference(x, sr)
         voice = await anyio.to_thread.run_sync(
             lambda: store.add(name, ref_text.strip(), data, mime, sr, len(x), codes, consent))
         log.info("voice %r registered: %.2f s at %d Hz -> codes %s", name, len(x) / sr, sr, list(codes.shape))
-        return voice.public()
+        return voice
 
     @app.get("/v1/audio/voices")
     async def list_voices():
@@ -592,5 +597,52 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             raise APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
         log.info("voice %r deleted", name)
         return {"id": name, "object": "audio.voice.deleted", "deleted": True}
+
+    # ---- Fish Audio's voices: the same store (s2tts/gateway/fish.py) ----------------------------
+    @app.post("/model")
+    async def fish_create_voice(request: Request):
+        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+            raise bad_request("send multipart/form-data: title, voices (the clip) and texts (its transcript)", None,
+                              code="invalid_content_type")
+        async with request.form(max_files=4, max_fields=64) as form:
+            clips = [f for f in form.getlist("voices") if isinstance(f, UploadFile)]
+            texts = [t for t in form.getlist("texts") if isinstance(t, str) and t.strip()]
+            title = form.get("title")
+            kind = form.get("type")
+            if len(clips) != 1:
+                raise bad_request(f"send one clip in voices (got {len(clips)}): 5-15 s of one person speaking; several "
+                                  "samples for one voice are not supported here", "voices")
+            if len(texts) != 1:
+                raise bad_request("texts must hold the transcript of the clip: this server does no speech "
+                                  "recognition, and S2 Pro clones from the clip and its words", "texts")
+            if kind not in (None, "tts"):
+                raise bad_request(f"type={kind!r}: this server makes tts voices only", "type")
+            data, mime = await clips[0].read(), clips[0].content_type or "application/octet-stream"
+        if len(data) > cfg.max_upload_bytes:
+            raise APIError(413, f"the clip is {len(data) / 2**20:.1f} MiB; audio files are limited to "
+                                f"{cfg.max_upload_bytes / 2**20:.1f} MiB", param="voices", code="payload_too_large")
+        name = await anyio.to_thread.run_sync(lambda: fish_voice_id(title, lambda n: store.get(n, False) is not None))
+        return fish_voice(await _register(name, texts[0], data, mime, None, "voices"))
+
+    @app.get("/model")
+    async def fish_list_voices(request: Request):
+        title = request.query_params.get("title")
+        voices = [fish_voice(v) for v in await anyio.to_thread.run_sync(store.list)
+                  if not title or title.lower() in v.name.lower()]
+        return fish_page(voices, request.query_params)
+
+    @app.get("/model/{voice_id}")
+    async def fish_get_voice(voice_id: str):
+        v = await anyio.to_thread.run_sync(store.get, _voice_or_404(voice_id), False)
+        if v is None:
+            raise APIError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+        return fish_voice(v)
+
+    @app.delete("/model/{voice_id}")
+    async def fish_delete_voice(voice_id: str):
+        if not await anyio.to_thread.run_sync(store.delete, _voice_or_404(voice_id)):
+            raise APIError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+        log.info("voice %r deleted", voice_id)
+        return Response(status_code=200)
 
     return app

@@ -17,6 +17,13 @@ Fields (Fish Audio's names and ranges; the numeric ones are checked against the 
 | `chunk_length`, `top_p`, `temperature`, `max_new_tokens`, `seed` | as s2pro's fields (`max_new_tokens`: per segment) |
 | `normalize`, `latency`, `repetition_penalty`, `min_chunk_length`, `condition_on_previous_chunks`, `early_stop_threshold` | accepted with no effect: the text is always normalized as upstream does, audio always streams at the lowest latency, every segment is conditioned on the earlier ones, and S2 Pro's sampling has no repetition penalty (the SDK sends these on every call) |
 
+Voices (`/model`, the SDK's `voices` methods) are the gateway's voice store, the same voices as `/v1/audio/voices`: a
+voice registered either way is a `reference_id` here and a `voice` there. `POST /model` (multipart, as the SDK sends
+it) takes one clip (`voices`) and its transcript (`texts`: required, this server does no speech recognition) and a
+`title`, from which the voice's id is made (`fish_voice_id`); `description`, `tags`, `visibility`, `cover_image`,
+`train_mode` and `enhance_audio_quality` are accepted with no effect. `GET /model` lists them (`page_size`,
+`page_number`, `title` filter), `GET` / `DELETE /model/{id}` one.
+
 Errors are Fish's shape, `{"status", "message", "detail"}` (both SDK generations read one of the last two).
 """
 
@@ -24,8 +31,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import datetime
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse
@@ -188,3 +197,48 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
     return FishTTS(text=text, format=fmt, bit_rate=bit_rate, speed=1.0 if speed is None else speed,
                    gain=1.0 if volume is None else 10 ** (volume / 20), references=refs, reference_id=ids,
                    fields=values)
+
+
+# ---- voices (/model) ------------------------------------------------------------------------------------------------
+def fish_voice_id(title, taken) -> str:
+    """A voice id (a valid store name) from a title: its letters, digits, '_', '-' and '.' ('My voice' -> 'My-voice'),
+    with '-2', '-3', ... where `taken(id)` says the id is in use."""
+    if not isinstance(title, str) or not title.strip():
+        raise bad_request("title is required: the voice's name", "title")
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "-", title.strip()).strip("-.")[:56] or "voice"
+    if not base[0].isalnum():
+        base = "v" + base
+    if base.lower() in ("default", "none"):
+        base += "-voice"
+    name, n = base, 1
+    while taken(name):
+        n += 1
+        name = f"{base}-{n}"
+    return name
+
+
+def fish_voice(v) -> dict:
+    """A stored voice (`voices.Voice`) as Fish Audio's voice model (what the SDK's `Voice` reads)."""
+    when = datetime.datetime.fromtimestamp(v.created_at, datetime.timezone.utc).isoformat()
+    return {"_id": v.name, "type": "tts", "title": v.name, "description": "", "cover_image": "", "train_mode": "fast",
+            "state": "trained", "tags": [], "created_at": when, "updated_at": when, "languages": [],
+            "visibility": "private", "lock_visibility": False, "like_count": 0, "mark_count": 0, "shared_count": 0,
+            "task_count": 0, "liked": False, "marked": False,
+            "samples": [{"title": v.name, "text": v.ref_text, "task_id": "", "audio": f"/v1/audio/voices/{v.name}/audio"}],
+            "author": {"_id": "s2tts", "nickname": "s2tts", "avatar": ""}}
+
+
+def page(items: list, params) -> dict:
+    """Fish's paginated list: `page_size` (1..100, default 10) items from `page_number` (1-based)."""
+    def number(key, default, hi):
+        raw = params.get(key)
+        try:
+            v = default if raw is None else int(raw)
+        except ValueError:
+            raise bad_request(f"{key} must be an integer", key) from None
+        if not 1 <= v <= hi:
+            raise bad_request(f"{key}={v} is out of range: use 1 to {hi}", key)
+        return v
+
+    size, number_ = number("page_size", 10, 100), number("page_number", 1, 10**6)
+    return {"total": len(items), "items": items[(number_ - 1) * size: number_ * size]}
