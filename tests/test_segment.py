@@ -30,9 +30,32 @@ def test_dialogue_batches_as_upstream():
     lines = [ln for b in out for ln in b.split("\n")]
     assert [int(SPEAKER_TAG.match(ln).group(1)) for ln in lines] == [i % 2 for i in range(12)]  # one tag a turn
     assert [ln.split("|>", 1)[1] for ln in lines] == [f"Turn number {i}, said plainly." for i in range(12)]  # stripped
-    assert all(len(b.split("\n")) <= 5 and nbytes(b) <= 200 for b in out)
-    assert len(out) == 3  # 12 turns of ~47 bytes: 4 per batch by bytes (5 would pass 200)
+    assert all(len(b.split("\n")) <= 5 and sum(nbytes(ln) for ln in b.split("\n")) <= 200 for b in out)
+    assert len(out) == 3  # 12 turns of 42-43 bytes: 4 per batch by bytes (5 would pass 200)
     assert batches(text, chunk_length=10_000) == ["\n".join(lines[:5]), "\n".join(lines[5:10]), "\n".join(lines[10:])]
+
+
+def test_batches_count_bytes_as_upstream():
+    """Upstream's `group_turns_into_batches` adds up its turns' bytes (tags included) without the newlines that join
+    them: six 90-byte turns at chunk_length=270 are 2 batches of 3 (272 bytes each with the newlines), as upstream
+    cuts them; counting the newlines made 3 batches of 2."""
+    turns = [f"<|speaker:{i % 2}|>" + f"Turn {i} " + "x" * (90 - 13 - len(f"Turn {i} ")) for i in range(6)]
+    assert all(nbytes(t) == 90 for t in turns)
+    out = batches("".join(turns), chunk_length=270)
+    assert out == ["\n".join(turns[:3]), "\n".join(turns[3:])] and nbytes(out[0]) == 272
+    # any dialogue of turns that fit a batch: greedy by the same two rules
+    rng = random.Random(3)
+    for _ in range(200):
+        limit = rng.randint(40, 300)
+        turns = [f"<|speaker:{rng.randint(0, 3)}|>" + "w" * rng.randint(1, limit - 13) for _ in range(rng.randint(1, 12))]
+        want, group = [], []
+        for t in turns:
+            if group and (len(group) == 5 or sum(map(nbytes, group)) + nbytes(t) > limit):
+                want.append("\n".join(group))
+                group = []
+            group.append(t)
+        want.append("\n".join(group))
+        assert batches("".join(turns), chunk_length=limit) == want
 
 
 def test_text_before_the_first_tag_is_kept():

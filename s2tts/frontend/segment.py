@@ -1,8 +1,9 @@
 """A request's text as the segments S2 Pro speaks one after another (issue 11, long-form speech and dialogue).
 
-Upstream fish-speech splits dialogue on `<|speaker:N|>` tags into turns, strips each turn, and groups turns
-into batches of at most 5 turns and `chunk_length` UTF-8 bytes, joined with `\\n`; each batch is one user turn.
-Here, the same, and beyond it:
+Upstream fish-speech (`generate_long`) splits dialogue on `<|speaker:N|>` tags into turns, strips each turn, and
+groups turns into batches of at most 5 turns whose UTF-8 bytes (each turn with its tag, not counting the `\\n` that
+joins them) add up to at most `chunk_length`; each batch is one user turn. Here, the same (so a batch of several
+turns may run a few bytes past `chunk_length`, as upstream's does), and beyond it:
 - text before the first tag is kept as a turn without a tag (upstream drops it silently);
 - a turn (or untagged text) longer than a batch is cut into pieces at the strongest boundary that fits: a sentence
   end (also `。！？；` and `…`), else a clause mark, else whitespace, else any grapheme boundary (text without
@@ -136,9 +137,9 @@ def split_text(text: str, max_bytes: int) -> list[str]:
 
 
 def batches(text: str, chunk_length: int = DEFAULT_CHUNK_LENGTH, max_turns: int = MAX_TURNS) -> list[str]:
-    """The user-turn texts to generate one after another: at most `max_turns` turns and `chunk_length` UTF-8 bytes
-    each (a turn's tag included; a single grapheme longer than that is the only exception), turns joined with
-    `\\n`, one speaker tag per turn."""
+    """The user-turn texts to generate one after another, as upstream's `group_turns_into_batches`: at most
+    `max_turns` turns, whose lines (a turn's tag included) add up to at most `chunk_length` UTF-8 bytes without the
+    `\\n` joining them (a single grapheme longer than that is the only exception), one speaker tag per turn."""
     if chunk_length < 16:
         raise ValueError(f"chunk_length={chunk_length} is too small: at least 16 bytes (upstream's API uses 200)")
     units: list[tuple[int, Turn]] = []  # (index of the original turn, a piece of it)
@@ -151,7 +152,7 @@ def batches(text: str, chunk_length: int = DEFAULT_CHUNK_LENGTH, max_turns: int 
     group: list[tuple[int, Turn]] = []
     for unit in units:
         candidate = group + [unit]
-        if group and (len({i for i, _ in candidate}) > max_turns or nbytes(_render(candidate)) > chunk_length):
+        if group and (len({i for i, _ in candidate}) > max_turns or _line_bytes(candidate) > chunk_length):
             out.append(_render(group))
             group = [unit]
         else:
@@ -167,13 +168,23 @@ def overall_finish_reason(last: str, cut: bool) -> str:
     return "length" if cut and last != "cancelled" else last
 
 
+def _line_bytes(group: list[tuple[int, Turn]]) -> int:
+    """A batch's size as upstream counts it: its lines' UTF-8 bytes, not the newlines between them."""
+    return sum(nbytes(line) for line in _lines(group))
+
+
 def _render(group: list[tuple[int, Turn]]) -> str:
-    """One batch's text: consecutive pieces of one turn make one line (with their own whitespace), each line with
-    its turn's tag, lines joined with `\n`."""
+    """One batch's text: its lines joined with `\\n`."""
+    return "\n".join(_lines(group))
+
+
+def _lines(group: list[tuple[int, Turn]]) -> list[str]:
+    """A batch's lines: consecutive pieces of one turn make one line (with their own whitespace), each line with its
+    turn's tag."""
     lines: list[tuple[int, Turn]] = []
     for i, t in group:
         if lines and lines[-1][0] == i:
             lines[-1] = (i, Turn(t.speaker, lines[-1][1].text + t.text))
         else:
             lines.append((i, t))
-    return "\n".join(Turn(t.speaker, t.text.strip()).render() for _, t in lines)
+    return [Turn(t.speaker, t.text.strip()).render() for _, t in lines]
