@@ -41,6 +41,8 @@ class TTSInput:
     ignore_eos: bool | None = None  # benchmarks: generate exactly max_new_tokens frames
     chunk_length: int | None = None  # UTF-8 bytes of text per segment (long text, dialogue); max_new_tokens is per segment
     voices: list | None = None  # several reference voices, one per speaker: [(transcript, codes [C, frames]), ...]
+    session_id: str | None = None  # a text session: text_event open (this request streams its audio) ...
+    text_event: str | None = None  # ... then text / flush / end with the same session_id (answered at once)
 
     def check(self) -> "TTSInput":
         """Refuse here what the server would refuse (a negative or too large seed, out-of-range sampling), with the

@@ -199,6 +199,9 @@ SETTINGS: tuple[Setting, ...] = (
             "half of `max_seq_len`)", min=1),
     Setting("request_timeout_s", float, 600.0, ("s2pro",), "a request, or each text segment of a long one, still "
             "running after this long ends with `deadline_exceeded` and its generation is cancelled", min=1),
+    Setting("session_idle_timeout_s", float, 30.0, ("s2pro",), "a text session (`session_id`) that has received no "
+            "text for this long, with everything it had spoken, ends (its final response: finish reason `end`)",
+            min=0.1),
     Setting("stall_timeout_s", float, 20.0, ("s2pro",), "silence from slow_ar or the codec after which s2pro checks "
             "that they are alive (a dead model fails its requests with `unavailable`)", min=0.5),
     Setting("auto_recover", bool, True, ("s2pro",), "reload a model of the pipeline whose process died or that "
@@ -397,7 +400,13 @@ REQUEST_FIELDS: dict[str, Field] = {f.name: f for f in (
     Field("ignore_eos", "ignore_eos", bool, triton="TYPE_BOOL", stages=ENGINE_STAGES),
     Field("chunk_length", "chunk_length", int, 16, 100000, doc="UTF-8 bytes of text per segment", triton="TYPE_INT32",
           default_setting="chunk_length"),
+    Field("session_id", "session_id", str, doc="a text session: text that arrives in pieces, spoken as it comes "
+          "(`text_event`)", triton="TYPE_STRING"),
+    Field("text_event", "text_event", str, doc="with session_id: open (the request that streams the session's "
+          "audio; the default) | text | flush | end (append to an open session; answered at once)",
+          triton="TYPE_STRING"),
 )}
+TEXT_EVENTS = ("open", "text", "flush", "end")
 
 
 def field_default(name: str, values: dict | None = None):

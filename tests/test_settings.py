@@ -144,7 +144,8 @@ def test_the_client_sends_every_request_field_as_the_schema_declares():
 
     values = dict(text="hi", reference_audio=np.zeros(8, np.float32), reference_sample_rate=16000, reference_text="x",
                   reference_codes=np.zeros((10, 3), np.int32), seed=1, temperature=0.5, top_p=0.9, top_k=5,
-                  max_new_tokens=7, first_chunk_frames=2, chunk_frames=4, ignore_eos=True, chunk_length=200)
+                  max_new_tokens=7, first_chunk_frames=2, chunk_frames=4, ignore_eos=True, chunk_length=200,
+                  session_id="s", text_event="open")
     s2pro = {f.name: f for f in S.REQUEST_FIELDS.values() if "s2pro" in f.stages}
     assert set(values) == set(s2pro)  # every s2pro field is a TTSInput field (this list follows the schema)
     sent = {t.name(): t for t in TTSInput(**values).to_inputs(check=False)}
@@ -178,8 +179,13 @@ def test_each_model_parses_its_request_fields_from_the_schema(harness_factory):
              "first_chunk_frames": np.array([2], np.int32), "chunk_frames": np.array([6], np.int32),
              "ignore_eos": np.array([True]), "chunk_length": np.array([40], np.int32),
              "reference_codes": np.zeros((10, 4), np.int32), "reference_text": np.array([b"Ref."], object)}
-    assert set(given) | {"reference_audio", "reference_sample_rate"} == {f.name for f in S.stage_fields("s2pro")}
+    session = {"session_id", "text_event"}  # a text session's fields: tests/test_text_session.py
+    assert set(given) | {"reference_audio", "reference_sample_rate"} | session == \
+        {f.name for f in S.stage_fields("s2pro")}
     r = s2pro._parse(Request(given))
+    assert (r.session_id, r.text_event) == (None, None)
+    opened = s2pro._parse(Request({**given, "text": np.array([b""], object), "session_id": np.array([b"s"], object)}))
+    assert (opened.session_id, opened.text_event, opened.text) == ("s", "open", "")  # open, with no text yet
     assert (r.text, r.params.seed, r.params.temperature, r.params.top_k, r.params.max_new_tokens) == \
         ("Bonjour.", 5, 0.5, 7, 11)
     assert (r.first_chunk_frames, r.chunk_frames, r.chunk_length, r.params.ignore_end, r.reference_text) == \

@@ -339,3 +339,38 @@ def test_dialogue_streams_segment_after_segment_seamlessly(triton_server, tiny_c
     np.testing.assert_allclose(res.audio, offline, atol=2e-4, rtol=0)
     with pytest.raises(TTSError, match="chunk_length"):
         synth(triton_server, text="Too small.", chunk_length=4)
+
+
+def test_a_text_session_over_grpc(triton_server):
+    """A text session through tritonclient: one request opens it and streams its audio, others send the text word by
+    word (each answered at once): the audio equals the same segments sent as one text (seeded)."""
+    text = "First sentence here. Second one follows."  # two segments at chunk_length=24, whole or in pieces
+    sid, out = f"grpc-session-{time.monotonic_ns()}", {}
+    common = dict(seed=9, max_new_tokens=6, ignore_eos=True, chunk_length=24)
+
+    def listen():
+        with S2ProClient(triton_server.grpc_url) as c:
+            out["live"] = c.synthesize(TTSInput(text="", session_id=sid, text_event="open", **common), timeout=120)
+
+    t = threading.Thread(target=listen)
+    t.start()
+    words = text.split(" ")
+    with S2ProClient(triton_server.grpc_url) as c:
+        deadline = time.time() + 30
+        while True:  # until the session is open
+            try:
+                ack = c.synthesize(TTSInput(text=words[0] + " ", session_id=sid, text_event="text"))
+                break
+            except TTSError as e:
+                assert e.code == "not_found" and time.time() < deadline, e
+                time.sleep(0.05)
+        assert ack.audio.size == 0 and ack.stats["session_id"] == sid
+        for i, w in enumerate(words[1:], 1):
+            last = i == len(words) - 1
+            c.synthesize(TTSInput(text=w if last else w + " ", session_id=sid, text_event="end" if last else "text"))
+    t.join(120)
+    with S2ProClient(triton_server.grpc_url) as c:
+        whole = c.synthesize(TTSInput(text=text, **common))
+    live = out["live"]
+    assert live.stats["frames"] == 12 and live.audio.size == 12 * FRAME
+    np.testing.assert_array_equal(live.audio, whole.audio)

@@ -45,7 +45,8 @@ from ..errors import S2Error
 from ..layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from ..lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
 from .request import Stats, TTSRequest
-from .segment import batches, overall_finish_reason
+from .segment import batches, clean_text, overall_finish_reason
+from .session import SessionEnded, TextSession
 
 log = logging.getLogger("s2tts")
 
@@ -108,6 +109,7 @@ class Work:
     last_sent: float = 0.0  # when the last one went (the pipeline's pace)
     worker: threading.Thread | None = None  # the pool's worker serving it, while it does
     checking: bool = False  # a liveness check of its model is under way (off the supervisor's thread)
+    session: TextSession | None = None  # a text session's buffer (`session_id`): its segments come as text does
 
     def step(self, phase: str) -> None:
         self.phase, self.progress = phase, time.monotonic()
@@ -151,6 +153,7 @@ class TTSService:
         self._pace_reported = (0.0, 0)  # (when, samples then)
         self._pace_busy = False  # a report is under way (off the supervisor's thread)
         self._lock = threading.Lock()
+        self.sessions: dict[str, Tracked] = {}  # open text sessions by the client's session_id
         self.stop = threading.Event()
         self.on_unhealthy = on_unhealthy  # told once when this service gives up (the host unloads it: not ready)
         self.supervisor = threading.Thread(target=guarded(f"{name} supervisor", self._supervise, self.stop,
@@ -184,10 +187,35 @@ class TTSService:
             return None
         w: Work = rec.state
         w.rid = w.sid = f"{self.prefix}/{rec.iid}"  # never the client's id: no client can name another's stream
+        if req.session_id:
+            with self._lock:
+                taken = req.session_id in self.sessions
+                if not taken:
+                    w.session = TextSession(req.chunk_length)
+                    w.session.push(req.text)
+                    self.sessions[req.session_id] = rec
+            if taken:
+                rec.fail(S2Error("already_exists", f"text session {req.session_id!r} is open: send its text with "
+                                 "text_event=text, or open another session_id", "session_id"))
+                return None
         w.replica = self._place(req, up, rec)
         w.engine, w.decoder = self.layout.engine(w.replica), self.layout.decoder(w.replica)
         self.pool.submit(self._serve, rec)
         return rec
+
+    def append(self, session_id: str, event: str, text: str) -> dict:
+        """Text for an open session (`event`: text | flush | end) -> {"session_id", "pending_chars"}; S2Error
+        `not_found` for a session that is not open here, `failed_precondition` after its end."""
+        with self._lock:
+            rec = self.sessions.get(session_id)
+        if rec is None or rec.closed:
+            raise S2Error("not_found", f"no open text session {session_id!r}: open it first (text_event=open, its "
+                          "request streams the audio), or it has ended", "session_id")
+        try:
+            pending = rec.state.session.push(text, event)
+        except SessionEnded as e:
+            raise S2Error("failed_precondition", f"text session {session_id!r}: {e}", "session_id") from None
+        return {"session_id": session_id, "pending_chars": pending}
 
     def load(self, but: Tracked | None = None) -> list[int]:
         """Requests in flight (not yet answered with their final response) on each replica."""
@@ -221,14 +249,11 @@ class TTSService:
             if req.reference_audio is not None:
                 w.step("encoding")
                 ref_codes = self._call(ENCODER, self.down.encode, req.reference_audio, req.reference_sample_rate, rec.tag)
-            segments = batches(req.text, req.chunk_length) or [req.text]  # long text / dialogue: one after another
             history: list[tuple[str, np.ndarray]] = []  # earlier segments: (text, codes [frames, C])
             base = w.rid
             cut = False  # a segment hit max_new_tokens, or the context dropped earlier segments
-            for k, segment in enumerate(segments):
-                if rec.closed:  # ended elsewhere between segments
-                    break
-                last = k == len(segments) - 1
+            k = -1
+            for k, (segment, last) in enumerate(self._segments(rec)):
                 if k and rec.deadline is not None:  # the deadline is each segment's: a 100,000-character text is fine
                     rec.deadline = time.monotonic() + self.v["request_timeout_s"]
                 prompt = self._prompt(segment, ref_codes, req, history)
@@ -244,7 +269,11 @@ class TTSService:
                 if reason == "cancelled" or last:
                     stats.finish_reason = overall_finish_reason(reason, cut)
                     break
+                stats.finish_reason = overall_finish_reason(reason, cut)  # a session may end after any segment
                 history.append((segment, np.concatenate(made) if made else np.zeros((0, self.s2.num_codebooks), np.int64)))
+            if k < 0 and w.session is not None and not rec.closed:  # a session that ended before any text
+                stats.finish_reason = "end"
+                w.stream_done = True
             if w.stream_done and not rec.closed:
                 reason = stats.finish_reason
                 self._close_decoder(w)
@@ -253,7 +282,7 @@ class TTSService:
                     log.info("%s: request cancelled by the client (%s, after %d frames)", self.name, rec.tag, stats.frames)
                 if rec.finish(lambda: self.make_final(stats, w.seq), "ok"):
                     log.info("%s: request %s done: %d frames in %d segment(s), finish reason %s, first audio after %s s",
-                             self.name, rec.tag, stats.frames, len(segments), reason,
+                             self.name, rec.tag, stats.frames, k + 1, reason,
                              None if stats.first_audio is None else round(stats.first_audio - stats.started, 3))
         except Cancelled:
             stats.finish_reason = "cancelled"
@@ -268,6 +297,43 @@ class TTSService:
         finally:
             self._free_downstream(w)
             w.worker = None
+            if w.session is not None:
+                w.session.end()
+                with self._lock:
+                    if self.sessions.get(req.session_id) is rec:
+                        del self.sessions[req.session_id]
+
+    def _segments(self, rec: Tracked):
+        """(segment, last) in order: a text's batches (`segment.batches`: long text, dialogue), or a session's as its
+        text comes (`session.TextSession`), waiting in phase `waiting_text` (no deadline, no stall check; the session
+        ends after `session_idle_timeout_s` without text)."""
+        w: Work = rec.state
+        if w.session is None:
+            segments = batches(w.req.text, w.req.chunk_length) or [w.req.text]
+            for k, seg in enumerate(segments):
+                if rec.closed:  # ended elsewhere between segments
+                    return
+                yield seg, k == len(segments) - 1
+            return
+        while not rec.closed:
+            seg, last = w.session.take(0.1)
+            if seg is None and not last:
+                if w.phase != "waiting_text":
+                    w.step("waiting_text")
+                    rec.deadline = None
+                if time.monotonic() - w.session.last_text > self.v["session_idle_timeout_s"]:
+                    log.info("%s: text session of %s idle for %g s: ended", self.name, rec.tag,
+                             self.v["session_idle_timeout_s"])
+                    w.session.end()
+                continue
+            if seg is None:  # ended, nothing left: the codec stream is closed after the loop
+                return
+            try:
+                seg = clean_text(seg)  # markup split across pieces is refused here, as in a whole text
+            except ValueError as e:
+                raise errors.invalid(str(e), "text") from None
+            rec.deadline = time.monotonic() + self.v["request_timeout_s"]
+            yield seg, last
 
     def _segment(self, rec: Tracked, prompt, first: bool, last: bool) -> tuple[list[np.ndarray], str | None]:
         """One text segment: its generation in slow_ar, each chunk decoded in the request's codec stream (one for
@@ -447,6 +513,8 @@ class TTSService:
                 if rec.responder.is_cancelled():
                     self._end_cancelled(rec)
                     continue
+            if w.phase == "waiting_text":  # a session waiting for its client's text: nothing of ours is late
+                continue
             if now - w.progress > self.v["stall_timeout_s"] and now - w.last_check > self.v["stall_timeout_s"] \
                     and not w.checking:
                 w.last_check, w.checking = now, True

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import invalid
 from ..sampling import SamplingParams
-from ..settings import SAMPLING_FIELDS, SCHEMA, check_field
+from ..settings import SAMPLING_FIELDS, SCHEMA, TEXT_EVENTS, check_field
 from .segment import clean_text
 
 
@@ -54,18 +54,34 @@ class TTSRequest:
     reference_text: str | None = None
     reference_codes: np.ndarray | None = None
     chunk_length: int = SCHEMA["chunk_length"].default  # UTF-8 bytes of text per segment (`s2tts.frontend.segment`)
+    session_id: str | None = None  # a text session (`s2tts.frontend.session`): its text comes in pieces
+    text_event: str | None = None  # with session_id: open (default) | text | flush | end
 
     def validate(self, limits: Limits, num_codebooks: int) -> "TTSRequest":
         """Raises S2Error(invalid_argument) naming the input to change."""
-        if not isinstance(self.text, str) or not self.text.strip():
+        if self.session_id is not None:
+            if not self.session_id.strip() or len(self.session_id) > 256:
+                raise invalid("session_id must be a non-empty string of at most 256 characters", "session_id")
+            self.text_event = self.text_event or "open"
+            if self.text_event not in TEXT_EVENTS:
+                raise invalid(f"text_event={self.text_event!r}: use one of {', '.join(TEXT_EVENTS)}", "text_event")
+        elif self.text_event is not None:
+            raise invalid("text_event needs a session_id (the text session it belongs to)", "text_event")
+        session = self.session_id is not None
+        if not isinstance(self.text, str) or (not self.text.strip() and not session):
             raise invalid("text is empty: give the words to speak", "text")
         if len(self.text) > limits.max_text_chars:
             raise invalid(f"text is {len(self.text)} characters, over the limit of {limits.max_text_chars}: split it "
                           "into several requests", "text")
         try:
-            self.text = clean_text(self.text)
+            if not session:
+                self.text = clean_text(self.text)
+            elif self.text.strip():  # a piece of a session's text: checked, kept as it is (its spaces join words)
+                clean_text(self.text)
         except ValueError as e:
             raise invalid(str(e), "text") from None
+        if session and self.text_event != "open":  # text for an open session: nothing else of it is read
+            return self
         lim = limits.as_settings()
         p = self.params
         for name in SAMPLING_FIELDS:

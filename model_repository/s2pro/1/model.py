@@ -194,6 +194,10 @@ class TritonPythonModel:
             client_id = request.request_id() or ""
             try:
                 req = self._parse(request)
+                if req.session_id is not None and req.text_event != "open":  # text for an open session: at once
+                    info = self.service.append(req.session_id, req.text_event, req.text)
+                    responder.send(self._answer(json.dumps(info)), True)
+                    continue
             except Exception as e:  # noqa: BLE001 - a bad request gets one error; the model goes on
                 err = errors.from_exception(e, "s2pro")
                 self.log.info("s2pro: request %s refused: %s", client_id, err.wire())
@@ -222,6 +226,8 @@ class TritonPythonModel:
             reference_sample_rate=f["reference_sample_rate"],
             reference_text=f["reference_text"],
             reference_codes=None if codes is None else codes.astype(np.int64),
+            session_id=f["session_id"],
+            text_event=f["text_event"],
         )
         return req.validate(self.limits, self.s2.num_codebooks)
 
@@ -234,6 +240,16 @@ class TritonPythonModel:
             tu.tensor("sequence", np.array([seq], np.int64)),
             tu.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
             tu.string_tensor("stats", ""),
+        ])
+
+    def _answer(self, stats_json: str):
+        """The one (final) response to text for a session: no audio, `stats` = what the session holds."""
+        return pb_utils.InferenceResponse(output_tensors=[
+            tu.tensor("audio", np.zeros(0, np.float32)),
+            tu.tensor("codes", np.zeros((0, self.s2.num_codebooks), np.int32)),
+            tu.tensor("sequence", np.array([0], np.int64)),
+            tu.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
+            tu.string_tensor("stats", stats_json),
         ])
 
     def _final_response(self, stats, seq):
