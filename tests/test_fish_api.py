@@ -57,6 +57,13 @@ def _openai_pcm(gw, **fields) -> bytes:
     return r.content
 
 
+def _same_pcm(a: bytes, b: bytes) -> bool:
+    """The same seeded audio as 16-bit PCM: equal lengths, samples within one step (the codec's float sums differ in
+    the last bits with where chunks end, which follows the measured pace)."""
+    x, y = np.frombuffer(a, np.int16).astype(np.int32), np.frombuffer(b, np.int16).astype(np.int32)
+    return len(x) == len(y) > 0 and int(np.abs(x - y).max()) <= 1
+
+
 def _decode(data: bytes) -> tuple[np.ndarray, int]:
     """Any container the encoders write (wav, mp3, ogg/opus) -> float samples, rate (PyAV)."""
     import av
@@ -91,9 +98,9 @@ def test_seeded_fish_request_equals_the_openai_route(gw):
                   "latency": "balanced", "min_chunk_length": 50, "condition_on_previous_chunks": True,
                   "early_stop_threshold": 1.0, "mp3_bitrate": 128, "opus_bitrate": 32})
     assert r.status_code == 200, r.text
-    assert r.headers["content-type"] == "audio/pcm" and r.content == _openai_pcm(gw, **SEEDED)
+    assert r.headers["content-type"] == "audio/pcm" and _same_pcm(r.content, _openai_pcm(gw, **SEEDED))
     as_json = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED}, ctype="application/json")
-    assert as_json.status_code == 200 and as_json.content == r.content
+    assert as_json.status_code == 200 and _same_pcm(as_json.content, r.content)
 
 
 def test_prosody_volume_and_speed(gw):
@@ -119,15 +126,15 @@ def test_inline_references_and_a_registered_voice(gw, sdk, reference_wav):
     fish = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED,
                      "references": [{"audio": reference_wav, "text": "A hummed tone."}]})
     url = "data:audio/wav;base64," + base64.b64encode(reference_wav).decode()
-    assert fish.status_code == 200 and fish.content == _openai_pcm(gw, ref_audio=url, ref_text="A hummed tone.",
-                                                                    **SEEDED)
+    inline = _openai_pcm(gw, ref_audio=url, ref_text="A hummed tone.", **SEEDED)
+    assert fish.status_code == 200 and _same_pcm(fish.content, inline)
     # registered once (OpenAI's voices route), used by id
     up = httpx.post(f"{gw.url}/v1/audio/voices", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
                     data={"name": "hum", "ref_text": "A hummed tone."},
                     files={"audio_sample": ("ref.wav", reference_wav, "audio/wav")})
     assert up.status_code == 200, up.text
     by_id = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "reference_id": "hum"})
-    assert by_id.status_code == 200 and by_id.content == _openai_pcm(gw, voice="hum", **SEEDED)
+    assert by_id.status_code == 200 and _same_pcm(by_id.content, _openai_pcm(gw, voice="hum", **SEEDED))
     assert len(sdk.tts.convert(text=TEXT, format="pcm", reference_id="hum", config=config)) > 0
     with pytest.raises(NotFoundError) as ei:
         sdk.tts.convert(text=TEXT, reference_id="nobody", config=config)
@@ -151,7 +158,7 @@ def test_voices_through_the_sdk_are_the_gateways_voices(gw, sdk, reference_wav):
     assert [v.id for v in sdk.voices.list(page_size=1, page_number=2).items] == [listed.items[1].id]
     # the same voice by id on Fish's route and by name on OpenAI's: the same seeded audio
     fish = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "reference_id": made.id})
-    assert fish.status_code == 200 and fish.content == _openai_pcm(gw, voice=made.id, **SEEDED)
+    assert fish.status_code == 200 and _same_pcm(fish.content, _openai_pcm(gw, voice=made.id, **SEEDED))
     assert len(sdk.tts.convert(text=TEXT, format="pcm", reference_id=made.id, config=TTSConfig(max_new_tokens=6)))
     names = [v["id"] for v in httpx.get(f"{gw.url}/v1/audio/voices", headers={"Authorization": f"Bearer {KEY}"},
                                         timeout=30).json()["data"]]

@@ -211,6 +211,10 @@ class TTSService:
         if rec is None or rec.closed:
             raise S2Error("not_found", f"no open text session {session_id!r}: open it first (text_event=open, its "
                           "request streams the audio), or it has ended", "session_id")
+        if rec.state.session.pending + len(text) > self.v["max_text_chars"]:
+            raise S2Error("resource_exhausted", f"text session {session_id!r} holds {rec.state.session.pending} "
+                          f"characters not yet spoken; more than max_text_chars={self.v['max_text_chars']} would "
+                          "wait: send the rest when some has been spoken", "text")
         try:
             pending = rec.state.session.push(text, event)
         except SessionEnded as e:

@@ -55,6 +55,12 @@ class TextSession:
             self._cond.notify_all()
             return len(self._text)
 
+    @property
+    def pending(self) -> int:
+        """Characters received and not yet taken."""
+        with self._cond:
+            return len(self._text)
+
     def end(self) -> None:
         """No more text (the idle timeout, the request's end): what is buffered is still spoken."""
         with self._cond:
