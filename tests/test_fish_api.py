@@ -4,6 +4,7 @@ real tritonserver on the tiny checkpoint: every format, inline references, a reg
 prosody, and Fish's error shape; the same seeded request gives the same audio as the OpenAI route."""
 
 import io
+import time
 
 import httpx
 import numpy as np
@@ -226,3 +227,71 @@ def test_bad_requests_get_fish_errors(gw, case):
     if param:
         assert param in err["message"] or param == "prosody" and "speed" in err["message"], err
     assert httpx.get(f"{gw.url}/health", timeout=10).status_code == 200  # the server still ready
+
+
+def _live(gw, events: list[dict], model="s2-pro"):
+    """A /v1/tts/live session as Fish's SDK speaks it (httpx-ws, msgpack events): the events sent in order, then
+    every event the server sent until it closed."""
+    from httpx_ws import WebSocketDisconnect, connect_ws
+
+    got = []
+    with httpx.Client(base_url=gw.url, timeout=60) as c, \
+            connect_ws("/v1/tts/live", c, headers={"Authorization": f"Bearer {KEY}", "model": model}) as ws:
+        for e in events:
+            ws.send_bytes(ormsgpack.packb(e))
+        try:
+            while True:
+                got.append(ormsgpack.unpackb(ws.receive_bytes(timeout=60)))
+                if got[-1]["event"] == "finish":
+                    break
+        except WebSocketDisconnect:
+            pass
+    return got
+
+
+def test_live_session_through_the_sdk_and_seeded(gw, sdk):
+    """Text fed word by word over the live WebSocket: through the SDK's `stream_websocket` (audio as it comes), and
+    seeded, the same audio as the whole text on /v1/tts (the same two segments, the same context)."""
+    from fishaudio.types import TTSConfig
+
+    words = ["First ", "sentence ", "here. ", "Second ", "one ", "follows."]
+    audio = b"".join(sdk.tts.stream_websocket(iter(words), format="pcm",
+                                              config=TTSConfig(max_new_tokens=6, chunk_length=100)))
+    assert 0 < len(audio) <= 2 * 6 * FRAME * 2 and len(audio) % (2 * FRAME) == 0
+    request = {"text": "", "format": "pcm", "chunk_length": 24, **SEEDED}
+    got = _live(gw, [{"event": "start", "request": request}, *({"event": "text", "text": w} for w in words),
+                     {"event": "stop"}])
+    assert got[-1] == {"event": "finish", "reason": "stop"}
+    live = b"".join(e["audio"] for e in got if e["event"] == "audio")
+    whole = _tts(gw, {"text": "".join(words), "format": "pcm", "chunk_length": 24, **SEEDED})
+    assert whole.status_code == 200 and _same_pcm(live, whole.content)
+
+
+def test_live_session_errors_and_a_disconnect(gw, triton_server):
+    start = {"event": "start", "request": {"text": "", "format": "pcm", "max_new_tokens": 4}}
+    for events, words in (([{"event": "text", "text": "Hi."}], "first event must be"),
+                          ([start, {"event": "shout"}], "unknown event"),
+                          ([{"event": "start", "request": {"format": "aac"}}], "format")):
+        got = _live(gw, events)
+        assert got[-1]["event"] == "finish" and got[-1]["reason"] == "error" and words in got[-1]["message"], got
+    # a client that leaves mid-session: its session ends, nothing stays in flight
+    from httpx_ws import connect_ws
+
+    with httpx.Client(base_url=gw.url, timeout=60) as c, \
+            connect_ws("/v1/tts/live", c, headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        ws.send_bytes(ormsgpack.packb({**start, "request": {**start["request"], "max_new_tokens": 200}}))
+        ws.send_bytes(ormsgpack.packb({"event": "text", "text": "A sentence to speak now. "}))
+        assert ormsgpack.unpackb(ws.receive_bytes(timeout=60))["event"] == "audio"
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        h = httpx.get(f"{gw.url}/health", timeout=10).json()
+        if h["in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    assert h["in_flight"] == 0, h
+    from s2tts.client import read_metrics
+
+    key = 's2tts_requests_in_flight{model="s2pro"}'
+    while read_metrics(triton_server.metrics_url).get(key) != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert read_metrics(triton_server.metrics_url).get(key) == 0  # s2pro ended the session too

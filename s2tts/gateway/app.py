@@ -20,7 +20,7 @@ from typing import Callable
 
 import anyio
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
@@ -597,6 +597,135 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             raise APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
         log.info("voice %r deleted", name)
         return {"id": name, "object": "audio.voice.deleted", "deleted": True}
+
+    # ---- Fish Audio's live session: text in as it is written, audio out as it is made ------------
+    @app.websocket("/v1/tts/live")
+    async def fish_live(ws: WebSocket):
+        """Binary msgpack events: the client sends {event: start, request: {...}} (the fields of /v1/tts, text may be
+        empty), then {event: text, text} any number of times, {event: flush}, {event: stop}; the server sends
+        {event: audio, audio: bytes} as the audio is made and ends with {event: finish, reason: stop | error} (with
+        `message` on an error). One s2pro text session (`session_id`) carries it; a disconnect cancels it."""
+        import ormsgpack
+
+        if cfg.api_key:
+            auth = ws.headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+                await ws.close(code=1008, reason="missing or invalid API key: send 'Authorization: Bearer <key>'")
+                return
+        await ws.accept()
+
+        async def finish(reason: str, message: str | None = None) -> None:
+            event = {"event": "finish", "reason": reason}
+            if message:
+                event["message"] = message
+            try:
+                await ws.send_bytes(ormsgpack.packb(event))
+                await ws.close()
+            except Exception:  # noqa: BLE001 - the client may be gone
+                pass
+
+        async def receive() -> dict:
+            msg = await ws.receive_bytes()
+            if len(msg) > cfg.max_json_body_bytes:
+                raise bad_request(f"an event of {len(msg)} bytes: at most {cfg.max_json_body_bytes}", "event")
+            try:
+                event = ormsgpack.unpackb(msg)
+            except (ormsgpack.MsgpackDecodeError, ValueError, TypeError):
+                raise bad_request("an event that is not valid msgpack", "event") from None
+            if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+                raise bad_request("every event is a map with an `event` name", "event")
+            return event
+
+        stream, sid = None, f"live-{uuid.uuid4().hex}"
+        if not state.limiter.try_acquire():
+            state.metrics.overload_refusals += 1
+            return await finish("error", f"the server is busy: {state.limiter.limit} requests are in flight; retry")
+        try:
+            start = await receive()
+            if start["event"] != "start" or not isinstance(start.get("request"), dict):
+                raise bad_request("the first event must be {event: start, request: {...}}", "event")
+            limits = await backend.served_limits(cfg.limits_ttl_s)
+            f = parse_fish_tts(start["request"], ws.headers.get("model"), cfg, limits, live=True)
+            req = SynthesisRequest(text=f.text, request_id=sid, session_id=sid, text_event="open",
+                                   **{"seed": secrets.randbelow(2**63), **f.fields})
+            if f.reference_id:
+                await _registered_voices(req, f.reference_id, "reference_id")
+            elif f.references:
+                await _inline_voices(req, [(a, t, f"references[{i}]") for i, (a, t) in enumerate(f.references)],
+                                     "references", limits)
+            stream = backend.open_stream(req)
+
+            async def text_in():
+                """The client's events -> the session's text (each answered by s2pro at once)."""
+                while True:
+                    event = await receive()
+                    kind = event["event"]
+                    if kind not in ("text", "flush", "stop"):
+                        raise bad_request(f"unknown event {kind!r}: send text, flush or stop", "event")
+                    text = event.get("text", "") if kind == "text" else ""
+                    if not isinstance(text, str):
+                        raise bad_request("a text event's text must be a string", "text")
+                    piece = SynthesisRequest(text=text, request_id=f"{sid}-{kind}", session_id=sid,
+                                             text_event={"stop": "end"}.get(kind, kind))
+                    for attempt in range(100):  # until s2pro has opened the session (its request may be queued)
+                        try:
+                            ack = backend.open_stream(piece)
+                            while await ack.next() is not None:
+                                pass
+                            break
+                        except APIError as e:
+                            if e.code != "not_found" or attempt == 99:
+                                raise
+                            await anyio.sleep(0.05)
+                    if kind == "stop":
+                        return
+
+            async def audio_out():
+                pipeline = None
+                while True:
+                    chunk = await stream.next()
+                    if chunk is None:
+                        return
+                    if pipeline is None:
+                        pipeline = AudioPipeline(f.format, chunk.sample_rate or 44100, f.speed, True, f.gain,
+                                                 f.bit_rate)
+                    data = await anyio.to_thread.run_sync(pipeline.push, chunk.audio)
+                    if chunk.final:
+                        data += await anyio.to_thread.run_sync(pipeline.finish)
+                    if data:
+                        await ws.send_bytes(ormsgpack.packb({"event": "audio", "audio": data}))
+                    if chunk.final:
+                        return
+
+            failed: list[BaseException] = []  # the first error of either side ends both
+
+            async def side(fn, scope):
+                try:
+                    await fn()
+                except Exception as e:  # noqa: BLE001 - handed on below
+                    failed.append(e)
+                    scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(side, text_in, tg.cancel_scope)
+                await side(audio_out, tg.cancel_scope)
+                tg.cancel_scope.cancel()
+            if failed:
+                raise failed[0]
+            await finish("stop")
+        except WebSocketDisconnect:
+            log.info("live session %s: the client disconnected", sid)
+        except APIError as e:
+            log.info("live session %s ended with an error: %s", sid, e.message)
+            await finish("error", e.message)
+        except Exception:  # noqa: BLE001 - a session never takes the gateway down
+            log.exception("live session %s failed", sid)
+            await finish("error", "internal error in the gateway")
+        finally:
+            if stream is not None:
+                stream.cancel()  # no-op after the final response
+            state.limiter.release()
 
     # ---- Fish Audio's voices: the same store (s2tts/gateway/fish.py) ----------------------------
     @app.post("/model")

@@ -150,8 +150,10 @@ def _references(refs) -> list[tuple[bytes, str]]:
     return out
 
 
-def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: dict | None = None) -> FishTTS:
-    """The fields of POST /v1/tts, checked (APIError naming the field to change). `model`: the `model` header."""
+def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: dict | None = None,
+                   live: bool = False) -> FishTTS:
+    """The fields of POST /v1/tts, checked (APIError naming the field to change). `model`: the `model` header.
+    `live`: the request of a `/v1/tts/live` session, whose `text` may be empty (its text comes as events)."""
     limits = cfg.limits(limits or DEFAULT_LIMITS)
     if model not in (None, "") and model not in cfg.model_names and model != "s2-pro":
         raise bad_request(f"model {model!r} is not served here: this server runs S2 Pro (send the header "
@@ -161,7 +163,9 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
         raise bad_request(f"unknown field {unknown[0]!r}; the fields of /v1/tts are {', '.join(sorted(KNOWN))}",
                           unknown[0], code="unknown_parameter")
     text = body.get("text")
-    if not isinstance(text, str) or not text.strip():
+    if live and text is None:
+        text = ""
+    if not isinstance(text, str) or (not text.strip() and not live):
         raise bad_request("text is required: the words to speak, a non-empty string", "text", code="missing_input")
     if len(text) > limits["max_text_chars"]:
         raise bad_request(f"text has {len(text)} characters; the limit is {limits['max_text_chars']}: split it into "
