@@ -72,6 +72,14 @@ def _too_large(limit: int, upload_limit: int | None = None) -> APIError:
     return APIError(413, msg, code="payload_too_large")
 
 
+def _key_ok(headers, cfg: GatewayConfig) -> bool:
+    """The request carries the gateway's API key (`Authorization: Bearer <key>`), or the gateway has none."""
+    if not cfg.api_key:
+        return True
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), cfg.api_key.encode())
+
+
 def _shaped(scope, e: APIError) -> APIError:
     """An error in the form of the API its path belongs to: Fish Audio's on its routes, OpenAI's elsewhere."""
     return FishError.of(e) if scope.get("path", "").startswith(FISH_PATHS) else e
@@ -93,10 +101,8 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if self.cfg.api_key and scope["path"] not in ("/health", "/metrics", "/"):  # the page asks for the key itself
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.cfg.api_key.encode()):
+        if scope["path"] not in ("/health", "/metrics", "/"):  # the page asks for the key itself
+            if not _key_ok(headers, self.cfg):
                 err = APIError(401, "missing or invalid API key: send the header 'Authorization: Bearer <key>'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 return await _shaped(scope, err).response()(scope, receive, send)
@@ -448,21 +454,41 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             body = json.loads(raw)
         except ValueError:
             raise bad_request("the request body is not valid JSON", None, code="invalid_json") from None
-        limits = await backend.served_limits(cfg.limits_ttl_s)
-        state.limiter.limit = cfg.max_in_flight or limits["max_concurrent_requests"]
+        limits = await _served_limits()
         p = parse_speech(body, cfg, limits)
-        req = SynthesisRequest(text=p.input, request_id=_request_id(request),
-                               **{"seed": secrets.randbelow(2**63), **p.fields})  # a seed always: it is reported
-        if p.voice is not None:
-            await _registered_voices(req, p.voice if isinstance(p.voice, list) else [p.voice], "voice")
-        elif isinstance(p.ref_audio, list):  # inline clips, one per speaker: encoded here, combined as registered ones
+        req = _synthesis(p.input, _request_id(request), p.fields)
+        names = [] if p.voice is None else p.voice if isinstance(p.voice, list) else [p.voice]
+        if isinstance(p.ref_audio, list):  # inline clips, one per speaker
             clips = [(decode_data_url(url), text, f"ref_audio[{i}]") for i, (url, text) in
                      enumerate(zip(p.ref_audio, p.ref_text))]
-            await _inline_voices(req, clips, "ref_audio", limits)
-        elif p.ref_audio is not None:
-            x, sr = await _inline_clip(decode_data_url(p.ref_audio), "ref_audio", "ref_audio", limits)
-            req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, p.ref_text
+        else:
+            clips = [] if p.ref_audio is None else [(decode_data_url(p.ref_audio), p.ref_text, "ref_audio")]
+        await _reference(req, names, "voice", clips, "ref_audio", limits)
         return SpeechResponse(state, p, req)
+
+    async def _served_limits() -> dict:
+        """s2pro's limits as served (cached `limits_ttl_s`); its admission limit is the gateway's too, unless set."""
+        limits = await backend.served_limits(cfg.limits_ttl_s)
+        state.limiter.limit = cfg.max_in_flight or limits["max_concurrent_requests"]
+        return limits
+
+    def _synthesis(text: str, request_id: str, fields: dict, **extra) -> SynthesisRequest:
+        """s2pro's request: the text, the numeric fields given, and a seed always (it is reported)."""
+        return SynthesisRequest(text=text, request_id=request_id, **{"seed": secrets.randbelow(2**63), **fields},
+                                **extra)
+
+    async def _reference(req: SynthesisRequest, names: list[str], names_param: str,
+                         clips: list[tuple[bytes, str, str]], clips_param: str, limits: dict) -> None:
+        """The request's voice: registered voices by name, or inline clips (file bytes, transcript, name): one clip
+        goes to s2pro as it is (s2pro encodes it), several are encoded here, one voice per speaker."""
+        if names:
+            await _registered_voices(req, names, names_param)
+        elif len(clips) > 1:
+            await _inline_voices(req, clips, clips_param, limits)
+        elif clips:
+            (data, text, what), = clips
+            x, sr = await _inline_clip(data, what, clips_param, limits)
+            req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, text
 
     async def _registered_voices(req: SynthesisRequest, names: list[str], param: str) -> None:
         """Registered voices as the request's reference: one, or one per speaker in upstream's format."""
@@ -500,26 +526,20 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         return x, sr
 
     # ---- Fish Audio's API (its official SDK; s2tts/gateway/fish.py) ---------------------------
+    async def _fish_reference(req: SynthesisRequest, f, limits: dict) -> None:
+        clips = [(a, t, f"references[{i}]") for i, (a, t) in enumerate(f.references)]
+        await _reference(req, f.reference_id, "reference_id", clips, "references", limits)
+
     @app.post("/v1/tts")
     async def fish_tts(request: Request):
         body = decode_body(await request.body(), request.headers.get("content-type", ""))
-        limits = await backend.served_limits(cfg.limits_ttl_s)
-        state.limiter.limit = cfg.max_in_flight or limits["max_concurrent_requests"]
+        limits = await _served_limits()
         f = parse_fish_tts(body, request.headers.get("model"), cfg, limits)
         p = SpeechParams(input=f.text, model=cfg.served_model_name, voice=f.reference_id or None,
                          response_format=f.format, speed=f.speed, stream_format="audio", fields=f.fields,
                          gain=f.gain, bit_rate=f.bit_rate)
-        req = SynthesisRequest(text=f.text, request_id=_request_id(request),
-                               **{"seed": secrets.randbelow(2**63), **f.fields})
-        if f.reference_id:
-            await _registered_voices(req, f.reference_id, "reference_id")
-        elif len(f.references) > 1:
-            await _inline_voices(req, [(a, t, f"references[{i}]") for i, (a, t) in enumerate(f.references)],
-                                 "references", limits)
-        elif f.references:
-            (data, text), = f.references
-            x, sr = await _inline_clip(data, "references[0]", "references", limits)
-            req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, text
+        req = _synthesis(f.text, _request_id(request), f.fields)
+        await _fish_reference(req, f, limits)
         return SpeechResponse(state, p, req, error_shape=FishError.of)
 
     # ---- voices ------------------------------------------------------------------------------
@@ -607,12 +627,9 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         `message` on an error). One s2pro text session (`session_id`) carries it; a disconnect cancels it."""
         import ormsgpack
 
-        if cfg.api_key:
-            auth = ws.headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
-                await ws.close(code=1008, reason="missing or invalid API key: send 'Authorization: Bearer <key>'")
-                return
+        if not _key_ok(ws.headers, cfg):
+            await ws.close(code=1008, reason="missing or invalid API key: send 'Authorization: Bearer <key>'")
+            return
         await ws.accept()
 
         async def finish(reason: str, message: str | None = None) -> None:
@@ -645,15 +662,10 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             start = await receive()
             if start["event"] != "start" or not isinstance(start.get("request"), dict):
                 raise bad_request("the first event must be {event: start, request: {...}}", "event")
-            limits = await backend.served_limits(cfg.limits_ttl_s)
+            limits = await _served_limits()
             f = parse_fish_tts(start["request"], ws.headers.get("model"), cfg, limits, live=True)
-            req = SynthesisRequest(text=f.text, request_id=sid, session_id=sid, text_event="open",
-                                   **{"seed": secrets.randbelow(2**63), **f.fields})
-            if f.reference_id:
-                await _registered_voices(req, f.reference_id, "reference_id")
-            elif f.references:
-                await _inline_voices(req, [(a, t, f"references[{i}]") for i, (a, t) in enumerate(f.references)],
-                                     "references", limits)
+            req = _synthesis(f.text, sid, f.fields, session_id=sid, text_event="open")
+            await _fish_reference(req, f, limits)  # one clip as on /v1/tts: s2pro encodes it, untagged
             stream = backend.open_stream(req)
 
             async def text_in():
