@@ -96,7 +96,7 @@ class Work:
     engine: str = ENGINE
     decoder: str = DECODER
     sid: str = ""  # the codec stream's id: one for all of a request's segments
-    phase: str = "queued"  # queued | encoding | generating | decoding | done
+    phase: str = "queued"  # queued | encoding | generating | decoding | waiting_text (a session) | done
     progress: float = field(default_factory=time.monotonic)
     generation_open: bool = False  # slow_ar has the request and no cancel was sent
     stream_done: bool = False  # slow_ar's stream reached its final response

@@ -94,10 +94,8 @@ class TextSession:
             if self._flush or self._ended:
                 self._text, self._flush = "", False
             return None
-        if self._flush or self._ended:
-            cut = len(split_text(text, self.chunk_length)[0]) if nbytes(text) > self.chunk_length else len(text)
-        elif nbytes(text) >= self.chunk_length:
-            cut = len(split_text(text, self.chunk_length)[0])
+        if self._flush or self._ended or nbytes(text) >= self.chunk_length:
+            cut = len(split_text(text, self.chunk_length)[0])  # all of it when it fits
         else:
             ends = [m.end() for m in _SENTENCE_END.finditer(text)]
             if not ends:
