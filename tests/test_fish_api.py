@@ -274,9 +274,13 @@ def test_live_session_errors_and_a_disconnect(gw, triton_server):
     start = {"event": "start", "request": {"text": "", "format": "pcm", "max_new_tokens": 4}}
     for events, words in (([{"event": "text", "text": "Hi."}], "first event must be"),
                           ([start, {"event": "shout"}], "unknown event"),
-                          ([{"event": "start", "request": {"format": "aac"}}], "format")):
+                          ([{"event": "start", "request": {"format": "aac"}}], "format"),
+                          ([start, {"event": "text", "text": "Hi."}, {"event": "stop"},
+                            {"event": "text", "text": "More."}], "after stop"),
+                          ([start, {"event": "text", "text": "x" * 10_000_000}], "max_text_chars")):
         got = _live(gw, events)
         assert got[-1]["event"] == "finish" and got[-1]["reason"] == "error" and words in got[-1]["message"], got
+        assert httpx.get(f"{gw.url}/health", timeout=10).json()["status"] == "ok"
     # a client that leaves mid-session: its session ends, nothing stays in flight
     from httpx_ws import connect_ws
 

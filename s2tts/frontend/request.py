@@ -71,8 +71,8 @@ class TTSRequest:
         if not isinstance(self.text, str) or (not self.text.strip() and not session):
             raise invalid("text is empty: give the words to speak", "text")
         if len(self.text) > limits.max_text_chars:
-            raise invalid(f"text is {len(self.text)} characters, over the limit of {limits.max_text_chars}: split it "
-                          "into several requests", "text")
+            raise invalid(f"text is {len(self.text)} characters, over the limit of {limits.max_text_chars} "
+                          f"(max_text_chars): split it into several {'text events' if session else 'requests'}", "text")
         try:
             if not session:
                 self.text = clean_text(self.text)

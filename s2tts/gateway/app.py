@@ -681,8 +681,8 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                     piece = SynthesisRequest(text=text, request_id=f"{sid}-{kind}", session_id=sid,
                                              text_event={"stop": "end"}.get(kind, kind))
                     for attempt in range(100):  # until s2pro has opened the session (its request may be queued)
+                        ack = backend.open_stream(piece)
                         try:
-                            ack = backend.open_stream(piece)
                             while await ack.next() is not None:
                                 pass
                             break
@@ -690,8 +690,14 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                             if e.code != "not_found" or attempt == 99:
                                 raise
                             await anyio.sleep(0.05)
+                        finally:
+                            ack.cancel()  # its stream half-closes (or is cancelled when we were)
                     if kind == "stop":
-                        return
+                        break
+                # after stop the audio still comes; an event now is an error, a disconnect ends the session at once
+                event = await receive()
+                raise bad_request(f"{event['event']!r} after stop: the session takes no more text; start another",
+                                  "event")
 
             async def audio_out():
                 pipeline = None
