@@ -101,6 +101,16 @@ class TTSInput:
         return inputs
 
 
+def json_output(result, name: str) -> dict | None:
+    """A STRING output holding JSON; None where the response has none (or it is empty)."""
+    x = result.as_numpy(name)
+    if x is None or not x.size:
+        return None
+    s = x.reshape(-1)[0]
+    s = s.decode() if isinstance(s, bytes) else str(s)
+    return json.loads(s) if s else None
+
+
 @dataclass
 class AudioChunk:
     sequence: int
@@ -108,6 +118,7 @@ class AudioChunk:
     sample_rate: int
     t: float  # seconds since the request was sent
     codes: np.ndarray | None = None  # [frames, num_codebooks] behind this chunk
+    segment: dict | None = None  # where it is: {segment, text, frame, frames} (s2tts.frontend.orchestrator)
 
 
 @dataclass
@@ -214,7 +225,7 @@ class S2ProClient:
                 if audio is not None and audio.size:
                     sr = int(result.as_numpy("sample_rate").reshape(-1)[0])
                     yield AudioChunk(int(result.as_numpy("sequence").reshape(-1)[0]), audio.astype(np.float32), sr, t,
-                                     result.as_numpy("codes"))
+                                     result.as_numpy("codes"), json_output(result, "segment"))
                     n += 1
                     if cancel_after_chunks is not None and n >= cancel_after_chunks:
                         self.close(cancel=True)

@@ -232,14 +232,14 @@ def test_bad_requests_get_fish_errors(gw, case):
     assert httpx.get(f"{gw.url}/health", timeout=10).status_code == 200  # the server still ready
 
 
-def _live(gw, events: list[dict], model="s2-pro"):
+def _live(gw, events: list[dict], model="s2-pro", path="/v1/tts/live"):
     """A /v1/tts/live session as Fish's SDK speaks it (httpx-ws, msgpack events): the events sent in order, then
     every event the server sent until it closed."""
     from httpx_ws import WebSocketDisconnect, connect_ws
 
     got = []
     with httpx.Client(base_url=gw.url, timeout=60) as c, \
-            connect_ws("/v1/tts/live", c, headers={"Authorization": f"Bearer {KEY}", "model": model}) as ws:
+            connect_ws(path, c, headers={"Authorization": f"Bearer {KEY}", "model": model}) as ws:
         for e in events:
             ws.send_bytes(ormsgpack.packb(e))
         try:
@@ -268,6 +268,29 @@ def test_live_session_through_the_sdk_and_seeded(gw, sdk):
     live = b"".join(e["audio"] for e in got if e["event"] == "audio")
     whole = _tts(gw, {"text": "".join(words), "format": "pcm", "chunk_length": 24, **SEEDED})
     assert whole.status_code == 200 and _same_pcm(live, whole.content)
+
+
+def test_live_with_timestamps_places_each_segment(gw):
+    """/v1/tts/live/with-timestamp: each audio event says which text segment it speaks (`content`, `chunk_seq`),
+    where that segment starts in the audio and how long it is so far; the last snapshot of each equals the audio
+    actually sent for it, to the sample."""
+    words = ["  First ", "sentence ", "here. ", "Second ", "one ", "follows."]
+    request = {"text": "", "format": "pcm", "chunk_length": 100, **SEEDED, "temperature": 0.0}
+    got = _live(gw, [{"event": "start", "request": request}, *({"event": "text", "text": w} for w in words),
+                     {"event": "stop"}], path="/v1/tts/live/with-timestamp")
+    assert got[-1] == {"event": "finish", "reason": "stop"}
+    audio = [e for e in got if e["event"] == "audio"]
+    assert [e["chunk_seq"] for e in audio] == sorted(e["chunk_seq"] for e in audio) and audio[-1]["chunk_seq"] == 1
+    assert {e["chunk_seq"]: e["content"] for e in audio} == {0: "First sentence here.", 1: "Second one follows."}
+    times = [e["time"] for e in audio]
+    assert times == sorted(times) and all(isinstance(t, int) for t in times)
+    last = {e["chunk_seq"]: e for e in audio}  # each segment's final snapshot
+    sent = {k: sum(len(e["audio"]) for e in audio if e["chunk_seq"] == k) // 2 for k in (0, 1)}
+    for k in (0, 1):
+        a = last[k]["alignment"]
+        assert a["segments"] == [{"text": last[k]["content"], "start": 0.0, "end": a["audio_duration"]}]
+        assert round(a["audio_duration"] * 44100) == sent[k] > 0 and sent[k] % FRAME == 0
+    assert last[0]["chunk_audio_offset_sec"] == 0.0 and round(last[1]["chunk_audio_offset_sec"] * 44100) == sent[0]
 
 
 def test_live_session_errors_and_a_disconnect(gw, triton_server):

@@ -361,6 +361,44 @@ def test_sse_events(client, long_take):
     assert t_first < 0.5 * (t_end - t0)
 
 
+def test_sse_timestamps_place_each_segment_exactly(client):
+    """timestamps=true: after the audio that ends each text segment, a speech.audio.segment event with its characters
+    in the input (leading spaces, speaker tags and the gaps between segments not counted) and its start and end,
+    exact to the frame: contiguous from 0 to the end of the audio, each as long as the frames it made."""
+    from s2tts.frontend.segment import batches, clean_text
+
+    text = "  First part is here.  <|speaker:1|>Second part follows.  And a third one!"
+    spoken = batches(clean_text(text), 40)
+    assert len(spoken) == 3
+    with client.audio.speech.with_streaming_response.create(
+            model=MODEL, voice="default", input=text, response_format="pcm", stream_format="sse",
+            extra_body={"seed": 3, "temperature": 0, "max_new_tokens": 6, "chunk_length": 40, "first_chunk_frames": 2,
+                        "chunk_frames": 2, "timestamps": True}) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
+    samples, segments = 0, []
+    for e in events:
+        if e["type"] == "speech.audio.delta":
+            samples += len(base64.b64decode(e["audio"])) // 2
+        elif e["type"] == "speech.audio.segment":
+            assert samples >= round(e["end"] * SR), "a segment's event came before its audio"
+            segments.append(e)
+    assert events[-1]["type"] == "speech.audio.done"
+    assert [s["segment"] for s in segments] == [0, 1, 2]
+    assert [text[a:b] for a, b in (s["chars"] for s in segments)] == [
+        "First part is here.", "Second part follows.", "And a third one!"]
+    assert [s["text"] for s in segments] == [text[a:b] for a, b in (s["chars"] for s in segments)]
+    bounds = [0.0] + [s["end"] for s in segments]
+    assert [s["start"] for s in segments] == bounds[:-1] and round(bounds[-1] * SR) == samples
+    frames = [(s["end"] - s["start"]) * SR / FRAME for s in segments]  # whole frames (times are to the us)
+    assert all(abs(f - round(f)) < 1e-3 and 1 <= round(f) <= 6 for f in frames), frames
+    assert sum(round(f) for f in frames) == events[-1]["stats"]["frames"]
+    # timestamps ride on SSE only
+    with pytest.raises(openai.BadRequestError, match="stream_format"):
+        client.audio.speech.create(model=MODEL, voice="default", input=text, response_format="pcm",
+                                   extra_body={"timestamps": True})
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # voices
 

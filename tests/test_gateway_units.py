@@ -335,3 +335,37 @@ def test_reference_clip_limits_are_the_stricter_of_server_and_gateway():
     with pytest.raises(APIError) as ei:
         _check_reference_length(clip[: SR // 10], SR, GatewayConfig(), "audio_sample", served)
     assert ei.value.code == "reference_too_short" and "at least 0.2 s" in ei.value.message
+
+
+def test_locate_finds_each_segment_in_the_clients_text():
+    from s2tts.frontend.segment import batches, clean_text, locate
+
+    text = "  Hi there, you.\n\n<speaker:2>A legacy tag, then   more words. Last!"
+    cursor, found = 0, []
+    for seg in batches(clean_text(text), 30):
+        a, b = locate(text, seg, cursor)
+        found.append(text[a:b])
+        cursor = b
+    assert found == ["Hi there, you.", "A legacy tag,", "then   more", "words. Last!"]
+    assert locate(text, "Hi there, yes.", 0) is None  # not the client's text
+    assert locate(text, "Hi", 5) is None  # not from there
+    assert locate("Hi.", "<|speaker:0|>") is None  # nothing spoken
+
+
+def test_timeline_segments_are_exact_and_scaled_by_speed():
+    from s2tts.gateway.alignment import Timeline
+
+    hop, sr = 2048, 44100
+    tl = Timeline("One. Two.", sr, speed=2.0)
+    chunk = lambda frames: np.zeros(frames * hop, np.float32)  # noqa: E731
+    assert tl.push(chunk(2), {"segment": 0, "text": "One.", "frame": 0, "frames": 2}) is None
+    assert tl.push(chunk(3), {"segment": 0, "text": "One.", "frame": 2, "frames": 3}) is None
+    first = tl.push(chunk(4), {"segment": 1, "text": "Two.", "frame": 5, "frames": 4})
+    assert (first.index, first.text, first.chars) == (0, "One.", (0, 4))
+    assert first.start == 0.0 and first.end == 5 * hop / sr / 2  # at double speed, half the time
+    assert tl.push(np.zeros(0, np.float32), None) is None  # a response with no audio changes nothing
+    tl.add_text(" Three?")
+    second = tl.finish()
+    assert second.public() == {"segment": 1, "text": "Two.", "chars": [5, 9], "start": round(5 * hop / sr / 2, 6),
+                               "end": round(9 * hop / sr / 2, 6)}
+    assert tl.finish() is None

@@ -375,3 +375,10 @@ def test_a_text_session_over_grpc(triton_server):
     assert live.stats["frames"] == 12 and live.audio.size == 12 * FRAME
     np.testing.assert_array_equal(live.codes, whole.codes)  # the same segments in the same context
     np.testing.assert_allclose(live.audio, whole.audio, rtol=0, atol=1 / 32768)  # chunk boundaries: last bits
+    # every chunk says where it is: its segment and text, its frames' place in the audio (contiguous)
+    for res in (live, whole):
+        where = [c.segment for c in res.chunks]
+        assert [w["frame"] for w in where] == np.cumsum([0] + [w["frames"] for w in where[:-1]]).tolist()
+        assert all(w["frames"] * FRAME == c.audio.size for w, c in zip(where, res.chunks))
+        assert {w["segment"]: w["text"] for w in where} == {0: "First sentence here.", 1: "Second one follows."}
+        assert [sum(w["frames"] for w in where if w["segment"] == k) for k in (0, 1)] == [6, 6]

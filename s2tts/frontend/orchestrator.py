@@ -2,6 +2,11 @@
 
     TTSService(downstream, prompts, s2, settings, make_chunk, make_final, make_error)
 
+Every audio chunk says where it is (`make_chunk`'s `where`): the text segment it speaks (`segment`, its index, and
+`text`, as spoken: cleaned, speaker tags included) and its frames' place in the request's audio (`frame`, `frames`:
+frame i's audio begins at sample i * hop, so a segment's start and end are exact to the frame). Offsets in the
+client's own text are the client's to find (`segment.locate`).
+
 `Downstream` is the rest of the pipeline (in Triton: BLS calls to dac_encoder, slow_ar and
 dac_decoder; in tests: anything with the same methods). Each admitted request runs on a
 worker thread of a pool and ends in exactly one final response (`lifecycle.Tracked`); the
@@ -110,6 +115,7 @@ class Work:
     worker: threading.Thread | None = None  # the pool's worker serving it, while it does
     checking: bool = False  # a liveness check of its model is under way (off the supervisor's thread)
     session: TextSession | None = None  # a text session's buffer (`session_id`): its segments come as text does
+    segment: tuple[int, str] = (0, "")  # the text segment being spoken: (its index, its text)
 
     def step(self, phase: str) -> None:
         self.phase, self.progress = phase, time.monotonic()
@@ -117,7 +123,7 @@ class Work:
 
 class TTSService:
     def __init__(self, downstream: Downstream, prompts, s2, values: dict,
-                 make_chunk: Callable[[np.ndarray, np.ndarray, int], Any],
+                 make_chunk: Callable[[np.ndarray, np.ndarray, int, dict], Any],
                  make_final: Callable[[Stats, int], Any], make_error: Callable[[S2Error], Any],
                  name: str = "s2pro", supervise_s: float = 0.2, on_tick: Callable[["TTSService"], None] | None = None,
                  spare_workers: int = 16, on_unhealthy: Callable[[str], None] | None = None):
@@ -266,6 +272,7 @@ class TTSService:
                     cut = True
                     history = history[prompt.history_dropped:]
                 w.rid = base if k == 0 else f"{base}.{k}"  # slow_ar's id of this segment
+                w.segment = (k, segment)
                 made, reason = self._segment(rec, prompt, first=k == 0, last=last)
                 if reason is None:  # the request ended elsewhere (deadline, shutdown, a dead model) or its client left
                     break
@@ -374,6 +381,8 @@ class TTSService:
                 raise Cancelled()
             if frames.shape[0]:
                 made.append(frames)
+                where = {"segment": w.segment[0], "text": w.segment[1], "frame": stats.frames,
+                         "frames": int(frames.shape[0])}
                 stats.frames += frames.shape[0]
                 if audio is not None:  # slow_ar decoded it (codec_in_engine); it ends the codec stream with `last`
                     w.engine_codec_open = not (reason and last)
@@ -383,7 +392,7 @@ class TTSService:
                                        bool(reason) and last, rec.client_id)
                     w.decoder_open = not (reason and last)
                     w.step("generating")
-                if not rec.send(lambda: self._chunk(stats, audio, frames, w.seq)):
+                if not rec.send(lambda: self._chunk(stats, audio, frames, w.seq, where)):
                     return made, None
                 now = time.monotonic()
                 if w.seq and audio.size and not reason:  # not the first (prefill) nor the last (a remainder)
@@ -396,10 +405,10 @@ class TTSService:
                 return made, reason
         return made, None
 
-    def _chunk(self, stats: Stats, audio: np.ndarray, frames: np.ndarray, seq: int):
+    def _chunk(self, stats: Stats, audio: np.ndarray, frames: np.ndarray, seq: int, where: dict):
         """Build an audio chunk's response (only for a chunk that will be sent: what it counts is sent)."""
         stats.audio_sent(audio.size)
-        return self.make_chunk(audio, frames, seq)
+        return self.make_chunk(audio, frames, seq, where)
 
     def _prompt(self, segment: str, ref_codes, req: TTSRequest, history: list):
         """A segment's prompt beside the frames it may generate in slow_ar's sequence (the smaller of max_seq_len

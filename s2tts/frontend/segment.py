@@ -54,6 +54,39 @@ def clean_text(text: str, what: str = "text") -> str:
     return text
 
 
+_TAGS = re.compile(r"<\|speaker:\d+\|>|<speaker:\d+>")
+
+
+def _visible(text: str, start: int = 0):
+    """(index, character) of `text` from `start` that are spoken: no whitespace, no speaker tag."""
+    tags = _TAGS.finditer(text, start)
+    tag = next(tags, None)
+    for i in range(start, len(text)):
+        while tag is not None and tag.end() <= i:
+            tag = next(tags, None)
+        if (tag is not None and tag.start() <= i) or text[i].isspace():
+            continue
+        yield i, text[i]
+
+
+def locate(text: str, segment: str, start: int = 0) -> tuple[int, int] | None:
+    """Where a segment s2pro spoke lies in the client's `text`: [a, b) from its first spoken character to its last,
+    searching from `start` (the end of the segment before). Whitespace and speaker tags do not count (s2pro cuts,
+    strips and tags segments); None when the next characters of `text` are not the segment's (the text changed
+    on the way, e.g. normalised by a client)."""
+    want = [c for _, c in _visible(segment)]
+    if not want:
+        return None
+    got = []
+    for i, c in _visible(text, start):
+        if c != want[len(got)]:
+            return None
+        got.append(i)
+        if len(got) == len(want):
+            return got[0], got[-1] + 1
+    return None
+
+
 def combine_voices(voices) -> tuple[str, np.ndarray]:
     """Several reference voices, one per speaker, as upstream puts them in one system turn: each transcript tagged
     `<|speaker:i|>` (i its position; kept as it is when it has a tag already), joined with `\n`, and the codes

@@ -27,11 +27,13 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..frontend.segment import combine_voices
+from .alignment import Segment, Timeline
 from .audio_io import decode_audio, decode_data_url
 from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, make_encoder
 from .errors import APIError, bad_request
 from .fish import FISH_PATHS, FishError, decode_body, fish_voice, fish_voice_id, parse_fish_tts
+from .fish import alignment as fish_alignment
 from .fish import page as fish_page
 from .metrics import HTTPMetrics, MetricsMiddleware
 from .protocol import DEFAULT_LIMITS, SpeechParams, parse_speech
@@ -293,17 +295,23 @@ class SpeechResponse(Response):
         headers["cache-control"] = "no-cache"
         await self._start(send, headers)
 
-        async def emit(data: bytes):
+        async def emit(data: bytes, ended: Segment | None = None):
             if data:
                 if sse:
                     data = _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
                 await send({"type": "http.response.body", "body": data, "more_body": True})
+            if ended is not None:  # after the audio that ends it
+                await send({"type": "http.response.body", "more_body": True,
+                            "body": _sse({"type": "speech.audio.segment", **ended.public()})})
 
+        timeline = Timeline(self.req.text, first.sample_rate or 44100, self.params.speed) \
+            if self.params.timestamps else None
         try:
             async for chunk in self._chunks(first):
-                await emit(await anyio.to_thread.run_sync(pipeline.push, chunk.audio))
+                ended = timeline.push(chunk.audio, chunk.segment) if timeline else None
+                await emit(await anyio.to_thread.run_sync(pipeline.push, chunk.audio), ended)
                 last = chunk
-            await emit(await anyio.to_thread.run_sync(pipeline.finish))
+            await emit(await anyio.to_thread.run_sync(pipeline.finish), timeline.finish() if timeline else None)
         except APIError as e:
             if not sse:
                 raise  # raw audio has no way to say it: the connection is cut and the client sees it
@@ -625,6 +633,18 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         empty), then {event: text, text} any number of times, {event: flush}, {event: stop}; the server sends
         {event: audio, audio: bytes} as the audio is made and ends with {event: finish, reason: stop | error} (with
         `message` on an error). One s2pro text session (`session_id`) carries it; a disconnect cancels it."""
+        await _live(ws, timestamps=False)
+
+    @app.websocket("/v1/tts/live/with-timestamp")
+    async def fish_live_timed(ws: WebSocket):
+        """/v1/tts/live whose audio events also say where they are, as Fish's service does: `content` (the text
+        segment the audio speaks), `alignment` {segments: [{text, start, end}], audio_duration} (times from the
+        segment's start, the snapshot so far: a later event for the same `chunk_seq` replaces it),
+        `chunk_seq` (the segment's number), `chunk_audio_offset_sec` (where the segment starts in the audio),
+        `time` (ms since the session started). One entry per text segment: s2tts/gateway/alignment.py."""
+        await _live(ws, timestamps=True)
+
+    async def _live(ws: WebSocket, timestamps: bool):
         import ormsgpack
 
         if not _key_ok(ws.headers, cfg):
@@ -665,6 +685,8 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             limits = await _served_limits()
             f = parse_fish_tts(start["request"], ws.headers.get("model"), cfg, limits, live=True)
             req = _synthesis(f.text, sid, f.fields, session_id=sid, text_event="open")
+            timeline = Timeline(f.text, 44100, f.speed)  # its rate: the first chunk's
+            t0 = time.monotonic()
             await _fish_reference(req, f, limits)  # one clip as on /v1/tts: s2pro encodes it, untagged
             stream = backend.open_stream(req)
 
@@ -678,6 +700,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                     text = event.get("text", "") if kind == "text" else ""
                     if not isinstance(text, str):
                         raise bad_request("a text event's text must be a string", "text")
+                    timeline.add_text(text)
                     piece = SynthesisRequest(text=text, request_id=f"{sid}-{kind}", session_id=sid,
                                              text_event={"stop": "end"}.get(kind, kind))
                     for attempt in range(100):  # until s2pro has opened the session (its request may be queued)
@@ -708,11 +731,16 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                     if pipeline is None:
                         pipeline = AudioPipeline(f.format, chunk.sample_rate or 44100, f.speed, True, f.gain,
                                                  f.bit_rate)
+                        timeline.sample_rate = chunk.sample_rate or 44100
+                    timeline.push(chunk.audio, chunk.segment)
                     data = await anyio.to_thread.run_sync(pipeline.push, chunk.audio)
                     if chunk.final:
                         data += await anyio.to_thread.run_sync(pipeline.finish)
-                    if data:
-                        await ws.send_bytes(ormsgpack.packb({"event": "audio", "audio": data}))
+                    if data or (timestamps and chunk.segment):
+                        event = {"event": "audio", "audio": data}
+                        if timestamps and timeline.current is not None:
+                            event.update(fish_alignment(timeline.current), time=round((time.monotonic() - t0) * 1000))
+                        await ws.send_bytes(ormsgpack.packb(event))
                     if chunk.final:
                         return
 

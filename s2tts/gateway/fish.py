@@ -246,3 +246,12 @@ def page(items: list, params) -> dict:
 
     size, number_ = number("page_size", 10, 100), number("page_number", 1, 10**6)
     return {"total": len(items), "items": items[(number_ - 1) * size: number_ * size]}
+
+
+def alignment(seg) -> dict:
+    """A live audio event's place, as Fish's /v1/tts/live/with-timestamp says it, from an `alignment.Segment` (the
+    segment so far): one alignment entry, the whole segment (the granularity here: s2tts/gateway/alignment.py)."""
+    duration = round(seg.end - seg.start, 6)
+    return {"content": seg.text, "chunk_seq": seg.index, "chunk_audio_offset_sec": round(seg.start, 6),
+            "alignment": {"segments": [{"text": seg.text, "start": 0.0, "end": duration}],
+                          "audio_duration": duration}}

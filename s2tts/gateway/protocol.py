@@ -24,6 +24,8 @@ _FIELDS = {
     "model", "input", "voice", "response_format", "speed", "stream_format", "instructions",
     # an extension: stream=false asks for the whole file in one response (true, as vllm-omni: streamed audio)
     "stream",
+    # an extension: timestamps=true (with stream_format "sse") adds a speech.audio.segment event per text segment
+    "timestamps",
     # S2 Pro extensions: the reference clip, and the numeric request fields of the schema
     "ref_audio", "ref_text", *HTTP_NUMBERS,
 }
@@ -44,6 +46,7 @@ class SpeechParams:
     fields: dict = field(default_factory=dict)
     gain: float = 1.0  # a factor on the audio (Fish's prosody.volume)
     bit_rate: int | None = None  # compressed formats' bits per second (Fish's mp3_bitrate / opus_bitrate)
+    timestamps: bool = False  # SSE: each text segment's characters and time (s2tts/gateway/alignment.py)
 
 
 MAX_VOICES = 8  # voices in one request (one per speaker)
@@ -190,6 +193,13 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
     if stream_format is None and stream is not False:
         stream_format = "audio"
 
+    timestamps = body.get("timestamps", False)
+    if not isinstance(timestamps, bool):
+        raise bad_request("timestamps must be true or false", "timestamps")
+    if timestamps and stream_format != "sse":
+        raise bad_request("timestamps come as events of an SSE stream: send stream_format \"sse\" with them",
+                          "timestamps")
+
     instructions = body.get("instructions")
     if instructions not in (None, ""):
         raise bad_request("instructions are not supported by S2 Pro: put inline tags such as [laughing] or "
@@ -215,5 +225,5 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
 
     values = {name: _field(body, name, limits) for name in HTTP_NUMBERS}
     return SpeechParams(input=text, model=model, voice=voice, response_format=fmt, speed=speed,
-                        stream_format=stream_format, ref_audio=ref_audio, ref_text=ref_text,
+                        stream_format=stream_format, ref_audio=ref_audio, ref_text=ref_text, timestamps=timestamps,
                         fields={k: v for k, v in values.items() if v is not None})

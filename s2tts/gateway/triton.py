@@ -15,7 +15,7 @@ import tritonclient.grpc.aio as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from .. import errors
-from ..client import TTSInput
+from ..client import TTSInput, json_output
 from ..errors import S2Error
 from ..settings import REQUEST_FIELDS, model_values
 from .errors import APIError
@@ -35,6 +35,7 @@ class Chunk:
     sample_rate: int
     stats: dict | None = None  # on the final response
     final: bool = False
+    segment: dict | None = None  # where an audio chunk is: {segment, text, frame, frames} (s2pro's `segment`)
 
 
 # s2pro input -> the field of POST /v1/audio/speech that carries it
@@ -141,6 +142,7 @@ class SpeechStream:
                         stats = json.loads(s)
                     except ValueError:
                         stats = {"raw": s}
+        segment = json_output(result, "segment")
         if stats is not None:
             final = True
         if final:
@@ -148,7 +150,7 @@ class SpeechStream:
             self._done.set()
         if audio.size:
             self._got_audio = True
-        return Chunk(audio, sample_rate, stats, final)
+        return Chunk(audio, sample_rate, stats, final, segment)
 
     def cancel(self) -> None:
         """Abandon the request unless it is complete: cancelling the gRPC call cancels the request in Triton."""

@@ -231,7 +231,7 @@ class TritonPythonModel:
         )
         return req.validate(self.limits, self.s2.num_codebooks)
 
-    def _chunk_response(self, audio, frames, seq):
+    def _chunk_response(self, audio, frames, seq, where):
         with self._sent_lock:
             self._sent = (self._sent[0] + audio.size, self._sent[1] + frames.shape[0])
         return pb_utils.InferenceResponse(output_tensors=[
@@ -240,6 +240,7 @@ class TritonPythonModel:
             tu.tensor("sequence", np.array([seq], np.int64)),
             tu.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
             tu.string_tensor("stats", ""),
+            tu.string_tensor("segment", json.dumps(where, ensure_ascii=False)),
         ])
 
     def _answer(self, stats_json: str):
@@ -250,6 +251,7 @@ class TritonPythonModel:
             tu.tensor("sequence", np.array([0], np.int64)),
             tu.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
             tu.string_tensor("stats", stats_json),
+            tu.string_tensor("segment", ""),
         ])
 
     def _final_response(self, stats, seq):
@@ -263,6 +265,7 @@ class TritonPythonModel:
             tu.tensor("sequence", np.array([seq], np.int64)),
             tu.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
             tu.string_tensor("stats", stats.to_json(self.s2.sample_rate)),
+            tu.string_tensor("segment", ""),
         ])
 
     def finalize(self):
