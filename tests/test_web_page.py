@@ -135,3 +135,66 @@ def test_page_streams_registers_voices_and_shows_errors(page_gw, browser, tmp_pa
     err = b.find_element(By.ID, "error").text
     assert "temperature" in err and "[invalid_value, temperature]" in err, err
     assert s["samplesScheduled"] == 0
+
+
+def _state(b):
+    return b.find_element(By.ID, "state").text
+
+
+def test_page_live_modes_replay_typing_and_stop(page_gw, browser):
+    """The page's live mode over /v1/tts/live (a WebSocket, the key offered as a subprotocol): a text replayed word
+    by word is heard before its last word is sent; typed text is spoken while the session is open; the take can be
+    replayed in a player; Stop ends the session and silences what was queued; an error clears on the next success."""
+    b = browser
+    b.get(page_gw.url + "/")
+    _set(b, "apikey", "a-wrong-key")
+    b.execute_script("document.getElementById('apikey').dispatchEvent(new Event('change'))")
+    _set(b, "text", "First sentence is here. Second one comes after it. Third closes.")
+    _set(b, "seed", 5)
+    _set(b, "max_new_tokens", 8)
+    _set(b, "wps", 2)
+    b.find_element(By.ID, "replay").click()
+    _wait(lambda: b.execute_script("return window.s2.responseDone"), 60, "the refused session")
+    assert "API key" in b.find_element(By.ID, "error").text and _state(b) == "error"
+
+    _set(b, "apikey", KEY)
+    b.execute_script("document.getElementById('apikey').dispatchEvent(new Event('change'))")
+    b.find_element(By.ID, "replay").click()
+    _wait(lambda: _state(b).startswith("live"), 30, "the session to open")
+    s = _wait(lambda: b.execute_script("return window.s2.responseDone && window.s2"), what="the replay to end")
+    assert b.find_element(By.ID, "error").text == "" and _state(b) == "done"  # the last error cleared
+    assert s["replaySentMs"] is not None and s["firstAudioMs"] < s["replaySentMs"], s  # heard while text came
+    assert 0 < s["samplesScheduled"] <= 3 * 8 * FRAME and s["samplesScheduled"] % FRAME == 0
+    assert s["lastBlobBytes"] == 44 + 2 * s["samplesScheduled"]
+    duration = _wait(lambda: b.execute_script(
+        "const p = document.getElementById('player'); return isFinite(p.duration) && p.duration > 0 && p.duration"),
+        30, "the player to load the take")
+    assert abs(duration - s["samplesScheduled"] / 44100) < 0.01 and b.find_element(By.ID, "player").is_displayed()
+
+    # typing: spoken once a sentence has ended, while the session is still open
+    _set(b, "text", "")
+    b.find_element(By.ID, "livetype").click()
+    _wait(lambda: _state(b) == "live: waiting for text", 30, "the typing session to open")
+    b.find_element(By.ID, "text").send_keys("Typed into the page. ")
+    _wait(lambda: b.execute_script("return window.s2.samplesScheduled") > 0, 60, "speech of the typed sentence")
+    assert not b.execute_script("return window.s2.responseDone")
+    b.find_element(By.ID, "text").send_keys("And finished")
+    b.find_element(By.ID, "livetype").click()  # Finish: the rest is spoken, then the session ends
+    s = _wait(lambda: b.execute_script("return window.s2.responseDone && window.s2"), what="the typing session to end")
+    assert _state(b) == "done" and b.find_element(By.ID, "error").text == "" and s["samplesScheduled"] > 0
+
+    # Stop: the session ends and nothing queued plays on
+    _set(b, "max_new_tokens", 200)
+    _set(b, "wps", 20)
+    b.find_element(By.ID, "replay").click()
+    _wait(lambda: b.execute_script("return window.s2.playing") > 0, 60, "audio queued to play")
+    b.find_element(By.ID, "stop").click()
+    _wait(lambda: _state(b) == "stopped", 30, "the stop")
+    assert b.execute_script("return window.s2.playing") == 0
+    heard = b.execute_script("return window.s2.samplesScheduled")
+    time.sleep(1.0)
+    assert b.execute_script("return window.s2.samplesScheduled") == heard  # nothing more came
+    import httpx
+
+    _wait(lambda: httpx.get(f"{page_gw.url}/health", timeout=10).json()["in_flight"] == 0, 30,
+          "the gateway to end the session")

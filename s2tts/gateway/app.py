@@ -82,6 +82,28 @@ def _key_ok(headers, cfg: GatewayConfig) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), cfg.api_key.encode())
 
 
+WS_PROTOCOL = "s2tts"  # a browser's WebSocket cannot send headers: it offers [s2tts, s2tts.bearer.<base64url key>]
+
+
+def _ws_key(headers, cfg: GatewayConfig) -> tuple[bool, str | None]:
+    """A WebSocket's API key check -> (allowed, the subprotocol to accept). The key comes as the `Authorization`
+    header (the SDKs), or, from a browser, as the offered subprotocol `s2tts.bearer.<the key in base64url>` (the
+    way Kubernetes' API server takes a bearer token over WebSocket); the accepted subprotocol is then `s2tts`."""
+    offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    chosen = WS_PROTOCOL if WS_PROTOCOL in offered else None
+    if _key_ok(headers, cfg):
+        return True, chosen
+    for p in offered:
+        if p.startswith(WS_PROTOCOL + ".bearer."):
+            b64 = p[len(WS_PROTOCOL) + 8:]
+            try:
+                key = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).decode()
+            except (ValueError, UnicodeDecodeError):
+                return False, None
+            return _key_ok({"authorization": f"Bearer {key}"}, cfg), chosen
+    return False, None
+
+
 def _shaped(scope, e: APIError) -> APIError:
     """An error in the form of the API its path belongs to: Fish Audio's on its routes, OpenAI's elsewhere."""
     return FishError.of(e) if scope.get("path", "").startswith(FISH_PATHS) else e
@@ -647,10 +669,11 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
     async def _live(ws: WebSocket, timestamps: bool):
         import ormsgpack
 
-        if not _key_ok(ws.headers, cfg):
+        allowed, subprotocol = _ws_key(ws.headers, cfg)
+        if not allowed:
             await ws.close(code=1008, reason="missing or invalid API key: send 'Authorization: Bearer <key>'")
             return
-        await ws.accept()
+        await ws.accept(subprotocol=subprotocol)
 
         async def finish(reason: str, message: str | None = None) -> None:
             event = {"event": "finish", "reason": reason}
