@@ -4,7 +4,11 @@ real tritonserver on the tiny checkpoint: every format, inline references, a reg
 prosody, and Fish's error shape; the same seeded request gives the same audio as the OpenAI route."""
 
 import io
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -15,6 +19,7 @@ import soundfile as sf
 from servers import gateway_in
 
 FRAME = 2048
+LIVEKIT = Path(__file__).resolve().parents[1] / ".venv" / "livekit" / "bin" / "python"
 KEY = "fish-test-key"
 TEXT = "Fish says hello."
 
@@ -76,7 +81,8 @@ def _decode(data: bytes) -> tuple[np.ndarray, int]:
 
 
 SEEDED = {"seed": 5, "temperature": 0.7, "top_p": 0.7, "max_new_tokens": 12}
-# The SDK's TTSConfig has no seed: its calls here are greedy (temperature 0), so how many frames they make is certain.
+# The SDK's TTSConfig has no seed: its calls here have temperature 0, so their first frame is the argmax (not the tiny
+# model's end token: they are never empty; later frames may still vary, through the repetition-aware resampling).
 # Sampled, the tiny model meets its end token at the first frame in about 1 call of 60 (an empty answer, rightly).
 GREEDY = {"temperature": 0.0}
 
@@ -207,7 +213,7 @@ def test_bad_requests_get_fish_errors(gw, case):
     elif case == "unknown_field":
         body["nope"] = 1
     elif case == "sample_rate":
-        body["sample_rate"] = 16000
+        body["sample_rate"] = 12345
     elif case == "not_audio":
         body["references"] = [{"audio": b"this is not an audio file", "text": "Words."}]
     elif case == "speed":
@@ -295,7 +301,7 @@ def test_live_with_timestamps_places_each_segment(gw):
 
 def test_live_session_errors_and_a_disconnect(gw, triton_server):
     start = {"event": "start", "request": {"text": "", "format": "pcm", "max_new_tokens": 4}}
-    for events, words in (([{"event": "text", "text": "Hi."}], "first event must be"),
+    for events, words in (([{"event": "text", "text": "Hi."}], "a session begins with"),
                           ([start, {"event": "shout"}], "unknown event"),
                           ([{"event": "start", "request": {"format": "aac"}}], "format"),
                           ([start, {"event": "text", "text": "Hi."}, {"event": "stop"},
@@ -325,3 +331,63 @@ def test_live_session_errors_and_a_disconnect(gw, triton_server):
     while read_metrics(triton_server.metrics_url).get(key) != 0 and time.time() < deadline:
         time.sleep(0.1)
     assert read_metrics(triton_server.metrics_url).get(key) == 0  # s2pro ended the session too
+
+
+def test_two_sessions_on_one_connection_and_other_sample_rates(gw):
+    """A live connection carries one session after another (LiveKit's plugin pools its sockets); `sample_rate` asks
+    for other rates, resampled as the audio streams: the same audio as the model's rate, at the rate asked."""
+    from httpx_ws import connect_ws
+
+    greedy = {"format": "pcm", "max_new_tokens": 6, "top_k": 0}  # fully greedy: the same codes every time
+    with httpx.Client(base_url=gw.url, timeout=60) as c, \
+            connect_ws("/v1/tts/live", c, headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        sizes = []
+        for text, rate in (("One session here.", 44100), ("And another one.", 16000)):
+            ws.send_bytes(ormsgpack.packb({"event": "start", "request": {**greedy, "sample_rate": rate}}))
+            ws.send_bytes(ormsgpack.packb({"event": "text", "text": text}))
+            ws.send_bytes(ormsgpack.packb({"event": "stop"}))
+            audio = b""
+            while (e := ormsgpack.unpackb(ws.receive_bytes(timeout=60)))["event"] == "audio":
+                audio += e["audio"]
+            assert e == {"event": "finish", "reason": "stop"}
+            sizes.append(len(audio) // 2)
+    assert sizes[0] == 6 * FRAME and abs(sizes[1] - 6 * FRAME * 16000 / 44100) <= 2, sizes
+
+    base = np.frombuffer(_tts(gw, {"text": TEXT, **greedy}).content, np.int16) / 32768
+    for fmt, rate in (("pcm", 24000), ("wav", 16000), ("mp3", 22050)):
+        r = _tts(gw, {"text": TEXT, **greedy, "format": fmt, "sample_rate": rate})
+        assert r.status_code == 200, r.text
+        x, got_rate = (np.frombuffer(r.content, np.int16) / 32768, rate) if fmt == "pcm" else \
+            sf.read(io.BytesIO(r.content), dtype="float32") if fmt == "wav" else _decode(r.content)
+        assert got_rate == rate and abs(len(x) - len(base) * rate / 44100) < (2400 if fmt == "mp3" else 2), fmt  # mp3: delay, padding
+        if fmt != "mp3":  # the model's audio (the same codes) taken to that rate whole: the same to a 16-bit step
+            from s2tts.gateway.encoders import Resampler
+
+            r = Resampler(44100, rate)
+            whole = np.concatenate([r.push(base.astype(np.float32)), r.flush()])
+            assert len(whole) == len(x) and np.abs(whole - x).max() <= 1.5 / 32768, fmt
+
+
+@pytest.mark.skipif(not LIVEKIT.exists(), reason="scripts/setup.sh installs LiveKit's plugin in .venv/livekit")
+def test_livekit_plugin_speaks_through_the_gateway(gw, tmp_path):
+    """LiveKit's Fish Audio plugin (livekit-plugins-fishaudio, unmodified, its own environment): its one-shot
+    synthesis (POST /v1/tts, pcm at 24 kHz, the plugin's default rate) begins with the same audio as the gateway's own
+    request (at temperature 0 the first frame is the argmax; the plugin cannot send a seed or top_k); its streams (the live WebSocket, sentence by sentence) speak every sentence, two sessions on its
+    pooled connection."""
+    out = tmp_path / "livekit.pcm"
+    r = subprocess.run([str(LIVEKIT), str(Path(__file__).with_name("livekit_client.py")), gw.url, KEY, str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    frame, one = FRAME * 24000 / 44100, 8 * FRAME * 24000 / 44100  # a frame, 8 frames at 24 kHz
+    assert got["chunked"]["rate"] == 24000 and got["streams"][0]["rate"] == 24000
+    # two sentences, then one: each at least its first frame (the argmax: not the end token), at most 8 frames;
+    # LiveKit hands audio on in 10 ms frames (240 samples), the last one padded
+    for s, k in zip(got["streams"], (2, 1)):
+        assert k * frame - 241 <= s["samples"] <= k * one + 241, got
+    ours = np.frombuffer(_tts(gw, {"text": "Hello from LiveKit.", "format": "pcm", "sample_rate": 24000,
+                                   "max_new_tokens": 8, "temperature": 0.0}).content, np.int16)
+    theirs = np.fromfile(out, np.int16)
+    assert frame <= len(theirs) <= one + 241 and np.abs(theirs).max() > 30
+    first = int(frame) - 64  # the first frame's audio, short of what the resampler's filter shares
+    np.testing.assert_array_equal(theirs[:first], ours[:first])

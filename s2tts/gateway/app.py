@@ -155,9 +155,9 @@ class AudioPipeline:
     """float32 chunks -> (gain) -> (time-stretch) -> encoder -> bytes. Same bytes whatever the chunking."""
 
     def __init__(self, fmt: str, sample_rate: int, speed: float, streaming: bool, gain: float = 1.0,
-                 bit_rate: int | None = None):
+                 bit_rate: int | None = None, out_rate: int | None = None):
         self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
-        self.encoder = make_encoder(fmt, sample_rate, streaming, bit_rate)
+        self.encoder = make_encoder(fmt, sample_rate, streaming, bit_rate, out_rate)
         self.gain = gain
         self.samples_out = 0
 
@@ -272,7 +272,7 @@ class SpeechResponse(Response):
         except APIError as e:  # refused before any audio: a normal HTTP error
             return await self._send_error(e, scope, receive, send)
         pipeline = AudioPipeline(p.response_format, first.sample_rate or 44100, p.speed, p.stream_format is not None,
-                                 p.gain, p.bit_rate)
+                                 p.gain, p.bit_rate, p.sample_rate)
         headers = {"x-request-id": self.req.request_id, "x-s2-seed": str(self.req.seed),
                    "x-s2-sample-rate": str(pipeline.encoder.output_sample_rate)}
         if p.stream_format is None:
@@ -567,7 +567,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         f = parse_fish_tts(body, request.headers.get("model"), cfg, limits)
         p = SpeechParams(input=f.text, model=cfg.served_model_name, voice=f.reference_id or None,
                          response_format=f.format, speed=f.speed, stream_format="audio", fields=f.fields,
-                         gain=f.gain, bit_rate=f.bit_rate)
+                         gain=f.gain, bit_rate=f.bit_rate, sample_rate=f.sample_rate)
         req = _synthesis(f.text, _request_id(request), f.fields)
         await _fish_reference(req, f, limits)
         return SpeechResponse(state, p, req, error_shape=FishError.of)
@@ -676,12 +676,15 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         await ws.accept(subprotocol=subprotocol)
 
         async def finish(reason: str, message: str | None = None) -> None:
+            """The session's last event; after an error the connection closes too, after a stop it stays open for
+            the client's next session (LiveKit's plugin keeps a pool of connections, a session on each at a time)."""
             event = {"event": "finish", "reason": reason}
             if message:
                 event["message"] = message
             try:
                 await ws.send_bytes(ormsgpack.packb(event))
-                await ws.close()
+                if reason != "stop":
+                    await ws.close()
             except Exception:  # noqa: BLE001 - the client may be gone
                 pass
 
@@ -697,14 +700,32 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                 raise bad_request("every event is a map with an `event` name", "event")
             return event
 
-        stream, sid = None, f"live-{uuid.uuid4().hex}"
-        if not state.limiter.try_acquire():
-            state.metrics.overload_refusals += 1
-            return await finish("error", f"the server is busy: {state.limiter.limit} requests are in flight; retry")
+        sessions = 0
+        while True:  # one session after another, until the client leaves or an error
+            if not await _live_session(ws, timestamps, receive, finish, sessions):
+                return
+            sessions += 1
+
+    async def _live_session(ws: WebSocket, timestamps: bool, receive, finish, sessions: int) -> bool:
+        """One session of a live connection: its start event, its text in and audio out, its finish. -> whether
+        the connection goes on to another session."""
+        import ormsgpack
+
+        stream, sid, held = None, f"live-{uuid.uuid4().hex}", False
         try:
-            start = await receive()
+            try:
+                start = await receive()
+            except WebSocketDisconnect:
+                if sessions:  # the client is done after its sessions
+                    return False
+                raise
             if start["event"] != "start" or not isinstance(start.get("request"), dict):
-                raise bad_request("the first event must be {event: start, request: {...}}", "event")
+                raise bad_request("a session begins with {event: start, request: {...}}", "event")
+            if not state.limiter.try_acquire():
+                state.metrics.overload_refusals += 1
+                raise APIError(503, f"the server is busy: {state.limiter.limit} requests are in flight; retry",
+                               code="server_overloaded")
+            held = True
             limits = await _served_limits()
             f = parse_fish_tts(start["request"], ws.headers.get("model"), cfg, limits, live=True)
             req = _synthesis(f.text, sid, f.fields, session_id=sid, text_event="open")
@@ -753,7 +774,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                         return
                     if pipeline is None:
                         pipeline = AudioPipeline(f.format, chunk.sample_rate or 44100, f.speed, True, f.gain,
-                                                 f.bit_rate)
+                                                 f.bit_rate, f.sample_rate)
                         timeline.sample_rate = chunk.sample_rate or 44100
                     timeline.push(chunk.audio, chunk.segment)
                     data = await anyio.to_thread.run_sync(pipeline.push, chunk.audio)
@@ -783,6 +804,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             if failed:
                 raise failed[0]
             await finish("stop")
+            return True
         except WebSocketDisconnect:
             log.info("live session %s: the client disconnected", sid)
         except APIError as e:
@@ -794,7 +816,9 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         finally:
             if stream is not None:
                 stream.cancel()  # no-op after the final response
-            state.limiter.release()
+            if held:
+                state.limiter.release()
+        return False
 
     # ---- Fish Audio's voices: the same store (s2tts/gateway/fish.py) ----------------------------
     @app.post("/model")

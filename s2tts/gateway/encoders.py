@@ -109,6 +109,56 @@ class PcmEncoder(Encoder):
         return body
 
 
+class Resampler:
+    """A streaming change of sample rate (libswresample through PyAV): float32 mono in, float32 mono out; what comes
+    out over all the pushes and the flush does not depend on how the input was cut."""
+
+    def __init__(self, rate_in: int, rate_out: int):
+        import av  # noqa: PLC0415 - only when another rate is asked for
+
+        self._av = av
+        self.rate_in = rate_in
+        self._resampler = av.AudioResampler(format="flt", layout="mono", rate=rate_out)
+        self._pts = 0
+
+    @staticmethod
+    def _samples(frames) -> np.ndarray:
+        parts = [f.to_ndarray().reshape(-1) for f in frames]
+        return np.concatenate(parts).astype(np.float32, copy=False) if parts else np.zeros(0, np.float32)
+
+    def push(self, x: np.ndarray) -> np.ndarray:
+        x = np.ascontiguousarray(np.asarray(x, np.float32).reshape(1, -1))
+        if not x.size:
+            return np.zeros(0, np.float32)
+        frame = self._av.AudioFrame.from_ndarray(x, format="flt", layout="mono")
+        frame.sample_rate, frame.pts = self.rate_in, self._pts
+        self._pts += x.shape[1]
+        return self._samples(self._resampler.resample(frame))
+
+    def flush(self) -> np.ndarray:
+        return self._samples(self._resampler.resample(None))
+
+
+class ResampledEncoder(Encoder):
+    """An encoder fed at another rate than the model's: the samples are resampled first (`Resampler`)."""
+
+    def __init__(self, inner: Encoder, sample_rate: int):
+        super().__init__(inner.fmt, sample_rate, inner.streaming)
+        self.inner = inner
+        self._resampler = Resampler(sample_rate, inner.sample_rate)
+
+    @property
+    def output_sample_rate(self) -> int:
+        return self.inner.output_sample_rate
+
+    def encode(self, x):
+        self.samples_in += len(x)
+        return self.inner.encode(self._resampler.push(x))
+
+    def finish(self):
+        return self.inner.encode(self._resampler.flush()) + self.inner.finish()
+
+
 class _StreamSink:
     """A write-only, non-seekable file for PyAV: collects what the muxer writes."""
 
@@ -132,14 +182,14 @@ class AvEncoder(Encoder):
     """mp3 / aac / opus / flac through PyAV (FFmpeg's encoders and muxers, bundled in the wheel); `bit_rate` (bits per
     second) replaces the format's default."""
 
-    def __init__(self, fmt, sample_rate, streaming, bit_rate: int | None = None):
+    def __init__(self, fmt, sample_rate, streaming, bit_rate: int | None = None, out_rate: int | None = None):
         super().__init__(fmt, sample_rate, streaming)
         import av  # noqa: PLC0415 - optional heavy import, only when a compressed format is asked for
 
         self._av = av
         muxer, codec, rate, default_bit_rate = _AV[fmt]
         bit_rate = bit_rate or default_bit_rate
-        self._rate = rate or sample_rate
+        self._rate = rate or out_rate or sample_rate
         self._sink = _StreamSink() if streaming else io.BytesIO()
         options = {"flush_packets": "1"}
         if fmt == "opus":
@@ -189,9 +239,13 @@ class AvEncoder(Encoder):
         return self._sink.getvalue()
 
 
-def make_encoder(fmt: str, sample_rate: int, streaming: bool, bit_rate: int | None = None) -> Encoder:
+def make_encoder(fmt: str, sample_rate: int, streaming: bool, bit_rate: int | None = None,
+                 out_rate: int | None = None) -> Encoder:
+    """`sample_rate`: the samples' rate; `out_rate`: the rate to write (None: the format's own, else the samples')."""
     if fmt in ("pcm", "wav"):
+        if out_rate and out_rate != sample_rate:
+            return ResampledEncoder(PcmEncoder(fmt, out_rate, streaming), sample_rate)
         return PcmEncoder(fmt, sample_rate, streaming)
     if fmt in _AV:
-        return AvEncoder(fmt, sample_rate, streaming, bit_rate)
+        return AvEncoder(fmt, sample_rate, streaming, bit_rate, out_rate)
     raise ValueError(f"unknown format {fmt!r}")

@@ -9,13 +9,13 @@ Fields (Fish Audio's names and ranges; the numeric ones are checked against the 
 |---|---|
 | `text` | the text to speak (required) |
 | `format` | `wav`, `pcm`, `mp3` (default, as Fish's), `opus`; streamed as it is made |
-| `sample_rate` | the format's own rate only (44100 for wav / pcm / mp3, 48000 for opus); another is a 400 |
-| `mp3_bitrate`, `opus_bitrate` | 64 / 128 / 192 kbps; 24 / 32 / 48 / 64 kbps, -1000 = the encoder's choice |
+| `sample_rate` | wav / pcm / mp3: 8000, 16000, 22050, 24000, 32000, 44100 (the model's, the default) or 48000, resampled as the audio streams (libswresample); opus: 48000 only |
+| `mp3_bitrate`, `opus_bitrate` | 64 / 128 / 192 kbps; 24 / 32 / 48 / 64 kbps (the SDK's unit) or 24000 ... 64000 bps (LiveKit's plugin's), -1000 = the encoder's choice |
 | `references` | `[{audio, text}]`: clips (bytes; base64 in JSON) and their transcripts; several = one voice per speaker |
 | `reference_id` | a registered voice (`/v1/audio/voices`), or a list of them (one per speaker) |
 | `prosody` | `{speed: 0.5-2, volume: -20..20 dB}`: speed by time-stretching, volume as a gain |
 | `chunk_length`, `top_p`, `temperature`, `max_new_tokens`, `seed` | as s2pro's fields (`max_new_tokens`: per segment) |
-| `normalize`, `latency`, `repetition_penalty`, `min_chunk_length`, `condition_on_previous_chunks`, `early_stop_threshold` | accepted with no effect: the text is always normalized as upstream does, audio always streams at the lowest latency, every segment is conditioned on the earlier ones, and S2 Pro's sampling has no repetition penalty (the SDK sends these on every call) |
+| `normalize`, `latency`, `repetition_penalty`, `min_chunk_length`, `condition_on_previous_chunks`, `early_stop_threshold`, `features` | accepted with no effect: the text is always normalized as upstream does, audio always streams at the lowest latency, every segment is conditioned on the earlier ones, S2 Pro's sampling has no repetition penalty, and Fish's server-side `features` (LiveKit's plugin sends `quality-guard`) are its service's own (the SDK and the plugins send these on every call) |
 
 Voices (`/model`, the SDK's `voices` methods) are the gateway's voice store, the same voices as `/v1/audio/voices`: a
 voice registered either way is a `reference_id` here and a `voice` there. `POST /model` (multipart, as the SDK sends
@@ -48,12 +48,13 @@ FISH_PATHS = ("/v1/tts", "/model")  # the routes that answer errors in Fish's sh
 FISH_FORMATS = ("wav", "pcm", "mp3", "opus")
 FISH_NUMBERS = ("chunk_length", "top_p", "temperature", "max_new_tokens", "seed", "top_k")  # s2pro's names
 ADVISORY = ("normalize", "latency", "repetition_penalty", "min_chunk_length", "condition_on_previous_chunks",
-            "early_stop_threshold")
+            "early_stop_threshold", "features")
 KNOWN = {"text", "format", "sample_rate", "mp3_bitrate", "opus_bitrate", "references", "reference_id", "prosody",
          *FISH_NUMBERS, *ADVISORY}
 MP3_BITRATES = (64, 128, 192)
-OPUS_BITRATES = (-1000, 24, 32, 48, 64)
-RATES = {"wav": 44100, "pcm": 44100, "mp3": 44100, "opus": 48000}  # what the encoders write (encoders.py)
+OPUS_BITRATES = (-1000, 24, 32, 48, 64, 24000, 32000, 48000, 64000)  # kbps (the SDK) or bps (LiveKit's plugin)
+PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+RATES = {"wav": PCM_RATES, "pcm": PCM_RATES, "mp3": PCM_RATES, "opus": (48000,)}  # what sample_rate may ask for
 
 
 class FishError(APIError):
@@ -81,6 +82,7 @@ class FishTTS:
     gain: float = 1.0  # prosody.volume as a factor
     references: list[tuple[bytes, str]] = field(default_factory=list)
     reference_id: list[str] = field(default_factory=list)
+    sample_rate: int | None = None  # the rate to write; None: the format's own
     fields: dict = field(default_factory=dict)  # s2pro's numeric fields the request gave, checked
 
 
@@ -172,13 +174,13 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
                           "several requests", "text", code="input_too_long")
     fmt = _choice(body, "format", FISH_FORMATS) or "mp3"
     rate = body.get("sample_rate")
-    if rate is not None and rate != RATES[fmt]:
-        raise bad_request(f"sample_rate={rate!r}: {fmt} is written at {RATES[fmt]} Hz here; leave sample_rate out or "
-                          f"send {RATES[fmt]}", "sample_rate")
+    if rate is not None and (isinstance(rate, bool) or rate not in RATES[fmt]):
+        raise bad_request(f"sample_rate={rate!r}: {fmt} is written at {', '.join(map(str, RATES[fmt]))} Hz here; "
+                          "leave sample_rate out for the model's own", "sample_rate")
     mp3 = _choice(body, "mp3_bitrate", MP3_BITRATES)
     opus = _choice(body, "opus_bitrate", OPUS_BITRATES)
     bit_rate = (mp3 * 1000 if fmt == "mp3" and mp3 else None) or \
-        (opus * 1000 if fmt == "opus" and opus and opus > 0 else None)
+        ((opus if opus >= 1000 else opus * 1000) if fmt == "opus" and opus and opus > 0 else None)
     prosody = body.get("prosody") or {}
     if not isinstance(prosody, dict) or set(prosody) - {"speed", "volume"}:
         raise bad_request("prosody must be a map {speed: 0.5-2.0, volume: dB in -20..20}", "prosody")
@@ -200,7 +202,7 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
             values[name] = v
     return FishTTS(text=text, format=fmt, bit_rate=bit_rate, speed=1.0 if speed is None else speed,
                    gain=1.0 if volume is None else 10 ** (volume / 20), references=refs, reference_id=ids,
-                   fields=values)
+                   sample_rate=None if rate is None else int(rate), fields=values)
 
 
 # ---- voices (/model) ------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ class SpeechParams:
     fields: dict = field(default_factory=dict)
     gain: float = 1.0  # a factor on the audio (Fish's prosody.volume)
     bit_rate: int | None = None  # compressed formats' bits per second (Fish's mp3_bitrate / opus_bitrate)
+    sample_rate: int | None = None  # the rate to write (Fish's sample_rate); None: the format's own
     timestamps: bool = False  # SSE: each text segment's characters and time (s2tts/gateway/alignment.py)
 
 
