@@ -25,6 +25,8 @@
 #   CONCURRENCY             1,4,16,64                loadgen levels; "" skips the phase
 #   FRAMES                  100                      frames per request (100 = 4.64 s of audio)
 #   CLONE_CONCURRENCY       1,16                     clone levels; "" skips the phase
+#   LIVE_CONCURRENCY        ""                       perf/live_load.py levels (text sessions fed at an LLM's pace,
+#                                                    LIVE_ARGS for its options); "" skips the phase
 #   CLONE_FIRST_CONCURRENCY 1 ("" without clone levels)  first-use clone levels (loadgen --clone-mode audio
 #                                                    --fresh-references); "" skips the phase
 #   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level
@@ -54,6 +56,7 @@
 #   determinism.jsonl     with DETERMINISM=1: perf/determinism.py's lines (one per mode)
 #   loadgen.json          loadgen_clone.json      per level numbers + per request records
 #   loadgen_clone_first.json                      the same for the first use of a voice
+#   live.json             with LIVE_CONCURRENCY: perf/live_load.py per level numbers + per session records
 #   run.log               everything printed, with timestamps and each phase's time
 #   tritonserver.log      the server's log
 #   model_stats.json      Triton's statistics of every model at the end of the run (/v2/models/stats)
@@ -244,6 +247,13 @@ if [ -n "$CLONE_CONCURRENCY" ] && time_left loadgen-clone; then
     --json "$RES/loadgen_clone.json" --markdown "$WORK/loadgen_clone.md" $LOADGEN_ARGS || LG_FAIL=1
   { echo "## loadgen, voice clone (10 s reference, codes encoded once by dac_encoder)"; echo
     cat "$WORK/loadgen_clone.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
+fi
+if [ -n "${LIVE_CONCURRENCY:-}" ] && time_left live; then
+  phase live
+  "$PY" perf/live_load.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$LIVE_CONCURRENCY" --json "$RES/live.json" \
+    ${LIVE_ARGS:-} >"$WORK/live.md" || LG_FAIL=1
+  { echo "## live sessions: text fed at an LLM's pace (perf/live_load.py ${LIVE_ARGS:-})"; echo
+    cat "$WORK/live.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
 fi
 if [ -n "$CLONE_FIRST_CONCURRENCY" ] && time_left loadgen-clone-first; then
   phase loadgen-clone-first

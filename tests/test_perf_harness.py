@@ -165,6 +165,24 @@ def _perf_analyzer_runs() -> str | None:
     return None
 
 
+def test_live_load_script(triton_server, tmp_path):
+    """perf/live_load.py on the tiny server: text sessions fed a token at a time, two levels; every session's every
+    sentence was heard (its first audio after its last token, the segments in order), the table has both levels."""
+    out = tmp_path / "live.json"
+    p = _run([sys.executable, "perf/live_load.py", "--url", triton_server.grpc_url, "--concurrency", "1,2",
+              "--sessions", "2", "--sentences", "2", "--tokens-per-s", "200", "--frames", "4", "--warmup", "0",
+              "--json", str(out)], timeout=300)
+    levels = json.loads(out.read_text())["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["errors"] == 0 for lv in levels), levels
+    for lv in levels:
+        for r in lv["records"]:
+            assert r["sentences"] == 2 and r["segments"] == 2 and len(r["latency_ms"]) == 2, r
+            assert all(x > 0 for x in r["latency_ms"]) and r["stats"]["frames"] == 8 and r["audio_s"] == round(
+                8 * 2048 / 44100, 3)
+        assert lv["first_ms_p50"] > 0 and lv["audio_s_per_s"] > 0
+    assert "| concurrency | sessions |" in p.stdout and "\n| 2 | 2 |" in p.stdout
+
+
 def test_make_pa_inputs_and_perf_analyzer(triton_server, tiny_ckpt, tmp_path):
     from s2tts.config import S2Config
 
