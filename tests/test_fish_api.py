@@ -238,7 +238,7 @@ def test_bad_requests_get_fish_errors(gw, case):
     assert httpx.get(f"{gw.url}/health", timeout=10).status_code == 200  # the server still ready
 
 
-def _live(gw, events: list[dict], model="s2-pro", path="/v1/tts/live"):
+def _live(gw, events: list, model="s2-pro", path="/v1/tts/live"):
     """A /v1/tts/live session as Fish's SDK speaks it (httpx-ws, msgpack events): the events sent in order, then
     every event the server sent until it closed."""
     from httpx_ws import WebSocketDisconnect, connect_ws
@@ -247,7 +247,7 @@ def _live(gw, events: list[dict], model="s2-pro", path="/v1/tts/live"):
     with httpx.Client(base_url=gw.url, timeout=60) as c, \
             connect_ws(path, c, headers={"Authorization": f"Bearer {KEY}", "model": model}) as ws:
         for e in events:
-            ws.send_bytes(ormsgpack.packb(e))
+            ws.send_bytes(e if isinstance(e, bytes) else ormsgpack.packb(e))
         try:
             while True:
                 got.append(ormsgpack.unpackb(ws.receive_bytes(timeout=60)))
@@ -306,7 +306,12 @@ def test_live_session_errors_and_a_disconnect(gw, triton_server):
                           ([{"event": "start", "request": {"format": "aac"}}], "format"),
                           ([start, {"event": "text", "text": "Hi."}, {"event": "stop"},
                             {"event": "text", "text": "More."}], "after stop"),
-                          ([start, {"event": "text", "text": "x" * 10_000_000}], "max_text_chars")):
+                          ([start, {"event": "text", "text": "x" * 10_000_000}], "max_text_chars"),
+                          ([{**start, "request": {**start["request"], "reference_id": "nobody"}}], "nobody"),
+                          ([{**start, "request": {**start["request"], "references": [
+                              {"audio": b"not an audio file", "text": "Words."}]}}], "references"),
+                          ([start, "not a map"], "map with an `event`"),
+                          ([start, b"\xc1 not msgpack"], "not valid msgpack")):
         got = _live(gw, events)
         assert got[-1]["event"] == "finish" and got[-1]["reason"] == "error" and words in got[-1]["message"], got
         assert httpx.get(f"{gw.url}/health", timeout=10).json()["status"] == "ok"
@@ -391,3 +396,25 @@ def test_livekit_plugin_speaks_through_the_gateway(gw, tmp_path):
     assert frame <= len(theirs) <= one + 241 and np.abs(theirs).max() > 30
     first = int(frame) - 64  # the first frame's audio, short of what the resampler's filter shares
     np.testing.assert_array_equal(theirs[:first], ours[:first])
+
+
+def test_live_sessions_over_the_limit_get_fishs_concurrency_error(triton_server, tmp_path):
+    """With --max-in-flight 1, a second live session while one runs: Fish's error event naming the limit, then finish
+    error; the first session is unharmed and the second can start once it has finished."""
+    from httpx_ws import connect_ws
+
+    start = {"event": "start", "request": {"text": "", "format": "pcm", "max_new_tokens": 4, "temperature": 0.0}}
+    with gateway_in(triton_server.grpc_url, tmp_path, "--max-in-flight", "1") as g, \
+            httpx.Client(base_url=g.url, timeout=60) as c, connect_ws("/v1/tts/live", c) as first:
+        first.send_bytes(ormsgpack.packb(start))
+        first.send_bytes(ormsgpack.packb({"event": "text", "text": "The first session holds the slot. "}))
+        assert ormsgpack.unpackb(first.receive_bytes(timeout=60))["event"] == "audio"
+        got = _live(g, [start, {"event": "text", "text": "Hi."}, {"event": "stop"}])
+        assert got[0] == {"event": "error", "error": "Concurrency limit exceeded", "max_concurrency": 1}, got
+        assert got[-1]["event"] == "finish" and got[-1]["reason"] == "error" and "busy" in got[-1]["message"]
+        first.send_bytes(ormsgpack.packb({"event": "stop"}))
+        while (e := ormsgpack.unpackb(first.receive_bytes(timeout=60)))["event"] == "audio":
+            pass
+        assert e == {"event": "finish", "reason": "stop"}
+        got = _live(g, [start, {"event": "text", "text": "Now it may."}, {"event": "stop"}])
+        assert got[-1] == {"event": "finish", "reason": "stop"} and got[0]["event"] == "audio"

@@ -723,6 +723,11 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                 raise bad_request("a session begins with {event: start, request: {...}}", "event")
             if not state.limiter.try_acquire():
                 state.metrics.overload_refusals += 1
+                try:  # Fish's service says it so first: an error event naming the limit
+                    await ws.send_bytes(ormsgpack.packb({"event": "error", "error": "Concurrency limit exceeded",
+                                                         "max_concurrency": state.limiter.limit}))
+                except Exception:  # noqa: BLE001 - the client may be gone
+                    pass
                 raise APIError(503, f"the server is busy: {state.limiter.limit} requests are in flight; retry",
                                code="server_overloaded")
             held = True
