@@ -124,6 +124,9 @@ SETTINGS: tuple[Setting, ...] = (
             "blocks (147 KB a token on the full-size model); a request holds the blocks of the tokens it has. When "
             "running requests outgrow it the one admitted last pauses and resumes where it stopped (unset: "
             "max_batch x 2048, at least max_seq_len)", min=64),
+    Setting("kv_cache_memory_gb", float, None, ("slow_ar", "s2pro"), "the KV cache's size in GiB instead of tokens: the "
+            "tokens it holds follow from the checkpoint's layers, heads and dtype (the full-size model in bf16: "
+            "147 KB a token, 7,300 tokens a GiB); not with kv_cache_tokens", min=0.0001, max=4096.0),
     Setting("kv_block_tokens", int, 32, ("slow_ar", "s2pro"), "tokens per KV-cache block; 0 = one block of max_seq_len per "
             "request (the unpaged slot layout)", min=0, max=32768),
     Setting("max_queued_requests", int, 64, ("slow_ar", "s2pro"), "requests waiting for a KV slot; more are refused at once "
@@ -248,7 +251,10 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
         out["max_new_tokens_limit"] = min(out["max_new_tokens_limit"], out["max_seq_len"] // 2)
     if given.get("default_max_new_tokens") in (None, ""):
         out["default_max_new_tokens"] = min(out["default_max_new_tokens"], out["max_new_tokens_limit"])
-    if out["kv_cache_tokens"] is None:
+    if out["kv_cache_memory_gb"] is not None and out["kv_cache_tokens"] is not None:
+        raise invalid(f"kv_cache_tokens={out['kv_cache_tokens']} and kv_cache_memory_gb={out['kv_cache_memory_gb']} "
+                      "both size the KV cache: set one of them", "kv_cache_memory_gb")
+    if out["kv_cache_tokens"] is None and out["kv_cache_memory_gb"] is None:
         out["kv_cache_tokens"] = max(out["max_seq_len"], out["max_batch"] * 2048)
     check_rules(out)
     if out["codec_in_engine"] is None:  # decided here, so that slow_ar and dac_decoder agree
@@ -283,7 +289,7 @@ def check_rules(v: dict[str, Any]) -> None:
     need(v["default_max_new_tokens"] <= v["max_new_tokens_limit"],
          f"default_max_new_tokens={v['default_max_new_tokens']} is above max_new_tokens_limit="
          f"{v['max_new_tokens_limit']}", "default_max_new_tokens")
-    need(v["kv_cache_tokens"] >= v["max_seq_len"],
+    need(v["kv_cache_tokens"] is None or v["kv_cache_tokens"] >= v["max_seq_len"],
          f"kv_cache_tokens={v['kv_cache_tokens']} cannot hold one request of max_seq_len={v['max_seq_len']} tokens: "
          "raise kv_cache_tokens or lower max_seq_len", "kv_cache_tokens")
     need(v["max_new_tokens_limit"] < v["max_seq_len"],

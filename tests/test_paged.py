@@ -178,6 +178,27 @@ def test_pool_must_hold_one_full_request(model):
         _engine(model, kv_cache_tokens=100)
 
 
+def test_pool_sized_in_gib(model, tiny_ckpt):
+    """kv_cache_memory_gb: the pool holds the whole blocks that fit, by the checkpoint's layers, heads and dtype;
+    too little for one request says what to set; the settings refuse it beside kv_cache_tokens."""
+    import json
+
+    from s2tts import settings
+    from s2tts.errors import S2Error
+
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())["text_config"]  # the slow AR's
+    per = 2 * cfg["n_layer"] * cfg["n_local_heads"] * cfg["head_dim"] * 4  # keys and values, fp32
+    gib = 3000 * per / (1 << 30)  # 3000 tokens' worth, fp32
+    eng = _engine(model, kv_block_tokens=16, max_seq_len=512, kv_cache_memory_gb=gib)
+    assert eng.kv_capacity_tokens == 3000 // 16 * 16 and eng.runner.token_bytes == per
+    with pytest.raises(ValueError, match=r"kv_cache_memory_gb=.* holds 496 tokens .* raise kv_cache_memory_gb to at "
+                                         r"least"):
+        _engine(model, kv_block_tokens=16, max_seq_len=512, kv_cache_memory_gb=500 * per / (1 << 30))
+    with pytest.raises(S2Error, match="both size the KV cache"):
+        settings.resolve({"checkpoint": str(tiny_ckpt), "kv_cache_tokens": "4096", "kv_cache_memory_gb": "1"})
+    assert settings.resolve({"checkpoint": str(tiny_ckpt), "kv_cache_memory_gb": "1"})["kv_cache_tokens"] is None
+
+
 def test_block_pool_bookkeeping():
     pool = BlockPool(6, 4, slots=3, max_seq=16)
     assert pool.capacity == 5 and pool.max_blocks == 4

@@ -50,7 +50,7 @@ class Engine:
                  prefix_cache_bytes: int = _default("prefix_cache_mb") << 20, row_buckets: bool | None = None,
                  batch_invariant: bool = _default("batch_invariant"), kv_block_tokens: int = _default("kv_block_tokens"),
                  kv_cache_tokens: int | None = _default("kv_cache_tokens"), decode_splits: int | None = None,
-                 admit_every: int = _default("admit_every_steps")):
+                 admit_every: int = _default("admit_every_steps"), kv_cache_memory_gb: float | None = None):
         """Defaults: the settings of the same names in `s2tts.settings` (`prefix_cache_bytes`: `prefix_cache_mb`,
         `admit_every`: `admit_every_steps`). `cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
         None = on when the model is on a CUDA device. `row_buckets` (default: with `cuda_graphs`): pad every pass and
@@ -60,7 +60,8 @@ class Engine:
         lengthen the step of the running streams, and sets the largest pass: `max_batch` + this many rows.
 
         KV cache: a pool of `kv_cache_tokens` positions (default `max_batch` x `max_seq_len`: every slot can fill
-        its sequence) in blocks of `kv_block_tokens` (0: one block of `max_seq_len` per request, the slot layout).
+        its sequence) in blocks of `kv_block_tokens` (0: one block of `max_seq_len` per request, the slot layout);
+        `kv_cache_memory_gb` sizes it in GiB instead (`ModelRunner.kv_tokens_in`).
         `decode_splits`: programs that share one row's keys in the attention kernel (a power of two;
         default: 1 up to max_seq_len 2048, then one per 2048 tokens of max_seq_len, at most 16), so that a long
         context is read by many programs at once. A pass uses them only while some row has more than
@@ -87,7 +88,8 @@ class Engine:
                                   max_prefill_tokens=max_prefill_tokens, fast_ar=fast_ar, cuda_graphs=cuda_graphs,
                                   decode_kernel=decode_kernel, fused_kernels=fused_kernels, row_buckets=row_buckets,
                                   batch_invariant=batch_invariant, kv_block_tokens=kv_block_tokens,
-                                  kv_cache_tokens=kv_cache_tokens, decode_splits=decode_splits)
+                                  kv_cache_tokens=kv_cache_tokens, decode_splits=decode_splits,
+                                  kv_cache_memory_gb=kv_cache_memory_gb)
         r = self.runner
         self.scheduler = Scheduler(max_batch=max_batch, max_seq_len=self.max_seq_len, num_codebooks=s2.num_codebooks,
                                    semantic_start_id=s2.semantic_start_id, num_blocks=r.num_blocks,

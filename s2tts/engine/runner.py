@@ -50,10 +50,28 @@ class ModelRunner:
     # a pass's rows on the device, one column per row: [_F_ROWS + num_codebooks, rows] int64
     _SLOT, _POS, _TOKEN, _SEMANTIC, _FROM_LAST, _SRC, _DST, _F_ROWS = range(8)
 
+    @staticmethod
+    def kv_token_bytes(cfg, dtype) -> int:
+        """Bytes of one token's keys and values in every layer of the slow AR."""
+        return 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def kv_tokens_in(cls, gib: float, cfg, dtype, block: int, max_seq_len: int) -> int:
+        """The tokens a KV pool of `gib` GiB holds, in whole blocks (`kv_cache_memory_gb`); ValueError naming what
+        to change when that is not one request of max_seq_len."""
+        per = cls.kv_token_bytes(cfg, dtype)
+        tokens = int(gib * (1 << 30)) // per // block * block
+        if tokens < max_seq_len:
+            raise ValueError(f"kv_cache_memory_gb={gib:g} holds {tokens} tokens ({per / 1024:.1f} KiB a token): not one "
+                             f"request of max_seq_len={max_seq_len}; raise kv_cache_memory_gb to at least "
+                             f"{max_seq_len * per / (1 << 30):.3g} or lower max_seq_len")
+        return tokens
+
     def __init__(self, model: S2Model, residual_size: int, *, max_batch: int, max_seq_len: int, max_prefill_tokens: int,
                  fast_ar=None, cuda_graphs: bool | None = None, decode_kernel: bool | None = None,
                  fused_kernels: bool | None = None, row_buckets: bool | None = None, batch_invariant: bool = False,
-                 kv_block_tokens: int = 32, kv_cache_tokens: int | None = None, decode_splits: int | None = None):
+                 kv_block_tokens: int = 32, kv_cache_tokens: int | None = None, decode_splits: int | None = None,
+                 kv_cache_memory_gb: float | None = None):
         """See `Engine` for the settings. Allocates the KV pools (`num_blocks` of `block_size` tokens, one of them
         the null block) and, with `cuda_graphs`, captures the graphs."""
         s2 = model.s2
@@ -68,10 +86,14 @@ class ModelRunner:
         self.scratch = max_batch
         self.block_size = kv_block_tokens or max_seq_len
         kv_tokens = kv_cache_tokens or max_batch * max_seq_len
+        if kv_cache_memory_gb is not None:
+            kv_tokens = self.kv_tokens_in(kv_cache_memory_gb, model.slow.stack.cfg, self.dtype, self.block_size,
+                                          max_seq_len)
         if kv_tokens < max_seq_len:
             raise ValueError(f"kv_cache_tokens={kv_tokens} cannot hold one request of max_seq_len={max_seq_len} "
                              "tokens: raise kv_cache_tokens or lower max_seq_len")
         self.num_blocks = -(-kv_tokens // self.block_size) + 1
+        self.token_bytes = self.kv_token_bytes(model.slow.stack.cfg, self.dtype)
         stack = model.slow.stack
         stack.setup_caches(max_batch + 1, max_seq_len, self.dtype, self.device, block_size=self.block_size,
                            num_blocks=self.num_blocks)

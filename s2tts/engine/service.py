@@ -727,6 +727,7 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     t1 = time.perf_counter()
     engine = Engine(model, residual_size=codec_codebook_sizes(v.checkpoint)[1], max_batch=v.max_batch,
                     max_seq_len=v.max_seq_len, kv_cache_tokens=v.kv_cache_tokens, kv_block_tokens=v.kv_block_tokens,
+                    kv_cache_memory_gb=v.kv_cache_memory_gb,
                     fast_ar=fast_ar, prefix_cache_bytes=v.prefix_cache_mb << 20,
                     max_prefill_tokens=v.max_prefill_tokens, cuda_graphs=v.cuda_graphs,
                     batch_invariant=v.batch_invariant, admit_every=v.admit_every_steps)
