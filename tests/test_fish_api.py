@@ -400,11 +400,12 @@ def test_livekit_plugin_speaks_through_the_gateway(gw, tmp_path):
 
 def test_live_sessions_over_the_limit_get_fishs_concurrency_error(triton_server, tmp_path):
     """With --max-in-flight 1, a second live session while one runs: Fish's error event naming the limit, then finish
-    error; the first session is unharmed and the second can start once it has finished."""
+    error; the first session is unharmed and the second can start once it has finished. A connection left with no
+    session is closed after --live-idle-timeout."""
     from httpx_ws import connect_ws
 
     start = {"event": "start", "request": {"text": "", "format": "pcm", "max_new_tokens": 4, "temperature": 0.0}}
-    with gateway_in(triton_server.grpc_url, tmp_path, "--max-in-flight", "1") as g, \
+    with gateway_in(triton_server.grpc_url, tmp_path, "--max-in-flight", "1", "--live-idle-timeout", "1.5") as g, \
             httpx.Client(base_url=g.url, timeout=60) as c, connect_ws("/v1/tts/live", c) as first:
         first.send_bytes(ormsgpack.packb(start))
         first.send_bytes(ormsgpack.packb({"event": "text", "text": "The first session holds the slot. "}))
@@ -418,3 +419,9 @@ def test_live_sessions_over_the_limit_get_fishs_concurrency_error(triton_server,
         assert e == {"event": "finish", "reason": "stop"}
         got = _live(g, [start, {"event": "text", "text": "Now it may."}, {"event": "stop"}])
         assert got[-1] == {"event": "finish", "reason": "stop"} and got[0]["event"] == "audio"
+        from httpx_ws import WebSocketDisconnect
+
+        t0 = time.monotonic()
+        with pytest.raises(WebSocketDisconnect) as ei:  # the first connection, idle since its session finished
+            first.receive_bytes(timeout=30)
+        assert ei.value.code == 1000 and "no session" in ei.value.reason and time.monotonic() - t0 < 10

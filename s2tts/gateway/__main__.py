@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="largest voice upload / inline reference file in MiB (default %(default)s)")
     ap.add_argument("--max-reference-seconds", type=float, default=None,
                     help="longest reference clip (default: s2pro's max_reference_seconds)")
+    ap.add_argument("--live-idle-timeout", type=float, default=d.live_idle_timeout_s,
+                    help="close a live WebSocket that has no session for this many seconds (default %(default)s)")
     ap.add_argument("--log-level", default="info")
     return ap
 
@@ -50,7 +52,8 @@ def main(argv=None) -> None:
         retry_after_s=args.retry_after, served_model_name=args.served_model_name, triton_model=args.triton_model,
         encoder_model=args.encoder_model, max_input_chars=args.max_input_chars,
         max_new_tokens_limit=args.max_new_tokens_limit, max_upload_bytes=int(args.max_upload_mb * 2**20),
-        max_reference_seconds=args.max_reference_seconds, triton_timeout_s=args.triton_timeout)
+        max_reference_seconds=args.max_reference_seconds, triton_timeout_s=args.triton_timeout,
+        live_idle_timeout_s=args.live_idle_timeout)
     import uvicorn  # noqa: PLC0415
 
     from .app import create_app  # noqa: PLC0415

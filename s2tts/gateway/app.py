@@ -714,11 +714,16 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         stream, sid, held = None, f"live-{uuid.uuid4().hex}", False
         try:
             try:
-                start = await receive()
+                with anyio.fail_after(cfg.live_idle_timeout_s):
+                    start = await receive()
             except WebSocketDisconnect:
                 if sessions:  # the client is done after its sessions
                     return False
                 raise
+            except TimeoutError:
+                log.info("live connection: no session for %g s, closed", cfg.live_idle_timeout_s)
+                await ws.close(code=1000, reason=f"no session for {cfg.live_idle_timeout_s:g} s")
+                return False
             if start["event"] != "start" or not isinstance(start.get("request"), dict):
                 raise bad_request("a session begins with {event: start, request: {...}}", "event")
             if not state.limiter.try_acquire():

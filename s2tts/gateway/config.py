@@ -29,6 +29,9 @@ class GatewayConfig:
     # total length: a long text runs segment after segment, each with its own deadline in s2pro.
     triton_timeout_s: float | None = None
     limits_ttl_s: float = 30.0  # how long the limits read from s2pro's config are reused
+    # a live WebSocket (/v1/tts/live) with no session for this long is closed: before its first start event and
+    # between sessions (LiveKit's plugin keeps pooled connections up to 300 s)
+    live_idle_timeout_s: float = 300.0
 
     def limits(self, served: dict) -> dict:
         """The request limits in force: the served model's (`served`, keyed by setting name), each made stricter by
