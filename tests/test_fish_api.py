@@ -119,6 +119,11 @@ def test_prosody_volume_and_speed(gw):
                           np.int16) / 32768
     np.testing.assert_allclose(quiet, base * 10 ** (-6 / 20), atol=2 / 32768)
     fast = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "prosody": {"speed": 2.0}}).content
+    # normalize_loudness (LiveKit's plugin may send it) is accepted with no effect; not a boolean, a 400
+    same = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "prosody": {"normalize_loudness": True}}).content
+    assert np.abs(np.frombuffer(same, np.int16) / 32768 - base).max() <= 1 / 32768
+    bad = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "prosody": {"normalize_loudness": "yes"}})
+    assert bad.status_code == 400 and "normalize_loudness" in bad.json()["message"]
     assert abs(len(fast) / 2 / len(base) - 0.5) < 0.05
 
 

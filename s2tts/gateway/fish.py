@@ -13,7 +13,7 @@ Fields (Fish Audio's names and ranges; the numeric ones are checked against the 
 | `mp3_bitrate`, `opus_bitrate` | 64 / 128 / 192 kbps; 24 / 32 / 48 / 64 kbps (the SDK's unit) or 24000 ... 64000 bps (LiveKit's plugin's), -1000 = the encoder's choice |
 | `references` | `[{audio, text}]`: clips (bytes; base64 in JSON) and their transcripts; several = one voice per speaker |
 | `reference_id` | a registered voice (`/v1/audio/voices`), or a list of them (one per speaker) |
-| `prosody` | `{speed: 0.5-2, volume: -20..20 dB}`: speed by time-stretching, volume as a gain |
+| `prosody` | `{speed: 0.5-2, volume: -20..20 dB, normalize_loudness}`: speed by time-stretching, volume as a gain; `normalize_loudness` (a boolean) is accepted with no effect: a loudness measure needs the whole take, and the audio streams as it is made |
 | `chunk_length`, `top_p`, `temperature`, `max_new_tokens`, `seed` | as s2pro's fields (`max_new_tokens`: per segment) |
 | `normalize`, `latency`, `repetition_penalty`, `min_chunk_length`, `condition_on_previous_chunks`, `early_stop_threshold`, `features` | accepted with no effect: the text is always normalized as upstream does, audio always streams at the lowest latency, every segment is conditioned on the earlier ones, S2 Pro's sampling has no repetition penalty, and Fish's server-side `features` (LiveKit's plugin sends `quality-guard`) are its service's own (the SDK and the plugins send these on every call) |
 
@@ -182,8 +182,10 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
     bit_rate = (mp3 * 1000 if fmt == "mp3" and mp3 else None) or \
         ((opus if opus >= 1000 else opus * 1000) if fmt == "opus" and opus and opus > 0 else None)
     prosody = body.get("prosody") or {}
-    if not isinstance(prosody, dict) or set(prosody) - {"speed", "volume"}:
-        raise bad_request("prosody must be a map {speed: 0.5-2.0, volume: dB in -20..20}", "prosody")
+    if not isinstance(prosody, dict) or set(prosody) - {"speed", "volume", "normalize_loudness"} \
+            or not isinstance(prosody.get("normalize_loudness", False), bool):
+        raise bad_request("prosody must be a map {speed: 0.5-2.0, volume: dB in -20..20, normalize_loudness: a "
+                          "boolean}", "prosody")
     speed = _number(prosody, "speed", 0.5, 2.0)
     volume = _number(prosody, "volume", -20.0, 20.0)
     ref_id = body.get("reference_id")
