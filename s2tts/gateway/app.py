@@ -20,7 +20,7 @@ from typing import Callable
 
 import anyio
 import numpy as np
-from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
@@ -30,14 +30,13 @@ from ..frontend.segment import combine_voices
 from .alignment import Segment, Timeline
 from .audio_io import decode_audio, decode_data_url
 from .config import GatewayConfig
-from .encoders import MEDIA_TYPES, make_encoder
+from .encoders import MEDIA_TYPES, AudioPipeline
 from .errors import APIError, bad_request
-from .fish import FISH_PATHS, FishError, decode_body, fish_voice, fish_voice_id, parse_fish_tts
-from .fish import alignment as fish_alignment
+from .fish import FISH_PATHS, FishError, FishTTS, decode_body, fish_voice, fish_voice_id, parse_fish_tts
 from .fish import page as fish_page
 from .metrics import HTTPMetrics, MetricsMiddleware
 from .protocol import DEFAULT_LIMITS, SpeechParams, parse_speech
-from .tempo import TimeStretch
+from .live import LiveConnection
 from .triton import SynthesisRequest, TritonBackend
 from .voices import VoiceStore, open_store, validate_name
 
@@ -149,33 +148,6 @@ class GuardMiddleware:
             return msg
 
         await self.app(scope, limited_receive, send)
-
-
-class AudioPipeline:
-    """float32 chunks -> (gain) -> (time-stretch) -> encoder -> bytes. Same bytes whatever the chunking."""
-
-    def __init__(self, fmt: str, sample_rate: int, speed: float, streaming: bool, gain: float = 1.0,
-                 bit_rate: int | None = None, out_rate: int | None = None):
-        self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
-        self.encoder = make_encoder(fmt, sample_rate, streaming, bit_rate, out_rate)
-        self.gain = gain
-        self.samples_out = 0
-
-    def push(self, x: np.ndarray) -> bytes:
-        if self.gain != 1.0:
-            x = np.clip(x * self.gain, -1.0, 1.0)
-        if self.stretch is not None:
-            x = self.stretch.push(x)
-        self.samples_out += len(x)
-        return self.encoder.encode(x)
-
-    def finish(self) -> bytes:
-        out = b""
-        if self.stretch is not None:
-            tail = self.stretch.flush()
-            self.samples_out += len(tail)
-            out = self.encoder.encode(tail)
-        return out + self.encoder.finish()
 
 
 def _stats_headers(stats: dict | None) -> dict[str, str]:
@@ -648,13 +620,26 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         log.info("voice %r deleted", name)
         return {"id": name, "object": "audio.voice.deleted", "deleted": True}
 
-    # ---- Fish Audio's live session: text in as it is written, audio out as it is made ------------
+    # ---- Fish Audio's live session: text in as it is written, audio out as it is made (live.py) ----
+    async def _live_request(body: dict, model: str | None, sid: str) -> tuple[FishTTS, SynthesisRequest]:
+        """A live session's start request, checked, with its voice: s2pro's request that opens the session."""
+        limits = await _served_limits()
+        f = parse_fish_tts(body, model, cfg, limits, live=True)
+        req = _synthesis(f.text, sid, f.fields, session_id=sid, text_event="open")
+        await _fish_reference(req, f, limits)  # one clip as on /v1/tts: s2pro encodes it, untagged
+        return f, req
+
+    async def _live(ws: WebSocket, timestamps: bool) -> None:
+        allowed, subprotocol = _ws_key(ws.headers, cfg)
+        if not allowed:
+            await ws.close(code=1008, reason="missing or invalid API key: send 'Authorization: Bearer <key>'")
+            return
+        await ws.accept(subprotocol=subprotocol)
+        await LiveConnection(ws, cfg, state, backend, _live_request, timestamps).run()
+
     @app.websocket("/v1/tts/live")
     async def fish_live(ws: WebSocket):
-        """Binary msgpack events: the client sends {event: start, request: {...}} (the fields of /v1/tts, text may be
-        empty), then {event: text, text} any number of times, {event: flush}, {event: stop}; the server sends
-        {event: audio, audio: bytes} as the audio is made and ends with {event: finish, reason: stop | error} (with
-        `message` on an error). One s2pro text session (`session_id`) carries it; a disconnect cancels it."""
+        """Fish Audio's live session (s2tts/gateway/live.py)."""
         await _live(ws, timestamps=False)
 
     @app.websocket("/v1/tts/live/with-timestamp")
@@ -665,170 +650,6 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         `chunk_seq` (the segment's number), `chunk_audio_offset_sec` (where the segment starts in the audio),
         `time` (ms since the session started). One entry per text segment: s2tts/gateway/alignment.py."""
         await _live(ws, timestamps=True)
-
-    async def _live(ws: WebSocket, timestamps: bool):
-        import ormsgpack
-
-        allowed, subprotocol = _ws_key(ws.headers, cfg)
-        if not allowed:
-            await ws.close(code=1008, reason="missing or invalid API key: send 'Authorization: Bearer <key>'")
-            return
-        await ws.accept(subprotocol=subprotocol)
-
-        async def finish(reason: str, message: str | None = None) -> None:
-            """The session's last event; after an error the connection closes too, after a stop it stays open for
-            the client's next session (LiveKit's plugin keeps a pool of connections, a session on each at a time)."""
-            event = {"event": "finish", "reason": reason}
-            if message:
-                event["message"] = message
-            try:
-                await ws.send_bytes(ormsgpack.packb(event))
-                if reason != "stop":
-                    await ws.close()
-            except Exception:  # noqa: BLE001 - the client may be gone
-                pass
-
-        async def receive() -> dict:
-            msg = await ws.receive_bytes()
-            if len(msg) > cfg.max_json_body_bytes:
-                raise bad_request(f"an event of {len(msg)} bytes: at most {cfg.max_json_body_bytes}", "event")
-            try:
-                event = ormsgpack.unpackb(msg)
-            except (ormsgpack.MsgpackDecodeError, ValueError, TypeError):
-                raise bad_request("an event that is not valid msgpack", "event") from None
-            if not isinstance(event, dict) or not isinstance(event.get("event"), str):
-                raise bad_request("every event is a map with an `event` name", "event")
-            return event
-
-        sessions = 0
-        while True:  # one session after another, until the client leaves or an error
-            if not await _live_session(ws, timestamps, receive, finish, sessions):
-                return
-            sessions += 1
-
-    async def _live_session(ws: WebSocket, timestamps: bool, receive, finish, sessions: int) -> bool:
-        """One session of a live connection: its start event, its text in and audio out, its finish. -> whether
-        the connection goes on to another session."""
-        import ormsgpack
-
-        stream, sid, held = None, f"live-{uuid.uuid4().hex}", False
-        try:
-            try:
-                with anyio.fail_after(cfg.live_idle_timeout_s):
-                    start = await receive()
-            except WebSocketDisconnect:
-                if sessions:  # the client is done after its sessions
-                    return False
-                raise
-            except TimeoutError:
-                log.info("live connection: no session for %g s, closed", cfg.live_idle_timeout_s)
-                await ws.close(code=1000, reason=f"no session for {cfg.live_idle_timeout_s:g} s")
-                return False
-            if start["event"] != "start" or not isinstance(start.get("request"), dict):
-                raise bad_request("a session begins with {event: start, request: {...}}", "event")
-            if not state.limiter.try_acquire():
-                state.metrics.overload_refusals += 1
-                try:  # Fish's service says it so first: an error event naming the limit
-                    await ws.send_bytes(ormsgpack.packb({"event": "error", "error": "Concurrency limit exceeded",
-                                                         "max_concurrency": state.limiter.limit}))
-                except Exception:  # noqa: BLE001 - the client may be gone
-                    pass
-                raise APIError(503, f"the server is busy: {state.limiter.limit} requests are in flight; retry",
-                               code="server_overloaded")
-            held = True
-            limits = await _served_limits()
-            f = parse_fish_tts(start["request"], ws.headers.get("model"), cfg, limits, live=True)
-            req = _synthesis(f.text, sid, f.fields, session_id=sid, text_event="open")
-            timeline = Timeline(f.text, 44100, f.speed)  # its rate: the first chunk's
-            t0 = time.monotonic()
-            await _fish_reference(req, f, limits)  # one clip as on /v1/tts: s2pro encodes it, untagged
-            stream = backend.open_stream(req)
-
-            async def text_in():
-                """The client's events -> the session's text (each answered by s2pro at once)."""
-                while True:
-                    event = await receive()
-                    kind = event["event"]
-                    if kind not in ("text", "flush", "stop"):
-                        raise bad_request(f"unknown event {kind!r}: send text, flush or stop", "event")
-                    text = event.get("text", "") if kind == "text" else ""
-                    if not isinstance(text, str):
-                        raise bad_request("a text event's text must be a string", "text")
-                    timeline.add_text(text)
-                    piece = SynthesisRequest(text=text, request_id=f"{sid}-{kind}", session_id=sid,
-                                             text_event={"stop": "end"}.get(kind, kind))
-                    for attempt in range(100):  # until s2pro has opened the session (its request may be queued)
-                        ack = backend.open_stream(piece)
-                        try:
-                            while await ack.next() is not None:
-                                pass
-                            break
-                        except APIError as e:
-                            if e.code != "not_found" or attempt == 99:
-                                raise
-                            await anyio.sleep(0.05)
-                        finally:
-                            ack.cancel()  # its stream half-closes (or is cancelled when we were)
-                    if kind == "stop":
-                        break
-                # after stop the audio still comes; an event now is an error, a disconnect ends the session at once
-                event = await receive()
-                raise bad_request(f"{event['event']!r} after stop: the session takes no more text; start another",
-                                  "event")
-
-            async def audio_out():
-                pipeline = None
-                while True:
-                    chunk = await stream.next()
-                    if chunk is None:
-                        return
-                    if pipeline is None:
-                        pipeline = AudioPipeline(f.format, chunk.sample_rate or 44100, f.speed, True, f.gain,
-                                                 f.bit_rate, f.sample_rate)
-                        timeline.sample_rate = chunk.sample_rate or 44100
-                    timeline.push(chunk.audio, chunk.segment)
-                    data = await anyio.to_thread.run_sync(pipeline.push, chunk.audio)
-                    if chunk.final:
-                        data += await anyio.to_thread.run_sync(pipeline.finish)
-                    if data or (timestamps and chunk.segment):
-                        event = {"event": "audio", "audio": data}
-                        if timestamps and timeline.current is not None:
-                            event.update(fish_alignment(timeline.current), time=round((time.monotonic() - t0) * 1000))
-                        await ws.send_bytes(ormsgpack.packb(event))
-                    if chunk.final:
-                        return
-
-            failed: list[BaseException] = []  # the first error of either side ends both
-
-            async def side(fn, scope):
-                try:
-                    await fn()
-                except Exception as e:  # noqa: BLE001 - handed on below
-                    failed.append(e)
-                    scope.cancel()
-
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(side, text_in, tg.cancel_scope)
-                await side(audio_out, tg.cancel_scope)
-                tg.cancel_scope.cancel()
-            if failed:
-                raise failed[0]
-            await finish("stop")
-            return True
-        except WebSocketDisconnect:
-            log.info("live session %s: the client disconnected", sid)
-        except APIError as e:
-            log.info("live session %s ended with an error: %s", sid, e.message)
-            await finish("error", e.message)
-        except Exception:  # noqa: BLE001 - a session never takes the gateway down
-            log.exception("live session %s failed", sid)
-            await finish("error", "internal error in the gateway")
-        finally:
-            if stream is not None:
-                stream.cancel()  # no-op after the final response
-            if held:
-                state.limiter.release()
-        return False
 
     # ---- Fish Audio's voices: the same store (s2tts/gateway/fish.py) ----------------------------
     @app.post("/model")

@@ -13,6 +13,9 @@ In streaming mode the bytes can be decoded as they arrive:
 In whole-file mode the same samples are written to a seekable buffer, so the
 containers carry their real lengths (WAV sizes, FLAC STREAMINFO, MP3 Xing/LAME
 header with the encoder delay).
+
+`AudioPipeline` is what every route sends the model's audio through: gain, time-stretch (`speed`), another sample
+rate where asked (`Resampler`), the encoder.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import io
 import struct
 
 import numpy as np
+
+from .tempo import TimeStretch
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 
@@ -249,3 +254,30 @@ def make_encoder(fmt: str, sample_rate: int, streaming: bool, bit_rate: int | No
     if fmt in _AV:
         return AvEncoder(fmt, sample_rate, streaming, bit_rate, out_rate)
     raise ValueError(f"unknown format {fmt!r}")
+
+
+class AudioPipeline:
+    """float32 chunks -> (gain) -> (time-stretch) -> encoder -> bytes. Same bytes whatever the chunking."""
+
+    def __init__(self, fmt: str, sample_rate: int, speed: float, streaming: bool, gain: float = 1.0,
+                 bit_rate: int | None = None, out_rate: int | None = None):
+        self.stretch = TimeStretch(speed, sample_rate) if speed != 1.0 else None
+        self.encoder = make_encoder(fmt, sample_rate, streaming, bit_rate, out_rate)
+        self.gain = gain
+        self.samples_out = 0
+
+    def push(self, x: np.ndarray) -> bytes:
+        if self.gain != 1.0:
+            x = np.clip(x * self.gain, -1.0, 1.0)
+        if self.stretch is not None:
+            x = self.stretch.push(x)
+        self.samples_out += len(x)
+        return self.encoder.encode(x)
+
+    def finish(self) -> bytes:
+        out = b""
+        if self.stretch is not None:
+            tail = self.stretch.flush()
+            self.samples_out += len(tail)
+            out = self.encoder.encode(tail)
+        return out + self.encoder.finish()
