@@ -55,12 +55,5 @@ if ! python -c "import fish_speech" 2>/dev/null; then
   run python -m pip install -q --no-deps fish-speech==0.1.0 descript-audio-codec descript-audiotools
   run python -m pip install -q -r tests/requirements-parity.txt
 fi
-# LiveKit's Fish Audio plugin, only for its test (tests/test_fish_api.py), in an environment of its own: it needs a
-# protobuf that tritonclient cannot use.
-if ! .venv/livekit/bin/python -c "import livekit.plugins.fishaudio" 2>/dev/null; then
-  say "installing LiveKit's Fish Audio plugin in .venv/livekit (test only)"
-  run python -m venv .venv/livekit
-  run .venv/livekit/bin/python -m pip install -q "livekit-plugins-fishaudio==1.8.9"
-fi
 stamp >.venv/.setup-stamp
 done_line

@@ -3,4 +3,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# LiveKit's Fish Audio plugin, only for its test (tests/test_fish_api.py; ~400 MB, so not in setup.sh, which the
+# server's own start runs too), in an environment of its own: it needs a protobuf that tritonclient cannot use.
+if ! .venv/livekit/bin/python -c "import livekit.plugins.fishaudio" 2>/dev/null; then
+  echo "setup: installing LiveKit's Fish Audio plugin in .venv/livekit (its test only)"
+  { .venv/bin/python -m venv .venv/livekit && .venv/livekit/bin/python -m pip install -q "livekit-plugins-fishaudio==1.8.9"; } \
+    >>.venv/setup.log 2>&1 || { echo "setup: the LiveKit plugin could not be installed (see .venv/setup.log)" >&2; exit 1; }
+fi
 exec .venv/bin/python -m pytest -q -rs --durations=25 "$@"  # the 25 slowest tests, to keep the suite short

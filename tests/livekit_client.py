@@ -1,5 +1,5 @@
 """LiveKit's Fish Audio TTS (`livekit-plugins-fishaudio`, unmodified) against the gateway; run by
-tests/test_fish_api.py with the separate environment scripts/setup.sh makes for it (.venv/livekit: LiveKit pins a
+tests/test_fish_api.py with the separate environment scripts/test.sh makes for it (.venv/livekit: LiveKit pins a
 protobuf that tritonclient cannot use). No LiveKit server or cloud: only the plugin's TTS object, as an agent uses it.
 
     python tests/livekit_client.py <gateway url> <api key> <out.pcm>

@@ -378,7 +378,7 @@ def test_two_sessions_on_one_connection_and_other_sample_rates(gw):
             assert len(whole) == len(x) and np.abs(whole - x).max() <= 1.5 / 32768, fmt
 
 
-@pytest.mark.skipif(not LIVEKIT.exists(), reason="scripts/setup.sh installs LiveKit's plugin in .venv/livekit")
+@pytest.mark.skipif(not LIVEKIT.exists(), reason="scripts/test.sh installs LiveKit's plugin in .venv/livekit")
 def test_livekit_plugin_speaks_through_the_gateway(gw, tmp_path):
     """LiveKit's Fish Audio plugin (livekit-plugins-fishaudio, unmodified, its own environment): its one-shot
     synthesis (POST /v1/tts, pcm at 24 kHz, the plugin's default rate) begins with the same audio as the gateway's own
