@@ -220,8 +220,7 @@ class S2ProClient:
                 final = resp.parameters.get("triton_final_response")
                 is_final = bool(final and final.bool_param)
                 audio = result.as_numpy("audio")
-                stats = result.as_numpy("stats")
-                stats_s = stats.reshape(-1)[0].decode() if stats is not None and stats.size else ""
+                stats = json_output(result, "stats")
                 if audio is not None and audio.size:
                     sr = int(result.as_numpy("sample_rate").reshape(-1)[0])
                     yield AudioChunk(int(result.as_numpy("sequence").reshape(-1)[0]), audio.astype(np.float32), sr, t,
@@ -230,8 +229,8 @@ class S2ProClient:
                     if cancel_after_chunks is not None and n >= cancel_after_chunks:
                         self.close(cancel=True)
                         return
-                if stats_s:
-                    yield Final(json.loads(stats_s), t)
+                if stats is not None:
+                    yield Final(stats, t)
                 if is_final:
                     self._in_flight = False
                     return

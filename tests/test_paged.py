@@ -190,7 +190,7 @@ def test_pool_sized_in_gib(model, tiny_ckpt):
     per = 2 * cfg["n_layer"] * cfg["n_local_heads"] * cfg["head_dim"] * 4  # keys and values, fp32
     gib = 3000 * per / (1 << 30)  # 3000 tokens' worth, fp32
     eng = _engine(model, kv_block_tokens=16, max_seq_len=512, kv_cache_memory_gb=gib)
-    assert eng.kv_capacity_tokens == 3000 // 16 * 16 and eng.runner.token_bytes == per
+    assert eng.kv_capacity_tokens == 3000 // 16 * 16 and eng.runner.block_bytes == 16 * per
     with pytest.raises(ValueError, match=r"kv_cache_memory_gb=.* holds 496 tokens .* raise kv_cache_memory_gb to at "
                                          r"least"):
         _engine(model, kv_block_tokens=16, max_seq_len=512, kv_cache_memory_gb=500 * per / (1 << 30))

@@ -93,7 +93,6 @@ class ModelRunner:
             raise ValueError(f"kv_cache_tokens={kv_tokens} cannot hold one request of max_seq_len={max_seq_len} "
                              "tokens: raise kv_cache_tokens or lower max_seq_len")
         self.num_blocks = -(-kv_tokens // self.block_size) + 1
-        self.token_bytes = self.kv_token_bytes(model.slow.stack.cfg, self.dtype)
         stack = model.slow.stack
         stack.setup_caches(max_batch + 1, max_seq_len, self.dtype, self.device, block_size=self.block_size,
                            num_blocks=self.num_blocks)

@@ -54,7 +54,7 @@ def clean_text(text: str, what: str = "text") -> str:
     return text
 
 
-_TAGS = re.compile(r"<\|speaker:\d+\|>|<speaker:\d+>")
+_TAGS = re.compile(f"{SPEAKER_TAG.pattern}|{_LEGACY_SPEAKER.pattern}")  # either spelling of a speaker tag
 
 
 def _visible(text: str, start: int = 0):

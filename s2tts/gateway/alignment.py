@@ -33,19 +33,20 @@ class Segment:
 
 
 class Timeline:
-    """The segments of one request's audio, as its chunks come. `text`: the client's text so far (a live session
-    adds to it with `add_text`)."""
+    """The segments of one request's audio, as its chunks come. `text`: the client's text (a live session adds to it
+    with `add_text`); only what follows the last segment found is kept, so a long session holds what is still to be
+    spoken."""
 
     def __init__(self, text: str, sample_rate: int, speed: float = 1.0):
-        self.text = text
+        self._text = text  # the client's text from offset `_base` on: the segments found so far are dropped
+        self._base = 0
         self.sample_rate = sample_rate
         self.speed = speed
         self.samples = 0  # s2pro's samples so far (before the tempo change)
         self.current: Segment | None = None
-        self._cursor = 0  # where the next segment's characters are looked for
 
     def add_text(self, piece: str) -> None:
-        self.text += piece
+        self._text += piece
 
     def _at(self, samples: int) -> float:
         return samples / self.sample_rate / self.speed
@@ -59,11 +60,11 @@ class Timeline:
         if self.current is not None and where["segment"] == self.current.index:
             self.current.end = self._at(self.samples)
             return None
-        ended = self.current
-        chars = locate(self.text, where["text"], self._cursor)
-        if chars is not None:
-            self._cursor = chars[1]
-        text = self.text[chars[0]:chars[1]] if chars else where["text"]
+        ended, found = self.current, locate(self._text, where["text"])
+        text, chars = where["text"], None
+        if found is not None:
+            text, chars = self._text[found[0]:found[1]], (self._base + found[0], self._base + found[1])
+            self._text, self._base = self._text[found[1]:], self._base + found[1]
         self.current = Segment(int(where["segment"]), text, chars, self._at(start), self._at(self.samples))
         return ended
 
