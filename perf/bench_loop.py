@@ -117,7 +117,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
         time.sleep(0.01)
         if base is None and time.monotonic() - t0 >= args.warm_s:
             base = (time.monotonic(), sum(sum(c.durations) for c in clients), svc.loop.steps, svc.loop.step_s,
-                    svc.loop.codec_s, svc.loop.codec_calls, svc.loop.codec_streams)
+                    svc.loop.codec_s, svc.loop.codec_calls, svc.loop.codec_streams, svc.loop.frames, svc.loop.live,
+                    len(svc.loop.tails), svc.loop.firsts, svc.loop.firsts_s)
         for k, c in enumerate(live):
             if c.done.is_set():
                 live[k] = submit()
@@ -135,6 +136,10 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "buckets": len(decoder.pool.BUCKETS),
            "streams": args.streams, "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
            "step_ms": round(1e3 * (L.step_s - base[3]) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - base[4]) / steps, 2),
+           "frames_per_step": round((L.frames - base[7]) / steps, 1), "slots_held": round((L.live - base[8]) / steps, 1),
+           "prompt_steps": round((L.firsts - base[10]) / steps, 3),
+           "prompt_step_ms": round(1e3 * (L.firsts_s - base[11]) / max(1, L.firsts - base[10]), 2),
+           "tail_ms_p50": round(1e3 * float(np.median(L.tails[base[9]:])), 1) if len(L.tails) > base[9] else None,
            "codec_calls_per_step": round((L.codec_calls - base[5]) / steps, 3),
            "streams_per_call": round((L.codec_streams - base[6]) / calls, 1),
            "requests_done": len(finished), "stall_fraction": round(sum(c.stalled() for c in finished) / max(1, len(finished)), 3),

@@ -29,6 +29,9 @@
 #                                                    LIVE_ARGS for its options); "" skips the phase
 #   CLONE_FIRST_CONCURRENCY 1 ("" without clone levels)  first-use clone levels (loadgen --clone-mode audio
 #                                                    --fresh-references); "" skips the phase
+#   SERVER_CPUS, CLIENT_CPUS ""                      CPU lists (taskset -c) for the server's processes and for the
+#                                                    load generators (e.g. 0-11 and 12-15: whether the client's
+#                                                    threads on the same host slow the engine's); "" = any CPU
 #   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level
 #                                                    64:384": a long c=64 level, the others their default)
 #   DETERMINISM             0                        1 runs perf/determinism.py (16 requests, max_batch, 4 alone)
@@ -80,6 +83,10 @@ FRAMES="${FRAMES:-100}"
 CLONE_CONCURRENCY="${CLONE_CONCURRENCY-1,16}"
 CLONE_FIRST_CONCURRENCY="${CLONE_FIRST_CONCURRENCY-${CLONE_CONCURRENCY:+1}}"
 LOADGEN_ARGS="${LOADGEN_ARGS:-}"
+SERVER_CPUS="${SERVER_CPUS:-}" CLIENT_CPUS="${CLIENT_CPUS:-}"
+ON_SERVER_CPUS=() ON_CLIENT_CPUS=()
+[ -n "$SERVER_CPUS" ] && ON_SERVER_CPUS=(taskset -c "$SERVER_CPUS")
+[ -n "$CLIENT_CPUS" ] && ON_CLIENT_CPUS=(taskset -c "$CLIENT_CPUS")
 PA="${PA:-1}"
 DETERMINISM="${DETERMINISM:-0}"
 PROFILE="${PROFILE:-0}"
@@ -206,8 +213,9 @@ SET_ARGS=(--set "max_batch=$MAX_BATCH" --set "max_seq_len=$MAX_SEQ_LEN")
 for kv in $SETTINGS; do SET_ARGS+=(--set "$kv"); done
 if [ "$PROFILE" = 1 ]; then export S2TTS_PROFILE_DIR="$WORK/details/profile"; fi
 log "settings: device=$DEVICE ${SET_ARGS[*]}"
+[ -n "$SERVER_CPUS$CLIENT_CPUS" ] && log "CPUs: the server on ${SERVER_CPUS:-any}, the load generators on ${CLIENT_CPUS:-any}"
 echo "device=$DEVICE ${SET_ARGS[*]}" >"$WORK/details/settings.txt"
-"$PY" -m s2tts.server --checkpoint "$CKPT" --device "$DEVICE" "${SET_ARGS[@]}" --http-port $HTTP_PORT --grpc-port $GRPC_PORT \
+"${ON_SERVER_CPUS[@]}" "$PY" -m s2tts.server --checkpoint "$CKPT" --device "$DEVICE" "${SET_ARGS[@]}" --http-port $HTTP_PORT --grpc-port $GRPC_PORT \
   --metrics-port $METRICS_PORT --workdir "$WORK/server" --timeout "$SERVER_TIMEOUT" >"$WORK/server.out" 2>&1 &
 SERVER_PID=$!
 until grep -q "tritonserver ready" "$WORK/server.out" 2>/dev/null; do
@@ -235,14 +243,14 @@ LG_FAIL=0
 if [ -n "$CONCURRENCY" ]; then
   phase loadgen
   # shellcheck disable=SC2086
-  "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CONCURRENCY" --frames "$FRAMES" --level-timeout "$LEVEL_TIMEOUT" \
+  "${ON_CLIENT_CPUS[@]}" "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CONCURRENCY" --frames "$FRAMES" --level-timeout "$LEVEL_TIMEOUT" \
     --json "$RES/loadgen.json" --markdown "$WORK/loadgen.md" $LOADGEN_ARGS || LG_FAIL=1
   { echo "## loadgen, plain prompts"; echo; cat "$WORK/loadgen.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
 fi
 if [ -n "$CLONE_CONCURRENCY" ] && time_left loadgen-clone; then
   phase loadgen-clone
   # shellcheck disable=SC2086
-  "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CLONE_CONCURRENCY" --frames "$FRAMES" \
+  "${ON_CLIENT_CPUS[@]}" "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CLONE_CONCURRENCY" --frames "$FRAMES" \
     --clone-fraction 1 --clone-mode codes --warmup 1 --level-timeout "$LEVEL_TIMEOUT" \
     --json "$RES/loadgen_clone.json" --markdown "$WORK/loadgen_clone.md" $LOADGEN_ARGS || LG_FAIL=1
   { echo "## loadgen, voice clone (10 s reference, codes encoded once by dac_encoder)"; echo
@@ -250,7 +258,7 @@ if [ -n "$CLONE_CONCURRENCY" ] && time_left loadgen-clone; then
 fi
 if [ -n "${LIVE_CONCURRENCY:-}" ] && time_left live; then
   phase live
-  "$PY" perf/live_load.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$LIVE_CONCURRENCY" --json "$RES/live.json" \
+  "${ON_CLIENT_CPUS[@]}" "$PY" perf/live_load.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$LIVE_CONCURRENCY" --json "$RES/live.json" \
     ${LIVE_ARGS:-} >"$WORK/live.md" || LG_FAIL=1
   { echo "## live sessions: text fed at an LLM's pace (perf/live_load.py ${LIVE_ARGS:-})"; echo
     cat "$WORK/live.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
@@ -258,7 +266,7 @@ fi
 if [ -n "$CLONE_FIRST_CONCURRENCY" ] && time_left loadgen-clone-first; then
   phase loadgen-clone-first
   # shellcheck disable=SC2086
-  "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CLONE_FIRST_CONCURRENCY" --frames "$FRAMES" \
+  "${ON_CLIENT_CPUS[@]}" "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CLONE_FIRST_CONCURRENCY" --frames "$FRAMES" \
     --clone-fraction 1 --clone-mode audio --fresh-references --warmup 1 --level-timeout "$LEVEL_TIMEOUT" \
     --json "$RES/loadgen_clone_first.json" --markdown "$WORK/loadgen_clone_first.md" $LOADGEN_ARGS || LG_FAIL=1
   { echo "## loadgen, first use of a voice (a 10 s reference never sent before, encoded and prefilled each time)"; echo

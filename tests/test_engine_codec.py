@@ -327,6 +327,14 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
     sent = re.findall(r"sender, last \d+ s: (\d+) responses, [\d.]+ ms each to build and send, waited ([\d.]+) ms p50",
                       s2_log.text)
     assert sent and all(int(n) >= 1 and float(w) >= 0 for n, w in sent)
+    # where the slots went: held at each step's start (decoding or prefilling: never more than the 3 requests),
+    # none waiting (3 slots free), and each request's final response timed once from its last frame
+    held = re.findall(r"slots held ([\d.]+), requests waiting ([\d.]+) a step; (\d+)% of the steps with prompt rows "
+                      r"ending \(([\d.]+) ms, the others ([\d.]+)\); last frame to final response (?:[\d.]+ ms p50|-) "
+                      r"\((\d+) requests\)", s2_log.text)
+    assert len(held) == len(lines)
+    assert all(0 < float(h) <= 3 and float(w) == 0 and 0 <= int(p) <= 100 for h, w, p, *_ in held)
+    assert sum(int(n) for *_, n in held) + len(svc.loop.tails) == len(rs)
 
 
 def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny_ckpt, monkeypatch):

@@ -232,12 +232,18 @@ def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "GPUS": "1 2", "C_PER_GPU": "1", "FRAMES": "6",
            "DEVICE_TYPE": "cpu", "CKPT": str(tiny_ckpt), "CKPT_SIZE": "tiny", "PYTHON": sys.executable, "USE_CARRIED": "0",
            "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"), "GRPC_PORT": str(free_port()),
-           "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port())}
+           "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port()),
+           # the server and the load generator pinned (taskset) to the CPUs this test may use
+           "SERVER_CPUS": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+           "CLIENT_CPUS": str(min(os.sched_getaffinity(0)))}
     _run(["bash", "perf/scale_gpus.sh"], timeout=600, env=env)
     rows = json.loads((tmp_path / "out" / "scale.json").read_text())
     assert [(r["engines"], r["concurrency"]) for r in rows] == [(1, 1), (2, 2)]
     assert all(r["ok"] == r["requests"] > 0 and r["audio_s_per_s"] > 0 for r in rows), rows
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
+    with tarfile.open(tmp_path / "out" / "g1.tar.gz") as tar:
+        run_log = tar.extractfile("g1/run.log").read().decode(errors="replace")
+    assert f"CPUs: the server on {env['SERVER_CPUS']}, the load generators on {env['CLIENT_CPUS']}" in run_log
     with tarfile.open(tmp_path / "out" / "g2.tar.gz") as tar:
         log = tar.extractfile("g2/tritonserver.log").read().decode(errors="replace")
     assert "successfully loaded 'slow_ar_1'" in log and "successfully loaded 'dac_decoder_1'" in log
@@ -276,3 +282,6 @@ def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
         assert r["audio_s_per_s"] > 0 and r["requests_done"] > 0 and r["errors"] == 0, r
         assert r["step_ms"] > 0 and r["streams_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
         assert sum(r["stall_at_chunk"].values()) == round(r["stall_fraction"] * r["requests_done"])
+        # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
+        assert 0 < r["frames_per_step"] <= r["slots_held"] <= 3 and 0 <= r["prompt_steps"] <= 1, r
+        assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0

@@ -47,7 +47,7 @@ from ..frontend.prompt import Prompt
 from ..lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
 from ..sampling import SamplingParams
 from ..settings import SCHEMA
-from . import FINISH_ERROR, Engine, Output
+from . import FINISH_END, FINISH_ERROR, FINISH_LENGTH, Engine, Output
 
 log = logging.getLogger("s2tts")
 
@@ -121,6 +121,7 @@ class RequestState:
     n_audio: int = 0
     waiting: list = field(default_factory=list)
     released: int = 0  # frames whose audio was sent
+    last_frame_at: float | None = None  # when the engine ended it (its last frame made)
 
 
 @dataclass
@@ -135,10 +136,16 @@ class LoopStats:
     codec_streams: int = 0
     frames: int = 0  # frames the steps made: a step's average is how many of the slots decoded
     loaded: int = 0  # steps taken under load (`EngineService.under_load`)
+    live: int = 0  # slots held in the steps (decoding or prefilling), summed over the steps
+    waiting: int = 0  # requests left waiting for a slot after the steps, summed
+    firsts: int = 0  # steps that made some request's first frame (its prompt's last rows ran in them)
+    firsts_s: float = 0.0  # their step time
+    tails: list = field(default_factory=list)  # seconds from a request's last frame to its final response handed out
     since: float = 0.0
     every_s: float = 10.0
 
-    def add(self, step_s: float, rest_s: float, name: str, frames: int = 0, loaded: bool = False) -> None:
+    def add(self, step_s: float, rest_s: float, name: str, frames: int = 0, loaded: bool = False, live: int = 0,
+            waiting: int = 0, firsts: bool = False) -> None:
         now = time.monotonic()
         if not self.since:
             self.since = now
@@ -147,14 +154,25 @@ class LoopStats:
         self.codec_s += rest_s
         self.frames += frames
         self.loaded += loaded
+        self.live += live
+        self.waiting += waiting
+        self.firsts += firsts
+        self.firsts_s += step_s if firsts else 0.0
         if now - self.since >= self.every_s and self.codec_calls:
+            tail = f"{1e3 * float(np.percentile(self.tails, 50)):.1f} ms p50" if self.tails else "-"
             log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
-                     "decoding audio (%d codec calls, %.1f streams a call); under load %.0f%% of the steps", name,
+                     "decoding audio (%d codec calls, %.1f streams a call); under load %.0f%% of the steps; slots held "
+                     "%.1f, requests waiting %.1f a step; %.0f%% of the steps with prompt rows ending (%.1f ms, the others %.1f); "
+                     "last frame to final response %s (%d requests)", name,
                      now - self.since, self.steps, 1e3 * self.step_s / self.steps, self.frames / self.steps,
                      1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_streams / self.codec_calls,
-                     100 * self.loaded / self.steps)
+                     100 * self.loaded / self.steps, self.live / self.steps, self.waiting / self.steps,
+                     100 * self.firsts / self.steps, 1e3 * self.firsts_s / max(1, self.firsts),
+                     1e3 * (self.step_s - self.firsts_s) / max(1, self.steps - self.firsts), tail,
+                     len(self.tails))
             self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_streams, self.frames = 0, 0.0, 0.0, 0, 0, 0
-            self.loaded, self.since = 0, now
+            self.loaded, self.live, self.waiting, self.firsts, self.firsts_s, self.tails = 0, 0, 0, 0, 0.0, []
+            self.since = now
 
 
 @dataclass
@@ -418,6 +436,10 @@ class EngineService:
         t0 = time.monotonic()
         decoding = self.engine.decoding()  # a step of prompt rows alone is not the streams' pace
         outputs = self.engine.step()
+        # (statistics, no lock needed): the slots this step held (those live after it and those it ended) and the
+        # requests left waiting for one
+        live = len(self.engine.live) + sum(o.finish_reason in (FINISH_END, FINISH_LENGTH) for o in outputs)
+        waiting = len(self.engine.scheduler.waiting)
         fault = self.engine.last_fault
         self._note_preemptions()
         if fault is None:
@@ -443,14 +465,17 @@ class EngineService:
                 rec.state.first_audio_s = now - rec.state.arrived
             if kind == "error":
                 hand(rec, "error", stats, None, now)
-            else:
-                hand(rec, kind, (codes, reason, stats, audio), reason or None, now)
+                continue
+            if kind == "final" and rec.state.last_frame_at is not None and len(self.loop.tails) < 100_000:
+                self.loop.tails.append(now - rec.state.last_frame_at)
+            hand(rec, kind, (codes, reason, stats, audio), reason or None, now)
         if decoding and fault is None:
             t2 = time.monotonic()
             dt = t2 - t0
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
             self._note_load()
-            self.loop.add(t1 - t0, t2 - t1, self.name, sum(o.codes.shape[0] for o in outputs), self.under_load())
+            self.loop.add(t1 - t0, t2 - t1, self.name, sum(o.codes.shape[0] for o in outputs), self.under_load(),
+                          live, waiting, any(o.queue_s is not None for o in outputs))
 
     def _route(self, o: Output) -> list[list]:
         """One request's output -> what to send: [record, "chunk" | "final" | "error", codes, finish reason,
@@ -479,6 +504,7 @@ class EngineService:
             st.n_undecoded += o.codes.shape[0]
         out = [[rec, "chunk", chunk, "", None, None] for chunk in st.chunker.add(o.codes)]
         if o.finished:
+            st.last_frame_at = time.monotonic()
             tail = st.chunker.flush()
             codes = tail if tail is not None else np.zeros((0, self.C), np.int32)
             first_audio = st.first_audio_s if st.first_audio_s is not None else time.monotonic() - st.arrived
