@@ -285,3 +285,22 @@ def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
         # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
         assert 0 < r["frames_per_step"] <= r["slots_held"] <= 3 and 0 <= r["prompt_steps"] <= 1, r
         assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0
+
+
+def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/fp8_effect.py end to end on the tiny model: for each seed the sampled codes of both models compared
+    codebook by codebook, and the teacher-forced logits of both ARs: FP8's error is above zero (the weights did
+    change) and small (the rounding of eight bits), every number in its range."""
+    out = tmp_path / "fp8.json"
+    _run([sys.executable, "perf/fp8_effect.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--dtype", "fp32",
+          "--frames", "12", "--seeds", "0,1", "--json", str(out)], timeout=600)
+    r = json.loads(out.read_text())
+    assert r["runs"] == len(r["records"]) == 2 and [x["seed"] for x in r["records"]] == [0, 1]
+    C = len(r["records"][0]["codes_equal_per_codebook"])
+    for x in r["records"]:
+        assert x["first_differing_frame"] is None or 0 <= x["first_differing_frame"] < 12
+        assert len(x["codes_equal_per_codebook"]) == C and all(0 <= v <= 1 for v in x["codes_equal_per_codebook"])
+        for part in ("slow_logits", "fast_logits"):
+            assert 0 < x[part]["rel_err_mean"] <= x[part]["rel_err_max"] < 0.2, x
+            assert 0 <= x[part]["argmax_agree"] <= 1
+    assert 0 < r["slow_rel_err_mean"] < 0.2 and 0 < r["fast_rel_err_mean"] < 0.2
