@@ -37,6 +37,7 @@ class _Client:
         self.arrivals: list[float] = []
         self.durations: list[float] = []
         self.done = threading.Event()
+        self.done_at = 0.0
         self.error = None
 
     def send(self, response, final):
@@ -47,6 +48,7 @@ class _Client:
             self.arrivals.append(time.monotonic())
             self.durations.append(audio.size / self.sr)
         if final:
+            self.done_at = time.monotonic()
             self.done.set()
 
     def is_cancelled(self):
@@ -105,6 +107,17 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
         svc.submit(f"q{i}", c, prompts[i % len(prompts)], sp, args.first, args.chunk)
         return c
 
+    stop_load = threading.Event()
+    if args.gil_load:  # the serving threads' Python beside the engine thread's (slow_ar's sender, the pulls)
+        rate, work_ms = (float(x) for x in args.gil_load.split(":"))
+
+        def busy():
+            while not stop_load.wait(1.0 / rate):
+                end = time.perf_counter() + work_ms / 1e3
+                while time.perf_counter() < end:  # pure Python: holds the GIL, as building a response does
+                    pass
+
+        threading.Thread(target=busy, daemon=True).start()
     rng = np.random.default_rng(0)
     live = []
     for _ in range(args.streams):  # --stagger-ms apart: streams out of step, as clients arrive
@@ -120,9 +133,10 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
                     svc.loop.codec_s, svc.loop.codec_calls, svc.loop.codec_streams, svc.loop.frames, svc.loop.live,
                     len(svc.loop.tails), svc.loop.firsts, svc.loop.firsts_s)
         for k, c in enumerate(live):
-            if c.done.is_set():
+            if c.done.is_set() and time.monotonic() - c.done_at >= args.resubmit_ms / 1e3:
                 live[k] = submit()
     t1 = time.monotonic()
+    stop_load.set()
     audio = sum(sum(c.durations) for c in clients)
     L = svc.loop
     steps = max(1, L.steps - base[2])
@@ -134,7 +148,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
-           "streams": args.streams, "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
+           "streams": args.streams, "resubmit_ms": args.resubmit_ms, "gil_load": args.gil_load or None,
+           "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
            "step_ms": round(1e3 * (L.step_s - base[3]) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - base[4]) / steps, 2),
            "frames_per_step": round((L.frames - base[7]) / steps, 1), "slots_held": round((L.live - base[8]) / steps, 1),
            "prompt_steps": round((L.firsts - base[10]) / steps, 3),
@@ -184,6 +199,12 @@ def main() -> int:
     ap.add_argument("--chunk-lag", type=int, default=-1, help="the chunker's lag in frames (default: the service's)")
     ap.add_argument("--torch-codec", action="store_true", help="the codec as PyTorch ops with cuDNN's heuristics "
                                                                 "(before its Triton kernels and autotuning)")
+    ap.add_argument("--resubmit-ms", type=float, default=0.0, help="a finished request's replacement comes this long "
+                    "after its final response (a served closed loop's round trip: the final's way to the client, the "
+                    "next request's way in); default: at once")
+    ap.add_argument("--gil-load", default="", help="R:W: a thread runs W ms of pure Python R times a second beside the "
+                    "loop (what serving adds in slow_ar's process: its sender builds ~340 responses/s of ~0.35 ms at "
+                    "c=64 on an H100, e.g. 340:0.35)")
     ap.add_argument("--json")
     args = ap.parse_args()
 

@@ -275,7 +275,8 @@ def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
     out = tmp_path / "loop.json"
     _run([sys.executable, "perf/bench_loop.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--streams", "3",
           "--frames", "12", "--frames-jitter", "3", "--stagger-ms", "20", "--seconds", "2", "--warm-s", "0.5",
-          "--batch-steps", "1,4", "--admit-every", "1,2", "--json", str(out)], timeout=600)
+          "--batch-steps", "1,4", "--admit-every", "1,2", "--resubmit-ms", "30", "--gil-load", "50:1",
+          "--json", str(out)], timeout=600)
     rows = json.loads(out.read_text())
     assert [(r["batch_steps"], r["admit_every"]) for r in rows] == [(1, 1), (4, 1), (1, 2)]
     for r in rows:
@@ -285,6 +286,7 @@ def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
         # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
         assert 0 < r["frames_per_step"] <= r["slots_held"] <= 3 and 0 <= r["prompt_steps"] <= 1, r
         assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0
+        assert r["resubmit_ms"] == 30 and r["gil_load"] == "50:1"
 
 
 def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
