@@ -127,6 +127,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("kv_cache_memory_gb", float, None, ("slow_ar", "s2pro"), "the KV cache's size in GiB instead of tokens: the "
             "tokens it holds follow from the checkpoint's layers, heads and dtype (the full-size model in bf16: "
             "147 KB a token, 7,300 tokens a GiB); not with kv_cache_tokens", min=0.0001, max=4096.0),
+    Setting("gpu_memory_utilization", float, None, ("slow_ar", "s2pro"), "the share of its GPU's memory an engine's "
+            "process may take, as vLLM's: its weights, its codec (with codec_in_engine), room for its CUDA graphs, and "
+            "a KV cache of what is left (slow_ar's log says how it split); on a GPU that other models share, leave "
+            "them theirs. On a CPU the KV cache takes its default. Not with kv_cache_tokens or kv_cache_memory_gb",
+            min=0.01, max=1.0),
     Setting("kv_block_tokens", int, 32, ("slow_ar", "s2pro"), "tokens per KV-cache block; 0 = one block of max_seq_len per "
             "request (the unpaged slot layout)", min=0, max=32768),
     Setting("max_queued_requests", int, 64, ("slow_ar", "s2pro"), "requests waiting for a KV slot; more are refused at once "
@@ -251,17 +256,28 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
         out["max_new_tokens_limit"] = min(out["max_new_tokens_limit"], out["max_seq_len"] // 2)
     if given.get("default_max_new_tokens") in (None, ""):
         out["default_max_new_tokens"] = min(out["default_max_new_tokens"], out["max_new_tokens_limit"])
-    if out["kv_cache_memory_gb"] is not None and out["kv_cache_tokens"] is not None:
-        raise invalid(f"kv_cache_tokens={out['kv_cache_tokens']} and kv_cache_memory_gb={out['kv_cache_memory_gb']} "
-                      "both size the KV cache: set one of them", "kv_cache_memory_gb")
-    if out["kv_cache_tokens"] is None and out["kv_cache_memory_gb"] is None:
-        out["kv_cache_tokens"] = max(out["max_seq_len"], out["max_batch"] * 2048)
+    sizes = [k for k in KV_SIZES if out[k] is not None]
+    if len(sizes) > 1:
+        raise invalid(" and ".join(f"{k}={out[k]}" for k in sizes) + f" {'both' if len(sizes) == 2 else 'all'} size the KV cache: set one of them",
+                      sizes[-1])
+    if not sizes:
+        out["kv_cache_tokens"] = default_kv_tokens(out)
     check_rules(out)
     if out["codec_in_engine"] is None:  # decided here, so that slow_ar and dac_decoder agree
         from .layout import Layout
 
         out["codec_in_engine"] = Layout.from_values(out).codec_beside_engines()
     return out
+
+
+KV_SIZES = ("kv_cache_tokens", "kv_cache_memory_gb", "gpu_memory_utilization")  # at most one sizes the KV cache
+
+
+def default_kv_tokens(v) -> int:
+    """The KV cache's size when no setting sizes it: `max_batch` x 2,048 tokens, at least one request of
+    `max_seq_len` (`v`: settings as a dict or as `model_values`)."""
+    get = v.get if isinstance(v, dict) else lambda k: getattr(v, k)
+    return max(get("max_seq_len"), get("max_batch") * 2048)
 
 
 def check_rules(v: dict[str, Any]) -> None:

@@ -286,7 +286,7 @@ def test_service_says_when_requests_were_paused(model, requests, s2_log):
         sent = responders[rid].sent
         assert responders[rid].finals == 1 and sent[-1][1] == "length"
         assert sum(len(codes) for codes, _ in sent) == sp.max_new_tokens
-    assert "the KV cache ran out of blocks" in s2_log.text and "raise it if this repeats" in s2_log.text
+    assert "the KV cache ran out of blocks" in s2_log.text and "if this repeats, raise kv_cache_tokens" in s2_log.text
 
 
 def test_admissions_grouped_every_n_steps_while_busy(model, requests):
@@ -308,3 +308,59 @@ def test_admissions_grouped_every_n_steps_while_busy(model, requests):
     assert [ids for _, _, ids in passes if ids] == [["r0"], ["r1", "r2", "r3"]]  # one a step, prefilled together
     for rid in plain[0]:
         np.testing.assert_array_equal(grouped[0][rid], plain[0][rid])
+
+
+def test_pool_sized_by_a_share_of_the_gpu(model, tiny_ckpt):
+    """gpu_memory_utilization: the KV pool gets what the share leaves after what the process holds (weights, codec)
+    and the room kept for CUDA graphs; too small a share names the least one that holds a request; the settings
+    refuse it beside either other size, and leave kv_cache_tokens unset with it."""
+    from s2tts import settings
+    from s2tts.engine.runner import ModelRunner
+    from s2tts.engine.service import GRAPHS_AND_CONTEXT_GIB, kv_gib_for_utilization
+    from s2tts.errors import S2Error
+
+    cfg, G = model.s2.text, 1 << 30
+    per = ModelRunner.kv_token_bytes(cfg, torch.bfloat16)
+    gib = kv_gib_for_utilization(0.5, 80 * G, 12 * G, cfg, torch.bfloat16, 4096)
+    assert gib == pytest.approx(40 - 12 - GRAPHS_AND_CONTEXT_GIB)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.1 gives this engine 8.0 GiB of its GPU's 80.0 GiB, "
+                                         r"and it already holds 12.0 GiB .* raise gpu_memory_utilization to at least "
+                                         r"0.17 or lower max_seq_len"):
+        kv_gib_for_utilization(0.1, 80 * G, 12 * G, cfg, torch.bfloat16, 4096)
+    # the least share it names is enough: one request of max_seq_len fits
+    least = (12 * G + 4096 * per) / (80 * G) + GRAPHS_AND_CONTEXT_GIB / 80
+    assert kv_gib_for_utilization(least + 1e-6, 80 * G, 12 * G, cfg, torch.bfloat16, 4096) * G >= 4096 * per
+    base = {"checkpoint": str(tiny_ckpt)}
+    for other in ({"kv_cache_tokens": "4096"}, {"kv_cache_memory_gb": "1"}):
+        with pytest.raises(S2Error, match="both size the KV cache: set one of them"):
+            settings.resolve({**base, **other, "gpu_memory_utilization": "0.5"})
+    with pytest.raises(S2Error, match="gpu_memory_utilization=1.5 is above its maximum 1"):
+        settings.resolve({**base, "gpu_memory_utilization": "1.5"})
+    v = settings.resolve({**base, "gpu_memory_utilization": "0.5"})
+    assert v["kv_cache_tokens"] is None and v["gpu_memory_utilization"] == 0.5
+
+
+def test_a_share_of_the_gpu_on_a_cpu_takes_the_default_pool(harness_factory):
+    """On a CPU (the same repository, device=cpu) gpu_memory_utilization leaves the KV pool at its default size, and
+    slow_ar's log says so."""
+    import logging
+
+    from s2tts.settings import default_kv_tokens
+
+    lines = []
+    keep = logging.Handler()
+    keep.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("s2tts")  # (the models' own handler does not propagate)
+    level = log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        h = harness_factory(gpu_memory_utilization="0.5", max_batch="3", max_seq_len="1024")
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    engine = h.models["slow_ar"].service.engine
+    tokens = default_kv_tokens({"max_batch": 3, "max_seq_len": 1024})
+    assert engine.kv_capacity_tokens == -(-tokens // engine.blocks.block_size) * engine.blocks.block_size
+    assert f"slow_ar: gpu_memory_utilization applies to a GPU; on cpu the KV cache takes its default, {tokens} " \
+           "tokens" in lines

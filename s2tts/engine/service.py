@@ -46,7 +46,7 @@ from ..errors import S2Error
 from ..frontend.prompt import Prompt
 from ..lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
 from ..sampling import SamplingParams
-from ..settings import SCHEMA
+from ..settings import SCHEMA, default_kv_tokens
 from . import FINISH_END, FINISH_ERROR, FINISH_LENGTH, Engine, Output
 
 log = logging.getLogger("s2tts")
@@ -421,7 +421,8 @@ class EngineService:
         now = time.monotonic()
         if n > self._preemptions_logged and now - self._preemption_log_at >= 10.0:
             log.warning("%s: the KV cache ran out of blocks: %d request(s) paused to resume where they stopped (%d so "
-                        "far; kv_cache_tokens=%d: raise it if this repeats)", self.name, n - self._preemptions_logged,
+                        "far; the KV cache holds %d tokens: if this repeats, raise kv_cache_tokens, kv_cache_memory_gb or "
+                        "gpu_memory_utilization, whichever sizes it)", self.name, n - self._preemptions_logged,
                         n, self.engine.kv_capacity_tokens)
             self._preemptions_logged, self._preemption_log_at = n, now
 
@@ -743,29 +744,42 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
                  on_tick: Callable[["EngineService"], None] | None = None, fast_ar=None,
                  direct_send: bool = False) -> EngineService:
     """An `EngineService` built from a model's settings `v` (`settings.model_values`): the AR weights on `v.device`,
-    the `Engine` with its KV pool and CUDA graphs, and with `codec_in_engine` the served
-    stream decoder on the same device, warmed for the chunk lengths the chunker makes and the slices held calls
-    decode. `fast_ar`: a `HostFastAR` replacing the in-process fast AR (slow_ar's fast_ar=bls)."""
+    with `codec_in_engine` the served stream decoder on the same device (warmed for the chunk lengths the chunker
+    makes and the slices held calls decode), then the `Engine` with its KV pool (sized by `kv_cache_tokens`,
+    `kv_cache_memory_gb` or `gpu_memory_utilization`: `kv_pool_gib`) and CUDA graphs. `fast_ar`: a `HostFastAR`
+    replacing the in-process fast AR (slow_ar's fast_ar=bls)."""
     from ..checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
 
     t0 = time.perf_counter()
     model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
+    device = next(model.parameters()).device
     t1 = time.perf_counter()
+    codec = _engine_codec(v, device, name) if codec_here(v, device) else None  # before the KV pool takes the rest
+    t2 = time.perf_counter()
+    kv_tokens, kv_gib = v.kv_cache_tokens, v.kv_cache_memory_gb
+    if v.gpu_memory_utilization is not None:
+        kv_gib = kv_pool_gib(v, model, name, codec is not None)
+        if kv_gib is None:  # not on a GPU
+            kv_tokens = default_kv_tokens(v)
     engine = Engine(model, residual_size=codec_codebook_sizes(v.checkpoint)[1], max_batch=v.max_batch,
-                    max_seq_len=v.max_seq_len, kv_cache_tokens=v.kv_cache_tokens, kv_block_tokens=v.kv_block_tokens,
-                    kv_cache_memory_gb=v.kv_cache_memory_gb,
+                    max_seq_len=v.max_seq_len, kv_cache_tokens=kv_tokens, kv_block_tokens=v.kv_block_tokens,
+                    kv_cache_memory_gb=kv_gib,
                     fast_ar=fast_ar, prefix_cache_bytes=v.prefix_cache_mb << 20,
                     max_prefill_tokens=v.max_prefill_tokens, cuda_graphs=v.cuda_graphs,
                     batch_invariant=v.batch_invariant, admit_every=v.admit_every_steps)
-    t2 = time.perf_counter()
-    codec = _engine_codec(v, engine, name) if codec_here(v, engine.device) else None
     t3 = time.perf_counter()
+    if v.gpu_memory_utilization is not None and device.type == "cuda":
+        import torch
+
+        log.info("%s: with its KV cache and CUDA graphs this process holds %.1f GiB of the GPU (PyTorch's; "
+                 "gpu_memory_utilization=%g: %.1f GiB)", name, torch.cuda.memory_reserved(device) / (1 << 30),
+                 v.gpu_memory_utilization, v.gpu_memory_utilization * torch.cuda.mem_get_info(device)[1] / (1 << 30))
     service = EngineService(engine, make_response, make_error, name=name, limit=v.max_batch + v.max_queued_requests,
                             on_unhealthy=on_unhealthy, on_tick=on_tick,
                             frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
                             codec=codec, codec_batch_steps=v.codec_batch_steps, load_chunk_frames=v.load_chunk_frames,
                             direct_send=direct_send)
-    log.info("%s ready in %.1f s (weights %.1f s, engine and its CUDA graphs %.1f s, codec %.1f s; the GPU kernels' "
+    log.info("%s ready in %.1f s (weights %.1f s, codec %.1f s, engine and its CUDA graphs %.1f s; the GPU kernels' "
              "first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d "
              "kv_cache=%d tokens in blocks of %d cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s "
              "adaptive_chunks=%s codec_in_engine=%s", name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device,
@@ -775,7 +789,49 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     return service
 
 
-def _engine_codec(v, engine: Engine, name: str):
+# room an engine keeps beside its weights, codec and KV pool under gpu_memory_utilization: its CUDA graphs' memory
+# pool and activations (the largest pass: max_batch + max_prefill_tokens rows) and the CUDA context
+GRAPHS_AND_CONTEXT_GIB = 1.5
+
+
+def kv_pool_gib(v, model, name: str, with_codec: bool = False) -> float | None:
+    """The KV pool's GiB under `gpu_memory_utilization` (None on a CPU: the default pool), from what this process
+    already holds on the engine's GPU (the weights, the codec) -> `kv_gib_for_utilization`."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        log.info("%s: gpu_memory_utilization applies to a GPU; on %s the KV cache takes its default, %d tokens", name,
+                 device, default_kv_tokens(v))
+        return None
+    import torch
+
+    total, held = torch.cuda.mem_get_info(device)[1], torch.cuda.memory_reserved(device)
+    gib = kv_gib_for_utilization(v.gpu_memory_utilization, total, held, model.s2.text, next(model.parameters()).dtype,
+                                 v.max_seq_len)
+    log.info("%s: gpu_memory_utilization=%g of %.1f GiB: %.1f GiB held (weights%s), %.1f GiB kept for CUDA graphs, "
+             "activations and the context: a KV cache of %.2f GiB", name, v.gpu_memory_utilization, total / (1 << 30),
+             held / (1 << 30), " and codec" if with_codec else "", GRAPHS_AND_CONTEXT_GIB, gib)
+    return gib
+
+
+def kv_gib_for_utilization(util: float, total: int, held: int, cfg, dtype, max_seq_len: int) -> float:
+    """GiB for the KV pool when an engine may take `util` of a GPU of `total` bytes and already holds `held` (its
+    weights and codec), keeping `GRAPHS_AND_CONTEXT_GIB`. ValueError naming the least utilization that works when
+    that is not one request of `max_seq_len` tokens (the slow AR's `cfg`, the cache in `dtype`)."""
+    from .runner import ModelRunner
+
+    one = max_seq_len * ModelRunner.kv_token_bytes(cfg, dtype)
+    gib = (util * total - held) / (1 << 30) - GRAPHS_AND_CONTEXT_GIB
+    if gib * (1 << 30) < one:
+        least = (held + one) / total + GRAPHS_AND_CONTEXT_GIB * (1 << 30) / total
+        raise ValueError(f"gpu_memory_utilization={util:g} gives this engine {util * total / (1 << 30):.1f} GiB of "
+                         f"its GPU's {total / (1 << 30):.1f} GiB, and it already holds {held / (1 << 30):.1f} GiB "
+                         f"(weights and codec) and keeps {GRAPHS_AND_CONTEXT_GIB:g} GiB for its CUDA graphs: no room "
+                         f"for one request of max_seq_len={max_seq_len} in its KV cache; raise gpu_memory_utilization "
+                         f"to at least {min(1.0, least + 0.005):.2f} or lower max_seq_len")
+    return gib
+
+
+def _engine_codec(v, device, name: str):
     """The served stream decoder (`codec.stream.open_stream_decoder`) on the engine's device, warmed for the chunk
     lengths the chunker makes and the slices held calls decode (`codec_batch_steps`, and twice that for a stream
     catching up), at up to max_batch streams per call."""
@@ -787,7 +843,7 @@ def _engine_codec(v, engine: Engine, name: str):
     torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
     # streams open here: the live requests, and a long text's stream between two of its segments
     slots = min(v.codec_max_streams, 2 * v.max_batch)
-    decoder, dtype, graphs = open_stream_decoder(v.checkpoint, engine.device, v.codec_dtype, slots,
+    decoder, dtype, graphs = open_stream_decoder(v.checkpoint, device, v.codec_dtype, slots,
                                                  v.codec_idle_timeout_s,
                                                  EngineService.codec_lengths(v.first_chunk_frames, v.chunk_frames,
                                                                              v.codec_batch_steps), v.max_batch)
