@@ -163,7 +163,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "errors": len(errors)}
     if errors:
         out["first_error"] = errors[0]
-    del svc, eng, decoder
+    svc = eng = decoder = None  # (freed before the cache is emptied; submit() holds svc in its closure)
     if cuda:
         torch.cuda.empty_cache()
     return out
