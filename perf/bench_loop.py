@@ -70,7 +70,7 @@ def _stall_points(clients) -> dict:
 
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
-        prefill_tokens, uniform=None, load_frames=None):
+        prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load=""):
     from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService
@@ -108,8 +108,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
         return c
 
     stop_load = threading.Event()
-    if args.gil_load:  # the serving threads' Python beside the engine thread's (slow_ar's sender, the pulls)
-        rate, work_ms = (float(x) for x in args.gil_load.split(":"))
+    if gil_load:  # the serving threads' Python beside the engine thread's (slow_ar's sender, the pulls)
+        rate, work_ms = (float(x) for x in gil_load.split(":"))
 
         def busy():
             while not stop_load.wait(1.0 / rate):
@@ -133,7 +133,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
                     svc.loop.codec_s, svc.loop.codec_calls, svc.loop.codec_streams, svc.loop.frames, svc.loop.live,
                     len(svc.loop.tails), svc.loop.firsts, svc.loop.firsts_s)
         for k, c in enumerate(live):
-            if c.done.is_set() and time.monotonic() - c.done_at >= args.resubmit_ms / 1e3:
+            if c.done.is_set() and time.monotonic() - c.done_at >= resubmit_ms / 1e3:
                 live[k] = submit()
     t1 = time.monotonic()
     stop_load.set()
@@ -148,7 +148,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
-           "streams": args.streams, "resubmit_ms": args.resubmit_ms, "gil_load": args.gil_load or None,
+           "streams": args.streams, "resubmit_ms": resubmit_ms, "gil_load": gil_load or None,
            "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
            "step_ms": round(1e3 * (L.step_s - base[3]) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - base[4]) / steps, 2),
            "frames_per_step": round((L.frames - base[7]) / steps, 1), "slots_held": round((L.live - base[8]) / steps, 1),
@@ -199,12 +199,13 @@ def main() -> int:
     ap.add_argument("--chunk-lag", type=int, default=-1, help="the chunker's lag in frames (default: the service's)")
     ap.add_argument("--torch-codec", action="store_true", help="the codec as PyTorch ops with cuDNN's heuristics "
                                                                 "(before its Triton kernels and autotuning)")
-    ap.add_argument("--resubmit-ms", type=float, default=0.0, help="a finished request's replacement comes this long "
-                    "after its final response (a served closed loop's round trip: the final's way to the client, the "
-                    "next request's way in); default: at once")
-    ap.add_argument("--gil-load", default="", help="R:W: a thread runs W ms of pure Python R times a second beside the "
-                    "loop (what serving adds in slow_ar's process: its sender builds ~340 responses/s of ~0.35 ms at "
-                    "c=64 on an H100, e.g. 340:0.35)")
+    ap.add_argument("--resubmit-ms", default="0", help="comma-separated: a finished request's replacement comes this "
+                    "long after its final response (a served closed loop's round trip: the final's way to the client, "
+                    "the next request's way in; 0: at once), each tried with the first of the others")
+    ap.add_argument("--gil-load", default="", help="comma-separated R:W: a thread runs W ms of pure Python R times a "
+                    "second beside the loop (what serving adds in slow_ar's process: its sender builds ~340 "
+                    "responses/s of ~0.35 ms at c=64 on an H100, e.g. 340:0.35), each tried with the first of the "
+                    "others (the first of all: none)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -235,18 +236,24 @@ def main() -> int:
     first = (steps[0], admits[0], bucket_sets[0], prefills[0])
     combos = [(bs, *first[1:]) for bs in steps] + [(first[0], a, *first[2:]) for a in admits[1:]] + \
         [(*first[:2], b, first[3]) for b in bucket_sets[1:]] + [(*first[:3], p) for p in prefills[1:]]
-    for bs, admit, buckets, prefill in combos:
+    r0 = [float(x) for x in args.resubmit_ms.split(",") if x] or [0.0]
+
+    def go(combo, **kw):
+        kw.setdefault("resubmit_ms", r0[0])
         rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,
-                        codec_frame_seconds(ck), bs, admit, buckets, prefill))
+                        codec_frame_seconds(ck), *combo, **kw))
         print(json.dumps(rows[-1]), flush=True)
+
+    for combo in combos:
+        go(combo)
     for lf in [int(x) for x in args.load_frames.split(",") if x]:
-        rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,
-                        codec_frame_seconds(ck), *first, load_frames=lf))
-        print(json.dumps(rows[-1]), flush=True)
+        go(first, load_frames=lf)
     for u in [float(x) for x in args.uniform_from.split(",") if x]:
-        rows.append(run(args, model, codec_codebook_sizes(ck)[1], codec, fallback, prompts, s2.sample_rate,
-                        codec_frame_seconds(ck), *first, uniform=u))
-        print(json.dumps(rows[-1]), flush=True)
+        go(first, uniform=u)
+    for d in r0[1:]:
+        go(first, resubmit_ms=d)
+    for g in [x for x in args.gil_load.split(",") if x]:
+        go(first, gil_load=g)
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

@@ -269,26 +269,6 @@ def test_paged_mixed_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert r["mixed_kv_pool_tokens"] >= 4 * 30 + 2 * 330
 
 
-def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
-    """perf/bench_loop.py end to end on the tiny model: the serving loop with the codec, streams out of step, two
-    codec-batching settings and held admissions; every row delivered audio from finished requests, with no error."""
-    out = tmp_path / "loop.json"
-    _run([sys.executable, "perf/bench_loop.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--streams", "3",
-          "--frames", "12", "--frames-jitter", "3", "--stagger-ms", "20", "--seconds", "2", "--warm-s", "0.5",
-          "--batch-steps", "1,4", "--admit-every", "1,2", "--resubmit-ms", "30", "--gil-load", "50:1",
-          "--json", str(out)], timeout=600)
-    rows = json.loads(out.read_text())
-    assert [(r["batch_steps"], r["admit_every"]) for r in rows] == [(1, 1), (4, 1), (1, 2)]
-    for r in rows:
-        assert r["audio_s_per_s"] > 0 and r["requests_done"] > 0 and r["errors"] == 0, r
-        assert r["step_ms"] > 0 and r["streams_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
-        assert sum(r["stall_at_chunk"].values()) == round(r["stall_fraction"] * r["requests_done"])
-        # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
-        assert 0 < r["frames_per_step"] <= r["slots_held"] <= 3 and 0 <= r["prompt_steps"] <= 1, r
-        assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0
-        assert r["resubmit_ms"] == 30 and r["gil_load"] == "50:1"
-
-
 def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/fp8_effect.py end to end on the tiny model: for each seed the sampled codes of both models compared
     codebook by codebook, and the teacher-forced logits of both ARs: FP8's error is above zero (the weights did
@@ -306,3 +286,35 @@ def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
             assert 0 < x[part]["rel_err_mean"] <= x[part]["rel_err_max"] < 0.2, x
             assert 0 <= x[part]["argmax_agree"] <= 1
     assert 0 < r["slow_rel_err_mean"] < 0.2 and 0 < r["fast_rel_err_mean"] < 0.2
+
+
+def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/served_gap.sh end to end on the CPU: one served run (the pinned one skipped) and perf/bench_loop.py, the
+    serving loop with the codec alone, streams out of step, two codec-batching settings, held admissions, a
+    replacement 30 ms late and Python beside the loop (each knob's values with the first of the others): one table,
+    a row per run; every loop run delivered audio from finished requests, with no error, its steady state in range."""
+    from servers import free_port
+
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "C": "2", "REQUESTS": "4", "PIN": "0", "FRAMES": "6",
+           "DEVICE": "cpu", "CKPT": str(tiny_ckpt), "CKPT_SIZE": "tiny", "PYTHON": sys.executable, "USE_CARRIED": "0",
+           "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"), "GRPC_PORT": str(free_port()),
+           "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port()),
+           "LOOP_ARGS": "--streams 3 --frames 12 --frames-jitter 3 --stagger-ms 20 --seconds 2 --warm-s 0.5 "
+                        "--batch-steps 1,4 --admit-every 1,2 --resubmit-ms 0,30 --gil-load 50:1"}
+    _run(["bash", "perf/served_gap.sh"], timeout=600, env=env)
+    table = (tmp_path / "out" / "gap.md").read_text().splitlines()
+    assert table[0].startswith("| run | audio-s/s | pass ms") and len(table) == 2 + 1 + 5, table
+    served = json.loads((tmp_path / "out" / "served" / "loadgen.json").read_text())["levels"][0]
+    assert served["ok"] == served["requests"] == 4 and table[2].startswith(f"| served | {served['audio_s_per_s']} |")
+    assert [row.split(" | ")[0] for row in table[3:]] == ["| loop"] * 3 + ["| loop, resubmit 30 ms",
+                                                                         "| loop, Python beside 50:1"]
+    rows = json.loads((tmp_path / "out" / "loop.json").read_text())
+    assert [(r["batch_steps"], r["admit_every"], r["resubmit_ms"], r["gil_load"]) for r in rows] == \
+        [(1, 1, 0, None), (4, 1, 0, None), (1, 2, 0, None), (1, 1, 30, None), (1, 1, 0, "50:1")]
+    for r in rows:
+        assert r["audio_s_per_s"] > 0 and r["requests_done"] > 0 and r["errors"] == 0, r
+        assert r["step_ms"] > 0 and r["streams_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
+        assert sum(r["stall_at_chunk"].values()) == round(r["stall_fraction"] * r["requests_done"])
+        # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
+        assert 0 < r["frames_per_step"] <= r["slots_held"] <= 3 and 0 <= r["prompt_steps"] <= 1, r
+        assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0
