@@ -64,13 +64,8 @@
 #   tritonserver.log      the server's log
 #   model_stats.json      Triton's statistics of every model at the end of the run (/v2/models/stats)
 #   details.tar.gz        perf_analyzer CSV/logs, its input meta, environment info, rendered settings
-set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$ROOT"
-
-RES="${OUT:-perf/out}"
-mkdir -p "$RES"
-RES="$(cd "$RES" && pwd)"
+# shellcheck source=perf/common.sh
+source "$(dirname "$0")/common.sh"  # strict mode, $ROOT as the working directory, $RES
 WORK="${WORK:-/tmp/s2tts_perf}"
 rm -rf "$WORK"
 mkdir -p "$WORK/details"

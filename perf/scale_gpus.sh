@@ -17,12 +17,8 @@
 #   CKPT                 /tmp/s2-full   written once (full-size random) if missing
 #   OUT                  perf/out       results: scale.md (the table), scale.json, gN.tar.gz (run_gpu.sh's files)
 # Every run also passes max_concurrent_requests = 2 x its streams (s2pro's admission limit is for the whole server).
-set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$ROOT"
-RES="${OUT:-perf/out}"
-mkdir -p "$RES"
-RES="$(cd "$RES" && pwd)"
+# shellcheck source=perf/common.sh
+source "$(dirname "$0")/common.sh"  # strict mode, $ROOT as the working directory, $RES
 GPUS="${GPUS:-1 2 4}"
 C_PER_GPU="${C_PER_GPU:-64}"
 DEVICE_TYPE="${DEVICE_TYPE:-cuda}"

@@ -15,12 +15,8 @@
 #
 # Knobs: OUT (perf/out), CKPT (/tmp/s2-full), C (64), REQUESTS (768), PIN (1), LOOP_ARGS ("--streams $C --seconds 20
 # --batch-steps 8 --resubmit-ms 0,90 --gil-load 340:0.35"), PYTHON, and run_gpu.sh's own (DEVICE, SETTINGS ...).
-set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$ROOT"
-RES="${OUT:-perf/out}"
-mkdir -p "$RES"
-RES="$(cd "$RES" && pwd)"
+# shellcheck source=perf/common.sh
+source "$(dirname "$0")/common.sh"  # strict mode, $ROOT as the working directory, $RES
 C="${C:-64}" REQUESTS="${REQUESTS:-768}" PIN="${PIN:-1}" PY="${PYTHON:-python3}"
 export CKPT="${CKPT:-/tmp/s2-full}"
 LOOP_ARGS="${LOOP_ARGS:---streams $C --seconds 20 --batch-steps 8 --resubmit-ms 0,90 --gil-load 340:0.35}"

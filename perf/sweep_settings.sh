@@ -7,12 +7,8 @@
 # VARIANTS: "name=settings|name=settings|..." (settings as run_gpu.sh's SETTINGS; empty = the defaults).
 # Other knobs go to run_gpu.sh as they are (CONCURRENCY, default here 16,64; FRAMES; CKPT; DEVICE ...); the clone
 # and perf_analyzer phases are off. Results in $OUT: sweep.md (the table), NAME.json (each run's loadgen.json).
-set -euo pipefail
-ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$ROOT"
-RES="${OUT:-perf/out}"
-mkdir -p "$RES"
-RES="$(cd "$RES" && pwd)"
+# shellcheck source=perf/common.sh
+source "$(dirname "$0")/common.sh"  # strict mode, $ROOT as the working directory, $RES
 VARIANTS="${VARIANTS:-base=}"
 export CONCURRENCY="${CONCURRENCY:-16,64}" CLONE_CONCURRENCY="" PA=0
 NAMES=()
