@@ -289,6 +289,85 @@ def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
 
 
 def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/served_gap.sh end to end on the CPU without its served runs (run_gpu.sh is test_scale_gpus's): the
+    serving loop with the codec alone (perf/bench_loop.py), streams out of step, two codec-batching settings, held
+    admissions, a replacement 30 ms late and Python beside the loop (each knob's values with the first of the
+    others): a table row per run; every run delivered audio from finished requests, with no error, its steady state
+    in range."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "SERVED": "0", "DEVICE": "cpu", "CKPT": str(tiny_ckpt),
+           "PYTHON": sys.executable,
+           "LOOP_ARGS": "--streams 3 --frames 12 --frames-jitter 3 --stagger-ms 20 --seconds 1.5 --warm-s 0.4 "
+                        "--batch-steps 1,4 --admit-every 1,2 --resubmit-ms 0,30 --gil-load 50:1"}
+    _run(["bash", "perf/served_gap.sh"], timeout=600, env=env)
+    table = (tmp_path / "out" / "gap.md").read_text().splitlines()
+    assert table[0].startswith("| run | audio-s/s | pass ms") and len(table) == 2 + 5, table
+    assert [row.split(" | ")[0] for row in table[2:]] == ["| loop"] * 3 + ["| loop, resubmit 30 ms",
+                                                                         "| loop, Python beside 50:1"]
+    rows = json.loads((tmp_path / "out" / "loop.json").read_text())
+    assert [(r["batch_steps"], r["admit_every"], r["resubmit_ms"], r["gil_load"]) for r in rows] == \
+        [(1, 1, 0, None), (4, 1, 0, None), (1, 2, 0, None), (1, 1, 30, None), (1, 1, 0, "50:1")]
+    for r in rows:
+        assert r["audio_s_per_s"] > 0 and r["requests_done"] > 0 and r["errors"] == 0, r
+        assert r["step_ms"] > 0 and r["streams_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
+        assert sum(r["stall_at_chunk"].values()) == round(r["stall_fraction"] * r["requests_done"])
+        # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
+        assert 0 < r["frames_per_step"] <= r["slots_held"] <= 3 and 0 <= r["prompt_steps"] <= 1, r
+        assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0
+
+
+def test_gap_table_reads_slow_ars_loop_line(tmp_path):
+    """perf/gap_table.py reads a served run's steady state from the loop lines slow_ar writes (made here by its own
+    LoopStats, as run_gpu.sh copies them into summary.md): of two 10 s windows, the one with more frames a step."""
+    import logging
+
+    sys.path.insert(0, str(ROOT / "perf"))
+    from gap_table import table
+
+    from s2tts.engine.service import LoopStats
+
+    lines = []
+    keep = logging.Handler()
+    keep.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("s2tts")
+    level = log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        for frames, step_s in ((30, 0.012), (58, 0.011)):  # a ramp's window, then the steady state
+            stats = LoopStats(every_s=0.0, codec_calls=1, codec_streams=50, tails=[0.07, 0.08, 0.09])
+            stats.add(step_s, 0.004, "slow_ar", frames, True, frames + 1, 2, True)
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    run = tmp_path / "served"
+    run.mkdir()
+    (run / "summary.md").write_text("## slow_ar's loop, from its log\n\n" + "".join(f"- {m}\n" for m in lines))
+    (run / "loadgen.json").write_text(json.dumps({"levels": [{"audio_s_per_s": 171.5}]}))
+    rows = table(tmp_path, ["served", "pinned"]).splitlines()
+    assert rows[2] == "| served | 171.5 | 15.00 (11.0 + 4.0) | 58.0 | 59.0 | 100% (11.0 / 0.0) | 80.0 |", rows
+    assert rows[3] == "| pinned | - | (no loop line over 10 s) | | | | |"
+
+
+def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/fp8_effect.py end to end on the tiny model: for each seed the sampled codes of both models compared
+    codebook by codebook, and the teacher-forced logits of both ARs: FP8's error is above zero (the weights did
+    change) and small (the rounding of eight bits), every number in its range."""
+    out = tmp_path / "fp8.json"
+    _run([sys.executable, "perf/fp8_effect.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--dtype", "fp32",
+          "--frames", "12", "--seeds", "0,1", "--json", str(out)], timeout=600)
+    r = json.loads(out.read_text())
+    assert r["runs"] == len(r["records"]) == 2 and [x["seed"] for x in r["records"]] == [0, 1]
+    C = len(r["records"][0]["codes_equal_per_codebook"])
+    for x in r["records"]:
+        assert x["first_differing_frame"] is None or 0 <= x["first_differing_frame"] < 12
+        assert len(x["codes_equal_per_codebook"]) == C and all(0 <= v <= 1 for v in x["codes_equal_per_codebook"])
+        for part in ("slow_logits", "fast_logits"):
+            assert 0 < x[part]["rel_err_mean"] <= x[part]["rel_err_max"] < 0.2, x
+            assert 0 <= x[part]["argmax_agree"] <= 1
+    assert 0 < r["slow_rel_err_mean"] < 0.2 and 0 < r["fast_rel_err_mean"] < 0.2
+
+
+def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/served_gap.sh end to end on the CPU: one served run (the pinned one skipped) and perf/bench_loop.py, the
     serving loop with the codec alone, streams out of step, two codec-batching settings, held admissions, a
     replacement 30 ms late and Python beside the loop (each knob's values with the first of the others): one table,

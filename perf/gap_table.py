@@ -1,0 +1,63 @@
+#!/usr/bin/env python3
+"""perf/served_gap.sh's table: each run's throughput and steady state, served runs beside the loop alone.
+
+    python perf/gap_table.py RESULTS_DIR [served pinned ...]   -> RESULTS_DIR/gap.md (and printed)
+
+A served run (a run_gpu.sh result folder under RESULTS_DIR) gives its level's audio-s/s (loadgen.json) and its steady
+state from slow_ar's loop lines in its summary.md: of the 10 s lines, the one that made the most frames a step. The
+loop alone gives a row per perf/bench_loop.py run (RESULTS_DIR/loop.json).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+# slow_ar's loop line (s2tts.engine.service.LoopStats), the parts this table reads
+LINE = re.compile(r"(\d+) steps of ([\d.]+) ms making ([\d.]+) frames each, then ([\d.]+) ms a step .*? slots held "
+                  r"([\d.]+), requests waiting ([\d.]+) a step; (\d+)% of the steps with prompt rows ending \(([\d.]+) "
+                  r"ms, the others ([\d.]+)\); last frame to final response (?:([\d.]+) ms p50|-)")
+HEAD = ("| run | audio-s/s | pass ms (step + codec and routing) | frames a step | slots held | steps ending a prompt "
+        "(their step ms / the others') | last frame -> final p50 ms |\n|---|---|---|---|---|---|---|")
+
+
+def served_row(res: Path, run: str) -> str:
+    lg = res / run / "loadgen.json"
+    level = json.loads(lg.read_text())["levels"][0] if lg.is_file() else {}
+    summary = res / run / "summary.md"
+    lines = [m.groups() for m in LINE.finditer(summary.read_text(errors="replace"))] if summary.is_file() else []
+    if not lines:
+        return f"| {run} | {level.get('audio_s_per_s', '-')} | (no loop line over 10 s) | | | | |"
+    _, step, frames, rest, held, _, pct, pms, oms, tail = max(lines, key=lambda g: float(g[2]))
+    return (f"| {run} | {level.get('audio_s_per_s', '-')} | {float(step) + float(rest):.2f} ({step} + {rest}) | "
+            f"{frames} | {held} | {pct}% ({pms} / {oms}) | {tail or '-'} |")
+
+
+def loop_row(r: dict) -> str:
+    what = "loop" + (f", resubmit {r['resubmit_ms']:g} ms" if r.get("resubmit_ms") else "") + \
+        (f", Python beside {r['gil_load']}" if r.get("gil_load") else "")
+    p = r["prompt_steps"]
+    others = (r["step_ms"] - p * r["prompt_step_ms"]) / (1 - p) if p < 1 else 0.0
+    tail = r["tail_ms_p50"] if r["tail_ms_p50"] is not None else "-"
+    return (f"| {what} | {r['audio_s_per_s']} | {r['step_ms'] + r['rest_ms']:.2f} ({r['step_ms']} + {r['rest_ms']}) | "
+            f"{r['frames_per_step']} | {r['slots_held']} | {100 * p:.0f}% ({r['prompt_step_ms']} / {others:.2f}) | "
+            f"{tail} |")
+
+
+def table(res: Path, runs: list[str]) -> str:
+    loop = json.loads((res / "loop.json").read_text()) if (res / "loop.json").is_file() else []
+    return "\n".join([HEAD] + [served_row(res, run) for run in runs] + [loop_row(r) for r in loop])
+
+
+def main() -> int:
+    res = Path(sys.argv[1])
+    out = table(res, sys.argv[2:])
+    (res / "gap.md").write_text(out + "\n")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
