@@ -162,8 +162,8 @@ class LoopStats:
             tail = f"{1e3 * float(np.percentile(self.tails, 50)):.1f} ms p50" if self.tails else "-"
             log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
                      "decoding audio (%d codec calls, %.1f streams a call); under load %.0f%% of the steps; slots held "
-                     "%.1f, requests waiting %.1f a step; %.0f%% of the steps with prompt rows ending (%.1f ms, the others %.1f); "
-                     "last frame to final response %s (%d requests)", name,
+                     "%.1f, requests waiting %.1f a step; %.0f%% of the steps with prompt rows ending (%.1f ms, the "
+                     "others %.1f); last frame to final response %s (%d requests)", name,
                      now - self.since, self.steps, 1e3 * self.step_s / self.steps, self.frames / self.steps,
                      1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_streams / self.codec_calls,
                      100 * self.loaded / self.steps, self.live / self.steps, self.waiting / self.steps,
