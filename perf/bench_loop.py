@@ -15,6 +15,7 @@ its first one, would run dry; the same rule as perf/loadgen.py). On a CPU with t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -125,22 +126,22 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
         time.sleep(args.stagger_ms / 1e3)
     t0 = time.monotonic()
     svc.loop.every_s = 1e9  # measured here instead
-    base = None
+    base = None  # (when, audio delivered, the loop's counters) after --warm-s: what is measured starts there
     while time.monotonic() - t0 < args.seconds:
         time.sleep(0.01)
         if base is None and time.monotonic() - t0 >= args.warm_s:
-            base = (time.monotonic(), sum(sum(c.durations) for c in clients), svc.loop.steps, svc.loop.step_s,
-                    svc.loop.codec_s, svc.loop.codec_calls, svc.loop.codec_streams, svc.loop.frames, svc.loop.live,
-                    len(svc.loop.tails), svc.loop.firsts, svc.loop.firsts_s)
+            base = (time.monotonic(), sum(sum(c.durations) for c in clients),
+                    dataclasses.replace(svc.loop, tails=list(svc.loop.tails)))
         for k, c in enumerate(live):
             if c.done.is_set() and time.monotonic() - c.done_at >= resubmit_ms / 1e3:
                 live[k] = submit()
     t1 = time.monotonic()
     stop_load.set()
     audio = sum(sum(c.durations) for c in clients)
-    L = svc.loop
-    steps = max(1, L.steps - base[2])
-    calls = max(1, L.codec_calls - base[5])
+    L, B = svc.loop, base[2]
+    steps = max(1, L.steps - B.steps)
+    calls = max(1, L.codec_calls - B.codec_calls)
+    tails = L.tails[len(B.tails):]
     svc.shutdown()
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
@@ -150,13 +151,13 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "buckets": len(decoder.pool.BUCKETS),
            "streams": args.streams, "resubmit_ms": resubmit_ms, "gil_load": gil_load or None,
            "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
-           "step_ms": round(1e3 * (L.step_s - base[3]) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - base[4]) / steps, 2),
-           "frames_per_step": round((L.frames - base[7]) / steps, 1), "slots_held": round((L.live - base[8]) / steps, 1),
-           "prompt_steps": round((L.firsts - base[10]) / steps, 3),
-           "prompt_step_ms": round(1e3 * (L.firsts_s - base[11]) / max(1, L.firsts - base[10]), 2),
-           "tail_ms_p50": round(1e3 * float(np.median(L.tails[base[9]:])), 1) if len(L.tails) > base[9] else None,
-           "codec_calls_per_step": round((L.codec_calls - base[5]) / steps, 3),
-           "streams_per_call": round((L.codec_streams - base[6]) / calls, 1),
+           "step_ms": round(1e3 * (L.step_s - B.step_s) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - B.codec_s) / steps, 2),
+           "frames_per_step": round((L.frames - B.frames) / steps, 1), "slots_held": round((L.live - B.live) / steps, 1),
+           "prompt_steps": round((L.firsts - B.firsts) / steps, 3),
+           "prompt_step_ms": round(1e3 * (L.firsts_s - B.firsts_s) / max(1, L.firsts - B.firsts), 2),
+           "tail_ms_p50": round(1e3 * float(np.median(tails)), 1) if tails else None,
+           "codec_calls_per_step": round((L.codec_calls - B.codec_calls) / steps, 3),
+           "streams_per_call": round((L.codec_streams - B.codec_streams) / calls, 1),
            "requests_done": len(finished), "stall_fraction": round(sum(c.stalled() for c in finished) / max(1, len(finished)), 3),
            "stall_at_chunk": _stall_points(finished), "chunks_per_request": round(
                sum(len(c.arrivals) for c in finished) / max(1, len(finished)), 1),
