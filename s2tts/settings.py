@@ -258,7 +258,8 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
         out["default_max_new_tokens"] = min(out["default_max_new_tokens"], out["max_new_tokens_limit"])
     sizes = [k for k in KV_SIZES if out[k] is not None]
     if len(sizes) > 1:
-        raise invalid(" and ".join(f"{k}={out[k]}" for k in sizes) + f" {'both' if len(sizes) == 2 else 'all'} size the KV cache: set one of them",
+        together = "both" if len(sizes) == 2 else "all"
+        raise invalid(" and ".join(f"{k}={out[k]}" for k in sizes) + f" {together} size the KV cache: set one of them",
                       sizes[-1])
     if not sizes:
         out["kv_cache_tokens"] = default_kv_tokens(out)

@@ -758,7 +758,7 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     t2 = time.perf_counter()
     kv_tokens, kv_gib = v.kv_cache_tokens, v.kv_cache_memory_gb
     if v.gpu_memory_utilization is not None:
-        kv_gib = kv_pool_gib(v, model, name, codec is not None)
+        kv_gib = kv_pool_gib(v, model, device, name, codec is not None)
         if kv_gib is None:  # not on a GPU
             kv_tokens = default_kv_tokens(v)
     engine = Engine(model, residual_size=codec_codebook_sizes(v.checkpoint)[1], max_batch=v.max_batch,
@@ -794,10 +794,9 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
 GRAPHS_AND_CONTEXT_GIB = 1.5
 
 
-def kv_pool_gib(v, model, name: str, with_codec: bool = False) -> float | None:
+def kv_pool_gib(v, model, device, name: str, with_codec: bool = False) -> float | None:
     """The KV pool's GiB under `gpu_memory_utilization` (None on a CPU: the default pool), from what this process
-    already holds on the engine's GPU (the weights, the codec) -> `kv_gib_for_utilization`."""
-    device = next(model.parameters()).device
+    already holds on the engine's GPU (`device`: the weights, the codec) -> `kv_gib_for_utilization`."""
     if device.type != "cuda":
         log.info("%s: gpu_memory_utilization applies to a GPU; on %s the KV cache takes its default, %d tokens", name,
                  device, default_kv_tokens(v))
@@ -806,20 +805,21 @@ def kv_pool_gib(v, model, name: str, with_codec: bool = False) -> float | None:
 
     total, held = torch.cuda.mem_get_info(device)[1], torch.cuda.memory_reserved(device)
     gib = kv_gib_for_utilization(v.gpu_memory_utilization, total, held, model.s2.text, next(model.parameters()).dtype,
-                                 v.max_seq_len)
+                                 v.max_seq_len, v.kv_block_tokens or v.max_seq_len)
     log.info("%s: gpu_memory_utilization=%g of %.1f GiB: %.1f GiB held (weights%s), %.1f GiB kept for CUDA graphs, "
              "activations and the context: a KV cache of %.2f GiB", name, v.gpu_memory_utilization, total / (1 << 30),
              held / (1 << 30), " and codec" if with_codec else "", GRAPHS_AND_CONTEXT_GIB, gib)
     return gib
 
 
-def kv_gib_for_utilization(util: float, total: int, held: int, cfg, dtype, max_seq_len: int) -> float:
+def kv_gib_for_utilization(util: float, total: int, held: int, cfg, dtype, max_seq_len: int, block: int = 1) -> float:
     """GiB for the KV pool when an engine may take `util` of a GPU of `total` bytes and already holds `held` (its
     weights and codec), keeping `GRAPHS_AND_CONTEXT_GIB`. ValueError naming the least utilization that works when
-    that is not one request of `max_seq_len` tokens (the slow AR's `cfg`, the cache in `dtype`)."""
+    that is not one request of `max_seq_len` tokens in whole blocks of `block` (as `ModelRunner.kv_tokens_in`
+    counts them; the slow AR's `cfg`, the cache in `dtype`)."""
     from .runner import ModelRunner
 
-    one = max_seq_len * ModelRunner.kv_token_bytes(cfg, dtype)
+    one = -(-max_seq_len // block) * block * ModelRunner.kv_token_bytes(cfg, dtype)
     gib = (util * total - held) / (1 << 30) - GRAPHS_AND_CONTEXT_GIB
     if gib * (1 << 30) < one:
         least = (held + one) / total + GRAPHS_AND_CONTEXT_GIB * (1 << 30) / total
