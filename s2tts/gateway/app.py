@@ -92,9 +92,10 @@ def _ws_key(headers, cfg: GatewayConfig) -> tuple[bool, str | None]:
     chosen = WS_PROTOCOL if WS_PROTOCOL in offered else None
     if _key_ok(headers, cfg):
         return True, chosen
+    bearer = WS_PROTOCOL + ".bearer."
     for p in offered:
-        if p.startswith(WS_PROTOCOL + ".bearer."):
-            b64 = p[len(WS_PROTOCOL) + 8:]
+        if p.startswith(bearer):
+            b64 = p[len(bearer):]
             try:
                 key = base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).decode()
             except (ValueError, UnicodeDecodeError):
