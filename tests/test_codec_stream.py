@@ -83,13 +83,17 @@ def _overflowing_codec(tiny_ckpt, dtype):
     return codec
 
 
-@pytest.mark.parametrize("pool_size", [0, 4])
-def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog, pool_size):
+# no pool; pooled; pooled and warmed (the old states the redo starts from in the pool's one shared buffer)
+@pytest.mark.parametrize("pool_size,warm_batch", [(0, None), (4, None), (4, 2)])
+def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog, pool_size, warm_batch):
     """Two streams in fp16, decoded together; one uses a code that overflows in its second chunk. That chunk is
     decoded again in fp32 from the stream's previous state and the stream stays fp32; the other stream stays fp16.
     Each stream's audio is finite and matches the fp32 codec to fp16's error."""
     ref, fp16 = _overflowing_codec(tiny_ckpt, "fp32"), _overflowing_codec(tiny_ckpt, "fp16")
     dec = StreamDecoder(fp16, fallback=ref, pool_size=pool_size)
+    if warm_batch:
+        dec.pool.warm([4], max_batch=warm_batch)
+        assert {t.shape[0] for t in dec.pool.old_rows.values()} == {warm_batch}
     gen = np.random.default_rng(1)
     cool = np.concatenate([gen.integers(0, HOT, (1, 12)), gen.integers(0, 32, (9, 12))])
     hot = cool.copy()

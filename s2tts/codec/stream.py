@@ -52,6 +52,7 @@ class StreamDecoder:
         self.device = next(codec.parameters()).device
         self.C = codec.config.num_codebooks
         self.pool = SlotPool(codec, pool_size, graphs, buckets) if pool_size > 0 else None
+        self.memory: dict[str, float] = {}  # GPU MiB by part, as `open_stream_decoder` measured them
 
     def _check(self, sid: str, codes: np.ndarray, start: bool) -> S2Error | None:
         if codes.ndim != 2 or codes.shape[1] != self.C:
@@ -219,12 +220,45 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
     from ..checkpoint import codec_dtype_for, load_codec_from_dir
 
     dtype = codec_dtype_for(codec_dtype, device, "decoder")
+    held = _Held(device)
     codec = load_codec_from_dir(checkpoint, device, dtype).drop_encoding()
+    held.mark("weights")
     fallback = None if dtype == "fp32" else load_codec_from_dir(checkpoint, device, "fp32").drop_encoding()
     tune_for_device(device, codec, fallback)
+    held.mark("fp32 fallback")
     decoder = StreamDecoder(codec, idle_timeout_s=idle_timeout_s, fallback=fallback, pool_size=pool_size)
+    held.mark("stream slots")
     graphs = decoder.pool.warm(lengths, max_batch=max(1, max_batch)) if decoder.pool is not None else 0
+    held.mark("CUDA graphs")
+    decoder.memory = held.parts
     return decoder, dtype, graphs
+
+
+def memory_line(parts: dict[str, float]) -> str:
+    """A decoder's `memory` as the end of a log line ("" on a CPU)."""
+    if not parts:
+        return ""
+    return "; GPU memory held: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in parts.items()) + \
+        f" ({sum(parts.values()) / 1024:.2f} GiB)"
+
+
+class _Held:
+    """What each part of a decoder's making adds to the GPU memory PyTorch holds (`parts`: {part: MiB}; empty on a
+    CPU), for the log line that says where a process's memory went."""
+
+    def __init__(self, device):
+        from ..checkpoint import resolve_device
+
+        dev = resolve_device(device)
+        self.cuda = dev.type == "cuda"
+        self.dev, self.parts = dev, {}
+        self.last = torch.cuda.memory_reserved(dev) if self.cuda else 0
+
+    def mark(self, part: str) -> None:
+        if self.cuda:
+            now = torch.cuda.memory_reserved(self.dev)
+            self.parts[part] = (now - self.last) / 2**20
+            self.last = now
 
 
 def tune_for_device(device, *codecs) -> None:
@@ -287,6 +321,9 @@ class SlotPool:
         self.graphs: dict[tuple[int, int], tuple[object, dict]] = {}  # (batch bucket, frames) -> (graph, buffers)
         self.lengths: list[int] = []  # the chunk lengths `warm` prepared
         self._mempool = None
+        # the gathered old states of the last call, for every shape up to the largest bucket `warm` prepared: one
+        # buffer, not one per graph (64 S2 Pro streams hold ~280 MB of state)
+        self.old_rows: dict[torch.dtype, torch.Tensor] = {}
 
     def take(self) -> int | None:
         return self.free.pop() if self.free else None
@@ -310,10 +347,16 @@ class SlotPool:
 
     def _body(self, bufs: dict) -> None:
         idx, keep = bufs["idx"], bufs["keep"]
+        B = idx.shape[0]
         old, new = {}, {}
         for dt, t in self.rows.items():
             g = t.index_select(0, idx)
-            old[dt] = torch.where(keep[:, None], g, torch.zeros((), dtype=dt, device=g.device))
+            zero = torch.zeros((), dtype=dt, device=g.device)
+            shared = self.old_rows.get(dt)
+            if shared is not None and B <= shared.shape[0]:  # one buffer for every shape (calls run one at a time)
+                old[dt] = torch.where(keep[:, None], g, zero, out=shared[:B])
+            else:
+                old[dt] = torch.where(keep[:, None], g, zero)
             new[dt] = torch.empty_like(g)
         olds = self._views(old)
         audio, _ = self.codec.decode_stream(bufs["codes"], StreamState(olds), dest=self._views(new))
@@ -346,13 +389,19 @@ class SlotPool:
         `max_batch` (other shapes run eagerly); a stream's final chunk of another length is padded to the next one
         (the codec is causal: the frames added change no sample of the real ones). -> graphs made."""
         self.lengths = sorted(set(lengths))
+        buckets = []
+        for b in self.BUCKETS:  # up to the first that holds max_batch
+            buckets.append(b)
+            if b >= max_batch:
+                break
+        self.old_rows = {dt: t.new_zeros(buckets[-1], t.shape[1]) for dt, t in self.rows.items()}
         if self.use_graphs:
             torch.cuda.set_device(self.device)  # capture on this device (the current one is per thread)
-            for n in self.lengths:
-                for Bp in self.BUCKETS:
+            # the largest first: the smaller captures reuse the blocks it freed in the shared pool
+            for n in reversed(self.lengths):
+                for Bp in reversed(buckets):
                     self._capture(Bp, n)
-                    if Bp >= max_batch:
-                        break
+            torch.cuda.empty_cache()  # the eager warm-up runs' blocks, outside the graphs' pool, back to the driver
         return len(self.graphs)
 
     def padded(self, n: int) -> int:

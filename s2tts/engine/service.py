@@ -837,7 +837,7 @@ def _engine_codec(v, device, name: str):
     catching up), at up to max_batch streams per call."""
     import torch
 
-    from ..codec.stream import open_stream_decoder
+    from ..codec.stream import memory_line, open_stream_decoder
 
     t0 = time.monotonic()
     torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
@@ -847,6 +847,7 @@ def _engine_codec(v, device, name: str):
                                                  v.codec_idle_timeout_s,
                                                  EngineService.codec_lengths(v.first_chunk_frames, v.chunk_frames,
                                                                              v.codec_batch_steps), v.max_batch)
-    log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s", name, dtype,
-             " (fp32 fallback)" if decoder.fallback is not None else "", slots, graphs, time.monotonic() - t0)
+    log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s%s", name, dtype,
+             " (fp32 fallback)" if decoder.fallback is not None else "", slots, graphs, time.monotonic() - t0,
+             memory_line(decoder.memory))
     return decoder
