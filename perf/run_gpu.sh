@@ -35,6 +35,9 @@
 #   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level
 #                                                    64:384": a long c=64 level, the others their default)
 #   DETERMINISM             0                        1 runs perf/determinism.py (16 requests, max_batch, 4 alone)
+#   CPU_USE                 1                        1: perf/cpu_use.py samples /proc during the plain loadgen
+#                                                    phase: CPU cores taken by tritonserver, each model's stub and
+#                                                    the load generator (a table in summary.md)
 #   PROFILE                 0                        1: every model process samples its threads' stacks
 #                                                    (S2TTS_PROFILE_DIR, s2tts/sampler.py): summaries in summary.md,
 #                                                    flame-graph input in details.tar.gz (details/profile/)
@@ -85,6 +88,7 @@ ON_SERVER_CPUS=() ON_CLIENT_CPUS=()
 PA="${PA:-1}"
 DETERMINISM="${DETERMINISM:-0}"
 PROFILE="${PROFILE:-0}"
+CPU_USE="${CPU_USE:-1}"
 PA_CONCURRENCY="${PA_CONCURRENCY:-1 16}"
 PA_FRAMES="${PA_FRAMES:-50}"
 SERVER_TIMEOUT="${SERVER_TIMEOUT:-900}"
@@ -237,10 +241,18 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv 2>/dev/null | tee "
 LG_FAIL=0
 if [ -n "$CONCURRENCY" ]; then
   phase loadgen
+  CPU_PID=
+  if [ "$CPU_USE" = 1 ]; then
+    "$PY" perf/cpu_use.py --json "$WORK/details/cpu.json" --markdown "$WORK/cpu.md" >/dev/null 2>&1 &
+    CPU_PID=$!
+  fi
   # shellcheck disable=SC2086
   "${ON_CLIENT_CPUS[@]}" "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CONCURRENCY" --frames "$FRAMES" --level-timeout "$LEVEL_TIMEOUT" \
     --json "$RES/loadgen.json" --markdown "$WORK/loadgen.md" $LOADGEN_ARGS || LG_FAIL=1
-  { echo "## loadgen, plain prompts"; echo; cat "$WORK/loadgen.md" 2>/dev/null || echo "(failed)"; echo; } >>"$RES/summary.md"
+  [ -n "$CPU_PID" ] && { kill -INT "$CPU_PID" 2>/dev/null; wait "$CPU_PID" || true; }
+  { echo "## loadgen, plain prompts"; echo; cat "$WORK/loadgen.md" 2>/dev/null || echo "(failed)"; echo
+    if [ -s "$WORK/cpu.md" ]; then echo "### CPU use during these levels (perf/cpu_use.py)"; echo; cat "$WORK/cpu.md"; echo; fi
+  } >>"$RES/summary.md"
 fi
 if [ -n "$CLONE_CONCURRENCY" ] && time_left loadgen-clone; then
   phase loadgen-clone
