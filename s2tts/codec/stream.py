@@ -18,6 +18,7 @@ moved to fp32, keep a state of their own (`StreamState`) and run eagerly, as eve
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -53,6 +54,7 @@ class StreamDecoder:
         self.C = codec.config.num_codebooks
         self.pool = SlotPool(codec, pool_size, graphs, buckets) if pool_size > 0 else None
         self.memory: dict[str, float] = {}  # GPU MiB by part, as `open_stream_decoder` measured them
+        self._lock = threading.Lock()
 
     def _check(self, sid: str, codes: np.ndarray, start: bool) -> S2Error | None:
         if codes.ndim != 2 or codes.shape[1] != self.C:
@@ -73,7 +75,12 @@ class StreamDecoder:
     @torch.inference_mode()
     def decode_many(self, jobs, now: float) -> dict:
         """jobs: [(key, stream_id, codes [n, C] int, start, final)] -> {key: float32 audio [n * frame_length] or
-        S2Error}. Jobs of one stream must come in order; a stream appears at most once per call."""
+        S2Error}. Jobs of one stream must come in order; a stream appears at most once per call. One call at a time
+        (callers on other threads wait): the pool's graphs and buffers serve every call."""
+        with self._lock:
+            return self._decode_many(jobs, now)
+
+    def _decode_many(self, jobs, now: float) -> dict:
         out: dict = {}
         seen = set()
         groups = defaultdict(list)
@@ -195,8 +202,9 @@ class StreamDecoder:
         return out
 
     def close(self, sid: str) -> None:
-        """End stream `sid` (its state dropped) if it is open."""
-        self._drop(sid)
+        """End stream `sid` (its state dropped) if it is open (after a call under way)."""
+        with self._lock:
+            self._drop(sid)
 
     def _drop(self, sid: str) -> None:
         st = self.states.pop(sid, None)
