@@ -227,6 +227,20 @@ def test_a_decode_only_codec_streams_as_before_and_refuses_to_encode(tiny_ckpt):
             lean.encode(torch.zeros(1, 1, cfg.frame_length))
 
 
+def test_an_encode_only_codec_encodes_as_before_and_refuses_to_decode(tiny_ckpt):
+    """`DAC.drop_decoding` (what dac_encoder loads: the decoder and the quantizer's decoding half are 315 M of S2
+    Pro's 391 M parameters) leaves encode unchanged, and decoding says what to do instead."""
+    full = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
+    lean = load_codec_from_dir(tiny_ckpt, "cpu", "fp32").drop_decoding()
+    assert sum(p.numel() for p in lean.parameters()) < sum(p.numel() for p in full.parameters())
+    audio = torch.randn(2, 1, 5 * full.config.frame_length + 100, generator=torch.Generator().manual_seed(0)) * 0.1
+    with torch.inference_mode():
+        assert torch.equal(full.encode(audio), lean.encode(audio))
+        for decode in (lambda: lean.decode(full.encode(audio)), lambda: lean.new_stream_state(1)):
+            with pytest.raises(RuntimeError, match="encode only"):
+                decode()
+
+
 def test_the_served_decoder_opens_with_the_device_as_settings_name_it(tiny_ckpt):
     """`open_stream_decoder` (dac_decoder, slow_ar) takes `codec_device` as written in the settings: `auto` (the
     default) opened no decoder once (tritonserver refused to load dac_decoder)."""

@@ -807,6 +807,17 @@ class DAC(nn.Module):
         self.encoder = self.quantizer.downsample = self.quantizer.pre_module = None
         return self
 
+    def drop_decoding(self) -> "DAC":
+        """Free what only decoding uses (the decoder, the quantizer's post-transformer and upsampling, the fused
+        code table; 315 M of S2 Pro's 391 M parameters): a reference encoder never decodes."""
+        self.decoder = self.quantizer.post_module = self.quantizer.upsample = None
+        self.quantizer.table = None
+        return self
+
+    def _decoding(self) -> None:
+        if self.decoder is None:
+            raise RuntimeError("this codec was loaded to encode only (`drop_decoding`): load it again to decode")
+
     @torch.no_grad()
     def encode(self, audio: Tensor) -> Tensor:
         """audio [B, 1, T] (44.1 kHz mono) -> codes [B, 10, ceil(T / 2048)] int64."""
@@ -816,12 +827,13 @@ class DAC(nn.Module):
             audio = audio[:, None]
         if audio.ndim != 3 or audio.shape[1] != 1:
             raise ValueError(f"encode expects audio [B, 1, T], got {tuple(audio.shape)}")
-        p = self.decoder.model[0].conv.weight
+        p = next(self.encoder.parameters())
         audio = audio.to(device=p.device, dtype=p.dtype)
         audio = F.pad(audio, (0, -audio.shape[-1] % self.frame_length))
         return self.quantizer.encode(self.encoder(audio))
 
     def new_stream_state(self, batch: int = 1) -> StreamState:
+        self._decoding()
         p = self.decoder.model[0].conv.weight
         tensors: dict[str, Tensor] = {}
         for m in self._decode_path():
@@ -851,6 +863,7 @@ class DAC(nn.Module):
         return self.decode_stream(codes, self.new_stream_state(codes.shape[0]))[0]
 
     def _check_codes(self, codes: Tensor) -> Tensor:
+        self._decoding()
         if codes.ndim == 2:
             codes = codes[None]
         if codes.ndim != 3 or codes.shape[1] != self.config.num_codebooks:

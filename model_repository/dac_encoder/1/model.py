@@ -17,7 +17,9 @@ class TritonPythonModel:
         self.log = tu.setup_logging("dac_encoder")
         dtype = codec_dtype_for(v.codec_dtype, v.codec_device, "encoder")
         tu.codec_precision(dtype, v.codec_tf32)
-        self.codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype)
+        self.codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype).drop_decoding()
+        if next(self.codec.parameters()).is_cuda:
+            torch.cuda.empty_cache()  # the decoder's weights, dropped, back to the driver
         self.max_seconds = v.max_reference_seconds
         self.device = next(self.codec.parameters()).device
         self.torch = torch
