@@ -136,7 +136,9 @@ SETTINGS: tuple[Setting, ...] = (
             "request (the unpaged slot layout)", min=0, max=32768),
     Setting("max_queued_requests", int, 64, ("slow_ar", "s2pro"), "requests waiting for a KV slot; more are refused at once "
             "with `unavailable`", min=0, max=100000),
-    Setting("fast_ar", str, "inprocess", ("slow_ar",), "`inprocess`, or `bls` (call the `fast_ar` model per frame)",
+    Setting("fast_ar", str, "inprocess", ("slow_ar", "fast_ar"), "`inprocess`, or `bls` (slow_ar calls the `fast_ar` "
+            "model per frame; otherwise that model serves direct callers only and loads its weights on their first "
+            "request)",
             choices=("inprocess", "bls")),
     Setting("fast_ar_max_batch", int, None, ("fast_ar",), "rows the `fast_ar` model takes per request; must be at "
             "least `max_batch` when fast_ar=bls", min=1, max=1024, derived_from="max_batch"),

@@ -18,17 +18,34 @@ class TritonPythonModel:
     def initialize(self, args):
         import torch
 
-        v = settings.model_values(json.loads(args["model_config"]), "fast_ar")
-        tu.setup_logging("fast_ar")
-        ckpt = v.checkpoint
-        model = load_model(ckpt, v.device, v.dtype, parts=("fast",))
-        self.max_rows = v.fast_ar_max_batch
+        self.v = v = settings.model_values(json.loads(args["model_config"]), "fast_ar")
+        self.log = tu.setup_logging("fast_ar")
+        self.max_rows, self.torch, self.run = v.fast_ar_max_batch, torch, None
+        if v.fast_ar == "bls":
+            self._load("ready")
+        else:
+            # slow_ar runs its own fast AR (fast_ar=inprocess): this model serves direct callers only and holds no
+            # weights until one comes (S2 Pro's fast AR and its caches: ~1.5 GB of a GPU)
+            self.log.info("fast_ar ready: direct callers only (fast_ar=%s); the weights load on the first request",
+                          v.fast_ar)
+
+    def _load(self, what: str) -> None:
+        v = self.v
+        model = load_model(v.checkpoint, v.device, v.dtype, parts=("fast",))
         p = next(model.fast.parameters())
         model.fast.setup_caches(self.max_rows, p.dtype, p.device)
-        self.run = InProcessFastAR(model, codec_codebook_sizes(ckpt)[1])
-        self.device, self.dtype, self.torch = p.device, p.dtype, torch
+        self.device, self.dtype = p.device, p.dtype
+        self.run = InProcessFastAR(model, codec_codebook_sizes(v.checkpoint)[1])
+        self.log.info("fast_ar %s: device=%s dtype=%s, up to %d rows a request", what, p.device, p.dtype, self.max_rows)
 
     def execute(self, requests):
+        if self.run is None:
+            try:
+                self._load("loaded its weights for a direct request")
+            except Exception as e:  # noqa: BLE001 - these requests fail; the next one tries again
+                err = errors.from_exception(e, "fast_ar")
+                self.log.error("fast_ar: loading the weights failed: %s", err.wire())
+                return [tu.s2_error_response(err) for _ in requests]
         torch = self.torch
         out = []
         for request in requests:
