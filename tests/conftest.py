@@ -59,6 +59,20 @@ def triton_server(tiny_ckpt, tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def fault_server(tiny_ckpt, tmp_path_factory):
+    """A server of tests/test_faults.py's own (its models get killed): quick stall checks, and a short stop
+    (tritonserver holds a killed model process's unfinished requests, and so that model, to the end of its grace).
+    Its AR matrices are FP8 (`ar_weights=fp8`), so that tests/test_fp8.py's served check runs here too instead of
+    starting a server of its own (a start is ~25 s of CPU): what a fault does does not depend on the weights, and
+    a model that s2pro reloads after a kill loads FP8 weights again."""
+    from servers import tiny_server
+
+    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("faults"), stop_timeout=3, max_batch=4, max_seq_len=2048,
+                     stall_timeout_s=1, chunk_frames=4, first_chunk_frames=2, ar_weights="fp8") as server:
+        yield server
+
+
 @pytest.fixture
 def harness_factory(tiny_ckpt, tmp_path):
     """make(**settings) -> a `fake_triton.FakeTriton` running the repository's real model.py files in this process

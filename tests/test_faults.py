@@ -14,7 +14,7 @@ import pytest
 
 from s2tts.client import S2ProClient, TTSError, TTSInput, read_metrics
 
-from servers import UPSTREAM_ABORT, tiny_server
+from servers import UPSTREAM_ABORT
 
 
 def metrics(server) -> dict[str, float]:
@@ -46,15 +46,6 @@ def stub_pid(server, model: str) -> int:
                          capture_output=True, text=True).stdout.split()
     assert out, f"no stub process for {model}"
     return int(out[0])
-
-
-@pytest.fixture(scope="module")
-def fault_server(tiny_ckpt, tmp_path_factory):
-    """A server of its own (its models get killed): quick stall checks, and a short stop (tritonserver holds a killed
-    model process's unfinished requests, and so that model, to the end of its grace)."""
-    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("faults"), stop_timeout=3, max_batch=4, max_seq_len=2048,
-                     stall_timeout_s=1, chunk_frames=4, first_chunk_frames=2) as server:
-        yield server
 
 
 def _stream_until_error(server, results, key, **kw):

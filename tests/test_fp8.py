@@ -10,7 +10,7 @@ from s2tts.checkpoint import load_model
 from s2tts.frontend.prompt import PromptBuilder
 from s2tts.model import Fp8Linear
 
-from servers import assert_together_as_alone, tiny_server
+from servers import assert_together_as_alone
 
 
 def _logits(model, prompt):
@@ -69,14 +69,8 @@ def test_fp8_weights_value_is_checked(tiny_ckpt):
         load_model(tiny_ckpt, "cpu", "fp32", weights="fp4")
 
 
-@pytest.fixture(scope="module")
-def fp8_server(tiny_ckpt, tmp_path_factory):
-    with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("fp8"), ar_weights="fp8", max_batch=4, max_seq_len=1024,
-                     chunk_frames=6) as server:
-        yield server
-
-
-def test_server_serves_with_fp8_weights(fp8_server):
+def test_server_serves_with_fp8_weights(fault_server):
+    fp8_server = fault_server  # conftest.py: the fault tests' server, on FP8 weights
     solo = assert_together_as_alone(fp8_server, ["Eight bits, first.", "And a second request, a bit longer."],
                                     [5, 6], max_new_tokens=14)
     assert "ar_weights=fp8" in fp8_server.log_tail(100000)
