@@ -55,6 +55,9 @@
 #   CKPT_SIZE               full                     size of a checkpoint written at $CKPT (tiny|full)
 #   USE_CARRIED             1                        0: ignore .whl/ and .gpu/ (use what $PYTHON has)
 #   PYTHON                  python3
+#   STOP_NOW                0                        1: at the end, kill the server and its models at once instead of
+#                                                    letting them unload (~5 s on a CPU); for the tests' CPU runs,
+#                                                    which read nothing written after the results
 #
 # Results in $OUT (few files, so that all of them come back from a device run):
 #   summary.md            the tables: loadgen (plain, clone), perf_analyzer, the targets; slow_ar's loop log lines
@@ -100,6 +103,7 @@ USE_CARRIED="${USE_CARRIED:-1}"
 PY="${PYTHON:-python3}"
 GRPC_PORT="${GRPC_PORT:-8001}" HTTP_PORT="${HTTP_PORT:-8000}" METRICS_PORT="${METRICS_PORT:-8002}"
 PA_REQUESTS="${PA_REQUESTS:-}"
+STOP_NOW="${STOP_NOW:-0}"
 
 exec > >(tee -a "$RES/run.log") 2>&1
 T_START=$SECONDS
@@ -120,6 +124,9 @@ finish() {
   set +e
   if [ $rc -ne 0 ]; then log "!! FAILED in phase '$PHASE' (exit $rc) after $((SECONDS - T_PHASE)) s"; fi
   if [ -n "$SERVER_PID" ] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    if [ "$STOP_NOW" = 1 ]; then  # tritonserver is s2tts.server's child, in a process group of its own with its models
+      for p in $(pgrep -P "$SERVER_PID" 2>/dev/null); do kill -KILL -- "-$p" 2>/dev/null; done
+    fi
     kill -TERM "$SERVER_PID" 2>/dev/null
     for _ in $(seq 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.5; done
     kill -KILL "$SERVER_PID" 2>/dev/null

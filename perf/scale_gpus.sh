@@ -16,6 +16,7 @@
 #   DEVICE_TYPE          cuda           cpu: a smoke test with a tiny CKPT (device=cpu,cpu,...)
 #   CKPT                 /tmp/s2-full   written once (full-size random) if missing
 #   OUT                  perf/out       results: scale.md (the table), scale.json, gN.tar.gz (run_gpu.sh's files)
+# run_gpu.sh's own knobs (SERVER_CPUS, STOP_NOW, ...) pass through to every run.
 # Every run also passes max_concurrent_requests = 2 x its streams (s2pro's admission limit is for the whole server).
 # shellcheck source=perf/common.sh
 source "$(dirname "$0")/common.sh"  # strict mode, $ROOT as the working directory, $RES

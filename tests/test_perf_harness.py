@@ -233,6 +233,7 @@ def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
            "DEVICE_TYPE": "cpu", "CKPT": str(tiny_ckpt), "CKPT_SIZE": "tiny", "PYTHON": sys.executable, "USE_CARRIED": "0",
            "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"), "GRPC_PORT": str(free_port()),
            "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port()),
+           "STOP_NOW": "1",  # each run's server killed once its results are written: no graceful unload to wait for
            # the server and the load generator pinned (taskset) to the CPUs this test may use
            "SERVER_CPUS": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
            "CLIENT_CPUS": str(min(os.sched_getaffinity(0)))}
