@@ -9,14 +9,17 @@ from s2tts.codec.stream import StreamDecoder
 from s2tts.errors import S2Error
 
 
-# no pool; all pooled; two pooled and one on its own state; pooled with prepared lengths (final chunks padded)
-@pytest.mark.parametrize("pool_size,lengths", [(0, None), (8, None), (2, None), (8, [4, 8])])
-def test_interleaved_batched_streams_equal_whole_decode(tiny_ckpt, pool_size, lengths):
+# no pool; all pooled; two pooled and one on its own state; pooled with prepared lengths (final chunks padded);
+# the same with at most 8 frames a call (3 streams of 4 frames: calls of 2 and 1)
+@pytest.mark.parametrize("pool_size,lengths,max_frames", [(0, None, None), (8, None, None), (2, None, None),
+                                                          (8, [4, 8], None), (8, [4, 8], 8)])
+def test_interleaved_batched_streams_equal_whole_decode(tiny_ckpt, pool_size, lengths, max_frames):
     codec = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
     dec = StreamDecoder(codec, pool_size=pool_size)
     if lengths:
-        dec.pool.warm(lengths, max_batch=4)
+        dec.pool.warm(lengths, max_batch=4, max_frames=max_frames)
         assert dec.pool.padded(3) == 4 and dec.pool.padded(5) == 8 and dec.pool.padded(9) == 9
+        assert dec.pool.cap == ({4: 2, 8: 1} if max_frames else {4: 4, 8: 4})
     gen = np.random.default_rng(0)
     n = {"a": 13, "b": 9, "c": 11}
     codes = {k: np.concatenate([gen.integers(0, 64, (1, f)), gen.integers(0, 32, (9, f))]) for k, f in n.items()}
@@ -83,22 +86,25 @@ def _overflowing_codec(tiny_ckpt, dtype):
     return codec
 
 
-# no pool; pooled; pooled and warmed (the old states the redo starts from in the pool's one shared buffer)
-@pytest.mark.parametrize("pool_size,warm_batch", [(0, None), (4, None), (4, 2)])
-def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog, pool_size, warm_batch):
+# no pool; pooled; pooled and warmed (the old states the redo starts from in the pool's one shared buffer); the same
+# with one stream a call (the two streams' chunks in two calls, each call's old states kept apart)
+@pytest.mark.parametrize("pool_size,warm_batch,max_frames", [(0, None, None), (4, None, None), (4, 2, None),
+                                                             (4, 2, 4)])
+def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog, pool_size, warm_batch, max_frames):
     """Two streams in fp16, decoded together; one uses a code that overflows in its second chunk. That chunk is
     decoded again in fp32 from the stream's previous state and the stream stays fp32; the other stream stays fp16.
     Each stream's audio is finite and matches the fp32 codec to fp16's error."""
     ref, fp16 = _overflowing_codec(tiny_ckpt, "fp32"), _overflowing_codec(tiny_ckpt, "fp16")
     dec = StreamDecoder(fp16, fallback=ref, pool_size=pool_size)
     if warm_batch:
-        dec.pool.warm([4], max_batch=warm_batch)
+        dec.pool.warm([4], max_batch=warm_batch, max_frames=max_frames)
         assert {t.shape[0] for t in dec.pool.old_rows.values()} == {warm_batch}
+        assert dec.pool.cap == {4: 1 if max_frames else 2}
     gen = np.random.default_rng(1)
     cool = np.concatenate([gen.integers(0, HOT, (1, 12)), gen.integers(0, 32, (9, 12))])
-    hot = cool.copy()
+    hot = np.concatenate([gen.integers(0, HOT, (1, 12)), gen.integers(0, 32, (9, 12))])  # its own states
     hot[0, 6] = HOT  # in the second chunk of 4 frames
-    codes = {"cool": cool, "hot": hot}
+    codes = {"hot": hot, "cool": cool}  # "hot" first: with one stream a call, the call after it reuses the buffer
     got = {k: [] for k in codes}
     for i in range(3):
         jobs = [(k, k, c[:, 4 * i : 4 * i + 4].T, i == 0, i == 2) for k, c in codes.items()]

@@ -220,11 +220,13 @@ class StreamDecoder:
 
 
 def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, idle_timeout_s: float,
-                        lengths: list[int], max_batch: int) -> tuple[StreamDecoder, str, int]:
+                        lengths: list[int], max_batch: int, max_frames: int | None = None
+                        ) -> tuple[StreamDecoder, str, int]:
     """The decoder a server runs (dac_decoder, or slow_ar with codec_in_engine): `codec_dtype` as it resolves for the
     decoder on `device` (`auto`: fp16 on a GPU), with the fp32 codec as its fallback when that is not fp32, and a
-    pool of `pool_size` stream slots warmed for these chunk lengths at up to `max_batch` streams a call (CUDA graphs
-    on a GPU). The caller sets the process's fp32 precision (TF32) first. -> (decoder, dtype, graphs captured)."""
+    pool of `pool_size` stream slots warmed for these chunk lengths at up to `max_batch` streams a call, at most
+    `max_frames` frames a call (`SlotPool.warm`; CUDA graphs on a GPU). The caller sets the process's fp32 precision
+    (TF32) first. -> (decoder, dtype, graphs captured)."""
     from ..checkpoint import codec_dtype_for, load_codec_from_dir
 
     dtype = codec_dtype_for(codec_dtype, device, "decoder")
@@ -236,7 +238,7 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
     held.mark("fp32 fallback")
     decoder = StreamDecoder(codec, idle_timeout_s=idle_timeout_s, fallback=fallback, pool_size=pool_size)
     held.mark("stream slots")
-    graphs = decoder.pool.warm(lengths, max_batch=max(1, max_batch)) if decoder.pool is not None else 0
+    graphs = decoder.pool.warm(lengths, max(1, max_batch), max_frames) if decoder.pool is not None else 0
     held.mark("CUDA graphs")
     decoder.memory = held.parts
     return decoder, dtype, graphs
@@ -332,6 +334,7 @@ class SlotPool:
         # the gathered old states of the last call, for every shape up to the largest bucket `warm` prepared: one
         # buffer, not one per graph (64 S2 Pro streams hold ~280 MB of state)
         self.old_rows: dict[torch.dtype, torch.Tensor] = {}
+        self.cap: dict[int, int] = {}  # chunk length -> the most streams one call decodes (`warm`'s max_frames)
 
     def take(self) -> int | None:
         return self.free.pop() if self.free else None
@@ -392,23 +395,29 @@ class SlotPool:
             return
         self.graphs[(Bp, n)] = (graph, bufs)
 
-    def warm(self, lengths: list[int], max_batch: int) -> int:
+    def warm(self, lengths: list[int], max_batch: int, max_frames: int | None = None) -> int:
         """Prepare these chunk lengths: on a GPU, capture a graph for each with every batch bucket up to
         `max_batch` (other shapes run eagerly); a stream's final chunk of another length is padded to the next one
-        (the codec is causal: the frames added change no sample of the real ones). -> graphs made."""
+        (the codec is causal: the frames added change no sample of the real ones). `max_frames`: the most frames
+        one call decodes (streams x length; at least one bucket a length): a call of more streams runs as several
+        (`cap`), so that the graphs' memory (the activations of their largest call: ~6 GB for S2 Pro at 64 x 16
+        frames in fp16) follows the frames a held call decodes, not the longest length. -> graphs made."""
         self.lengths = sorted(set(lengths))
         buckets = []
         for b in self.BUCKETS:  # up to the first that holds max_batch
             buckets.append(b)
             if b >= max_batch:
                 break
+        self.cap = {n: max([b for b in buckets if max_frames is None or b * n <= max_frames] or buckets[:1])
+                    for n in self.lengths}
         self.old_rows = {dt: t.new_zeros(buckets[-1], t.shape[1]) for dt, t in self.rows.items()}
         if self.use_graphs:
             torch.cuda.set_device(self.device)  # capture on this device (the current one is per thread)
             # the largest first: the smaller captures reuse the blocks it freed in the shared pool
             for n in reversed(self.lengths):
                 for Bp in reversed(buckets):
-                    self._capture(Bp, n)
+                    if Bp <= self.cap[n]:
+                        self._capture(Bp, n)
             torch.cuda.empty_cache()  # the eager warm-up runs' blocks, outside the graphs' pool, back to the driver
         return len(self.graphs)
 
@@ -425,8 +434,17 @@ class SlotPool:
 
     def _decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool]):
         """codes [B, C, n] (device, int64) of the streams in `slots`; keep[b] False: start from a fresh state.
-        -> (audio float32 [B, n * hop] host, finite [B] host, old states {key: [B, ...]} on the device)."""
+        -> (audio float32 [B, n * hop] host, finite [B] host, old states {key: [B, ...]} on the device). More
+        streams than `cap` allows for n run as several calls."""
         B, n = codes.shape[0], codes.shape[-1]
+        cap = self.cap.get(n)
+        if cap is not None and B > cap:
+            parts = []
+            for i in range(0, B, cap):
+                audio, finite, old = self._decode(slots[i : i + cap], codes[i : i + cap], keep[i : i + cap])
+                parts.append((audio, finite, {k: v.clone() for k, v in old.items()}))  # the next call reuses the buffer
+            return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                    {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]})
         Bp = next((b for b in self.BUCKETS if b >= B), B)
         idx = torch.tensor(slots + [self.scratch] * (Bp - B), dtype=torch.int64)
         kp = torch.tensor(keep + [False] * (Bp - B), dtype=torch.bool)

@@ -843,10 +843,13 @@ def _engine_codec(v, device, name: str):
     torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
     # streams open here: the live requests, and a long text's stream between two of its segments
     slots = min(v.codec_max_streams, 2 * v.max_batch)
+    # a held call decodes a slice of codec_batch_steps frames of up to max_batch streams: a longer one (a stream
+    # catching up) of that many streams runs as two calls rather than doubling the graphs' memory
+    K = v.codec_batch_steps
     decoder, dtype, graphs = open_stream_decoder(v.checkpoint, device, v.codec_dtype, slots,
                                                  v.codec_idle_timeout_s,
-                                                 EngineService.codec_lengths(v.first_chunk_frames, v.chunk_frames,
-                                                                             v.codec_batch_steps), v.max_batch)
+                                                 EngineService.codec_lengths(v.first_chunk_frames, v.chunk_frames, K),
+                                                 v.max_batch, v.max_batch * K if K > 1 else None)
     log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s%s", name, dtype,
              " (fp32 fallback)" if decoder.fallback is not None else "", slots, graphs, time.monotonic() - t0,
              memory_line(decoder.memory))
