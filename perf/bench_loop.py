@@ -156,6 +156,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "prompt_steps": round((L.firsts - B.firsts) / steps, 3),
            "prompt_step_ms": round(1e3 * (L.firsts_s - B.firsts_s) / max(1, L.firsts - B.firsts), 2),
            "tail_ms_p50": round(1e3 * float(np.median(tails)), 1) if tails else None,
+           "off_cpu_ms": round(1e3 * (L.off_cpu_s - B.off_cpu_s) / steps, 2),
            "codec_calls_per_step": round((L.codec_calls - B.codec_calls) / steps, 3),
            "streams_per_call": round((L.codec_streams - B.codec_streams) / calls, 1),
            "requests_done": len(finished), "stall_fraction": round(sum(c.stalled() for c in finished) / max(1, len(finished)), 3),

@@ -18,9 +18,11 @@ from pathlib import Path
 # slow_ar's loop line (s2tts.engine.service.LoopStats), the parts this table reads
 LINE = re.compile(r"(\d+) steps of ([\d.]+) ms making ([\d.]+) frames each, then ([\d.]+) ms a step .*? slots held "
                   r"([\d.]+), requests waiting ([\d.]+) a step; (\d+)% of the steps with prompt rows ending \(([\d.]+) "
-                  r"ms, the others ([\d.]+)\); last frame to final response (?:([\d.]+) ms p50|-)")
+                  r"ms, the others ([\d.]+)\); last frame to final response (?:([\d.]+) ms p50|-)"
+                  r"(?: \(\d+ requests\); the engine thread off its CPU ([\d.]+) ms a step)?")
 HEAD = ("| run | audio-s/s | pass ms (step + codec and routing) | frames a step | slots held | steps ending a prompt "
-        "(their step ms / the others') | last frame -> final p50 ms |\n|---|---|---|---|---|---|---|")
+        "(their step ms / the others') | last frame -> final p50 ms | engine thread off its CPU, ms a step |\n"
+        "|---|---|---|---|---|---|---|---|")
 
 
 def served_row(res: Path, run: str) -> str:
@@ -29,10 +31,10 @@ def served_row(res: Path, run: str) -> str:
     summary = res / run / "summary.md"
     lines = [m.groups() for m in LINE.finditer(summary.read_text(errors="replace"))] if summary.is_file() else []
     if not lines:
-        return f"| {run} | {level.get('audio_s_per_s', '-')} | (no loop line over 10 s) | | | | |"
-    _, step, frames, rest, held, _, pct, pms, oms, tail = max(lines, key=lambda g: float(g[2]))
+        return f"| {run} | {level.get('audio_s_per_s', '-')} | (no loop line over 10 s) | | | | | |"
+    _, step, frames, rest, held, _, pct, pms, oms, tail, off = max(lines, key=lambda g: float(g[2]))
     return (f"| {run} | {level.get('audio_s_per_s', '-')} | {float(step) + float(rest):.2f} ({step} + {rest}) | "
-            f"{frames} | {held} | {pct}% ({pms} / {oms}) | {tail or '-'} |")
+            f"{frames} | {held} | {pct}% ({pms} / {oms}) | {tail or '-'} | {off or '-'} |")
 
 
 def loop_row(r: dict) -> str:
@@ -43,7 +45,7 @@ def loop_row(r: dict) -> str:
     tail = r["tail_ms_p50"] if r["tail_ms_p50"] is not None else "-"
     return (f"| {what} | {r['audio_s_per_s']} | {r['step_ms'] + r['rest_ms']:.2f} ({r['step_ms']} + {r['rest_ms']}) | "
             f"{r['frames_per_step']} | {r['slots_held']} | {100 * p:.0f}% ({r['prompt_step_ms']} / {others:.2f}) | "
-            f"{tail} |")
+            f"{tail} | {r.get('off_cpu_ms', '-')} |")
 
 
 def table(res: Path, runs: list[str]) -> str:

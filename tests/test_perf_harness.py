@@ -314,6 +314,7 @@ def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
         # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
         assert 0 < r["frames_per_step"] <= r["slots_held"] <= 3 and 0 <= r["prompt_steps"] <= 1, r
         assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0
+        assert 0 <= r["off_cpu_ms"] <= r["step_ms"] + r["rest_ms"], r  # of the pass, the engine thread off its CPU
 
 
 def test_gap_table_reads_slow_ars_loop_line(tmp_path):
@@ -336,7 +337,7 @@ def test_gap_table_reads_slow_ars_loop_line(tmp_path):
     try:
         for frames, step_s in ((30, 0.012), (58, 0.011)):  # a ramp's window, then the steady state
             stats = LoopStats(every_s=0.0, codec_calls=1, codec_streams=50, tails=[0.07, 0.08, 0.09])
-            stats.add(step_s, 0.004, "slow_ar", frames, True, frames + 1, 2, True)
+            stats.add(step_s, 0.004, "slow_ar", frames, True, frames + 1, 2, True, off_cpu_s=frames / 1e5)
     finally:
         log.removeHandler(keep)
         log.setLevel(level)
@@ -345,5 +346,5 @@ def test_gap_table_reads_slow_ars_loop_line(tmp_path):
     (run / "summary.md").write_text("## slow_ar's loop, from its log\n\n" + "".join(f"- {m}\n" for m in lines))
     (run / "loadgen.json").write_text(json.dumps({"levels": [{"audio_s_per_s": 171.5}]}))
     rows = table(tmp_path, ["served", "pinned"]).splitlines()
-    assert rows[2] == "| served | 171.5 | 15.00 (11.0 + 4.0) | 58.0 | 59.0 | 100% (11.0 / 0.0) | 80.0 |", rows
-    assert rows[3] == "| pinned | - | (no loop line over 10 s) | | | | |"
+    assert rows[2] == "| served | 171.5 | 15.00 (11.0 + 4.0) | 58.0 | 59.0 | 100% (11.0 / 0.0) | 80.0 | 0.58 |", rows
+    assert rows[3] == "| pinned | - | (no loop line over 10 s) | | | | | |"

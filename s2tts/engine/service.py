@@ -140,12 +140,13 @@ class LoopStats:
     waiting: int = 0  # requests left waiting for a slot after the steps, summed
     firsts: int = 0  # steps that made some request's first frame (its prompt's last rows ran in them)
     firsts_s: float = 0.0  # their step time
+    off_cpu_s: float = 0.0  # the steps' passes: wall time the engine thread was off its CPU (GIL waits, blocking)
     tails: list = field(default_factory=list)  # seconds from a request's last frame to its final response handed out
     since: float = 0.0
     every_s: float = 10.0
 
     def add(self, step_s: float, rest_s: float, name: str, frames: int = 0, loaded: bool = False, live: int = 0,
-            waiting: int = 0, firsts: bool = False) -> None:
+            waiting: int = 0, firsts: bool = False, off_cpu_s: float = 0.0) -> None:
         now = time.monotonic()
         if not self.since:
             self.since = now
@@ -158,20 +159,23 @@ class LoopStats:
         self.waiting += waiting
         self.firsts += firsts
         self.firsts_s += step_s if firsts else 0.0
+        self.off_cpu_s += off_cpu_s
         if now - self.since >= self.every_s and self.codec_calls:
             tail = f"{1e3 * float(np.percentile(self.tails, 50)):.1f} ms p50" if self.tails else "-"
             log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
                      "decoding audio (%d codec calls, %.1f streams a call); under load %.0f%% of the steps; slots held "
                      "%.1f, requests waiting %.1f a step; %.0f%% of the steps with prompt rows ending (%.1f ms, the "
-                     "others %.1f); last frame to final response %s (%d requests)", name,
+                     "others %.1f); last frame to final response %s (%d requests); the engine thread off its CPU "
+                     "%.2f ms a step (waiting for the GIL, or blocked: a GPU wait spins)", name,
                      now - self.since, self.steps, 1e3 * self.step_s / self.steps, self.frames / self.steps,
                      1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_streams / self.codec_calls,
                      100 * self.loaded / self.steps, self.live / self.steps, self.waiting / self.steps,
                      100 * self.firsts / self.steps, 1e3 * self.firsts_s / max(1, self.firsts),
                      1e3 * (self.step_s - self.firsts_s) / max(1, self.steps - self.firsts), tail,
-                     len(self.tails))
+                     len(self.tails), 1e3 * self.off_cpu_s / self.steps)
             self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_streams, self.frames = 0, 0.0, 0.0, 0, 0, 0
             self.loaded, self.live, self.waiting, self.firsts, self.firsts_s, self.tails = 0, 0, 0, 0, 0.0, []
+            self.off_cpu_s = 0.0
             self.since = now
 
 
@@ -434,7 +438,7 @@ class EngineService:
         if not self.health.ok:  # nothing runs on an unhealthy device; drop whatever arrived meanwhile
             self.engine.fail_all("unhealthy")
             return
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.thread_time()
         decoding = self.engine.decoding()  # a step of prompt rows alone is not the streams' pace
         outputs = self.engine.step()
         # (statistics, no lock needed): the slots this step held (those live after it and those it ended) and the
@@ -476,7 +480,8 @@ class EngineService:
             self.step_s = dt if self.step_s is None else 0.8 * self.step_s + 0.2 * dt
             self._note_load()
             self.loop.add(t1 - t0, t2 - t1, self.name, sum(o.codes.shape[0] for o in outputs), self.under_load(),
-                          live, waiting, any(o.queue_s is not None for o in outputs))
+                          live, waiting, any(o.queue_s is not None for o in outputs),
+                          max(0.0, dt - (time.thread_time() - cpu0)))
 
     def _route(self, o: Output) -> list[list]:
         """One request's output -> what to send: [record, "chunk" | "final" | "error", codes, finish reason,
