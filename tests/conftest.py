@@ -120,6 +120,13 @@ def _live_children() -> list[tuple[int, str]]:
     return out
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The interpreted kernel checks' test last: their processes (started below) run on the CPU time the other tests
+    leave idle, and the later their results are collected, the more of that time they have had."""
+    if len(items) >= 20:
+        items.sort(key=lambda i: i.nodeid.endswith("test_kernels_match_pytorch_under_interpreter"))  # stable
+
+
 def pytest_collection_finish(session):
     """With the interpreted kernel checks among other tests: start them now, niced (tests/kernel_checks.py), on a
     checkpoint of their own; their test collects the results."""
