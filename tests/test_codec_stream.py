@@ -257,3 +257,12 @@ def test_the_served_decoder_opens_with_the_device_as_settings_name_it(tiny_ckpt)
         assert dtype == "fp32" and graphs == 0 and dec.device.type == "cpu"
         codes = np.zeros((4, dec.C), np.int64)
         assert dec.decode_many([("k", "s", codes, True, True)], now=0.0)["k"].shape == (4 * 2048,)
+    # where its making went, for the log line (seconds; GPU memory only on a GPU)
+    from s2tts.codec.stream import making_line
+
+    assert list(dec.making) == ["weights", "fp32 fallback", "kernels chosen", "stream slots", "warm-up and CUDA graphs"]
+    assert all(sec >= 0 and mib is None for sec, mib in dec.making.values()), dec.making
+    line = making_line(dec.making)
+    assert line.startswith("; made in: weights ") and " s, fp32 fallback " in line and "MiB" not in line, line
+    assert making_line({"weights": (1.25, 784.0), "CUDA graphs": (9.0, 4156.0)}) == \
+        "; made in: weights 1.2 s (784 MiB), CUDA graphs 9.0 s (4156 MiB); GPU memory held: 4.82 GiB"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ class StreamDecoder:
         self.device = next(codec.parameters()).device
         self.C = codec.config.num_codebooks
         self.pool = SlotPool(codec, pool_size, graphs, buckets) if pool_size > 0 else None
-        self.memory: dict[str, float] = {}  # GPU MiB by part, as `open_stream_decoder` measured them
+        self.making: dict = {}  # {part: (seconds, GPU MiB or None)} as `open_stream_decoder` measured them
         self._lock = threading.Lock()
 
     def _check(self, sid: str, codes: np.ndarray, start: bool) -> S2Error | None:
@@ -230,31 +231,34 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
     from ..checkpoint import codec_dtype_for, load_codec_from_dir
 
     dtype = codec_dtype_for(codec_dtype, device, "decoder")
-    held = _Held(device)
+    making = _Making(device)
     codec = load_codec_from_dir(checkpoint, device, dtype).drop_encoding()
-    held.mark("weights")
+    making.mark("weights")
     fallback = None if dtype == "fp32" else load_codec_from_dir(checkpoint, device, "fp32").drop_encoding()
+    making.mark("fp32 fallback")
     tune_for_device(device, codec, fallback)
-    held.mark("fp32 fallback")
+    making.mark("kernels chosen")
     decoder = StreamDecoder(codec, idle_timeout_s=idle_timeout_s, fallback=fallback, pool_size=pool_size)
-    held.mark("stream slots")
+    making.mark("stream slots")
     graphs = decoder.pool.warm(lengths, max(1, max_batch), max_frames) if decoder.pool is not None else 0
-    held.mark("CUDA graphs")
-    decoder.memory = held.parts
+    making.mark("warm-up and CUDA graphs")
+    decoder.making = making.parts
     return decoder, dtype, graphs
 
 
-def memory_line(parts: dict[str, float]) -> str:
-    """A decoder's `memory` as the end of a log line ("" on a CPU)."""
+def making_line(parts: dict[str, tuple[float, float | None]]) -> str:
+    """A decoder's `making` as the end of a log line: each part's seconds, and on a GPU the memory it took."""
     if not parts:
         return ""
-    return "; GPU memory held: " + ", ".join(f"{k} {v:.0f} MiB" for k, v in parts.items()) + \
-        f" ({sum(parts.values()) / 1024:.2f} GiB)"
+    gpu = all(mib is not None for _, mib in parts.values())
+    line = "; made in: " + ", ".join(f"{k} {s:.1f} s" + (f" ({mib:.0f} MiB)" if gpu else "")
+                                       for k, (s, mib) in parts.items())
+    return line + (f"; GPU memory held: {sum(m for _, m in parts.values()) / 1024:.2f} GiB" if gpu else "")
 
 
-class _Held:
-    """What each part of a decoder's making adds to the GPU memory PyTorch holds (`parts`: {part: MiB}; empty on a
-    CPU), for the log line that says where a process's memory went."""
+class _Making:
+    """What each part of a decoder's making took: seconds, and on a GPU the memory PyTorch holds that it added
+    (`parts`: {part: (seconds, MiB or None)}), for the log line that says where a server's start and memory went."""
 
     def __init__(self, device):
         from ..checkpoint import resolve_device
@@ -262,13 +266,14 @@ class _Held:
         dev = resolve_device(device)
         self.cuda = dev.type == "cuda"
         self.dev, self.parts = dev, {}
-        self.last = torch.cuda.memory_reserved(dev) if self.cuda else 0
+        self.t = time.monotonic()
+        self.held = torch.cuda.memory_reserved(dev) if self.cuda else 0
 
     def mark(self, part: str) -> None:
-        if self.cuda:
-            now = torch.cuda.memory_reserved(self.dev)
-            self.parts[part] = (now - self.last) / 2**20
-            self.last = now
+        now = time.monotonic()
+        held = torch.cuda.memory_reserved(self.dev) if self.cuda else 0
+        self.parts[part] = (now - self.t, (held - self.held) / 2**20 if self.cuda else None)
+        self.t, self.held = now, held
 
 
 def tune_for_device(device, *codecs) -> None:

@@ -842,7 +842,7 @@ def _engine_codec(v, device, name: str):
     catching up), at up to max_batch streams per call."""
     import torch
 
-    from ..codec.stream import memory_line, open_stream_decoder
+    from ..codec.stream import making_line, open_stream_decoder
 
     t0 = time.monotonic()
     torch.backends.cudnn.allow_tf32 = v.codec_tf32  # the fp32 codec's convolutions (the AR has none)
@@ -857,5 +857,5 @@ def _engine_codec(v, device, name: str):
                                                  v.max_batch, v.max_batch * K if K > 1 else None)
     log.info("%s: codec in the engine's loop: dtype=%s%s, %d stream slots, %d CUDA graphs, in %.1f s%s", name, dtype,
              " (fp32 fallback)" if decoder.fallback is not None else "", slots, graphs, time.monotonic() - t0,
-             memory_line(decoder.memory))
+             making_line(decoder.making))
     return decoder

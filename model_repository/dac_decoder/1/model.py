@@ -12,7 +12,7 @@ import time
 from s2tts import settings
 from s2tts import triton_utils as tu
 from s2tts.chunking import Chunker
-from s2tts.codec.stream import memory_line, open_stream_decoder
+from s2tts.codec.stream import making_line, open_stream_decoder
 
 
 class TritonPythonModel:
@@ -45,7 +45,7 @@ class TritonPythonModel:
                           self.decoder.pool.size, self.decoder.pool.bytes / 2**20, lengths, graphs, time.monotonic() - t0)
         self.log.info("%s %s: device=%s dtype=%s%s in %.1f s%s", self.name, what, self.decoder.device, dtype,
                       " (fp32 fallback for chunks that overflow)" if self.decoder.fallback is not None else "",
-                      time.monotonic() - t0, memory_line(self.decoder.memory))
+                      time.monotonic() - t0, making_line(self.decoder.making))
 
     def execute(self, requests):
         if self.decoder is None:
