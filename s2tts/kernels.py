@@ -187,7 +187,20 @@ if triton is not None:
         s = (g / (1.0 + tl.exp(-g))).to(O.dtype.element_ty).to(tl.float32)
         tl.store(O + row * stride_o + cols, (s * u).to(O.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    # The codec's elementwise kernels take lengths and strides that change with every chunk length, decoder stage
+    # and dilation: left unspecialized, each compiles once per tile size rather than once per divisibility of every
+    # length (what a server's first start spent most of its codec warm-up on; their loads are offset by the context
+    # and by per-row strides, so the divisibility bought no wider accesses)
+    _LENGTHS = ["C", "T", "CTX", "T_out", "stride_xb", "stride_xc", "stride_yb", "stride_yc", "stride_pr", "stride_or",
+                "stride_ob"]
+
+    def _unspecialized(fn):
+        import inspect
+
+        names = [n for n in inspect.signature(fn).parameters if n in _LENGTHS]
+        return triton.jit(do_not_specialize=names)(fn)
+
+    @_unspecialized
     def _snake_kernel(X, P, A, Bias, O, C, T, CTX, stride_xb, stride_xc, stride_pr, stride_or, HAS_BIAS: tl.constexpr,
                       BLOCK: tl.constexpr):
         """Program (row b*C + c, tile of the output's CTX + T columns): columns before CTX copy the row's prefix,
@@ -206,7 +219,7 @@ if triton is not None:
         pre = tl.load(P + row * stride_pr + cols, mask=cols < CTX, other=0.0).to(tl.float32)
         tl.store(O + row * stride_or + cols, tl.where(cols < CTX, pre, y).to(O.dtype.element_ty), mask=cols < CTX + T)
 
-    @triton.jit
+    @_unspecialized
     def _add_bias_kernel(X, Y, Bias, O, C, T, stride_xb, stride_xc, stride_yb, stride_yc, BLOCK: tl.constexpr):
         """Program (row b*C + c, tile of T): out = x + y + bias[c] (x and y with unit stride along time)."""
         row = tl.program_id(0).to(tl.int64)
@@ -218,7 +231,7 @@ if triton is not None:
         out = x + y + tl.load(Bias + c).to(tl.float32)
         tl.store(O + row * T + t, out.to(O.dtype.element_ty), mask=m)
 
-    @triton.jit
+    @_unspecialized
     def _conv_to_one_kernel(X, W, Bias, O, C, T_out, stride_xb, stride_xc, stride_ob, K: tl.constexpr,
                             DIL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
         """Program (row b, tile of outputs): out[t] = bias + sum over channels c and taps k of w[c, k] x[c, t + k DIL],
