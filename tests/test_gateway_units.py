@@ -320,6 +320,51 @@ def test_a_silent_stream_is_cancelled_after_the_answer_timeout():
     assert err.status == 504 and err.code == "upstream_timeout" and call.cancelled
 
 
+def test_the_sample_rate_comes_from_each_s2pro_answer_and_one_without_it_is_an_upstream_error():
+    """The gateway restates no sample rate: a chunk's is s2pro's `sample_rate` output (what every answer of s2pro
+    carries), and an answer without it (a repository that does not match the gateway) ends the stream with 502."""
+    import asyncio
+
+    from tritonclient.grpc import InferResult, service_pb2
+
+    from s2tts.gateway.triton import SpeechStream
+
+    def answer(rate):
+        r = service_pb2.ModelInferResponse(model_name="s2pro", id="r")
+        out = r.outputs.add(name="audio", datatype="FP32", shape=[4])
+        r.raw_output_contents.append(np.arange(4, dtype=np.float32).tobytes())
+        if rate is not None:
+            out = r.outputs.add(name="sample_rate", datatype="INT32", shape=[1])
+            r.raw_output_contents.append(np.array([rate], np.int32).tobytes())
+        return InferResult(r)
+
+    class Answers:
+        def __init__(self, *results):
+            self.results = list(results)
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            return self.results.pop(0), None
+
+        def cancel(self):
+            pass
+
+    async def run():
+        s = SpeechStream("127.0.0.1:1", "r", idle_s=5.0)
+        s._call = Answers(answer(16000), answer(None))
+        chunk = await s.next()
+        with pytest.raises(APIError) as ei:
+            await s.next()
+        return chunk, ei.value, await s.next()
+
+    chunk, err, after = asyncio.run(run())
+    assert chunk.sample_rate == 16000 and chunk.audio.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert err.status == 502 and err.code == "upstream_error" and "sample_rate" in err.message, err.message
+    assert after is None  # the stream ended with the error
+
+
 def test_reference_clip_limits_are_the_stricter_of_server_and_gateway():
     """A reference clip (inline or uploaded) is held to s2pro's limits, made stricter by the gateway's own
     --max-reference-seconds where set."""

@@ -37,7 +37,8 @@ class Timeline:
     with `add_text`); only what follows the last segment found is kept, so a long session holds what is still to be
     spoken."""
 
-    def __init__(self, text: str, sample_rate: int, speed: float = 1.0):
+    def __init__(self, text: str, sample_rate: int | None, speed: float = 1.0):
+        """`sample_rate`: s2pro's (None until its first chunk says it: set it before `push`)."""
         self._text = text  # the client's text from offset `_base` on: the segments found so far are dropped
         self._base = 0
         self.sample_rate = sample_rate

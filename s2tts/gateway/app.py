@@ -244,7 +244,7 @@ class SpeechResponse(Response):
             first = await self._stream.next()
         except APIError as e:  # refused before any audio: a normal HTTP error
             return await self._send_error(e, scope, receive, send)
-        pipeline = AudioPipeline(p.response_format, first.sample_rate or 44100, p.speed, p.stream_format is not None,
+        pipeline = AudioPipeline(p.response_format, first.sample_rate, p.speed, p.stream_format is not None,
                                  p.gain, p.bit_rate, p.sample_rate)
         headers = {"x-request-id": self.req.request_id, "x-s2-seed": str(self.req.seed),
                    "x-s2-sample-rate": str(pipeline.encoder.output_sample_rate)}
@@ -299,7 +299,7 @@ class SpeechResponse(Response):
                 await send({"type": "http.response.body", "more_body": True,
                             "body": _sse({"type": "speech.audio.segment", **ended.public()})})
 
-        timeline = Timeline(self.req.text, first.sample_rate or 44100, self.params.speed) \
+        timeline = Timeline(self.req.text, first.sample_rate, self.params.speed) \
             if self.params.timestamps else None
         try:
             async for chunk in self._chunks(first):

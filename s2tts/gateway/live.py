@@ -122,7 +122,7 @@ class LiveConnection:
             await self._admit()
             held, t0 = True, time.monotonic()
             f, req = await self.prepare(start["request"], self.ws.headers.get("model"), sid)
-            timeline = Timeline(f.text, 44100, f.speed)  # its rate: the first chunk's
+            timeline = Timeline(f.text, None, f.speed)  # its rate: the first chunk's
             stream = self.backend.open_stream(req)
             await self._both(self._text_in(sid, timeline), self._audio_out(stream, f, timeline, t0))
             await self._finish("stop")
@@ -203,7 +203,7 @@ class LiveConnection:
             if chunk is None:
                 return
             if pipeline is None:
-                rate = chunk.sample_rate or 44100
+                rate = chunk.sample_rate
                 pipeline = AudioPipeline(f.format, rate, f.speed, True, f.gain, f.bit_rate, f.sample_rate)
                 timeline.sample_rate = rate
             timeline.push(chunk.audio, chunk.segment)

@@ -32,7 +32,7 @@ class SynthesisRequest(TTSInput):
 @dataclass
 class Chunk:
     audio: np.ndarray
-    sample_rate: int
+    sample_rate: int  # s2pro's, on every response (the model's rate: the gateway restates none)
     stats: dict | None = None  # on the final response
     final: bool = False
     segment: dict | None = None  # where an audio chunk is: {segment, text, frame, frames} (s2pro's `segment`)
@@ -130,7 +130,11 @@ class SpeechStream:
         audio = result.as_numpy("audio") if "audio" in names else None
         audio = np.zeros(0, np.float32) if audio is None else audio.reshape(-1).astype(np.float32, copy=False)
         sr = result.as_numpy("sample_rate") if "sample_rate" in names else None
-        sample_rate = int(sr.reshape(-1)[0]) if sr is not None and sr.size else 0
+        if sr is None or not sr.size:  # every answer of s2pro says it: the one place the gateway learns the rate
+            self._finished = True
+            raise APIError(502, "s2pro answered without its sample_rate output: the model repository does not match "
+                           "this gateway; serve the repository of this version", code="upstream_error")
+        sample_rate = int(sr.reshape(-1)[0])
         stats = None
         if "stats" in names:
             raw = result.as_numpy("stats")
