@@ -549,6 +549,12 @@ def test_killed_slow_ar_mid_stream(harness_factory):
     req = h.request("s2pro", _tts_inputs(max_new_tokens=500, ignore_eos=np.array([True])), "victim")
     while not req.sender.responses:
         time.sleep(0.01)
+    # killed while the victim's worker waits inside slow_ar's call (its pull waiting for the next chunk), not while
+    # it decodes or sends a chunk between two calls: that worker is the one given up below
+    pulls, deadline = h.models["slow_ar"].streams, time.time() + 30
+    while not any(st._waiting is not None for st in list(pulls._streams.values())):
+        assert time.time() < deadline, "the victim's worker never waited in slow_ar's call"
+        time.sleep(0.001)
     h.kill("slow_ar")
     err = _one_final(_wait(req, 30))
     assert errors.parse(err.message()).code == "unavailable"
