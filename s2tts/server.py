@@ -84,10 +84,20 @@ def backend_dir(work: Path) -> Path:
     return dst.parent
 
 
+_GIVEN: set[int] = set()  # ports free_port handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now on 127.0.0.1, never one this process was given before (the OS may hand the same free port
+    to two calls in a row: a server's three ports, or a test's, must differ)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("no free port on 127.0.0.1 that this process has not used already")
 
 
 def python_backend_threads(settings: dict) -> int:

@@ -400,7 +400,9 @@ def test_livekit_plugin_speaks_through_the_gateway(gw, tmp_path):
     theirs = np.fromfile(out, np.int16)
     assert frame <= len(theirs) <= one + 241 and np.abs(theirs).max() > 30
     first = int(frame) - 64  # the first frame's audio, short of what the resampler's filter shares
-    np.testing.assert_array_equal(theirs[:first], ours[:first])
+    # within one 16-bit step, as _same_pcm: the codec's float sums differ in the last bits with where chunks end
+    diff = np.abs(theirs[:first].astype(np.int32) - ours[:first].astype(np.int32))
+    assert len(theirs[:first]) == first and diff.max() <= 1, diff.max()
 
 
 def test_live_sessions_over_the_limit_get_fishs_concurrency_error(triton_server, tmp_path):

@@ -98,3 +98,12 @@ def test_stopping_a_dead_server_ends_its_model_processes(tiny_ckpt, tmp_path):
         for pid in stubs():  # whatever the outcome, leave nothing behind
             os.kill(pid, signal.SIGKILL)
     assert not left, f"model processes left after stop(): {left}"
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    """A server's three ports (and a test's) come from free_port one after another: the OS may offer the same free
+    port to two calls in a row, which made a launch fail ("cannot listen to GRPC and metrics at the same address")."""
+    from s2tts.server import free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports) and all(0 < p < 65536 for p in ports)
