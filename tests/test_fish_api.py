@@ -6,7 +6,6 @@ prosody, and Fish's error shape; the same seeded request gives the same audio as
 import io
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
