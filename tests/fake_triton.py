@@ -88,8 +88,11 @@ class Sender:
         self.q: queue.Queue = queue.Queue()
         self.done = threading.Event()
         self._lock = threading.Lock()
+        self.muted = None  # () -> True once the model instance that answers it was killed (FakeTriton.kill)
 
     def send(self, response=None, flags=0):
+        if self.muted is not None and self.muted():  # its model's process was killed: nothing leaves it any more
+            return
         with self._lock:
             if self.finals:
                 self.late += 1
@@ -160,6 +163,7 @@ class FakeTriton:
         self.calls: list[tuple[str, str]] = []  # (model, what) for load/unload
         self.dead: set[str] = set()  # models whose "process" is gone: BLS calls fail as in Triton
         self.hang: set[str] = set()  # dead models whose in-flight streams never end (as with a killed stub)
+        self.killed: set[int] = set()  # id() of the model instances killed: their senders send nothing more
         self._install()
         for m in models:
             self.load(m)
@@ -221,6 +225,7 @@ class FakeTriton:
         self.dead.add(name)
         self.hang.add(name)
         model = self.models[name]
+        self.killed.add(id(model))
         for attr in ("service",):  # stop its threads without any final response (a dead process sends nothing)
             svc = getattr(model, attr, None)
             if svc is not None:
@@ -235,7 +240,9 @@ class FakeTriton:
                 f"Request for unknown model: '{model}' is not found"
             req.sender.send(InferenceResponse(error=TritonError(msg, TritonError.INTERNAL)), FINAL)
             return req
-        out = self.models[model].execute([req])
+        inst = self.models[model]
+        req.sender.muted = lambda: id(inst) in self.killed  # a killed process answers nothing, not even what it had
+        out = inst.execute([req])
         if out is not None:  # a non-decoupled model answers from execute
             for resp in out:
                 req.sender.send(resp, FINAL)
