@@ -71,7 +71,7 @@ def _stall_points(clients) -> dict:
 
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
-        prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load=""):
+        prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load="", launch_ahead=None):
     from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService
@@ -88,7 +88,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     load_frames = args.load if load_frames is None else load_frames
     svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", audio), lambda e: ("error", e.wire()),
                         frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps,
-                        load_chunk_frames=SCHEMA["load_chunk_frames"].default if load_frames is None else load_frames)
+                        load_chunk_frames=SCHEMA["load_chunk_frames"].default if load_frames is None else load_frames,
+                        launch_ahead=launch_ahead)
     if args.chunk_lag >= 0:
         svc.chunk_lag = args.chunk_lag
     if uniform is not None:
@@ -145,7 +146,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     svc.shutdown()
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
-    out = {"batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
+    out = {"launch_ahead": svc.launch_ahead, "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
@@ -208,6 +209,9 @@ def main() -> int:
                     "second beside the loop (what serving adds in slow_ar's process: its sender builds ~340 "
                     "responses/s of ~0.35 ms at c=64 on an H100, e.g. 340:0.35), each tried with the first of the "
                     "others (the first of all: none)")
+    ap.add_argument("--launch-ahead", default="", help="comma-separated 1/0: the engine launches its next step "
+                    "before the loop routes the last one's frames (EngineService(launch_ahead=); default: the "
+                    "service's, on a GPU), each tried with the first of the others (the first of all: the default)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -256,6 +260,8 @@ def main() -> int:
         go(first, resubmit_ms=d)
     for g in [x for x in args.gil_load.split(",") if x]:
         go(first, gil_load=g)
+    for la in [x for x in args.launch_ahead.split(",") if x]:
+        go(first, launch_ahead=la == "1")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

@@ -273,21 +273,30 @@ def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_c
 
 
 def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny_ckpt, codec):
-    """codec_batch_steps=4 under load against 1: fewer codec calls, the same audio."""
-    def run(steps):
+    """codec_batch_steps=4 under load against 1: fewer codec calls, the same audio; and the same again with the
+    engine launching each step before the loop routes the last one's frames (`launch_ahead`, a GPU's default),
+    which it does under load with held slices, and with exactly one final response a request."""
+    def run(steps, ahead=None):
         decoder = StreamDecoder(codec, pool_size=8)
-        svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps, frame_seconds=codec_frame_seconds(tiny_ckpt))
+        svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps, frame_seconds=codec_frame_seconds(tiny_ckpt),
+                       launch_ahead=ahead)
         svc.pace = lambda: 0.45
+        launched = []
+        step_ahead = svc.engine.step_ahead
+        svc.engine.step_ahead = lambda: launched.append(1) or step_ahead()
         rs = _serve_all(svc, prompts, [25, 30, 35, 40], 60, "Batch me", first_chunk_frames=1, chunk_frames=1)
-        assert all(kind == "ok" for r in rs for kind, *_ in r.sent)
+        assert all(kind == "ok" for r in rs for kind, *_ in r.sent) and all(r.finals == 1 for r in rs)
+        assert bool(launched) == bool(ahead)
         return [np.concatenate([a for *_, a in r.sent]) for r in rs], svc.loop.codec_calls, decoder
 
     every, calls_every, _ = run(1)
     batched, calls_batched, decoder = run(4)
-    for a, b in zip(every, batched):
+    ahead, _, decoder_ahead = run(4, ahead=True)
+    for a, b, c in zip(every, batched, ahead):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(c, b, atol=1e-5, rtol=0)
     assert calls_batched < 0.4 * calls_every, (calls_batched, calls_every)
-    assert decoder.states == {}
+    assert decoder.states == {} and decoder_ahead.states == {}
 
 
 def test_slices_follow_the_lengths_the_codec_prepared(codec):

@@ -13,6 +13,10 @@ A frame is one slow-AR token plus the fast AR's residual codes: `[num_codebooks]
 4. process the result (`Scheduler.update`): lengths, frames, requests that ended;
 5. return every request's `Output` of this step (new frames, or its end with a reason).
 
+`step_ahead()` runs the same steps one behind the host: it finishes the step in flight (4, 5) and launches the next
+(1-3) before returning, so that the caller's work on the outputs (routing, chunking, responses) runs while the
+device makes the next step's frames instead of leaving it idle.
+
 A step is all or nothing per group of requests: if the pass that holds prompt rows fails (and the device is still
 usable), the requests of those rows end with an error and the decode rows run again by themselves; if the decode
 rows fail, their requests end with an error and the requests being prefilled go back to the head of the queue
@@ -33,7 +37,7 @@ from ..frontend.prompt import Prompt
 from ..model import S2Model
 from ..sampling import SamplingParams
 from ..settings import SCHEMA
-from .runner import ModelRunner
+from .runner import Launched, ModelRunner
 from .scheduler import Output, Request, Scheduler, StepPlan
 
 
@@ -101,6 +105,7 @@ class Engine:
         self.device, self.dtype = r.device, r.dtype
         self.fault_hook = None  # optional fn(phase "decode" | "prefill", requests) called before device work (tests)
         self.last_fault: BaseException | None = None
+        self._inflight: tuple[StepPlan, Launched] | None = None  # the launched step not yet finished (engine thread)
 
         self._lock = threading.Lock()  # the command queue, the ids, and the scheduler's state while others read it
         self._work = threading.Condition(self._lock)
@@ -181,19 +186,41 @@ class Engine:
 
     # ---- the loop, on the engine's thread ---------------------------------------------------------
     def step(self) -> list[Output]:
-        """One step (the module's doc). On a GPU it runs with the engine's device current (the current device is
-        per thread; Triton kernels and graphs launch on it, so an engine on cuda:1 stepped from a thread left on
-        cuda:0 would hand them pointers they cannot use)."""
+        """One step (the module's doc), waited for. On a GPU it runs with the engine's device current (the current
+        device is per thread; Triton kernels and graphs launch on it, so an engine on cuda:1 stepped from a thread
+        left on cuda:0 would hand them pointers they cannot use). With a step in flight (`step_ahead`) it finishes
+        that one."""
+        return self._on_device(lambda: self._finish() if self._inflight is not None else self._launch() + self._finish())
+
+    def step_ahead(self) -> list[Output]:
+        """Finish the step in flight (or run one now if none is), then launch the next one if there is work, and
+        return without waiting for it -> the finished step's outputs (with those the launch made at once: requests
+        cancelled before they ran, prompt rows that failed). The caller handles them on the host while the device
+        runs the next step. The same steps as `step()`'s, one behind: a command (submit, cancel) that comes while
+        the caller handles the outputs is taken at the launch after the one in flight. After a step whose finish
+        failed (`last_fault`) nothing is launched."""
+
+        def go():
+            outputs = self._finish() if self._inflight is not None else self._launch() + self._finish()
+            if self.last_fault is None and self.has_work():
+                outputs += self._launch()
+            return outputs
+
+        return self._on_device(go)
+
+    def _on_device(self, fn) -> list[Output]:
         if self.model.engine_owner is not self:
             raise RuntimeError("another Engine was made over this model since this one: its KV cache (and the CUDA "
                                "graphs that read it) now belong to that one; use one Engine per model")
         if self.device.type != "cuda":
-            return self._ended(self._step())
+            return self._ended(fn())
         with torch.cuda.device(self.device):
-            return self._ended(self._step())
+            return self._ended(fn())
 
     @torch.inference_mode()
-    def _step(self) -> list[Output]:
+    def _launch(self) -> list[Output]:
+        """Steps 1-3: commands, the plan, its device work queued (kept in `_inflight` for `_finish`) -> the outputs
+        known at once (cancels, failures)."""
         self.last_fault = None
         with self._lock:
             outputs = self._take_commands()
@@ -209,7 +236,8 @@ class Engine:
             try:
                 if hook is not None:
                     hook("prefill", chunked)
-                return outputs + self._run(plan)
+                self._run(plan)
+                return outputs
             except Exception as e:  # noqa: BLE001
                 self.last_fault = e
                 if is_fatal_device_error(e):
@@ -219,10 +247,26 @@ class Engine:
             try:
                 if hook is not None:
                     hook("decode", plan.decode)
-                outputs += self._run(plan.decode_only())
+                self._run(plan.decode_only())
             except Exception as e:  # noqa: BLE001
                 outputs += self._decode_failed(plan.decode_only(), e)
         return outputs
+
+    @torch.inference_mode()
+    def _finish(self) -> list[Output]:
+        """Steps 4-5 of the launched step: wait for its frames, update the scheduler -> its outputs. A fault seen
+        only now (the device's, at the wait) ends every request of the step."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        plan, launched = inflight
+        try:
+            result = self.runner.collect(launched)
+        except Exception as e:  # noqa: BLE001 - judged by the caller through last_fault
+            self.last_fault = e
+            return self._fail(plan.decode + [c.request for c in plan.prefill], e)
+        with self._lock:
+            return self.scheduler.update(plan, result)
 
     def _take_commands(self) -> list[Output]:
         """Apply the queued commands in order (under the lock)."""
@@ -235,11 +279,9 @@ class Engine:
                 outputs += self.scheduler.abort({arg})
         return outputs
 
-    def _run(self, plan: StepPlan) -> list[Output]:
+    def _run(self, plan: StepPlan) -> None:
         self.runner.apply(self.scheduler.pool)
-        result = self.runner.execute(plan)
-        with self._lock:
-            return self.scheduler.update(plan, result)
+        self._inflight = (plan, self.runner.launch(plan))
 
     def _decode_failed(self, plan: StepPlan, e: BaseException) -> list[Output]:
         """The decode rows failed: their requests end; the plan's prompt rows' requests start again later."""
@@ -264,6 +306,12 @@ class Engine:
         """End every request, queued, waiting or live, with an error output and free every slot (an unrecoverable
         fault, shutdown); call it on the engine's thread. Pending cancellations are dropped: those requests end here
         too."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:  # its frames are not wanted: wait for the device to be done with its buffers
+            try:
+                self.runner.collect(inflight[1])
+            except Exception:  # noqa: BLE001 - the requests end here anyway
+                pass
         with self._lock:
             for verb, arg in self._commands:
                 if verb == "add":

@@ -6,13 +6,16 @@ temperature, top-p/k, the RAS window, each slot's last frame) in device tensors,
 one row per decoding request (its last frame) and the plan's prompt rows (attention reads each row's keys from the
 paged cache up to its own position, so prompt rows are causal); then one batch samples code 0 and runs the fast AR
 for every request that gets a frame. The pass is captured as a CUDA graph per row bucket (and way of splitting the
-keys), the sampling per batch bucket; the step's frames reach the host in one copy, its one synchronisation.
+keys), the sampling per batch bucket; the step's frames reach the host in one copy, its one synchronisation
+(`launch` queues a step and returns; `collect` waits for its frames: the host may do other work in between).
 
 Slot `max_batch` is the scratch slot: the padding rows of a graph's bucket read and write it, never a live
 request's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,6 +43,16 @@ class InProcessFastAR:
 
 class HostFastAR:
     """Marker base for fast-AR runners that leave the device (e.g. BLS): no CUDA graphs around them."""
+
+
+@dataclass
+class Launched:
+    """A plan's device work, queued (`ModelRunner.launch`): its sampled rows' frames and end flags [B, C + 1] on
+    their way to the host (None: the plan sampled nothing), and the event that says they are there (None on a CPU,
+    where they already are)."""
+
+    rows: torch.Tensor | None
+    ready: object | None
 
 
 class ModelRunner:
@@ -121,6 +134,7 @@ class ModelRunner:
         if isinstance(self.fast_ar, InProcessFastAR):
             self.fast_ar.kernel = self.sample_kernel
         self.logits_hook = None  # optional observer: fn(request_ids, logits [B, V]) (tests, debugging)
+        self._host: torch.Tensor | None = None  # page-locked buffer of a launched plan's frames (GPU)
 
         dev, C, n = self.device, s2.num_codebooks, max_batch + 1
         # per-slot device state
@@ -168,9 +182,15 @@ class ModelRunner:
                                           torch.from_numpy(pool.table[rows]).to(self.device, non_blocking=True))
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run the plan: the slow AR over its decode and prompt rows (one pass; `batch_invariant` without the
-        attention kernel: decode rows and each chunk in passes of their own), then sampling and the fast AR for
-        `plan.sampled` -> their frames. The caller has `apply`d the pool first."""
+        """Run the plan and wait for its result (`launch`, then `collect`)."""
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan) -> Launched:
+        """Queue the plan's device work: the slow AR over its decode and prompt rows (one pass; `batch_invariant`
+        without the attention kernel: decode rows and each chunk in passes of their own), then sampling and the fast
+        AR for `plan.sampled`, and the copy of their frames to the host; on a GPU it returns before they are made.
+        The caller has `apply`d the pool first, and `collect`s this before launching another plan (the graphs'
+        outputs and the host buffer serve one plan at a time)."""
         if plan.starts:
             self._set_slot_params(plan.starts)
         if self.apart:
@@ -182,7 +202,7 @@ class ModelRunner:
             first += self._slow_pass(dec, ch, first)
         sampled = plan.sampled
         if not sampled:
-            return StepResult(np.zeros((0, self.s2.num_codebooks), dtype=np.int32), np.zeros(0, dtype=bool))
+            return Launched(None, None)
         done = sampled[len(plan.decode):]
         for r in done:
             if r.frames:  # resumed after a preemption: the RAS window as it was (code 0 of the frames decoded)
@@ -192,7 +212,24 @@ class ModelRunner:
         steps = [r.generated for r in sampled]
         remember = [1] * len(plan.decode) + [int(bool(r.frames)) for r in done]
         frame, end = self._sample(sampled, steps, remember)
-        host = torch.cat([frame, end[:, None].to(frame.dtype)], dim=1).to("cpu").numpy()
+        rows = torch.cat([frame, end[:, None].to(frame.dtype)], dim=1)
+        if self.device.type != "cuda":
+            return Launched(rows, None)
+        if self._host is None:  # page-locked, so that the copy runs behind the step instead of waiting for it
+            self._host = torch.empty(self.max_batch + 1, rows.shape[1], dtype=rows.dtype, pin_memory=True)
+        host = self._host[: rows.shape[0]]
+        host.copy_(rows, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(host, ready)
+
+    def collect(self, launched: Launched) -> StepResult:
+        """Wait for a launched plan's frames -> its `StepResult` (arrays of its own: the host buffer is reused)."""
+        if launched.rows is None:
+            return StepResult(np.zeros((0, self.s2.num_codebooks), dtype=np.int32), np.zeros(0, dtype=bool))
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        host = launched.rows.numpy()
         return StepResult(host[:, :-1].astype(np.int32), host[:, -1].astype(bool))
 
     def _set_slot_params(self, reqs: list[Request]) -> None:

@@ -213,14 +213,18 @@ class EngineService:
                  max_step_faults: int = 3, on_tick: Callable[["EngineService"], None] | None = None,
                  frame_seconds: float | None = None, codec=None,
                  codec_batch_steps: int = SCHEMA["codec_batch_steps"].default,
-                 load_chunk_frames: int = SCHEMA["load_chunk_frames"].default, direct_send: bool = False):
+                 load_chunk_frames: int = SCHEMA["load_chunk_frames"].default, direct_send: bool = False,
+                 launch_ahead: bool | None = SCHEMA["launch_ahead"].default):
         """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`chunking.Chunker`);
         None: fixed chunks. `codec` (a `codec.stream.StreamDecoder`): decode audio here (see the module's doc).
         `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off). Defaults: the
         settings of the same names. `direct_send`: responders that only hand a response to another thread of this
         process (s2pro holding the engine): the engine thread sends each response itself, with no hand-off to the
-        sender thread (which then only polls for cancels and reports)."""
+        sender thread (which then only polls for cancels and reports). `launch_ahead` (None: on a GPU): the engine
+        thread launches the next step before it handles the last one's outputs (`Engine.step_ahead`), except while
+        a codec here decodes each chunk at once (light load: the codec's call would wait behind that step)."""
         self.engine = engine
+        self.launch_ahead = engine.device.type == "cuda" if launch_ahead is None else launch_ahead
         self.direct_send = direct_send
         self.codec = codec
         self._codec_closing: list[str] = []  # codec streams to close, asked from other threads (engine thread only
@@ -440,7 +444,8 @@ class EngineService:
             return
         t0, cpu0 = time.monotonic(), time.thread_time()
         decoding = self.engine.decoding()  # a step of prompt rows alone is not the streams' pace
-        outputs = self.engine.step()
+        ahead = self.launch_ahead and (self.codec is None or (self.codec_batch_steps > 1 and self.under_load()))
+        outputs = self.engine.step_ahead() if ahead else self.engine.step()
         # (statistics, no lock needed): the slots this step held (those live after it and those it ended) and the
         # requests left waiting for one
         live = len(self.engine.live) + sum(o.finish_reason in (FINISH_END, FINISH_LENGTH) for o in outputs)
@@ -783,14 +788,14 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
                             on_unhealthy=on_unhealthy, on_tick=on_tick,
                             frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
                             codec=codec, codec_batch_steps=v.codec_batch_steps, load_chunk_frames=v.load_chunk_frames,
-                            direct_send=direct_send)
+                            direct_send=direct_send, launch_ahead=v.launch_ahead)
     log.info("%s ready in %.1f s (weights %.1f s, codec %.1f s, engine and its CUDA graphs %.1f s; the GPU kernels' "
              "first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d "
              "kv_cache=%d tokens in blocks of %d cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s "
-             "adaptive_chunks=%s codec_in_engine=%s", name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device,
+             "adaptive_chunks=%s codec_in_engine=%s launch_ahead=%s", name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device,
              engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len, engine.kv_capacity_tokens,
              engine.blocks.block_size, sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20,
-             engine.batch_invariant, v.adaptive_chunks, codec is not None)
+             engine.batch_invariant, v.adaptive_chunks, codec is not None, service.launch_ahead)
     return service
 
 

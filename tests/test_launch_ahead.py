@@ -1,0 +1,113 @@
+"""The engine one step ahead of its host (`Engine.step_ahead`, the `launch_ahead` setting): the same steps as
+`step()`'s, each launched before the host handles the last one's outputs. On the tiny checkpoint, fp32, CPU (where
+a launch runs the step at once: what is checked is the order and the bookkeeping, which are the GPU's too)."""
+
+import numpy as np
+import pytest
+
+from s2tts.engine import Engine
+from s2tts.engine.service import EngineService
+from s2tts.sampling import SamplingParams
+
+RESIDUAL = 32
+
+
+def _run(model, prompts, ahead: bool):
+    """Five requests through one engine: three at once (one stops at its end token or its length, whichever comes
+    first), a fourth joining at step 4, the second cancelled at step 6, a fifth joining at step 9. A command meant
+    for step j is given before the call that launches step j: call j with `step()`, call j - 1 with `step_ahead()`
+    (which launched step j - 1 + 1 = j in the call before). -> {id: (codes [frames, C], finish reason)}, calls."""
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
+    later = {4: ("add", "d"), 6: ("cancel", "b"), 9: ("add", "e")}
+    texts = {"a": "First of all.", "b": "Cancel me later.", "c": "A third voice.", "d": "Joining late.", "e": "Last."}
+
+    def add(rid):
+        sp = SamplingParams(seed=ord(rid), max_new_tokens=14, temperature=1.0, top_p=1.0, top_k=4096) if rid == "a" \
+            else SamplingParams(seed=ord(rid), max_new_tokens=12, ignore_end=True)
+        eng.submit(rid, prompts.build(texts[rid]), sp)
+
+    for rid in "abc":
+        add(rid)
+    frames, reasons, call = {}, {}, 0
+    while eng.has_work() or call < max(later):
+        call += 1
+        launching = call + 1 if ahead and call > 1 else call  # the step this call launches last
+        verb, rid = later.get(launching, (None, None))
+        if verb == "add":
+            add(rid)
+        elif verb == "cancel":
+            eng.cancel(rid)
+        for o in eng.step_ahead() if ahead else eng.step():
+            frames.setdefault(o.request_id, []).append(o.codes)
+            if o.finished:
+                assert o.request_id not in reasons, f"{o.request_id} ended twice"
+                reasons[o.request_id] = o.finish_reason
+    assert eng._inflight is None and not eng.live and eng.blocks.free == eng.blocks.capacity
+    return {r: (np.concatenate(f), reasons[r]) for r, f in frames.items()}, call
+
+
+def test_steps_launched_ahead_give_the_same_frames_and_ends(model, prompts):
+    plain, calls = _run(model, prompts, ahead=False)
+    ahead, calls_ahead = _run(model, prompts, ahead=True)
+    assert sorted(ahead) == sorted(plain) == list("abcde")
+    for rid in plain:
+        np.testing.assert_array_equal(ahead[rid][0], plain[rid][0], err_msg=rid)
+        assert ahead[rid][1] == plain[rid][1], rid
+    assert plain["b"][1] == "cancelled" and 0 < plain["b"][0].shape[0] < 12
+    assert {plain[r][1] for r in "cde"} == {"length"} and plain["a"][1] in ("end", "length")
+    assert calls_ahead == calls  # the one behind: no step more, none fewer
+
+
+def test_fail_all_with_a_step_in_flight_frees_everything(model, prompts):
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256, prefix_cache_bytes=0)
+    for rid in "xy":
+        eng.submit(rid, prompts.build("In flight."), SamplingParams(seed=1, max_new_tokens=20, ignore_end=True))
+    eng.step_ahead()
+    eng.step_ahead()
+    assert eng._inflight is not None  # a step launched, its frames not taken
+    ended = eng.fail_all("shutting down")
+    assert {o.request_id for o in ended} == {"x", "y"} and all(o.finish_reason == "error" for o in ended)
+    assert eng._inflight is None and not eng.live and eng.blocks.free == eng.blocks.capacity
+    codes, reason = eng.generate(prompts.build("After."), SamplingParams(seed=2, max_new_tokens=3, ignore_end=True))
+    assert codes.shape[1] == 3 and reason == "length"
+
+
+@pytest.mark.parametrize("ahead", [None, True])
+def test_engine_service_serves_the_same_codes_launching_ahead(model, prompts, ahead):
+    """EngineService with `launch_ahead` (None is off on a CPU): four requests, exactly one final each, the same
+    codes as the engine's own `generate` of each alone."""
+    import threading
+
+    class Responder:
+        def __init__(self):
+            self.sent, self.done = [], threading.Event()
+
+        def send(self, response, final):
+            self.sent.append(response)
+            if final:
+                assert not self.done.is_set(), "a second final response"
+                self.done.set()
+
+        def is_cancelled(self):
+            return False
+
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
+    svc = EngineService(eng, lambda codes, reason, stats, audio: (codes, reason), lambda e: (None, e.wire()),
+                        launch_ahead=ahead)
+    assert svc.launch_ahead is bool(ahead)
+    rs = [Responder() for _ in range(4)]
+    try:
+        for i, r in enumerate(rs):
+            svc.submit(f"q{i}", r, prompts.build(f"Ahead {i}."), SamplingParams(seed=i, max_new_tokens=9 + i,
+                                                                                 ignore_end=True), 2, 3)
+        for r in rs:
+            assert r.done.wait(120), "no final response"
+    finally:
+        svc.shutdown()
+    alone = Engine(model, residual_size=RESIDUAL, max_batch=1, max_seq_len=256, prefix_cache_bytes=0)
+    for i, r in enumerate(rs):
+        assert r.sent[-1][1] == "length"
+        codes = np.concatenate([c for c, _ in r.sent])
+        want, _ = alone.generate(prompts.build(f"Ahead {i}."), SamplingParams(seed=i, max_new_tokens=9 + i,
+                                                                             ignore_end=True))
+        np.testing.assert_array_equal(codes.T, want)
