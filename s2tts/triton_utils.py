@@ -194,6 +194,20 @@ def s2_error_response(err):
     return error_response(err.wire(), err.triton_code)
 
 
+def load_on_first_request(load, requests, name: str, log, what: str) -> list | None:
+    """A model that holds its weights only once a direct caller comes: `load()` them now -> None, or, if that
+    failed, one error response per request (the next request tries again)."""
+    try:
+        load()
+        return None
+    except Exception as e:  # noqa: BLE001 - these requests fail; the next one tries again
+        from .errors import from_exception
+
+        err = from_exception(e, name)
+        log.error("%s: loading %s failed: %s", name, what, err.wire())
+        return [s2_error_response(err) for _ in requests]
+
+
 def unload_self(name: str, log) -> bool:
     """Ask Triton to unload this model (so readiness reports it), which works with --model-control-mode=explicit;
     otherwise say what the operator must do."""

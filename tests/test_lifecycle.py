@@ -682,3 +682,40 @@ def test_long_text_is_spoken_segment_after_segment_in_one_seamless_stream(harnes
     assert streamed.shape == whole.shape
     np.testing.assert_allclose(streamed, whole, atol=1e-5, rtol=0)
     _quiet(h)
+
+
+def test_fast_ar_loads_its_weights_on_a_direct_request_and_a_failed_load_is_tried_again(tiny_ckpt, tmp_path):
+    """fast_ar (slow_ar runs its own fast AR by default) holds no weights until a direct request comes. If loading
+    them fails then, that request gets an error saying what failed, and the next request loads them
+    and is answered."""
+    import shutil
+
+    from fake_triton import FakeTriton, render
+    from s2tts.config import S2Config
+
+    ck = tmp_path / "ckpt"
+    shutil.copytree(tiny_ckpt, ck)
+    h = FakeTriton(render(ck, tmp_path), models=["fast_ar"])
+    try:
+        model = h.models["fast_ar"]
+        assert model.run is None  # no weights before a direct request
+        s2 = S2Config.from_dir(ck)
+        B = 2
+        inputs = {"hidden": np.random.default_rng(0).standard_normal((B, s2.text.dim)).astype(np.float32),
+                  "code0": np.array([3, 5], np.int32), "temperature": np.full(B, 0.7, np.float32),
+                  "top_p": np.full(B, 0.9, np.float32), "top_k": np.full(B, 30, np.int32),
+                  "seed": np.array([1, 2], np.int64), "step": np.zeros(B, np.int64)}
+        shards = sorted(ck.glob("*.safetensors"))
+        for f in shards:
+            f.rename(f.with_name(f.name + ".away"))
+        resp, _ = h.request("fast_ar", inputs).sender.q.get(timeout=60)
+        assert resp.has_error() and "which is not in" in resp.error().message(), resp  # the missing shard named
+        assert model.run is None
+        for f in shards:
+            f.with_name(f.name + ".away").rename(f)
+        resp, _ = h.request("fast_ar", inputs).sender.q.get(timeout=60)
+        assert not resp.has_error(), resp.error().message()
+        codes = resp.get("codes")
+        assert codes.shape == (B, s2.num_codebooks - 1) and codes.dtype == np.int32 and codes.min() >= 0
+    finally:
+        h.shutdown()

@@ -49,14 +49,10 @@ class TritonPythonModel:
 
     def execute(self, requests):
         if self.decoder is None:
-            try:
-                self._open("loaded its codec for a direct request")
-            except Exception as e:  # noqa: BLE001 - these requests fail; the next one tries again
-                from s2tts.errors import from_exception
-
-                err = from_exception(e, self.name)
-                self.log.error("%s: loading the codec failed: %s", self.name, err.wire())
-                return [tu.s2_error_response(err) for _ in requests]
+            failed = tu.load_on_first_request(lambda: self._open("loaded its codec for a direct request"), requests,
+                                              self.name, self.log, "the codec")
+            if failed is not None:
+                return failed
         out = tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic(), name=self.name)
         self.metrics.report_codec(self.decoder)
         self.metrics.flush()

@@ -18,10 +18,10 @@ class TritonPythonModel:
         dtype = codec_dtype_for(v.codec_dtype, v.codec_device, "encoder")
         tu.codec_precision(dtype, v.codec_tf32)
         self.codec = load_codec_from_dir(v.checkpoint, v.codec_device, dtype).drop_decoding()
-        if next(self.codec.parameters()).is_cuda:
+        self.device = next(self.codec.parameters()).device
+        if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the decoder's weights, dropped, back to the driver
         self.max_seconds = v.max_reference_seconds
-        self.device = next(self.codec.parameters()).device
         self.torch = torch
 
     def execute(self, requests):

@@ -40,12 +40,10 @@ class TritonPythonModel:
 
     def execute(self, requests):
         if self.run is None:
-            try:
-                self._load("loaded its weights for a direct request")
-            except Exception as e:  # noqa: BLE001 - these requests fail; the next one tries again
-                err = errors.from_exception(e, "fast_ar")
-                self.log.error("fast_ar: loading the weights failed: %s", err.wire())
-                return [tu.s2_error_response(err) for _ in requests]
+            failed = tu.load_on_first_request(lambda: self._load("loaded its weights for a direct request"), requests,
+                                              "fast_ar", self.log, "the weights")
+            if failed is not None:
+                return failed
         torch = self.torch
         out = []
         for request in requests:
