@@ -26,6 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def random_chunk_jobs(rng, C: int, streams: int, frames: int, start: bool) -> list:
+    """`StreamDecoder.decode_many`'s jobs for one chunk of `frames` random codes on each of `streams` streams
+    (`s0`, `s1` ...; code 0 below 64, the others below 32: within the tiny checkpoint's codebooks too)."""
+    import numpy as np
+
+    return [(k, f"s{k}", np.concatenate([rng.integers(0, 64, (frames, 1)), rng.integers(0, 32, (frames, C - 1))], axis=1),
+             start, False) for k in range(streams)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
@@ -42,7 +51,6 @@ def main(argv=None) -> int:
     import torch
 
     from s2tts import settings
-    from s2tts.chunking import Chunker
     from s2tts.codec.stream import open_stream_decoder
     from s2tts.engine.service import EngineService
 
@@ -58,8 +66,7 @@ def main(argv=None) -> int:
     C = dec.C
     ms = []
     for call in range(a.calls + 1):
-        jobs = [(k, f"s{k}", np.concatenate([rng.integers(0, 64, (a.frames, 1)), rng.integers(0, 32, (a.frames, C - 1))],
-                                            axis=1), call == 0, False) for k in range(a.streams)]
+        jobs = random_chunk_jobs(rng, C, a.streams, a.frames, call == 0)
         t = time.perf_counter()
         out = dec.decode_many(jobs, now=float(call))
         ms.append(1e3 * (time.perf_counter() - t))

@@ -26,6 +26,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "perf"))
+
+from codec_start import random_chunk_jobs  # noqa: E402 - the same chunks as the codec's start measures
 
 
 def main(argv=None) -> int:
@@ -98,8 +101,7 @@ def main(argv=None) -> int:
     def codec_call():
         k = calls[0]
         calls[0] += 1
-        jobs = [(s, f"s{s}", np.concatenate([rng.integers(0, 64, (a.frames, 1)), rng.integers(0, 32, (a.frames, C - 1))],
-                                            axis=1), k == 0, False) for s in range(a.streams)]
+        jobs = random_chunk_jobs(rng, C, a.streams, a.frames, k == 0)
         if codec_stream is not None:
             with torch.cuda.stream(codec_stream):
                 out = dec.decode_many(jobs, now=float(k))
