@@ -181,10 +181,11 @@ SETTINGS: tuple[Setting, ...] = (
             "load, and with 1, each chunk is decoded as soon as it is complete", min=1, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar", "s2pro"), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
-    Setting("launch_ahead", bool, None, ("slow_ar", "s2pro"), "the engine's loop launches its next step on the GPU "
-            "before it routes the last one's frames to their requests, so that the device is not idle while the host "
-            "works (except at a light load with codec_in_engine, where each chunk's decode would wait behind that "
-            "step). `auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
+    Setting("launch_ahead", bool, None, ("slow_ar", "s2pro"), "the engine keeps two steps in flight on the GPU: "
+            "it launches the next step before it finishes the last one and routes its frames, so that the device "
+            "does not wait for the host's work (a request's row in the step after its end token is dropped; at a "
+            "light load with codec_in_engine it runs one step at a time, where each chunk's decode would wait behind "
+            "the next step). `auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
     Setting("engine_in_s2pro", bool, False, ("s2pro",), "run the engine (and its codec, with `codec_in_engine`) in "
             "s2pro's own process: a chunk crosses processes twice between the engine and the client instead of six "
             "times, and no `slow_ar` model is loaded. One engine only (one `device`), with fast_ar=inprocess. A fault "

@@ -1,5 +1,5 @@
-"""The engine one step ahead of its host (`Engine.step_ahead`, the `launch_ahead` setting): the same steps as
-`step()`'s, each launched before the host handles the last one's outputs. On the tiny checkpoint, fp32, CPU (where
+"""The engine with two steps in flight (`Engine.step_ahead`, the `launch_ahead` setting): the same steps as
+`step()`'s, each launched before the last one is finished and its outputs handled. On the tiny checkpoint, fp32, CPU (where
 a launch runs the step at once: what is checked is the order and the bookkeeping, which are the GPU's too)."""
 
 import numpy as np
@@ -14,9 +14,11 @@ RESIDUAL = 32
 
 def _run(model, prompts, ahead: bool):
     """Five requests through one engine: three at once (one stops at its end token or its length, whichever comes
-    first), a fourth joining at step 4, the second cancelled at step 6, a fifth joining at step 9. A command meant
-    for step j is given before the call that launches step j: call j with `step()`, call j - 1 with `step_ahead()`
-    (which launched step j - 1 + 1 = j in the call before). -> {id: (codes [frames, C], finish reason)}, calls."""
+    first), a fourth joining at step 4, the second cancelled at step 6 (no frame of step 6 or later), a fifth
+    joining at step 9. With `step()`, call j runs step j: the commands for step j come before it. With
+    `step_ahead()`, call j launches step j + 1 and then finishes step j (call 1 launches steps 1 and 2): a request
+    for step j comes before call j - 1; a cancel taken at call j's launch drops the request's row of step j, still
+    in flight. -> {id: (codes [frames, C], finish reason)}, calls."""
     eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
     later = {4: ("add", "d"), 6: ("cancel", "b"), 9: ("add", "e")}
     texts = {"a": "First of all.", "b": "Cancel me later.", "c": "A third voice.", "d": "Joining late.", "e": "Last."}
@@ -28,11 +30,11 @@ def _run(model, prompts, ahead: bool):
 
     for rid in "abc":
         add(rid)
+    at_call = {(j - 1 if ahead and verb == "add" else j): (verb, rid) for j, (verb, rid) in later.items()}
     frames, reasons, call = {}, {}, 0
     while eng.has_work() or call < max(later):
         call += 1
-        launching = call + 1 if ahead and call > 1 else call  # the step this call launches last
-        verb, rid = later.get(launching, (None, None))
+        verb, rid = at_call.get(call, (None, None))
         if verb == "add":
             add(rid)
         elif verb == "cancel":
@@ -42,7 +44,7 @@ def _run(model, prompts, ahead: bool):
             if o.finished:
                 assert o.request_id not in reasons, f"{o.request_id} ended twice"
                 reasons[o.request_id] = o.finish_reason
-    assert eng._inflight is None and not eng.live and eng.blocks.free == eng.blocks.capacity
+    assert not eng._inflight and not eng.live and eng.blocks.free == eng.blocks.capacity
     return {r: (np.concatenate(f), reasons[r]) for r, f in frames.items()}, call
 
 
@@ -64,10 +66,10 @@ def test_fail_all_with_a_step_in_flight_frees_everything(model, prompts):
         eng.submit(rid, prompts.build("In flight."), SamplingParams(seed=1, max_new_tokens=20, ignore_end=True))
     eng.step_ahead()
     eng.step_ahead()
-    assert eng._inflight is not None  # a step launched, its frames not taken
+    assert eng._inflight  # a step launched, its frames not taken
     ended = eng.fail_all("shutting down")
     assert {o.request_id for o in ended} == {"x", "y"} and all(o.finish_reason == "error" for o in ended)
-    assert eng._inflight is None and not eng.live and eng.blocks.free == eng.blocks.capacity
+    assert not eng._inflight and not eng.live and eng.blocks.free == eng.blocks.capacity
     codes, reason = eng.generate(prompts.build("After."), SamplingParams(seed=2, max_new_tokens=3, ignore_end=True))
     assert codes.shape[1] == 3 and reason == "length"
 
@@ -111,3 +113,48 @@ def test_engine_service_serves_the_same_codes_launching_ahead(model, prompts, ah
         want, _ = alone.generate(prompts.build(f"Ahead {i}."), SamplingParams(seed=i, max_new_tokens=9 + i,
                                                                              ignore_end=True))
         np.testing.assert_array_equal(codes.T, want)
+
+
+def _many(model, prompts, ahead: bool, kv_cache_tokens: int):
+    """24 requests sampled over the whole vocabulary (some meet their end token within 30 frames) through 6 slots,
+    `batch_invariant` (a row's numbers do not depend on the rows beside it, so steps that carry a dropped row give
+    the same frames) -> {id: (codes, finish reason)}, preemptions."""
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=6, max_seq_len=256, prefix_cache_bytes=0, kv_block_tokens=16,
+                 kv_cache_tokens=kv_cache_tokens, batch_invariant=True)
+    for seed in range(24):
+        eng.submit(f"s{seed}", prompts.build("Any."),
+                   SamplingParams(seed=seed, max_new_tokens=30, temperature=1.0, top_p=1.0, top_k=4096))
+    frames, reasons = {}, {}
+    while eng.has_work():
+        for o in eng.step_ahead() if ahead else eng.step():
+            assert o.request_id not in reasons, f"{o.request_id}: an output after its final one"
+            frames.setdefault(o.request_id, []).append(o.codes)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+    assert not eng._inflight and not eng.live and eng.blocks.free == eng.blocks.capacity
+    return {r: (np.concatenate(f), reasons[r]) for r, f in frames.items()}, eng.preemptions
+
+
+def test_end_tokens_with_two_steps_in_flight(model, prompts):
+    """With `step_ahead()` a request's row in the step after its end token (launched before that token was known)
+    is dropped: every request gives the same codes and end as with `step()`."""
+    plain, _ = _many(model, prompts, False, 4096)
+    ahead, _ = _many(model, prompts, True, 4096)
+    assert sorted(plain) == sorted(ahead) == sorted(f"s{i}" for i in range(24))
+    assert {why for _, why in plain.values()} == {"end", "length"}
+    for rid in plain:
+        np.testing.assert_array_equal(ahead[rid][0], plain[rid][0], err_msg=rid)
+        assert ahead[rid][1] == plain[rid][1], rid
+
+
+def test_preemptions_with_two_steps_in_flight(model, prompts):
+    """A KV pool too small for 6 growing requests: requests are preempted while a step of theirs is in flight (its
+    frame is dropped and made again after they resume). Every request ends exactly once, with all its frames (30,
+    or fewer before its end token), and every block and slot is free at the end. (A resumed request prefills its
+    frames as prompt, whose numbers differ from its decode steps' in the last bits: its later codes may differ
+    from a run without that preemption, so they are not compared.)"""
+    ahead, preempted = _many(model, prompts, True, 16 * 16)
+    assert preempted > 0
+    assert sorted(ahead) == sorted(f"s{i}" for i in range(24))
+    for rid, (codes, why) in ahead.items():
+        assert (codes.shape[0] == 30) if why == "length" else (why == "end" and codes.shape[0] < 30), (rid, why)

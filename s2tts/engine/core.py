@@ -13,9 +13,10 @@ A frame is one slow-AR token plus the fast AR's residual codes: `[num_codebooks]
 4. process the result (`Scheduler.update`): lengths, frames, requests that ended;
 5. return every request's `Output` of this step (new frames, or its end with a reason).
 
-`step_ahead()` runs the same steps one behind the host: it finishes the step in flight (4, 5) and launches the next
-(1-3) before returning, so that the caller's work on the outputs (routing, chunking, responses) runs while the
-device makes the next step's frames instead of leaving it idle.
+`step_ahead()` keeps two steps in flight: it launches the next (1-3) before it finishes the last (4, 5), so that the
+device never waits for the host's bookkeeping nor for the caller's work on the outputs (routing, chunking,
+responses). The scheduler plans a step on the lengths its launched steps will leave (`Scheduler.advance`) and
+records their frames when they come (`Scheduler.complete`).
 
 A step is all or nothing per group of requests: if the pass that holds prompt rows fails (and the device is still
 usable), the requests of those rows end with an error and the decode rows run again by themselves; if the decode
@@ -105,7 +106,7 @@ class Engine:
         self.device, self.dtype = r.device, r.dtype
         self.fault_hook = None  # optional fn(phase "decode" | "prefill", requests) called before device work (tests)
         self.last_fault: BaseException | None = None
-        self._inflight: tuple[StepPlan, Launched] | None = None  # the launched step not yet finished (engine thread)
+        self._inflight: deque[tuple[StepPlan, Launched]] = deque()  # launched steps not yet finished (engine thread)
 
         self._lock = threading.Lock()  # the command queue, the ids, and the scheduler's state while others read it
         self._work = threading.Condition(self._lock)
@@ -190,21 +191,22 @@ class Engine:
         device is per thread; Triton kernels and graphs launch on it, so an engine on cuda:1 stepped from a thread
         left on cuda:0 would hand them pointers they cannot use). With a step in flight (`step_ahead`) it finishes
         that one."""
-        return self._on_device(lambda: self._finish() if self._inflight is not None else self._launch() + self._finish())
+        return self._on_device(lambda: self._finish() if self._inflight else self._launch() + self._finish())
 
     def step_ahead(self) -> list[Output]:
-        """Finish the step in flight (or run one now if none is), then launch the next one if there is work, and
-        return without waiting for it -> the finished step's outputs (with those the launch made at once: requests
-        cancelled before they ran, prompt rows that failed). The caller handles them on the host while the device
-        runs the next step. The same steps as `step()`'s, one behind: a command (submit, cancel) that comes while
-        the caller handles the outputs is taken at the launch after the one in flight. After a step whose finish
-        failed (`last_fault`) nothing is launched."""
+        """Launch the next step, then finish the one before it, and return without waiting for the new one -> the
+        finished step's outputs (with those the launch made at once: requests cancelled before they ran, prompt
+        rows that failed). Two steps are in flight: the device runs the next one while the host finishes the last
+        (its frames to the host, the scheduler's bookkeeping) and the caller handles its outputs. The next step is
+        planned before the last one's frames are known (`Scheduler.advance`): a request that samples its end token
+        in one step has a row in the next that is dropped, and a command (submit, cancel) is taken at the next
+        launch. After a failed step nothing more is launched until the steps in flight are finished."""
 
         def go():
-            outputs = self._finish() if self._inflight is not None else self._launch() + self._finish()
-            if self.last_fault is None and self.has_work():
+            outputs = [] if self._inflight else self._launch()
+            if self.last_fault is None and len(self._inflight) < 2 and self.has_work():
                 outputs += self._launch()
-            return outputs
+            return outputs + self._finish()
 
         return self._on_device(go)
 
@@ -254,19 +256,18 @@ class Engine:
 
     @torch.inference_mode()
     def _finish(self) -> list[Output]:
-        """Steps 4-5 of the launched step: wait for its frames, update the scheduler -> its outputs. A fault seen
-        only now (the device's, at the wait) ends every request of the step."""
-        inflight, self._inflight = self._inflight, None
-        if inflight is None:
+        """Steps 4-5 of the oldest launched step: wait for its frames, complete it in the scheduler -> its outputs. A
+        fault seen only now (the device's, at the wait) ends every request of the step still running."""
+        if not self._inflight:
             return []
-        plan, launched = inflight
+        plan, launched = self._inflight.popleft()
         try:
             result = self.runner.collect(launched)
         except Exception as e:  # noqa: BLE001 - judged by the caller through last_fault
             self.last_fault = e
             return self._fail(plan.decode + [c.request for c in plan.prefill], e)
         with self._lock:
-            return self.scheduler.update(plan, result)
+            return self.scheduler.complete(plan, result)
 
     def _take_commands(self) -> list[Output]:
         """Apply the queued commands in order (under the lock)."""
@@ -280,8 +281,12 @@ class Engine:
         return outputs
 
     def _run(self, plan: StepPlan) -> None:
+        """Launch the plan and advance the scheduler past it (the next plan builds on it)."""
         self.runner.apply(self.scheduler.pool)
-        self._inflight = (plan, self.runner.launch(plan))
+        launched = self.runner.launch(plan)
+        with self._lock:
+            self.scheduler.advance(plan)
+        self._inflight.append((plan, launched))
 
     def _decode_failed(self, plan: StepPlan, e: BaseException) -> list[Output]:
         """The decode rows failed: their requests end; the plan's prompt rows' requests start again later."""
@@ -306,10 +311,9 @@ class Engine:
         """End every request, queued, waiting or live, with an error output and free every slot (an unrecoverable
         fault, shutdown); call it on the engine's thread. Pending cancellations are dropped: those requests end here
         too."""
-        inflight, self._inflight = self._inflight, None
-        if inflight is not None:  # its frames are not wanted: wait for the device to be done with its buffers
+        while self._inflight:  # their frames are not wanted: wait for the device to be done with their buffers
             try:
-                self.runner.collect(inflight[1])
+                self.runner.collect(self._inflight.popleft()[1])
             except Exception:  # noqa: BLE001 - the requests end here anyway
                 pass
         with self._lock:

@@ -134,7 +134,8 @@ class ModelRunner:
         if isinstance(self.fast_ar, InProcessFastAR):
             self.fast_ar.kernel = self.sample_kernel
         self.logits_hook = None  # optional observer: fn(request_ids, logits [B, V]) (tests, debugging)
-        self._host: torch.Tensor | None = None  # page-locked buffer of a launched plan's frames (GPU)
+        self._host: list[torch.Tensor] = []  # page-locked buffers of launched plans' frames, used in turn (GPU)
+        self._turn = 0
 
         dev, C, n = self.device, s2.num_codebooks, max_batch + 1
         # per-slot device state
@@ -189,8 +190,8 @@ class ModelRunner:
         """Queue the plan's device work: the slow AR over its decode and prompt rows (one pass; `batch_invariant`
         without the attention kernel: decode rows and each chunk in passes of their own), then sampling and the fast
         AR for `plan.sampled`, and the copy of their frames to the host; on a GPU it returns before they are made.
-        The caller has `apply`d the pool first, and `collect`s this before launching another plan (the graphs'
-        outputs and the host buffer serve one plan at a time)."""
+        The caller has `apply`d the pool first, and `collect`s it before launching a third plan (the frames of two
+        plans in flight wait in two host buffers; the graphs' outputs are copied before the next plan's run)."""
         if plan.starts:
             self._set_slot_params(plan.starts)
         if self.apart:
@@ -215,16 +216,19 @@ class ModelRunner:
         rows = torch.cat([frame, end[:, None].to(frame.dtype)], dim=1)
         if self.device.type != "cuda":
             return Launched(rows, None)
-        if self._host is None:  # page-locked, so that the copy runs behind the step instead of waiting for it
-            self._host = torch.empty(self.max_batch + 1, rows.shape[1], dtype=rows.dtype, pin_memory=True)
-        host = self._host[: rows.shape[0]]
+        if not self._host:  # page-locked, so that the copy runs behind the step instead of waiting for it; two, for
+            # two plans in flight (`Engine.step_ahead`)
+            self._host = [torch.empty(self.max_batch + 1, rows.shape[1], dtype=rows.dtype, pin_memory=True)
+                          for _ in range(2)]
+        self._turn ^= 1
+        host = self._host[self._turn][: rows.shape[0]]
         host.copy_(rows, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         return Launched(host, ready)
 
     def collect(self, launched: Launched) -> StepResult:
-        """Wait for a launched plan's frames -> its `StepResult` (arrays of its own: the host buffer is reused)."""
+        """Wait for a launched plan's frames -> its `StepResult` (arrays of its own: the host buffers are reused)."""
         if launched.rows is None:
             return StepResult(np.zeros((0, self.s2.num_codebooks), dtype=np.int32), np.zeros(0, dtype=bool))
         if launched.ready is not None:

@@ -12,7 +12,10 @@ decides, step by step:
   tokens of the requests being prefilled, oldest first (chunked prefill).
 
 `schedule()` returns the plan, the model runner executes it (`runner.ModelRunner.execute` -> `StepResult`), and
-`update(plan, result)` advances the requests and returns their `Output`s. A request is a `Request` (the id the
+`update(plan, result)` advances the requests and returns their `Output`s. A caller that launches the next plan
+before the last one's frames are known calls `advance(plan)` at its launch and `complete(plan, result)` once its
+frames are there: the next plan builds on the advanced lengths, and rows of requests that ended meanwhile (an end
+token in the step before, a cancel, a preemption) are dropped. A request is a `Request` (the id the
 caller chose, its prompt and sampling parameters, and what the scheduler tracks). Not thread-safe: the engine
 core calls it from its one thread, under its lock.
 """
@@ -23,6 +26,7 @@ import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import numpy as np
@@ -46,8 +50,10 @@ class Request:
     # the scheduler's state
     slot: int = -1
     length: int = 0  # tokens in this request's KV cache
-    generated: int = 0  # frames produced
+    generated: int = 0  # frames launched (steps planned and run or in flight that sample it)
     frames: list = field(default_factory=list)  # the frames produced, kept to resume after a preemption
+    planned_all: bool = False  # its last frame (max_new) is launched: no more rows for it
+    tenure: int = 0  # changes whenever it leaves its slot (ended, preempted): rows planned before are then stale
     start: int = 0  # prompt tokens already in its blocks at admission (a cached voice prefix)
     prefix_key: str | None = None  # set when its prefilled prefix should enter the prefix cache
     submitted_at: float = field(default_factory=time.monotonic)
@@ -89,10 +95,12 @@ class StepPlan:
     decode: list[Request]
     prefill: list[PrefillChunk]
     starts: list[Request]
+    tenures: list[int] | None = None  # the sampled requests' tenures when it was launched (`Scheduler.advance`)
 
-    @property
+    @cached_property
     def sampled(self) -> list[Request]:
-        """The requests that get a frame this step, in the order of `StepResult`'s rows."""
+        """The requests that get a frame this step, in the order of `StepResult`'s rows (fixed when first asked:
+        `Scheduler.advance` moves its requests past their prompts)."""
         return self.decode + [c.request for c in self.prefill if c.last]
 
     @property
@@ -164,7 +172,8 @@ class Scheduler:
         return out
 
     def fail(self, reqs: list[Request], e: BaseException) -> list[Output]:
-        """End these requests with an error (their step failed)."""
+        """End these requests with an error (their step failed); those that already ended are left alone."""
+        reqs = [r for r in reqs if self.live.get(r.slot) is r]
         for r in reqs:
             self._release(r)
         msg = f"{type(e).__name__}: {e}"
@@ -191,15 +200,22 @@ class Scheduler:
         rows: every decoding request, and prompt chunks within `max_prefill_tokens`."""
         self._grow()
         self._admit()
-        decode = [self.live[s] for s in sorted(self.live) if self.live[s].source is None]
+        decode = [self.live[s] for s in sorted(self.live) if self.live[s].source is None and not self.live[s].planned_all]
         prefilling = sorted((r for r in self.live.values() if r.source is not None), key=lambda r: (r.admitted_at, r.slot))
         prefill = self._chunks(prefilling)
         starts = [c.request for c in prefill if c.start == c.request.start]
         return StepPlan(decode, prefill, starts)
 
     def update(self, plan: StepPlan, result: StepResult) -> list[Output]:
-        """The plan ran: advance its requests' lengths (a voice prefix now in the KV cache enters the prefix cache),
-        record the frames, end the requests that sampled their end token or reached their length."""
+        """The plan ran: `advance` then `complete` (a caller that waits for each step before the next plan)."""
+        self.advance(plan)
+        return self.complete(plan, result)
+
+    def advance(self, plan: StepPlan) -> None:
+        """The plan is launched: its requests' lengths and frame counts become what they are once it has run, so that
+        the next plan builds on it before its frames are known (a voice prefix now in the KV cache enters the prefix
+        cache; a request whose last frame is launched gets no more rows)."""
+        sampled = plan.sampled
         for r in plan.decode:
             r.length += 1
         for r, s, e in plan.prefill:
@@ -207,18 +223,28 @@ class Scheduler:
             if r.prefix_key is not None and e >= r.prompt.prefix_len:  # its voice prefix is in: later requests share it
                 self.prefix_cache.put(r.prefix_key, self.pool.owned[r.slot], r.prompt.prefix_len)
                 r.prefix_key = None
+        plan.tenures = [r.tenure for r in sampled]
+        for r in sampled:
+            r.source = None
+            r.generated += 1
+            r.planned_all = r.generated >= r.max_new
+
+    def complete(self, plan: StepPlan, result: StepResult) -> list[Output]:
+        """An advanced plan's frames are known: record them, end the requests that sampled their end token or
+        reached their length. The row of a request that left its slot since the plan was launched (ended by an
+        earlier step's end token, cancelled, preempted) is dropped."""
         outputs = []
         for i, r in enumerate(plan.sampled):
-            first = r.generated == 0
-            r.source = None
+            if self.live.get(r.slot) is not r or r.tenure != plan.tenures[i]:
+                continue
+            first = not r.frames
             if result.ended[i]:
                 o = self._ended(r, FINISH_END)
                 self._release(r)
             else:
-                r.generated += 1
                 codes = result.frames[i : i + 1]
                 r.frames.append(codes)
-                done = r.generated >= r.max_new
+                done = len(r.frames) >= r.max_new
                 o = Output(r.id, codes, done, FINISH_LENGTH if done else None)
                 if done:
                     self._release(r)
@@ -258,7 +284,8 @@ class Scheduler:
         """Give every live request that crosses into a new block this step its block; when blocks are short, drop
         cached prefixes, then preempt the request admitted last."""
         pool = self.pool
-        needy = [r for r in self.live.values() if r.length // pool.block_size >= pool.holds(r.slot)]
+        needy = [r for r in self.live.values()
+                 if not r.planned_all and r.length // pool.block_size >= pool.holds(r.slot)]
         if not needy:
             return
         self.prefix_cache.evict_until(len(needy))
@@ -273,6 +300,7 @@ class Scheduler:
     def _requeue(self, r: Request) -> None:
         self._release(r)
         r.slot, r.length, r.start, r.prefix_key, r.source = -1, 0, 0, None, None
+        r.generated, r.planned_all = len(r.frames), False  # a frame of it still in flight is dropped (`complete`)
         self.waiting.appendleft(r)
 
     def _admit(self) -> None:
@@ -342,6 +370,7 @@ class Scheduler:
 
     def _release(self, r: Request) -> None:
         if r.slot >= 0 and self.live.get(r.slot) is r:
+            r.tenure += 1
             del self.live[r.slot]
             self.pool.free_slot(r.slot)
             self._free.append(r.slot)

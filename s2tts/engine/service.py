@@ -221,8 +221,9 @@ class EngineService:
         settings of the same names. `direct_send`: responders that only hand a response to another thread of this
         process (s2pro holding the engine): the engine thread sends each response itself, with no hand-off to the
         sender thread (which then only polls for cancels and reports). `launch_ahead` (None: on a GPU): the engine
-        thread launches the next step before it handles the last one's outputs (`Engine.step_ahead`), except while
-        a codec here decodes each chunk at once (light load: the codec's call would wait behind that step)."""
+        keeps two steps in flight, launching the next before it finishes the last and this thread handles its
+        outputs (`Engine.step_ahead`), except while a codec here decodes each chunk at once (light load: the
+        codec's call would wait behind that step)."""
         self.engine = engine
         self.launch_ahead = engine.device.type == "cuda" if launch_ahead is None else launch_ahead
         self.direct_send = direct_send
