@@ -26,6 +26,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def print_json(rep: dict, path: str | None) -> int:
+    """Print the report as one JSON line, also into `path` if given -> 0 (the exit status)."""
+    line = json.dumps(rep)
+    print(line)
+    if path:
+        Path(path).write_text(line + "\n")
+    return 0
+
+
 def random_chunk_jobs(rng, C: int, streams: int, frames: int, start: bool) -> list:
     """`StreamDecoder.decode_many`'s jobs for one chunk of `frames` random codes on each of `streams` streams
     (`s0`, `s1` ...; code 0 below 64, the others below 32: within the tiny checkpoint's codebooks too)."""
@@ -76,11 +85,7 @@ def main(argv=None) -> int:
            "parts_s": {k: round(s, 2) for k, (s, _) in dec.making.items()}, "kernels_compiled": compiled,
            "streams": a.streams, "frames": a.frames, "call_ms_median": round(float(np.median(ms[1:])), 2),
            "first_call_ms": round(ms[0], 2)}
-    line = json.dumps(rep)
-    print(line)
-    if a.json:
-        Path(a.json).write_text(line + "\n")
-    return 0
+    return print_json(rep, a.json)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ together-rate, the other steps at their own). On a CPU with the tiny checkpoint 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -28,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "perf"))
 
-from codec_start import random_chunk_jobs  # noqa: E402 - the same chunks as the codec's start measures
+from codec_start import print_json, random_chunk_jobs  # noqa: E402 - the same chunks as the codec's start measures
 
 
 def main(argv=None) -> int:
@@ -152,11 +151,7 @@ def main(argv=None) -> int:
            "pass_ms_overlapped": round(1e3 * overlapped_pass, 2),
            "frames_per_s_serial": round(k * a.rows / serial_pass, 1),
            "frames_per_s_overlapped": round(k * a.rows / overlapped_pass, 1)}
-    line = json.dumps(rep)
-    print(line)
-    if a.json:
-        Path(a.json).write_text(line + "\n")
-    return 0
+    return print_json(rep, a.json)
 
 
 if __name__ == "__main__":
