@@ -158,3 +158,55 @@ def test_preemptions_with_two_steps_in_flight(model, prompts):
     assert sorted(ahead) == sorted(f"s{i}" for i in range(24))
     for rid, (codes, why) in ahead.items():
         assert (codes.shape[0] == 30) if why == "length" else (why == "end" and codes.shape[0] < 30), (rid, why)
+
+
+def test_faults_at_a_launch_with_a_step_in_flight(model, prompts):
+    """A step that fails at its launch while the step before it is in flight: a prompt's fault (out of memory) ends
+    only that request, the decode rows run without it; a decode fault ends the decoding requests, and their rows
+    of the step in flight are dropped (nothing after a request's final output). The others run to their end; the
+    pool is free at the end."""
+    import torch
+
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
+    p = SamplingParams(seed=4, max_new_tokens=10, ignore_end=True)
+    finals: dict[str, object] = {}
+    frames: dict[str, int] = {}
+
+    def take(outs):
+        for o in outs:
+            assert o.request_id not in finals, f"{o.request_id}: an output after its final one"
+            frames[o.request_id] = frames.get(o.request_id, 0) + o.codes.shape[0]
+            if o.finished:
+                finals[o.request_id] = o
+
+    for rid in "ab":
+        eng.submit(rid, prompts.build(f"Running {rid}."), p)
+    take(eng.step_ahead())
+    take(eng.step_ahead())
+    eng.submit("c", prompts.build("Admitted into a failing launch."), p)
+    eng.fault_hook = lambda phase, reqs: (_ for _ in ()).throw(torch.cuda.OutOfMemoryError("CUDA out of memory")) \
+        if phase == "prefill" else None
+    take(eng.step_ahead())
+    eng.fault_hook = None
+    assert finals["c"].finish_reason == "error" and isinstance(eng.last_fault, torch.cuda.OutOfMemoryError)
+    assert len(eng._inflight) == 1 and {r.id for r in eng.live.values()} == {"a", "b"}
+    take(eng.step_ahead())
+    eng.submit("d", prompts.build("Running d."), p)
+    take(eng.step_ahead())
+    take(eng.step_ahead())
+    assert eng._inflight and "d" in {r.id for r in eng.live.values()}
+
+    def boom(phase, reqs):
+        if phase == "decode":
+            raise RuntimeError("injected decode failure")
+
+    eng.fault_hook = boom
+    take(eng.step_ahead())
+    eng.fault_hook = None
+    assert {finals[r].finish_reason for r in "abd"} == {"error"}
+    while eng.has_work():
+        take(eng.step_ahead())
+    assert sorted(finals) == list("abcd") and frames["c"] == 0
+    assert not eng._inflight and not eng.live and eng.blocks.free == eng.blocks.capacity
+    codes, reason = eng.generate(prompts.build("After."), SamplingParams(seed=2, max_new_tokens=3, ignore_end=True))
+    assert codes.shape[1] == 3 and reason == "length"
