@@ -358,7 +358,7 @@ def test_a_dying_thread_fails_requests_and_health(harness_factory, loop):
         raise SystemExit(f"injected: {loop} thread killed")
 
     if loop == "engine":
-        slow.engine.step = die  # what the engine loop calls each pass
+        slow.engine.step = slow.engine.step_ahead = die  # what the engine loop calls each pass (one or the other)
     else:
         slow.outbox.get = die  # what the sender loop calls each pass
     err = _one_final(_wait(req))
