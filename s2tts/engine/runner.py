@@ -1,8 +1,8 @@
-"""The engine's model runner: everything on the device. It executes the scheduler's `StepPlan`s.
+"""The engine's model runner: everything on the device. It runs the scheduler's `StepPlan`s.
 
 It owns the model's KV pools and block table (`model.Stack.setup_caches`), the per-slot sampling state (seed,
 temperature, top-p/k, the RAS window, each slot's last frame) in device tensors, and the CUDA graphs. A step
-(`execute`) is one pass over the slow AR's weights in which every token is a row with its own slot and position:
+(`launch`) is one pass over the slow AR's weights in which every token is a row with its own slot and position:
 one row per decoding request (its last frame) and the plan's prompt rows (attention reads each row's keys from the
 paged cache up to its own position, so prompt rows are causal); then one batch samples code 0 and runs the fast AR
 for every request that gets a frame. The pass is captured as a CUDA graph per row bucket (and way of splitting the
@@ -181,10 +181,6 @@ class ModelRunner:
             idx = torch.tensor(rows, dtype=torch.int64)
             stack.block_table.index_copy_(0, idx.to(self.device, non_blocking=True),
                                           torch.from_numpy(pool.table[rows]).to(self.device, non_blocking=True))
-
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run the plan and wait for its result (`launch`, then `collect`)."""
-        return self.collect(self.launch(plan))
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queue the plan's device work: the slow AR over its decode and prompt rows (one pass; `batch_invariant`

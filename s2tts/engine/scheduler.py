@@ -11,7 +11,7 @@ decides, step by step:
 - the step's rows (`StepPlan`): one decode row per request past its prompt, and up to `max_prefill_tokens` prompt
   tokens of the requests being prefilled, oldest first (chunked prefill).
 
-`schedule()` returns the plan, the model runner executes it (`runner.ModelRunner.execute` -> `StepResult`), and
+`schedule()` returns the plan, the model runner runs it (`runner.ModelRunner.launch`, then `collect` -> `StepResult`), and
 `update(plan, result)` advances the requests and returns their `Output`s. A caller that launches the next plan
 before the last one's frames are known calls `advance(plan)` at its launch and `complete(plan, result)` once its
 frames are there: the next plan builds on the advanced lengths, and rows of requests that ended meanwhile (an end
@@ -52,13 +52,17 @@ class Request:
     length: int = 0  # tokens in this request's KV cache
     generated: int = 0  # frames launched (steps planned and run or in flight that sample it)
     frames: list = field(default_factory=list)  # the frames produced, kept to resume after a preemption
-    planned_all: bool = False  # its last frame (max_new) is launched: no more rows for it
     tenure: int = 0  # changes whenever it leaves its slot (ended, preempted): rows planned before are then stale
     start: int = 0  # prompt tokens already in its blocks at admission (a cached voice prefix)
     prefix_key: str | None = None  # set when its prefilled prefix should enter the prefix cache
     submitted_at: float = field(default_factory=time.monotonic)
     admitted_at: float | None = None  # when it got a KV slot
     source: Prompt | None = None  # what it still prefills (prompt, and produced frames after a preemption); None: decoding
+
+    @property
+    def planned_all(self) -> bool:
+        """Its last frame (max_new) is launched: no more rows for it."""
+        return self.generated >= self.max_new
 
 
 @dataclass
@@ -227,7 +231,6 @@ class Scheduler:
         for r in sampled:
             r.source = None
             r.generated += 1
-            r.planned_all = r.generated >= r.max_new
 
     def complete(self, plan: StepPlan, result: StepResult) -> list[Output]:
         """An advanced plan's frames are known: record them, end the requests that sampled their end token or
@@ -300,7 +303,7 @@ class Scheduler:
     def _requeue(self, r: Request) -> None:
         self._release(r)
         r.slot, r.length, r.start, r.prefix_key, r.source = -1, 0, 0, None, None
-        r.generated, r.planned_all = len(r.frames), False  # a frame of it still in flight is dropped (`complete`)
+        r.generated = len(r.frames)  # a frame of it still in flight is dropped (`complete`)
         self.waiting.appendleft(r)
 
     def _admit(self) -> None:
