@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import CheckpointError, S2Config
+from .meta import on_meta
 from .model import S2Model
 
 log = logging.getLogger("s2tts")
@@ -36,8 +37,7 @@ def checkpoint_name(param_name: str) -> str:
 
 def expected_tensors(s2: S2Config) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> shape, for every tensor S2 Pro inference needs."""
-    with torch.device("meta"):
-        model = S2Model(s2)
+    model = on_meta(lambda: S2Model(s2))
     return {checkpoint_name(n): tuple(p.shape) for n, p in model.named_parameters()}
 
 
@@ -131,8 +131,7 @@ def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16"
                     raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, expected {expected[name]} from config.json")
                 tensors[name] = t.to(device=device, dtype=dtype)
 
-    with torch.device("meta"):
-        model = S2Model(s2)
+    model = on_meta(lambda: S2Model(s2))
     state = {n: tensors[checkpoint_name(n)] for n, _ in model.named_parameters() if checkpoint_name(n) in expected}
     model.load_state_dict(state, assign=True, strict=len(parts) == 2)
     _materialize_buffers(model, device)

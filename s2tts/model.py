@@ -34,9 +34,10 @@ class RMSNorm(nn.Module):
 
 
 def rope_table(seq_len: int, head_dim: int, base: float) -> torch.Tensor:
-    """[seq_len, head_dim/2, 2] (cos, sin), rounded through bf16 as the reference stores it."""
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32)[: head_dim // 2] / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), freqs)
+    """[seq_len, head_dim/2, 2] (cos, sin), rounded through bf16 as the reference stores it; computed on the CPU
+    whatever the default device (a module built on the meta device gets real values, which the loader then moves)."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu")[: head_dim // 2] / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device="cpu"), freqs)
     table = torch.stack([angles.cos(), angles.sin()], dim=-1)
     return table.to(torch.bfloat16).float()
 

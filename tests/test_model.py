@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -91,6 +93,28 @@ def test_loaded_weights_match_file(tiny_ckpt, model):
     t = load_file(str(tiny_ckpt / shard))["audio_decoder.output.weight"]
     assert torch.equal(model.fast.output.weight, t.float())
     assert model.slow.head.shape == (65, model.s2.text.dim)
+
+
+def test_loading_builds_on_meta_without_initializers_or_dynamo(tiny_ckpt):
+    """The loaders build their modules on the meta device with torch.nn.init's functions skipped and restored after
+    (`s2tts.meta.on_meta`): in a fresh interpreter, loading both ARs and the codec imports no torch._dynamo (which
+    PyTorch's meta initializers and meta arange would import: ~2 s of CPU in every model process), and the rope
+    tables are the real ones."""
+    code = f"""
+import sys, torch
+init = {{n: getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_", "zeros_")}}
+from s2tts.checkpoint import load_codec_from_dir, load_model
+from s2tts.model import rope_table
+m = load_model({str(tiny_ckpt)!r}, "cpu", "fp32")
+load_codec_from_dir({str(tiny_ckpt)!r}, "cpu", "fp32")
+assert all(getattr(torch.nn.init, n) is f for n, f in init.items())
+s = m.slow.stack
+assert torch.equal(s.rope, rope_table(s.rope.shape[0], s.cfg.head_dim, s.cfg.rope_base))
+print("dynamo imported:", "torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "dynamo imported: False", out.stdout
 
 
 def test_kv_cache_decode_matches_full_forward(model, prompts):

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import kernels
+from ..meta import on_meta
 
 log = logging.getLogger("s2tts")
 
@@ -1100,8 +1101,7 @@ def load_codec(path_or_state_dict, device="cpu", dtype=torch.float32, **config_o
 
     sd, source, unused = _normalise(raw)
     config = _infer_config(sd, config_overrides)
-    with torch.device("meta"):
-        model = DAC(config)
+    model = on_meta(lambda: DAC(config))
 
     wanted = model.state_dict()
     missing = [k for k in wanted if k not in sd]
