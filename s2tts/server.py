@@ -178,6 +178,9 @@ class TritonServer:
                 f"--http-port={self.http_port}", f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}",
                 "--allow-metrics=true", "--log-verbose=1" if self.verbose else "--log-verbose=0",
                 "--exit-on-error=true", "--strict-readiness=true",
+                # the configs are complete: without this the Python backend starts a process per model that imports
+                # its model.py (torch included) only to ask it to complete its config, before the model's real one
+                "--disable-auto-complete-config",
                 f"--backend-config=python,thread-pool-size={python_backend_threads(self.settings)}",
                 # explicit control: a model that fails for good unloads itself (readiness turns false) and s2pro
                 # can load it again (auto_recover); every model is loaded at start, all at once (Triton's default

@@ -45,6 +45,16 @@ def test_stream_in_order_with_final_stats(triton_server):
     assert step is not None and 0 < step < 5  # the pace the chunks follow is measured (and reported)
 
 
+def test_each_model_process_starts_once(triton_server):
+    """tritonserver runs with its config auto-completion off (the model configs are complete): the Python backend
+    then starts one process per model instance, not first another per model that imports its model.py (torch
+    included) only to ask for a completed config (what made a tiny server's start ~11 s instead of ~4 s)."""
+    log = triton_server.log_path.read_text(errors="replace")
+    assert '"auto-complete-config":"false"' in log.replace(" ", ""), log[-3000:]
+    for name in ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder"):
+        assert log.count(f"TRITONBACKEND_ModelInstanceInitialize: {name}_0_0") == 1, name
+
+
 def test_stream_equals_offline_cli(triton_server, tiny_ckpt, tmp_path):
     kw = dict(text="The same seed gives the same audio.", seed=1234, max_new_tokens=24, temperature=0.9, top_p=0.9, top_k=20)
     res = synth(triton_server, **kw)
