@@ -89,12 +89,16 @@ _GIVEN: set[int] = set()  # ports free_port handed out in this process
 
 def free_port() -> int:
     """A port free now on 127.0.0.1, never one this process was given before (the OS may hand the same free port
-    to two calls in a row: a server's three ports, or a test's, must differ)."""
-    for _ in range(100):
+    to two calls in a row: a server's three ports, or a test's, must differ). With S2TTS_PORT_SHARE="i/n" in the
+    environment only ports p with (p // 2) % n == i (Linux's bind hands out even ports first): processes that pick
+    ports at the same time (the test suite's parallel workers) then never pick the same one."""
+    share = os.environ.get("S2TTS_PORT_SHARE", "")
+    i, n = (int(x) for x in share.split("/")) if share else (0, 1)
+    for _ in range(100 * n):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port not in _GIVEN:
+        if (port // 2) % n == i and port not in _GIVEN:
             _GIVEN.add(port)
             return port
     raise RuntimeError("no free port on 127.0.0.1 that this process has not used already")

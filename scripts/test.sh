@@ -10,4 +10,7 @@ if ! .venv/livekit/bin/python -c "import livekit.plugins.fishaudio" 2>/dev/null;
   { .venv/bin/python -m venv .venv/livekit && .venv/livekit/bin/python -m pip install -q "livekit-plugins-fishaudio==1.8.9"; } \
     >>.venv/setup.log 2>&1 || { echo "setup: the LiveKit plugin could not be installed (see .venv/setup.log)" >&2; exit 1; }
 fi
-exec .venv/bin/python -m pytest -q -rs --durations=25 "$@"  # the 25 slowest tests, to keep the suite short
+# Two test files at a time (pytest-xdist; S2TTS_TEST_WORKERS=N to change, 0 for one process): a test alone uses
+# ~1.2 of 2 cores (it waits on its servers), and a server starts in ~4 s, so each worker starting its own shared
+# servers costs less than the idle core did. Each file runs whole in one worker (its module fixtures shared).
+exec .venv/bin/python -m pytest -q -rs --durations=25 -n "${S2TTS_TEST_WORKERS:-2}" --dist loadfile "$@"  # the 25 slowest tests, to keep the suite short

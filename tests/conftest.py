@@ -16,6 +16,11 @@ sys.path.insert(0, str(ROOT))
 # a 2-core machine, and PyTorch's threads (each process would take every core) then wait on one another: one test
 # ran 172 s with the default, 38 s with this. Set before any test imports torch; server processes inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# pytest-xdist's workers (scripts/test.sh runs two) pick their servers' ports at the same time: each its own share of
+# the ports (s2tts.server.free_port), inherited by the servers and scripts it starts
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    os.environ["S2TTS_PORT_SHARE"] = (f"{int(os.environ['PYTEST_XDIST_WORKER'][2:])}/"
+                                      f"{os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1')}")
 
 
 @pytest.fixture(scope="session")
@@ -127,20 +132,37 @@ def pytest_collection_modifyitems(session, config, items):
         items.sort(key=lambda i: i.nodeid.endswith("test_kernels_match_pytorch_under_interpreter"))  # stable
 
 
+def _whole_suite(config) -> bool:
+    """Whether this run is the whole suite (folders only; no -k, -m, --deselect of the kernel checks, --collect-only)."""
+    o = config.option
+    return (not o.keyword and not o.markexpr and not o.collectonly
+            and not any("test_kernels" in d for d in (getattr(o, "deselect", None) or []))
+            and all(Path(a).is_dir() for a in config.args))
+
+
+def pytest_sessionstart(session):
+    """Under pytest-xdist (`-n`), in its controller: for the whole suite, start the interpreted kernel checks niced
+    (tests/kernel_checks.py) before the workers start, and name their folder to the workers (which inherit this
+    environment); the worker that runs their test collects the results."""
+    config = session.config
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput") and _whole_suite(config):
+        from kernel_checks import BACKGROUND, ENV, Checks
+
+        checks = config.stash[BACKGROUND] = Checks.start(nice=19)
+        os.environ[ENV] = str(checks.folder)
+
+
 def pytest_collection_finish(session):
-    """With the interpreted kernel checks among other tests: start them now, niced (tests/kernel_checks.py), on a
-    checkpoint of their own; their test collects the results."""
+    """Without pytest-xdist, with the interpreted kernel checks among other tests: start them now, niced
+    (tests/kernel_checks.py), on a checkpoint of their own; their test collects the results."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller started them (or the test will)
+        return
     kernels = [i for i in session.items if i.nodeid.endswith("test_kernels_match_pytorch_under_interpreter")]
     if not kernels or len(session.items) < 20 or session.config.option.collectonly:
         return
-    import tempfile
+    from kernel_checks import BACKGROUND, Checks
 
-    from kernel_checks import BACKGROUND, start_checks
-    from s2tts.tiny import write_checkpoint
-
-    folder = tempfile.mkdtemp(prefix="s2tts-kernel-checks-")
-    session.config.stash[BACKGROUND] = start_checks(write_checkpoint(Path(folder) / "tiny", "tiny", seed=0), nice=19)
-    session.config.add_cleanup(lambda: __import__("shutil").rmtree(folder, ignore_errors=True))
+    session.config.stash[BACKGROUND] = Checks.start(nice=19)
 
 
 @pytest.hookimpl(trylast=True)
@@ -151,10 +173,9 @@ def pytest_sessionfinish(session, exitstatus):
     faulthandler prints every thread's stack and ends the process after 5 minutes."""
     from kernel_checks import BACKGROUND
 
-    for p in session.config.stash.get(BACKGROUND, []):  # started for a test that did not run (-x, -k, interrupted)
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+    checks = session.config.stash.get(BACKGROUND, None)
+    if checks is not None:  # killed if still running (their test did not run: -x, -k, interrupted); folder removed
+        checks.stop()
     leaks = []
     frames = sys._current_frames()
     for t in threading.enumerate():

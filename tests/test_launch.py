@@ -107,3 +107,15 @@ def test_free_port_never_hands_out_a_port_twice():
 
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports) and all(0 < p < 65536 for p in ports)
+
+
+def test_free_port_keeps_to_its_share(monkeypatch):
+    """S2TTS_PORT_SHARE="i/n" (what each of the suite's parallel workers gets): only ports p with (p // 2) % n == i, so that
+    two processes picking ports at once never pick the same one."""
+    from s2tts.server import free_port
+
+    for share in ("0/2", "1/2", "2/3"):
+        monkeypatch.setenv("S2TTS_PORT_SHARE", share)
+        i, n = map(int, share.split("/"))
+        ports = [free_port() for _ in range(20)]
+        assert all((p // 2) % n == i for p in ports) and len(set(ports)) == len(ports), (share, ports)
