@@ -145,12 +145,13 @@ def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16"
 
 
 def _materialize_buffers(model: S2Model, device) -> None:
-    """Non-persistent buffers (RoPE tables) are computed, not loaded."""
-    from .model import Stack, rope_table
+    """Non-persistent buffers (RoPE tables) are not loaded: each Stack computed its own on the CPU when it was built
+    (`model.rope_table`, even on the meta device); they move to `device`."""
+    from .model import Stack
 
     for m in model.modules():
         if isinstance(m, Stack):
-            m.rope = rope_table(m.rope.shape[0], m.cfg.head_dim, m.cfg.rope_base).to(device)
+            m.rope = m.rope.to(device)
 
 
 def _codec_file(path: str | Path) -> Path:
