@@ -23,11 +23,11 @@ ENV = "S2TTS_KERNEL_CHECKS"  # the folder of checks started for the whole run (b
 
 
 def _lower_priority(nice: int) -> None:
-    """In the child before it runs (in a session of its own): `nice` for the process, and for its scheduling group. Linux's autogroups (on by
-    default) share the CPU between sessions first and apply a process's nice only within its session: a niced check
-    in pytest's session still took half the CPU from a tritonserver starting in a session of its own (each server's
-    start ran ~20 s instead of ~12 s while the checks ran). In a session of its own with its group's nice raised, a
-    check takes only the CPU that the tests leave idle."""
+    """In the child before it runs (in a session of its own): `nice` for the process, and for its scheduling group.
+    Linux's autogroups (on by default) share the CPU between sessions first and apply a process's nice only within
+    its session: a niced check in pytest's session still took half the CPU from a tritonserver starting in a session
+    of its own (each server's start ran ~20 s instead of ~12 s while the checks ran). In a session of its own with
+    its group's nice raised, a check takes only the CPU that the tests leave idle."""
     os.nice(nice)
     try:
         with open("/proc/self/autogroup", "w") as f:  # absent without CONFIG_SCHED_AUTOGROUP: the nice is enough
@@ -43,12 +43,12 @@ class Checks:
         self.folder, self.procs = Path(folder), procs or []
 
     @classmethod
-    def start(cls, nice: int = 0, folder: Path | None = None) -> "Checks":
-        """Write a tiny checkpoint of their own into `folder` (default: a new temporary one) and start the groups'
-        processes; `nice` > 0: at that lower scheduling priority (`_lower_priority`)."""
+    def start(cls, nice: int = 0) -> "Checks":
+        """Write a tiny checkpoint of their own into a new temporary folder and start the groups' processes; `nice`
+        > 0: at that lower scheduling priority (`_lower_priority`)."""
         from s2tts.tiny import write_checkpoint
 
-        folder = Path(folder or tempfile.mkdtemp(prefix="s2tts-kernel-checks-"))
+        folder = Path(tempfile.mkdtemp(prefix="s2tts-kernel-checks-"))
         ckpt = write_checkpoint(folder / "tiny", "tiny", seed=0)
         env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
         script = Path(__file__).with_name("interpreted_kernels.py")
@@ -82,6 +82,7 @@ class Checks:
 
         for p in self.procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)  # the shell and its check (a session, so a process group, of their own)
+                # the shell and its check: a session, so a process group, of their own
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         shutil.rmtree(self.folder, ignore_errors=True)

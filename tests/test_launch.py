@@ -110,8 +110,8 @@ def test_free_port_never_hands_out_a_port_twice():
 
 
 def test_free_port_keeps_to_its_share(monkeypatch):
-    """S2TTS_PORT_SHARE="i/n" (what each of the suite's parallel workers gets): only ports p with (p // 2) % n == i, so that
-    two processes picking ports at once never pick the same one."""
+    """S2TTS_PORT_SHARE="i/n" (what each of the suite's parallel workers gets): only ports p with (p // 2) % n == i,
+    so that two processes picking ports at once never pick the same one."""
     from s2tts.server import free_port
 
     for share in ("0/2", "1/2", "2/3"):
