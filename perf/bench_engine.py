@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import sys
 import time
@@ -53,12 +54,13 @@ def graph_time_ms(fn, iters=50, calls=1) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, prompts):
+def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, prompts, dependent_launch=None):
     from s2tts.engine import Engine
     from s2tts.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs)
+    eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs,
+                 dependent_launch=dependent_launch)
     init_s = time.perf_counter() - t0
     for i in range(batch):
         eng.submit(f"r{i}", prompts[i % len(prompts)], SamplingParams(seed=i, max_new_tokens=frames, ignore_end=True))
@@ -68,17 +70,19 @@ def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, promp
         eng.step()  # prefill of all requests (+ their first frame), max_prefill_tokens a step
     torch.cuda.synchronize()
     prefill_s = time.perf_counter() - t_first
-    steps = []
+    steps, first = [], []
     while eng.has_work():
         t = time.perf_counter()
-        eng.step()
+        first += [o.codes for o in eng.step() if o.request_id == "r0" and o.codes is not None]
         steps.append(time.perf_counter() - t)
     steps.sort()
     med = steps[len(steps) // 2]
     return {"batch": batch, "graphs": graphs, "init_s": round(init_s, 2), "prefill_ms": round(prefill_s * 1e3, 1),
             "step_ms_p50": round(med * 1e3, 3), "step_ms_p90": round(steps[int(len(steps) * 0.9)] * 1e3, 3),
             "frames_per_s": round(batch / med, 1), "stream_rtf": round(med * FPS, 4),
-            "audio_s_per_s": round(batch / med / FPS, 1)}, eng
+            "audio_s_per_s": round(batch / med / FPS, 1),
+            "r0_codes": hashlib.sha1(b"".join(c.tobytes() for c in first)).hexdigest()[:10],
+            "dependent_launch": eng.runner.dependent_launch}, eng
 
 
 def profile(eng, batch):
@@ -165,6 +169,12 @@ def kernel_profile(eng, batch, path):
     return n, table
 
 
+def variant(text: str) -> tuple[str, dict]:
+    """'NAME=key=value,key=value' -> (NAME, {key: value})."""
+    name, _, rest = text.partition("=")
+    return name, dict(kv.split("=", 1) for kv in rest.split(",") if kv)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
@@ -181,6 +191,9 @@ def main():
                     help="the FP8 kernel's tiling at every row count for the fp8 runs: kernels.GEMV_FP8_CONFIG with "
                          "these overrides, e.g. 'swap=1,block_n=128', also in place of GEMV_FP8_WIDE_CONFIG (repeat: "
                          "one set of fp8 rows each; without it, the server's two tilings)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME=key=value,...: run every batch once per variant, in one process (keys: pdl=0|1, "
+                         "small_rows=N for kernels.GEMV_SMALL_ROWS, small_block_n, small_block_k)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -217,17 +230,24 @@ def main():
         if args.parity:
             print("parity (fused kernels vs plain PyTorch):", json.dumps(check_parity(ck, prompts)), flush=True)
             model = load_model(ck, "cuda", "bf16", weights=weights)
-        for b in [int(x) for x in args.batches.split(",")]:
-            for graphs in ([False, True] if args.eager else [True]):
+        small = (kernels.GEMV_SMALL_ROWS, dict(kernels.GEMV_SMALL_CONFIG))
+        for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]
+                                         for v in [variant(v) for v in args.variant or ["default="]]
+                                         for g in ([False, True] if args.eager else [True])]:
+                kernels.GEMV_SMALL_ROWS = int(vset.get("small_rows", small[0]))
+                kernels.GEMV_SMALL_CONFIG.update(small[1], **{k[6:]: int(v) for k, v in vset.items()
+                                                              if k.startswith("small_") and k != "small_rows"})
+                pdl = None if "pdl" not in vset else bool(int(vset["pdl"]))
                 torch.cuda.reset_peak_memory_stats()
-                r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts)
+                r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts, pdl)
+                r["variant"] = vname
                 r["weights"] = weights + (f" ({cfg})" if cfg else "")
                 r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
                 if graphs:
                     with torch.inference_mode():
                         r.update(profile(eng, b))
                     if args.kernel_profile:
-                        tag = weights + cfg.replace(",", "_").replace("=", "")
+                        tag = vname + "_" + weights + cfg.replace(",", "_").replace("=", "")
                         n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_{tag}_b{b}.txt")
                         r["kernels_per_step"] = n
                         print(table, flush=True)
@@ -238,8 +258,8 @@ def main():
         del model
         gc.collect()  # the model and its last engine reference each other (Model.engine_owner)
         torch.cuda.empty_cache()
-    cols = ["weights", "batch", "graphs", "step_ms_p50", "step_ms_p90", "frames_per_s", "audio_s_per_s", "stream_rtf", "slow_ar_ms",
-            "fast_ar_ms", "full_step_ms", "prefill_ms", "init_s", "peak_gib"]
+    cols = ["variant", "weights", "batch", "graphs", "step_ms_p50", "step_ms_p90", "frames_per_s", "audio_s_per_s", "stream_rtf", "slow_ar_ms",
+            "fast_ar_ms", "full_step_ms", "prefill_ms", "init_s", "peak_gib", "dependent_launch", "r0_codes"]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")

@@ -8,6 +8,11 @@ program per (request, KV head) serves the query heads of that GQA group together
 an online softmax over key tiles.
 
 Runs on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
+
+Programmatic dependent launch (`use_pdl`, Hopper and newer): the decode step's kernels are launched so that each may
+start while the one before it finishes; every such kernel waits (`_pdl_wait`) for its predecessor to complete before
+it touches memory the step writes, and the small-rows product (`gemv_small`) loads its first weight tile before that
+wait (weights are never written during a step). A kernel after one that does not take part waits as usual.
 """
 
 from __future__ import annotations
@@ -25,7 +30,51 @@ def available() -> bool:
     return triton is not None
 
 
+PDL = False  # programmatic dependent launch of the decode step's kernels (`use_pdl`)
+
+
+def use_pdl(on: bool, device: torch.device | None = None) -> bool:
+    """Turn programmatic dependent launch on (where the device and Triton support it: compute capability 9.0 or
+    newer, `launch_pdl`) or off; returns whether it is on. Kernels captured in a CUDA graph keep the way they were
+    launched then."""
+    global PDL
+    PDL = bool(on) and _pdl_supported(device)
+    return PDL
+
+
+def _pdl_supported(device) -> bool:
+    if triton is None or device is None or torch.device(device).type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(device) < (9, 0) or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    try:  # a Triton whose launcher takes `launch_pdl`
+        x = torch.zeros(1, device=device)
+        _pdl_probe_kernel[(1,)](x, PDL=True, launch_pdl=True)
+        torch.cuda.synchronize(device)
+        return float(x[0]) == 1.0
+    except Exception:  # noqa: BLE001 - any failure means: launch as usual
+        return False
+
+
+def _pdl() -> dict:
+    """The launch options of a kernel that takes part in programmatic dependent launch."""
+    return {"launch_pdl": True} if PDL else {}
+
+
 if triton is not None:
+
+    @triton.jit
+    def _pdl_wait(PDL: tl.constexpr):
+        """With PDL: let the next kernel launch now (it waits for this one's end itself), and wait for the kernel
+        before this one to complete and its writes to be visible. Call before any access to memory the step writes."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+
+    @triton.jit
+    def _pdl_probe_kernel(X, PDL: tl.constexpr):
+        _pdl_wait(PDL)
+        tl.store(X, 1.0)
 
     @triton.jit
     def _split_keys(length, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
@@ -40,12 +89,13 @@ if triton is not None:
         stride_vb, stride_vh, stride_vl,
         stride_ob, stride_oh, stride_t,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-        SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+        SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (row b, KV head, split): the split's share of the row's keys (whole tiles of BLOCK_N, at least
         MIN_SPLIT keys). A row that one split covers is finished here (result straight to O, as with SPLITS=1);
         otherwise each split's unnormalised sum and its (max, sum of weights) go to MidO/MidML for
         `_decode_combine_kernel`."""
+        _pdl_wait(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -98,9 +148,10 @@ if triton is not None:
 
     @triton.jit
     def _decode_combine_kernel(MidO, MidML, O, Lens, stride_ob, stride_oh, H, D: tl.constexpr, SPLITS: tl.constexpr,
-                               BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+                               BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, PDL: tl.constexpr):
         """Program (row b, head h): the softmax-weighted sum of the splits' partial results (rows that one split
         finished are left alone)."""
+        _pdl_wait(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         length = tl.load(Lens + b)
@@ -147,11 +198,11 @@ def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, BS=cache.block_size,
-        SPLITS=splits, MIN_SPLIT=min_split, num_warps=4,
+        SPLITS=splits, MIN_SPLIT=min_split, PDL=PDL, num_warps=4, **_pdl(),
     )
     if splits > 1:
         _decode_combine_kernel[(B, H)](mid_o, mid_ml, out, lengths, out.stride(0), out.stride(1), H, D=D, SPLITS=splits,
-                                       BLOCK_N=block_n, MIN_SPLIT=min_split, num_warps=1)
+                                       BLOCK_N=block_n, MIN_SPLIT=min_split, PDL=PDL, num_warps=1, **_pdl())
     return out
 
 
@@ -163,7 +214,8 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(X, Y, R, W, O, H, stride_x, stride_y, stride_o, stride_h, eps, N: tl.constexpr,
-                         BLOCK: tl.constexpr, ADD: tl.constexpr):
+                         BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -178,7 +230,8 @@ if triton is not None:
         tl.store(O + row * stride_o + cols, (normed * w).to(O.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(GU, O, stride_gu, stride_o, I: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, O, stride_gu, stride_o, I: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
@@ -271,9 +324,10 @@ if triton is not None:
     def _qk_rope_cache_kernel(QKV, QW, KW, ROPE, Pos, Slots, Table, QO, KC, VC, stride_qkv, stride_qo_b, stride_qo_h,
                               stride_cb, stride_ch, stride_cl, stride_t, eps,
                               H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
-                              BS: tl.constexpr):
+                              BS: tl.constexpr, PDL: tl.constexpr):
         """One program per (row, head): heads < H are query heads (-> QO); the rest are KV heads
         (k normed + rotated, and v, written into the paged cache at the row's slot and position)."""
+        _pdl_wait(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
         half = tl.arange(0, D // 2)
@@ -330,10 +384,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         r2 = _unit_rows(residual.reshape(-1, N))
         h = torch.empty_like(x2)
         _rms_norm_kernel[(x2.shape[0],)](r2, x2, h, weight, out, h, r2.stride(0), x2.stride(0), out.stride(0), h.stride(0),
-                                         eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=True, num_warps=8)
+                                         eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=True, PDL=PDL, num_warps=8,
+                                         **_pdl())
         return h.reshape(shape), out.reshape(shape)
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
-                                     eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=False, num_warps=8)
+                                     eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=False, PDL=PDL, num_warps=8,
+                                     **_pdl())
     return out.reshape(shape)
 
 
@@ -344,7 +400,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     g2 = _unit_rows(gate_up.reshape(-1, 2 * I))
     out = torch.empty(g2.shape[0], I, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I, BLOCK=BLOCK, PDL=PDL,
+                                                            num_warps=4, **_pdl())
     return out.reshape(*shape[:-1], I)
 
 
@@ -421,7 +478,8 @@ def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv: int
     _qk_rope_cache_kernel[(B, n_head + n_kv)](
         qkv, q_w if q_w is not None else dummy, k_w if k_w is not None else dummy, rope, pos, slots, table, q, k_cache,
         v_cache, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        table.stride(0), eps, H=n_head, KVH=n_kv, D=head_dim, QK_NORM=qk_norm, BS=cache.block_size, num_warps=1)
+        table.stride(0), eps, H=n_head, KVH=n_kv, D=head_dim, QK_NORM=qk_norm, BS=cache.block_size, PDL=PDL, num_warps=1,
+        **_pdl())
     return q
 
 
@@ -445,7 +503,9 @@ if triton is not None:
     # draws, times the aligned and unaligned step rows of the sampling graphs, compiled a kernel of its own: 22
     # compiles of ~2.7 s (the in-kernel sort) at a server's first start on a GPU, 55 of its 110 s.
     @triton.jit(do_not_specialize=["T", "P", "K", "Seed", "Step", "Out", "stream"])
-    def _choose_kernel(SL, T, P, K, Seed, Step, Out, stride, V, stream, BLOCK: tl.constexpr, SORT: tl.constexpr):
+    def _choose_kernel(SL, T, P, K, Seed, Step, Out, stride, V, stream, BLOCK: tl.constexpr, SORT: tl.constexpr,
+                       PDL: tl.constexpr):
+        _pdl_wait(PDL)
         row = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         valid = r < V
@@ -497,7 +557,8 @@ def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: boo
     out = torch.empty(B, dtype=torch.int64, device=sl.device)
     _choose_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
                          seed.contiguous(), step.contiguous(), out, sl.stride(0), V, stream,
-                         BLOCK=triton.next_power_of_2(V), SORT=sort, num_warps=8 if V > 2048 else 4)
+                         BLOCK=triton.next_power_of_2(V), SORT=sort, PDL=PDL, num_warps=8 if V > 2048 else 4,
+                         **_pdl())
     return out
 
 
@@ -522,9 +583,10 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, W, S, Y, P, M, N, K, K_PER, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
-                     SCALED: tl.constexpr, SWAP: tl.constexpr):
+                     SCALED: tl.constexpr, SWAP: tl.constexpr, PDL: tl.constexpr):
         # SWAP: the tile is computed as (W x^T)^T, the weight tile as the product's left operand (as stored, no
         # transpose of the big tile; the rows of x are the small side of the tensor-core product)
+        _pdl_wait(PDL)
         pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -567,7 +629,8 @@ if triton is not None:
                 tl.store(P + pid_s * M * N + rm[:, None] * N + rn[None, :], acc, mask=mask)
 
     @triton.jit
-    def _split_sum_kernel(P, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    def _split_sum_kernel(P, Y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        _pdl_wait(PDL)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < M * N
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -648,8 +711,76 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
     _gemv_kernel[(-(-M // bm), -(-N // bn), split)](
         x2, weight, y if scale is None else scale, y, p, M, N, K, k_per, x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, SCALED=scale is not None,
-        SWAP=bool(cfg["swap"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        SWAP=bool(cfg["swap"]), PDL=PDL, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl())
     if split > 1:
         block = 1024
-        _split_sum_kernel[(-(-M * N // block),)](p, y, M, N, y.stride(0), SPLIT=split, BLOCK=block)
+        _split_sum_kernel[(-(-M * N // block),)](p, y, M, N, y.stride(0), SPLIT=split, BLOCK=block, PDL=PDL, **_pdl())
+    return y.reshape(*x.shape[:-1], N)
+
+
+# ---- products of a few rows ---------------------------------------------------------------------
+# A decode step at one stream multiplies one row (two in the fast AR's first call) by every weight: pure weight
+# streaming. Tensor-core tiles are 16 rows wide, so the kernel above reads its weight tile into a 16-row product;
+# this one multiplies in float32 registers, a few output columns per program, all of K in BLOCK_K-wide lanes
+# summed at the end, one launch without a split-K pass. Not row-invariant across row counts (`batch_invariant`
+# keeps `linear`).
+
+GEMV_SMALL_ROWS = 4  # `gemv_small` takes up to this many rows
+# block_k at one row, halved per doubling of the rows. Measured in the decode step at one stream on an H200 (the
+# step 6.39 ms against cuBLAS's 6.77 with dependent launch; 4 columns, 1 or 8 warps, 256 or 1024 lanes: 6.98-10.8)
+GEMV_SMALL_CONFIG = {"block_n": 2, "block_k": 512, "num_warps": 2}
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_small_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+        """Program (tile of BLOCK_N output columns): y[m, n] = sum over k of x[m, k] w[n, k] for the M <= BLOCK_M
+        rows, each product in float32, summed along K in BLOCK_K lanes, then across the lanes. The first weight tile
+        is read before the wait for the previous kernel (weights are not written by the step), the next one while
+        the current one is multiplied."""
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, BLOCK_M)
+        rk = tl.arange(0, BLOCK_K)
+        nmask = rn < N
+        w_ptr = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        w = tl.load(w_ptr, mask=nmask[:, None] & (rk[None, :] < K), other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
+        for k in range(0, K, BLOCK_K):
+            kk = k + rk
+            x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            w_next = tl.load(w_ptr + k + BLOCK_K, mask=nmask[:, None] & (kk[None, :] + BLOCK_K < K), other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+            w = w_next
+        y = tl.sum(acc, axis=2)
+        if SCALED:  # FP8 weight: the output row's scale after the sum
+            y = y * tl.load(S + rn, mask=nmask, other=0.0)[None, :]
+        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
+                 mask=(rm[:, None] < M) & nmask[None, :])
+
+
+def gemv_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight[N, K].T -> [..., N] for at most GEMV_SMALL_ROWS rows (F.linear's function; with `scale`
+    [N] fp32, `weight` is FP8 e4m3 and column n is multiplied by scale[n], as `linear`)."""
+    if triton is None:
+        raise RuntimeError("gemv_small needs the `triton` package")
+    K = x.shape[-1]
+    x2 = _unit_rows(x.reshape(-1, K))
+    M, N = x2.shape[0], weight.shape[0]
+    if not 0 < M <= GEMV_SMALL_ROWS:
+        raise ValueError(f"gemv_small takes 1 to {GEMV_SMALL_ROWS} rows, not {M}")
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    cfg = GEMV_SMALL_CONFIG
+    bm = triton.next_power_of_2(M)
+    bn = cfg["block_n"]
+    bk = max(16, min(cfg["block_k"] // bm, triton.next_power_of_2(K)))
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    _gemv_small_kernel[(-(-N // bn),)](x2, weight, y if scale is None else scale, y, M, N, K, x2.stride(0),
+                                      weight.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                      SCALED=scale is not None, PDL=PDL, num_warps=cfg["num_warps"], **_pdl())
     return y.reshape(*x.shape[:-1], N)

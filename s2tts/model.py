@@ -394,28 +394,42 @@ class FastAR(nn.Module):
         return torch.stack(codes, dim=1)
 
 
-class InvariantLinear(nn.Linear):
-    """nn.Linear through the row-invariant kernel (`kernels.linear`) up to `max_rows` rows: a row's result does not
-    depend on the rows beside it."""
+class KernelLinear(nn.Linear):
+    """nn.Linear whose products of few rows run in Triton kernels: with `invariant_rows` (batch_invariant) every
+    product of up to that many rows in the row-invariant kernel (`kernels.linear`: a row's result does not depend on
+    the rows beside it); otherwise products of up to `small_rows` rows in `kernels.gemv_small` (a decode step at one
+    or a few streams). cuBLAS for the rest, and with both 0 (nn.Linear's function either way)."""
 
-    max_rows = 0
+    invariant_rows = 0
+    small_rows = 0
 
     def forward(self, x):
-        from .kernels import linear
+        from . import kernels
 
-        return linear(x, self.weight, self.max_rows)
+        if self.invariant_rows:
+            return kernels.linear(x, self.weight, self.invariant_rows)
+        if 0 < x.numel() <= self.small_rows * self.in_features:
+            return kernels.gemv_small(x, self.weight)
+        return F.linear(x, self.weight)
+
+
+def _kernel_linears(model: nn.Module):
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            m.__class__ = KernelLinear
+            yield m
 
 
 def use_invariant_linears(model: nn.Module, max_rows: int) -> None:
     """Every matrix product of both ARs (and the slow AR's head) row-invariant up to `max_rows` rows (GPU, or the
     Triton interpreter); 0 turns it off."""
+    for m in _kernel_linears(model):
+        m.invariant_rows = max_rows
     for m in model.modules():
-        if isinstance(m, nn.Linear):
-            m.__class__ = InvariantLinear if max_rows else nn.Linear
-            m.max_rows = max_rows
         if isinstance(m, Fp8Linear):
             m.kernel_rows = max(max_rows, Fp8Linear.KERNEL_ROWS)
             m.wide_rows = None if max_rows else Fp8Linear.WIDE_ROWS
+            m.invariant = bool(max_rows)
         if isinstance(m, SlowAR):
             m.head_rows = max_rows
 
@@ -439,10 +453,13 @@ class Fp8Linear(nn.Module):
         self.kernel = False
         self.kernel_rows = self.KERNEL_ROWS  # use_invariant_linears raises it: every pass through the kernel
         self.wide_rows: int | None = self.WIDE_ROWS  # and sets None: one tiling at every row count
+        self.invariant = False  # and sets this: no `gemv_small` (its sums are not row-invariant)
 
     def forward(self, x):
         from . import kernels
 
+        if self.kernel and not self.invariant and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features:
+            return kernels.gemv_small(x, self.weight, scale=self.scale)
         if self.kernel and x.numel() <= self.kernel_rows * self.in_features:
             return kernels.linear(x, self.weight, scale=self.scale, wide_rows=self.wide_rows)
         # many rows (prompt passes): the product is compute-bound, where the kernel (weight widened tile by tile)
@@ -472,9 +489,14 @@ def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
 
     Fuses w1/w3 into one projection (kept afterwards: it computes the same function either way).
     """
-    for m in model.modules():
+    from .kernels import GEMV_SMALL_ROWS
+
+    for m in list(model.modules()):
         if isinstance(m, FeedForward):
             m.fuse_weights()
+    for m in _kernel_linears(model):  # products of a few rows (a decode step at a few streams) in `gemv_small`
+        m.small_rows = GEMV_SMALL_ROWS if on else 0
+    for m in model.modules():
         if isinstance(m, Stack):
             for layer in m.layers:
                 layer.attention.rope = m.rope

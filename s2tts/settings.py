@@ -186,6 +186,10 @@ SETTINGS: tuple[Setting, ...] = (
             "does not wait for the host's work (a request's row in the step after its end token is dropped; at a "
             "light load with codec_in_engine it runs one step at a time, where each chunk's decode would wait behind "
             "the next step). `auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
+    Setting("dependent_launch", bool, None, ("slow_ar", "s2pro"), "the decode step's Triton kernels start while the "
+            "kernel before each ends (programmatic dependent launch; the small matrix products read their first "
+            "weights meanwhile): the step at one stream is shorter (perf/RESULTS.md). `auto`: on a GPU of compute "
+            "capability 9.0 or newer (H100, H200) whose Triton supports it; off elsewhere", auto=True),
     Setting("engine_in_s2pro", bool, False, ("s2pro",), "run the engine (and its codec, with `codec_in_engine`) in "
             "s2pro's own process: a chunk crosses processes twice between the engine and the client instead of six "
             "times, and no `slow_ar` model is loaded. One engine only (one `device`), with fast_ar=inprocess. A fault "

@@ -41,6 +41,11 @@ def fixed_order_dot() -> None:
 
 
 fixed_order_dot()
+# `gemv_small` in wider column tiles than a GPU's (each column's sum is the same in any tile width; check_ops runs
+# the GPU's width too): the interpreter pays per program, and the engine checks multiply thousands of rows
+SMALL_BLOCK_N = 32
+GPU_SMALL_BLOCK_N = kernels.GEMV_SMALL_CONFIG["block_n"]
+kernels.GEMV_SMALL_CONFIG["block_n"] = SMALL_BLOCK_N
 
 
 def rel(a, b):
@@ -83,6 +88,20 @@ def check_ops():
     assert rel(h, x + y) < 1e-7 and rel(n, m(x + y)) < 1e-6
     gu = torch.randn(3, 2 * 48)
     assert rel(kernels.silu_mul(gu), torch.nn.functional.silu(gu[:, :48]) * gu[:, 48:]) < 1e-6
+    # products of a few rows (`gemv_small`): 1-4 rows, K not a multiple of the lanes nor N of the column tile, a
+    # strided row view (the fast AR's last position), FP8 weights with their scale; more rows are refused
+    w, x = torch.randn(37, 1500), torch.randn(4, 2, 1500)
+    w8, scale = kernels.quantize_fp8(w)
+    for m, bn in ((1, GPU_SMALL_BLOCK_N), (2, SMALL_BLOCK_N), (3, GPU_SMALL_BLOCK_N), (4, SMALL_BLOCK_N)):
+        kernels.GEMV_SMALL_CONFIG["block_n"] = bn
+        assert rel(kernels.gemv_small(x[:m, -1], w), x[:m, -1] @ w.T) < 1e-6, m
+        assert rel(kernels.gemv_small(x[:m, -1], w8, scale=scale), x[:m, -1] @ (w8.float() * scale[:, None]).T) < 1e-6
+    kernels.GEMV_SMALL_CONFIG["block_n"] = SMALL_BLOCK_N
+    try:
+        kernels.gemv_small(torch.randn(kernels.GEMV_SMALL_ROWS + 1, 1500), w)
+        raise AssertionError("gemv_small took too many rows")
+    except ValueError as e:
+        assert "rows" in str(e)
     # sampling: the kernel draws the same ranks as the PyTorch code (same hash, same masks)
     from s2tts.sampling import _choose
 
@@ -136,6 +155,8 @@ def check_engine(ckpt):
             eng.runner.SPLIT_FROM = 0
             for layer in model.slow.layers:
                 layer.attention.decode_min_split = 16
+        small, gemv_small = [], kernels.gemv_small
+        kernels.gemv_small = lambda *a, **k: small.append(a[0].numel() // a[0].shape[-1]) or gemv_small(*a, **k)
         mixed, inner = [], eng.runner._slow_pass
         eng.runner._slow_pass = lambda dec, ch, first: mixed.append(bool(dec and ch)) or inner(dec, ch, first)
         logits = {}
@@ -150,6 +171,9 @@ def check_engine(ckpt):
                 frames[o.request_id].append(o.codes)
             step += 1
         assert any(mixed) and eng.runner.flat == kern, mixed  # prompt rows beside decode rows (with the kernel: as rows)
+        kernels.gemv_small = gemv_small
+        # the kernels' products of up to 4 rows (decode passes, the fast AR) in `gemv_small`, the others not
+        assert (small and set(small) <= {1, 2, 3, 4}) if kern else not small, sorted(set(small))
         results.append(({k: np.concatenate(v) for k, v in frames.items()}, logits))
     (c0, l0), (c1, l1) = results
     for rid in c0:
@@ -164,8 +188,6 @@ def check_invariant(ckpt):
     """batch_invariant with the kernels: every matrix product row-invariant (a row alone and beside others gives the
     same bits, any row count), passes scheduled as usual (no padding, prompts beside decode rows), and a request's
     codes the same alone and beside others."""
-    from s2tts.model import InvariantLinear
-
     # Tiles grow with the rows (16 to 128): a row must give the same bits in any of them (fixed_order_dot makes the
     # interpreter's tile product sum in one order, as a GPU's does; on a GPU `perf/bench_gemv.py`'s row_invariant
     # column checks the real tiles).
@@ -193,7 +215,7 @@ def check_invariant(ckpt):
     def run(ids):
         eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True,
                      fused_kernels=True, batch_invariant=True, max_prefill_tokens=16)
-        assert not eng.runner.apart and isinstance(model.slow.layers[0].attention.wqkv, InvariantLinear)
+        assert not eng.runner.apart and model.slow.layers[0].attention.wqkv.invariant_rows > 0
         out, step = {i: [] for i in ids}, 0
         while step < 2 * len(ids) or eng.has_work():
             if step % 2 == 0 and step // 2 < len(ids):
@@ -208,7 +230,7 @@ def check_invariant(ckpt):
     for i in range(2):
         np.testing.assert_array_equal(together[i], run([i])[i])
     Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True)
-    assert type(model.slow.layers[0].attention.wqkv) is torch.nn.Linear  # an engine without it puts them back
+    assert model.slow.layers[0].attention.wqkv.invariant_rows == 0  # an engine without it puts them back
     print("invariant ok")
 
 

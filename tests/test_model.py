@@ -375,3 +375,15 @@ def test_padded_row_buckets_match_exact_shapes(model, prompts):
         np.testing.assert_array_equal(out[False][0][rid], out[True][0][rid])
         for a, b in zip(out[False][1][rid], out[True][1][rid]):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_dependent_launch_only_where_supported(tiny_ckpt):
+    """`dependent_launch` (programmatic dependent launch of the decode step's Triton kernels) asks; the device
+    decides: a CPU engine asked for it runs without it, and the kernels launch as usual (`kernels.PDL` off)."""
+    from s2tts import kernels
+
+    model = load_model(tiny_ckpt, "cpu", "fp32")
+    for asked in (None, True, False):
+        eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=64, dependent_launch=asked)
+        assert eng.runner.dependent_launch is False and kernels.PDL is False
+    assert kernels.use_pdl(True, torch.device("cpu")) is False and kernels.use_pdl(True, None) is False

@@ -55,7 +55,8 @@ class Engine:
                  prefix_cache_bytes: int = _default("prefix_cache_mb") << 20, row_buckets: bool | None = None,
                  batch_invariant: bool = _default("batch_invariant"), kv_block_tokens: int = _default("kv_block_tokens"),
                  kv_cache_tokens: int | None = _default("kv_cache_tokens"), decode_splits: int | None = None,
-                 admit_every: int = _default("admit_every_steps"), kv_cache_memory_gb: float | None = None):
+                 admit_every: int = _default("admit_every_steps"), kv_cache_memory_gb: float | None = None,
+                 dependent_launch: bool | None = _default("dependent_launch")):
         """Defaults: the settings of the same names in `s2tts.settings` (`prefix_cache_bytes`: `prefix_cache_mb`,
         `admit_every`: `admit_every_steps`). `cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
         None = on when the model is on a CUDA device. `row_buckets` (default: with `cuda_graphs`): pad every pass and
@@ -82,6 +83,10 @@ class Engine:
         alone (its voice prefix always by itself, so a prefix-cache hit leaves the same keys and values as a miss),
         and sampling always at `max_batch` rows. Sampling is per request already (seed, step).
 
+        `dependent_launch` (None: on where supported): the decode step's Triton kernels launched with programmatic
+        dependent launch (`kernels.use_pdl`: compute capability 9.0 or newer), each starting while the one before it
+        ends (the small products load their first weights meanwhile).
+
         `admit_every`: while requests are decoding, waiting ones join only every this many steps, so that arrivals
         spread over those steps start their prefill together (a request waits at most that many steps more). An
         idle engine admits at once."""
@@ -94,7 +99,7 @@ class Engine:
                                   decode_kernel=decode_kernel, fused_kernels=fused_kernels, row_buckets=row_buckets,
                                   batch_invariant=batch_invariant, kv_block_tokens=kv_block_tokens,
                                   kv_cache_tokens=kv_cache_tokens, decode_splits=decode_splits,
-                                  kv_cache_memory_gb=kv_cache_memory_gb)
+                                  kv_cache_memory_gb=kv_cache_memory_gb, dependent_launch=dependent_launch)
         r = self.runner
         self.scheduler = Scheduler(max_batch=max_batch, max_seq_len=self.max_seq_len, num_codebooks=s2.num_codebooks,
                                    semantic_start_id=s2.semantic_start_id, num_blocks=r.num_blocks,

@@ -84,7 +84,7 @@ class ModelRunner:
                  fast_ar=None, cuda_graphs: bool | None = None, decode_kernel: bool | None = None,
                  fused_kernels: bool | None = None, row_buckets: bool | None = None, batch_invariant: bool = False,
                  kv_block_tokens: int = 32, kv_cache_tokens: int | None = None, decode_splits: int | None = None,
-                 kv_cache_memory_gb: float | None = None):
+                 kv_cache_memory_gb: float | None = None, dependent_launch: bool | None = None):
         """See `Engine` for the settings. Allocates the KV pools (`num_blocks` of `block_size` tokens, one of them
         the null block) and, with `cuda_graphs`, captures the graphs."""
         s2 = model.s2
@@ -130,6 +130,12 @@ class ModelRunner:
         from ..model import use_invariant_linears, use_triton_kernels
 
         use_triton_kernels(model, bool(fused_kernels))
+        if on_cuda and fused_kernels:
+            from .. import kernels
+
+            self.dependent_launch = kernels.use_pdl(dependent_launch is not False, self.device)
+        else:
+            self.dependent_launch = False
         self.sample_kernel = bool(fused_kernels)
         if isinstance(self.fast_ar, InProcessFastAR):
             self.fast_ar.kernel = self.sample_kernel

@@ -777,7 +777,8 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
                     kv_cache_memory_gb=kv_gib,
                     fast_ar=fast_ar, prefix_cache_bytes=v.prefix_cache_mb << 20,
                     max_prefill_tokens=v.max_prefill_tokens, cuda_graphs=v.cuda_graphs,
-                    batch_invariant=v.batch_invariant, admit_every=v.admit_every_steps)
+                    batch_invariant=v.batch_invariant, admit_every=v.admit_every_steps,
+                    dependent_launch=v.dependent_launch)
     t3 = time.perf_counter()
     if v.gpu_memory_utilization is not None and device.type == "cuda":
         import torch
@@ -793,10 +794,11 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     log.info("%s ready in %.1f s (weights %.1f s, codec %.1f s, engine and its CUDA graphs %.1f s; the GPU kernels' "
              "first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d "
              "kv_cache=%d tokens in blocks of %d cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s "
-             "adaptive_chunks=%s codec_in_engine=%s launch_ahead=%s", name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device,
+             "adaptive_chunks=%s codec_in_engine=%s launch_ahead=%s dependent_launch=%s", name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device,
              engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len, engine.kv_capacity_tokens,
              engine.blocks.block_size, sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20,
-             engine.batch_invariant, v.adaptive_chunks, codec is not None, service.launch_ahead)
+             engine.batch_invariant, v.adaptive_chunks, codec is not None, service.launch_ahead,
+             engine.runner.dependent_launch)
     return service
 
 
