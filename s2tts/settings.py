@@ -188,8 +188,9 @@ SETTINGS: tuple[Setting, ...] = (
             "the next step). `auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
     Setting("dependent_launch", bool, None, ("slow_ar", "s2pro"), "the decode step's Triton kernels start while the "
             "kernel before each ends (programmatic dependent launch; the small matrix products read their first "
-            "weights meanwhile): the step at one stream is shorter (perf/RESULTS.md). `auto`: on a GPU of compute "
-            "capability 9.0 or newer (H100, H200) whose Triton supports it; off elsewhere", auto=True),
+            "weights meanwhile), in passes of up to 4 rows (one to four streams): the step at one stream 6-8% "
+            "shorter (perf/RESULTS.md). `auto`: on a GPU of compute capability 9.0 or newer (H100, H200) whose "
+            "Triton supports it; off elsewhere", auto=True),
     Setting("engine_in_s2pro", bool, False, ("s2pro",), "run the engine (and its codec, with `codec_in_engine`) in "
             "s2pro's own process: a chunk crosses processes twice between the engine and the client instead of six "
             "times, and no `slow_ar` model is loaded. One engine only (one `device`), with fast_ar=inprocess. A fault "
@@ -198,8 +199,9 @@ SETTINGS: tuple[Setting, ...] = (
             "164-171: s2pro's per-request Python shares the engine thread's GIL; c=1 unchanged; perf/RESULTS.md)"),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once; more are refused at "
             "once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
-    Setting("first_chunk_frames", int, 4, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk (1 frame = 2048 "
-            "samples = 46 ms)", min=1),
+    Setting("first_chunk_frames", int, 2, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk (1 frame = 2048 "
+            "samples = 46 ms): 2 against 4 took one H200's c=1 time to first audio from 37 to 23.5 ms, with no "
+            "stall and the same throughput at c=1 and c=64 (perf/RESULTS.md)", min=1),
     Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder", "slow_ar"), "default frames in later chunks (the largest, with "
             "`adaptive_chunks`)", min=1),
     Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
