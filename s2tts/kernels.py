@@ -9,13 +9,15 @@ an online softmax over key tiles.
 
 Runs on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 
-Programmatic dependent launch (`use_pdl`, Hopper and newer): the decode step's kernels are launched so that each may
-start while the one before it finishes; every such kernel waits (`_pdl_wait`) for its predecessor to complete before
+Programmatic dependent launch (`dependent_launch`, where `pdl_supported`: Hopper and newer): within it the decode
+step's kernels are launched so that each may start while the one before it finishes; every such kernel waits (`_pdl_wait`) for its predecessor to complete before
 it touches memory the step writes, and the small-rows product (`gemv_small`) loads its first weight tile before that
 wait (weights are never written during a step). A kernel after one that does not take part waits as usual.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -30,19 +32,25 @@ def available() -> bool:
     return triton is not None
 
 
-PDL = False  # programmatic dependent launch of the decode step's kernels (`use_pdl`)
+PDL = False  # the decode step's kernels launched with programmatic dependent launch (set by `dependent_launch`)
 
 
-def use_pdl(on: bool, device: torch.device | None = None) -> bool:
-    """Turn programmatic dependent launch on (where the device and Triton support it: compute capability 9.0 or
-    newer, `launch_pdl`) or off; returns whether it is on. Kernels captured in a CUDA graph keep the way they were
-    launched then."""
+@contextlib.contextmanager
+def dependent_launch(on: bool):
+    """Within it, the decode step's kernels launch with programmatic dependent launch when `on` (the caller checked
+    `pdl_supported`); outside (the codec's calls, other passes) as usual. Kernels captured in a CUDA graph keep
+    the way they were launched then."""
     global PDL
-    PDL = bool(on) and _pdl_supported(device)
-    return PDL
+    before, PDL = PDL, bool(on)
+    try:
+        yield
+    finally:
+        PDL = before
 
 
-def _pdl_supported(device) -> bool:
+def pdl_supported(device) -> bool:
+    """Whether the device and Triton support programmatic dependent launch (compute capability 9.0 or newer, a
+    launcher that takes `launch_pdl`): a kernel launched so runs and finishes."""
     if triton is None or device is None or torch.device(device).type != "cuda":
         return False
     if torch.cuda.get_device_capability(device) < (9, 0) or not hasattr(tl.extra.cuda, "gdc_wait"):

@@ -386,4 +386,7 @@ def test_dependent_launch_only_where_supported(tiny_ckpt):
     for asked in (None, True, False):
         eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=64, dependent_launch=asked)
         assert eng.runner.dependent_launch is False and kernels.PDL is False
-    assert kernels.use_pdl(True, torch.device("cpu")) is False and kernels.use_pdl(True, None) is False
+    assert kernels.pdl_supported(torch.device("cpu")) is False
+    with kernels.dependent_launch(True):  # a pass's kernels (the runner checks support first)
+        assert kernels.PDL is True
+    assert kernels.PDL is False  # the codec's calls and the rest launch as usual

@@ -84,7 +84,7 @@ class Engine:
         and sampling always at `max_batch` rows. Sampling is per request already (seed, step).
 
         `dependent_launch` (None: on where supported): the decode step's Triton kernels launched with programmatic
-        dependent launch (`kernels.use_pdl`: compute capability 9.0 or newer) in passes of up to
+        dependent launch (`kernels.dependent_launch`, where `kernels.pdl_supported`: compute capability 9.0 or newer) in passes of up to
         `kernels.GEMV_SMALL_ROWS` rows, each starting while the one before it ends (the small products load their
         first weights meanwhile).
 

@@ -133,7 +133,7 @@ class ModelRunner:
         if on_cuda and fused_kernels:
             from .. import kernels
 
-            self.dependent_launch = kernels.use_pdl(dependent_launch is not False, self.device)
+            self.dependent_launch = dependent_launch is not False and kernels.pdl_supported(self.device)
         else:
             self.dependent_launch = False
         self.sample_kernel = bool(fused_kernels)
@@ -300,7 +300,10 @@ class ModelRunner:
         sequence at its own slot and position (the attention kernel reads each row's keys up to its position); without
         the kernel (`runs`: (first row, rows, keys) of the decode rows, None, and of each prompt chunk), the decode
         rows run as one batch and each chunk as a sequence."""
-        self._launch_mode(io.shape[1])
+        with self._launch_mode(io.shape[1]):
+            self._slow_body(io, runs)
+
+    def _slow_body(self, io: torch.Tensor, runs) -> None:
         slots, pos = io[self._SLOT], io[self._POS]
         prev = self.last_codes[slots]  # [N, C]
         last = io[self._FROM_LAST].bool()
@@ -342,7 +345,10 @@ class ModelRunner:
 
     def _sample_core(self, io: torch.Tensor):
         """Device part of sampling (what the sample graphs capture): io [3, B] = slot, step, remember per row."""
-        self._launch_mode(io.shape[1])
+        with self._launch_mode(io.shape[1]):
+            return self._sample_body(io)
+
+    def _sample_body(self, io: torch.Tensor):
         hidden = self.h_sel[: io.shape[1]]
         logits = self.model.slow.logits(hidden)
         frame, end = self._sample_frame(io[0], hidden, logits, io[1], io[2].bool())
@@ -390,13 +396,13 @@ class ModelRunner:
         self.recent[slots] = torch.where(remember[:, None], torch.cat([recent[:, 1:], code0[:, None]], dim=1), recent)
         return frame, end
 
-    def _launch_mode(self, rows: int) -> None:
+    def _launch_mode(self, rows: int):
         """Dependent launch for the kernels of a pass of `rows` rows (captured with it): only up to
         `kernels.GEMV_SMALL_ROWS`, where the products are Triton kernels that take part. Among cuBLAS's products (more
         rows) it saved nothing and the step's pieces took 1-2% longer (perf/RESULTS.md)."""
         from .. import kernels
 
-        kernels.PDL = self.dependent_launch and rows <= kernels.GEMV_SMALL_ROWS
+        return kernels.dependent_launch(self.dependent_launch and rows <= kernels.GEMV_SMALL_ROWS)
 
     def _capture_graphs(self) -> None:
         """Capture a pass per row bucket (and way of splitting keys) and sampling per batch bucket, on the scratch
