@@ -42,8 +42,9 @@ def fixed_order_dot() -> None:
 
 fixed_order_dot()
 # `gemv_small` in wider column tiles than a GPU's (each column's sum is the same in any tile width; check_ops runs
-# the GPU's width too): the interpreter pays per program, and the engine checks multiply thousands of rows
-SMALL_BLOCK_N = 32
+# the GPU's width too): the interpreter pays per program (256 columns: one program a product of the tiny model; 32 cost
+# the engine check 12-24 s more, 2 nearly 200 s)
+SMALL_BLOCK_N = 256
 GPU_SMALL_BLOCK_N = kernels.GEMV_SMALL_CONFIG["block_n"]
 kernels.GEMV_SMALL_CONFIG["block_n"] = SMALL_BLOCK_N
 
