@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """The decode step's matrix products at a few rows: cuBLAS (F.linear) against `s2tts.kernels.linear` (the GEMV
-kernel), on S2 Pro's weight shapes, bf16, each timed as a CUDA graph of 20 calls; and the kernel with the weight in
+kernel), and up to 4 rows `kernels.gemv_small` (the decode step's products at one to four streams; timed without
+dependent launch: alone it has no predecessor to overlap), on S2 Pro's weight shapes, bf16, each timed as a CUDA
+graph of 20 calls; and the kernel with the weight in
 FP8 (`kernels.quantize_fp8`: e4m3, a scale per output row; `fp8_rel_err` is against the bf16 weight's exact product),
 and cuBLAS's FP8 x FP8 product (`w8a8_cublas`: the activations in FP8 as well).
 
@@ -53,7 +55,7 @@ def main():
             c.clear()
             c.update(base, **config_overrides(cfg))
         rows += bench(kernels, args, cfg)
-    cols = ["config", "weight", "rows", "cublas_us", "kernel_us", "cublas_tb_s", "kernel_tb_s", "kernel_rel_err",
+    cols = ["config", "weight", "rows", "cublas_us", "kernel_us", "small_us", "small_rel_err", "cublas_tb_s", "kernel_tb_s", "kernel_rel_err",
             "cublas_rel_err", "row_invariant", "fp8_us", "fp8_tb_s", "fp8_rel_err", "w8a8_cublas_us", "w8a8_rel_err"]
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
@@ -77,6 +79,8 @@ def bench(kernels, args, cfg: str) -> list[dict]:
 
             t_cublas = timed_us(lambda: torch.nn.functional.linear(x[:M], nxt()))
             t_kernel = timed_us(lambda: kernels.linear(x[:M], nxt(), max_rows=M))
+            small = M <= kernels.GEMV_SMALL_ROWS
+            t_small = round(timed_us(lambda: kernels.gemv_small(x[:M], nxt())), 1) if small else ""
             ref = torch.nn.functional.linear(x[:M].float(), ws[0].float())
             got = kernels.linear(x[:M], ws[0], max_rows=M).float()
             err = float((got - ref).norm() / ref.norm())
@@ -102,12 +106,18 @@ def bench(kernels, args, cfg: str) -> list[dict]:
             rows.append({"config": cfg or "default", "weight": name, "N": N, "K": K, "rows": M, "plan": kernels.gemv_plan(N, K),
                          "cublas_us": round(t_cublas, 1), "kernel_us": round(t_kernel, 1),
                          "cublas_tb_s": round(gb / t_cublas * 1e3, 2), "kernel_tb_s": round(gb / t_kernel * 1e3, 2),
+                         "small_us": t_small,
+                         "small_rel_err": f"{rel(kernels.gemv_small(x[:M], ws[0]), ref):.1e}" if small else "",
                          "kernel_rel_err": f"{err:.1e}", "cublas_rel_err": f"{cub:.1e}",
                          "row_invariant": bool(torch.equal(alone, beside)),
                          "fp8_us": round(t_fp8, 1), "fp8_tb_s": round(gb / 2 / t_fp8 * 1e3, 2),
                          "fp8_rel_err": f"{err8:.1e}", "w8a8_cublas_us": t_w8a8, "w8a8_rel_err": err_w8a8})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def rel(got, ref) -> float:
+    return float((got.float() - ref).norm() / ref.norm())
 
 
 def scaled_mm(x, M, w8s, ref) -> tuple[float | str, str]:
