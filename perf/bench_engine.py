@@ -97,15 +97,11 @@ def profile(eng, batch):
     code0 = torch.zeros(batch, dtype=torch.int64, device=dev)
     t, p, k, sd = eng.runner.temperature[slots], eng.runner.top_p[slots], eng.runner.top_k[slots], eng.runner.seed[slots]
     with eng.runner._launch_mode(batch):  # the pieces launched as the engine's passes launch them
-        return pieces(eng, model, x, pos, slots, hidden, code0, t, p, k, sd, step)
-
-
-def pieces(eng, model, x, pos, slots, hidden, code0, t, p, k, sd, step):
-    return {
-        "slow_ar_ms": round(graph_time_ms(lambda: model.slow(x, pos, slots)), 3),
-        "fast_ar_ms": round(graph_time_ms(lambda: eng.runner.fast_ar(hidden, code0, t, p, k, sd, step)), 3),
-        "full_step_ms": round(graph_time_ms(lambda: eng.runner._decode_core(slots, pos, step)), 3),
-    }
+        return {
+            "slow_ar_ms": round(graph_time_ms(lambda: model.slow(x, pos, slots)), 3),
+            "fast_ar_ms": round(graph_time_ms(lambda: eng.runner.fast_ar(hidden, code0, t, p, k, sd, step)), 3),
+            "full_step_ms": round(graph_time_ms(lambda: eng.runner._decode_core(slots, pos, step)), 3),
+        }
 
 
 def check_parity(ck, prompts, steps=6):

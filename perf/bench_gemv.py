@@ -83,8 +83,8 @@ def bench(kernels, args, cfg: str) -> list[dict]:
             t_small = round(timed_us(lambda: kernels.gemv_small(x[:M], nxt())), 1) if small else ""
             ref = torch.nn.functional.linear(x[:M].float(), ws[0].float())
             got = kernels.linear(x[:M], ws[0], max_rows=M).float()
-            err = float((got - ref).norm() / ref.norm())
-            cub = float((torch.nn.functional.linear(x[:M], ws[0]).float() - ref).norm() / ref.norm())
+            err = rel(got, ref)
+            cub = rel(torch.nn.functional.linear(x[:M], ws[0]), ref)
             alone = kernels.linear(x[:1], ws[0])
             beside = kernels.linear(x[:M], ws[0], max_rows=M)[:1]
             w8s = [kernels.quantize_fp8(w) for w in ws]
@@ -100,7 +100,7 @@ def bench(kernels, args, cfg: str) -> list[dict]:
 
             t_fp8 = timed_us(fp8_call)
             got8 = kernels.linear(x[:M], w8s[0][0], scale=w8s[0][1]).float()
-            err8 = float((got8 - ref).norm() / ref.norm())
+            err8 = rel(got8, ref)
             t_w8a8, err_w8a8 = scaled_mm(x, M, w8s, ref)
             gb = N * K * 2 / 1e9
             rows.append({"config": cfg or "default", "weight": name, "N": N, "K": K, "rows": M, "plan": kernels.gemv_plan(N, K),
@@ -141,7 +141,7 @@ def scaled_mm(x, M, w8s, ref) -> tuple[float | str, str]:
         got = torch._scaled_mm(x8, w8s[0][0].t(), scale_a=xs, scale_b=w8s[0][1][None, :], out_dtype=torch.bfloat16)
     except (RuntimeError, AttributeError) as e:  # no FP8 tensor cores, or a torch without rowwise scales
         return f"n/a ({str(e)[:40]})", ""
-    return t, f"{float((got[:M].float() - ref).norm() / ref.norm()):.1e}"
+    return t, f"{rel(got[:M], ref):.1e}"
 
 
 if __name__ == "__main__":

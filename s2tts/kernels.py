@@ -10,9 +10,10 @@ an online softmax over key tiles.
 Runs on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 
 Programmatic dependent launch (`dependent_launch`, where `pdl_supported`: Hopper and newer): within it the decode
-step's kernels are launched so that each may start while the one before it finishes; every such kernel waits (`_pdl_wait`) for its predecessor to complete before
-it touches memory the step writes, and the small-rows product (`gemv_small`) loads its first weight tile before that
-wait (weights are never written during a step). A kernel after one that does not take part waits as usual.
+step's kernels are launched so that each may start while the one before it finishes; every such kernel waits
+(`_pdl_wait`) for its predecessor to complete before it touches memory the step writes, and the small-rows product
+(`gemv_small`) loads its first weight tile before that wait (weights are never written during a step). A kernel
+after one that does not take part waits as usual.
 """
 
 from __future__ import annotations
@@ -65,8 +66,9 @@ def pdl_supported(device) -> bool:
 
 
 def _pdl() -> dict:
-    """The launch options of a kernel that takes part in programmatic dependent launch."""
-    return {"launch_pdl": True} if PDL else {}
+    """The arguments of a launch of a kernel that takes part in programmatic dependent launch: its PDL constant (the
+    waits it compiles in) and, with it on, the launch option."""
+    return {"PDL": True, "launch_pdl": True} if PDL else {"PDL": False}
 
 
 if triton is not None:
@@ -206,11 +208,11 @@ def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, BS=cache.block_size,
-        SPLITS=splits, MIN_SPLIT=min_split, PDL=PDL, num_warps=4, **_pdl(),
+        SPLITS=splits, MIN_SPLIT=min_split, num_warps=4, **_pdl(),
     )
     if splits > 1:
         _decode_combine_kernel[(B, H)](mid_o, mid_ml, out, lengths, out.stride(0), out.stride(1), H, D=D, SPLITS=splits,
-                                       BLOCK_N=block_n, MIN_SPLIT=min_split, PDL=PDL, num_warps=1, **_pdl())
+                                       BLOCK_N=block_n, MIN_SPLIT=min_split, num_warps=1, **_pdl())
     return out
 
 
@@ -392,11 +394,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         r2 = _unit_rows(residual.reshape(-1, N))
         h = torch.empty_like(x2)
         _rms_norm_kernel[(x2.shape[0],)](r2, x2, h, weight, out, h, r2.stride(0), x2.stride(0), out.stride(0), h.stride(0),
-                                         eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=True, PDL=PDL, num_warps=8,
+                                         eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=True, num_warps=8,
                                          **_pdl())
         return h.reshape(shape), out.reshape(shape)
     _rms_norm_kernel[(x2.shape[0],)](x2, x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), 0,
-                                     eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=False, PDL=PDL, num_warps=8,
+                                     eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=False, num_warps=8,
                                      **_pdl())
     return out.reshape(shape)
 
@@ -408,7 +410,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     g2 = _unit_rows(gate_up.reshape(-1, 2 * I))
     out = torch.empty(g2.shape[0], I, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I, BLOCK=BLOCK, PDL=PDL,
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I, BLOCK=BLOCK,
                                                             num_warps=4, **_pdl())
     return out.reshape(*shape[:-1], I)
 
@@ -486,7 +488,7 @@ def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv: int
     _qk_rope_cache_kernel[(B, n_head + n_kv)](
         qkv, q_w if q_w is not None else dummy, k_w if k_w is not None else dummy, rope, pos, slots, table, q, k_cache,
         v_cache, qkv.stride(0), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        table.stride(0), eps, H=n_head, KVH=n_kv, D=head_dim, QK_NORM=qk_norm, BS=cache.block_size, PDL=PDL, num_warps=1,
+        table.stride(0), eps, H=n_head, KVH=n_kv, D=head_dim, QK_NORM=qk_norm, BS=cache.block_size, num_warps=1,
         **_pdl())
     return q
 
@@ -565,7 +567,7 @@ def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: boo
     out = torch.empty(B, dtype=torch.int64, device=sl.device)
     _choose_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
                          seed.contiguous(), step.contiguous(), out, sl.stride(0), V, stream,
-                         BLOCK=triton.next_power_of_2(V), SORT=sort, PDL=PDL, num_warps=8 if V > 2048 else 4,
+                         BLOCK=triton.next_power_of_2(V), SORT=sort, num_warps=8 if V > 2048 else 4,
                          **_pdl())
     return out
 
@@ -719,10 +721,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
     _gemv_kernel[(-(-M // bm), -(-N // bn), split)](
         x2, weight, y if scale is None else scale, y, p, M, N, K, k_per, x2.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=x.dtype == torch.float32, SCALED=scale is not None,
-        SWAP=bool(cfg["swap"]), PDL=PDL, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl())
+        SWAP=bool(cfg["swap"]), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl())
     if split > 1:
         block = 1024
-        _split_sum_kernel[(-(-M * N // block),)](p, y, M, N, y.stride(0), SPLIT=split, BLOCK=block, PDL=PDL, **_pdl())
+        _split_sum_kernel[(-(-M * N // block),)](p, y, M, N, y.stride(0), SPLIT=split, BLOCK=block, **_pdl())
     return y.reshape(*x.shape[:-1], N)
 
 
@@ -790,5 +792,5 @@ def gemv_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _gemv_small_kernel[(-(-N // bn),)](x2, weight, y if scale is None else scale, y, M, N, K, x2.stride(0),
                                       weight.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                      SCALED=scale is not None, PDL=PDL, num_warps=cfg["num_warps"], **_pdl())
+                                      SCALED=scale is not None, num_warps=cfg["num_warps"], **_pdl())
     return y.reshape(*x.shape[:-1], N)

@@ -491,12 +491,9 @@ def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
     """
     from .kernels import GEMV_SMALL_ROWS
 
-    for m in list(model.modules()):
+    for m in model.modules():
         if isinstance(m, FeedForward):
             m.fuse_weights()
-    for m in _kernel_linears(model):  # products of a few rows (a decode step at a few streams) in `gemv_small`
-        m.small_rows = GEMV_SMALL_ROWS if on else 0
-    for m in model.modules():
         if isinstance(m, Stack):
             for layer in m.layers:
                 layer.attention.rope = m.rope
@@ -506,6 +503,8 @@ def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
             m.head_kernel = on
         if isinstance(m, Fp8Linear):
             m.kernel = on
+    for m in _kernel_linears(model):  # products of a few rows (a decode step at a few streams) in `gemv_small`
+        m.small_rows = GEMV_SMALL_ROWS if on else 0
 
 
 class S2Model(nn.Module):

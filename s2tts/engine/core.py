@@ -84,9 +84,9 @@ class Engine:
         and sampling always at `max_batch` rows. Sampling is per request already (seed, step).
 
         `dependent_launch` (None: on where supported): the decode step's Triton kernels launched with programmatic
-        dependent launch (`kernels.dependent_launch`, where `kernels.pdl_supported`: compute capability 9.0 or newer) in passes of up to
-        `kernels.GEMV_SMALL_ROWS` rows, each starting while the one before it ends (the small products load their
-        first weights meanwhile).
+        dependent launch (`kernels.dependent_launch`, where `kernels.pdl_supported`: compute capability 9.0 or
+        newer) in passes of up to `kernels.GEMV_SMALL_ROWS` rows, each starting while the one before it ends (the
+        small products load their first weights meanwhile).
 
         `admit_every`: while requests are decoding, waiting ones join only every this many steps, so that arrivals
         spread over those steps start their prefill together (a request waits at most that many steps more). An
