@@ -735,42 +735,45 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
 # summed at the end, one launch without a split-K pass. Not row-invariant across row counts (`batch_invariant`
 # keeps `linear`).
 
-GEMV_SMALL_ROWS = 4  # `gemv_small` takes up to this many rows
-# block_k at one row, halved per doubling of the rows. Measured in the decode step at one stream on an H200 (the
-# step 6.39 ms against cuBLAS's 6.77 with dependent launch; 4 columns, 1 or 8 warps, 256 or 1024 lanes: 6.98-10.8)
-GEMV_SMALL_CONFIG = {"block_n": 2, "block_k": 512, "num_warps": 2}
+GEMV_SMALL_ROWS = 2  # `gemv_small` takes up to this many rows; the model sends it its products of so many
+# Tiling, measured in the decode step on an H200 (perf/RESULTS.md): 2 columns a program, 512 lanes along K at any row
+# count, 2 warps, 4 weight tiles in flight (Triton's software pipeline): the step at one row 6.09-6.23 ms against
+# 6.68 with one tile read ahead by hand (cuBLAS 6.8); at 2 rows 6.95 (cuBLAS 6.92), at 4 rows (256 lanes) 8.97 against
+# cuBLAS's 6.78: hence products of up to 2 rows only (a stream's own, and the fast AR's first call of one stream).
+GEMV_SMALL_CONFIG = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 4}
 
 if triton is not None:
 
     @triton.jit
     def _gemv_small_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SCALED: tl.constexpr,
+                           PDL: tl.constexpr):
         """Program (tile of BLOCK_N output columns): y[m, n] = sum over k of x[m, k] w[n, k] for the M <= BLOCK_M
         rows, each product in float32, summed along K in BLOCK_K lanes, then across the lanes. The first weight tile
-        is read before the wait for the previous kernel (weights are not written by the step), the next one while
-        the current one is multiplied."""
+        is read before the wait for the previous kernel (weights are not written by the step), the others through
+        Triton's software pipeline, STAGES tiles in flight."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         nmask = rn < N
+        mmask = rm[:, None] < M
         w_ptr = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         w = tl.load(w_ptr, mask=nmask[:, None] & (rk[None, :] < K), other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), tl.float32)
-        for k in range(0, K, BLOCK_K):
+        x = tl.load(X + rm[:, None] * stride_xm + rk[None, :], mask=mmask & (rk[None, :] < K), other=0.0)
+        acc = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
+        for k in tl.range(BLOCK_K, K, BLOCK_K, num_stages=STAGES):
             kk = k + rk
-            x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-            w_next = tl.load(w_ptr + k + BLOCK_K, mask=nmask[:, None] & (kk[None, :] + BLOCK_K < K), other=0.0)
+            w = tl.load(w_ptr + k, mask=nmask[:, None] & (kk[None, :] < K), other=0.0)
+            x = tl.load(X + rm[:, None] * stride_xm + kk[None, :], mask=mmask & (kk[None, :] < K), other=0.0)
             acc += w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
-            w = w_next
         y = tl.sum(acc, axis=2)
         if SCALED:  # FP8 weight: the output row's scale after the sum
             y = y * tl.load(S + rn, mask=nmask, other=0.0)[None, :]
-        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty),
-                 mask=(rm[:, None] < M) & nmask[None, :])
+        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty), mask=mmask & nmask[None, :])
 
 
 def gemv_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -788,9 +791,10 @@ def gemv_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     cfg = GEMV_SMALL_CONFIG
     bm = triton.next_power_of_2(M)
     bn = cfg["block_n"]
-    bk = max(16, min(cfg["block_k"] // bm, triton.next_power_of_2(K)))
+    bk = max(16, min(cfg["block_k"], triton.next_power_of_2(K)))
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     _gemv_small_kernel[(-(-N // bn),)](x2, weight, y if scale is None else scale, y, M, N, K, x2.stride(0),
                                       weight.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                      SCALED=scale is not None, num_warps=cfg["num_warps"], **_pdl())
+                                      STAGES=cfg["num_stages"], SCALED=scale is not None, num_warps=cfg["num_warps"],
+                                      **_pdl())
     return y.reshape(*x.shape[:-1], N)

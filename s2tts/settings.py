@@ -188,7 +188,7 @@ SETTINGS: tuple[Setting, ...] = (
             "the next step). `auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
     Setting("dependent_launch", bool, None, ("slow_ar", "s2pro"), "the decode step's Triton kernels start while the "
             "kernel before each ends (programmatic dependent launch; the small matrix products read their first "
-            "weights meanwhile), in passes of up to 4 rows (one to four streams): the step at one stream 6-8% "
+            "weights meanwhile), in passes of up to 2 rows (one or two streams): the step at one stream 6-8% "
             "shorter (perf/RESULTS.md). `auto`: on a GPU of compute capability 9.0 or newer (H100, H200) whose "
             "Triton supports it; off elsewhere", auto=True),
     Setting("engine_in_s2pro", bool, False, ("s2pro",), "run the engine (and its codec, with `codec_in_engine`) in "

@@ -89,11 +89,11 @@ def check_ops():
     assert rel(h, x + y) < 1e-7 and rel(n, m(x + y)) < 1e-6
     gu = torch.randn(3, 2 * 48)
     assert rel(kernels.silu_mul(gu), torch.nn.functional.silu(gu[:, :48]) * gu[:, 48:]) < 1e-6
-    # products of a few rows (`gemv_small`): 1-4 rows, K not a multiple of the lanes nor N of the column tile, a
+    # products of a few rows (`gemv_small`): 1 and 2 rows, K not a multiple of the lanes nor N of the column tile, a
     # strided row view (the fast AR's last position), FP8 weights with their scale; more rows are refused
     w, x = torch.randn(37, 1500), torch.randn(4, 2, 1500)
     w8, scale = kernels.quantize_fp8(w)
-    for m, bn in ((1, GPU_SMALL_BLOCK_N), (2, SMALL_BLOCK_N), (3, GPU_SMALL_BLOCK_N), (4, SMALL_BLOCK_N)):
+    for m, bn in ((1, GPU_SMALL_BLOCK_N), (2, SMALL_BLOCK_N), (2, GPU_SMALL_BLOCK_N)):
         kernels.GEMV_SMALL_CONFIG["block_n"] = bn
         assert rel(kernels.gemv_small(x[:m, -1], w), x[:m, -1] @ w.T) < 1e-6, m
         assert rel(kernels.gemv_small(x[:m, -1], w8, scale=scale), x[:m, -1] @ (w8.float() * scale[:, None]).T) < 1e-6
@@ -173,8 +173,8 @@ def check_engine(ckpt):
             step += 1
         assert any(mixed) and eng.runner.flat == kern, mixed  # prompt rows beside decode rows (with the kernel: as rows)
         kernels.gemv_small = gemv_small
-        # the kernels' products of up to 4 rows (decode passes, the fast AR) in `gemv_small`, the others not
-        assert (small and set(small) <= {1, 2, 3, 4}) if kern else not small, sorted(set(small))
+        # the kernels' products of up to GEMV_SMALL_ROWS rows (decode passes, the fast AR) in `gemv_small`, the others not
+        assert (small and set(small) <= set(range(1, kernels.GEMV_SMALL_ROWS + 1))) if kern else not small, sorted(set(small))
         results.append(({k: np.concatenate(v) for k, v in frames.items()}, logits))
     (c0, l0), (c1, l1) = results
     for rid in c0:
