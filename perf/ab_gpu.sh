@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# Usage: git archive <old rev> | tar -x -C baseline   (ignored: carry it, with .whl and .gpu)
-#        then, on the GPU machine: bash perf/ab_gpu.sh   (ROUNDS="1 2 3" for three rounds)
-# A/B: this tree vs baseline/ (git archive of the previous main), alternating, same machine.
+# A/B through tritonserver: this tree against baseline/ (a `git archive` of the code to compare with), one
+# perf/run_gpu.sh per run, alternating on one machine. On a development machine:
+#   rm -rf baseline && mkdir baseline && git archive <old rev> | tar -x -C baseline   (ignored; carry it with .whl, .gpu)
+# then on the GPU machine:
+#   bash perf/ab_gpu.sh
+#   C=4 LA="--requests-per-level 32" V="base new" bash perf/ab_gpu.sh
+# Environment (default):
+#   C      (1,64)                              loadgen levels
+#   LA     (--requests-per-level 64:256)       loadgen options (per-level request counts: "1:24,64:1280")
+#   V      (new base new2 base2)               the runs in order; a name starting with "base" runs baseline/
+#   STOP   (480)                               seconds after the first run's start past which no further run starts
+#   CKPT   (/tmp/s2-full)                      the checkpoint both use (run_gpu.sh writes a full-size random one if
+#                                              missing: once, before the first run)
+# Each run's summary.md goes to $OUT/<run>/ (the device tool brings $OUT back) and its level rows are printed.
 ln -sfn "$PWD/.whl" baseline/.whl; ln -sfn "$PWD/.gpu" baseline/.gpu
-export CONCURRENCY=1,64 CLONE_CONCURRENCY= CLONE_FIRST_CONCURRENCY= PA=0 LEVEL_TIMEOUT=90 LOADGEN_ARGS="--requests-per-level 64:256"
-for i in ${ROUNDS:-1 2}; do
-  for v in new base; do
-    d=.; [ $v = base ] && d=baseline
-    t0=$(date +%s)
-    (cd $d && OUT=/tmp/o_$v$i bash perf/run_gpu.sh > /tmp/log_$v$i 2>&1)
-    echo "== $v$i rc=$? $(( $(date +%s) - t0 )) s"
-    cp /tmp/o_$v$i/summary.md $OUT/summary_$v$i.md 2>/dev/null
-    grep -E "^\| *(1|64) *\|" /tmp/o_$v$i/summary.md | head -4
-    tail -3 /tmp/log_$v$i
-  done
+export CKPT="${CKPT:-/tmp/s2-full}" CONCURRENCY="${C:-1,64}" CLONE_CONCURRENCY= CLONE_FIRST_CONCURRENCY= PA=0 \
+  LEVEL_TIMEOUT=90 LOADGEN_ARGS="${LA:---requests-per-level 64:256}"
+t0=$(date +%s)
+for v in ${V:-new base new2 base2}; do
+  d=.; case $v in base*) d=baseline;; esac
+  t=$(date +%s)
+  (cd $d && OUT=/tmp/o_$v bash perf/run_gpu.sh > /tmp/log_$v 2>&1)
+  echo "== $v ($d) rc=$? $(( $(date +%s) - t )) s"
+  mkdir -p "${OUT:-/tmp/ab_out}/$v" && cp /tmp/o_$v/summary.md "${OUT:-/tmp/ab_out}/$v/" 2>/dev/null
+  grep -E "^\| *[0-9]+ *\| *[0-9]+/" /tmp/o_$v/summary.md | head -4
+  [ $(( $(date +%s) - t0 )) -gt "${STOP:-480}" ] && { echo "STOP: $(( $(date +%s) - t0 )) s spent"; break; }
 done
