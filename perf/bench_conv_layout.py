@@ -8,8 +8,11 @@ GPU time, as in a CUDA graph, not launch time), cuDNN heuristics as served.
 
 Prints one row per convolution shape: microseconds in NCW, in NWC (input and weight permuted in memory, the result
 left as cuDNN gives it), whether the NWC result comes back channels-last (no transposition left for the next
-layer), the largest difference between the two results, the sum over the call, and for a dilated convolution the
-time of `codec.conv1d_phases` (undilated over the interleaved phases).
+layer), the largest difference between the two results, the sum over the call, for a dilated convolution the
+time of `codec.conv1d_phases` (undilated over the interleaved phases), and for stride-1 convolutions of 16k input
+channels two channels-last forms: cuDNN's conv2d on a 4-D channels_last tensor [B, C, 1, T] (`NHWC 4-D us`), and
+`kernels.conv1d_nwc` (Triton, an implicit GEMM over [B, T, C]: `Triton NWC us`), each with its largest relative
+difference from the NCW result.
 """
 import argparse
 import sys
@@ -30,6 +33,30 @@ def timed_us(fn) -> float:
 def channels_last(t: torch.Tensor) -> torch.Tensor:
     """[A, C, W] with C the fastest-moving dimension in memory (same values, same shape)."""
     return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def channels_last_forms(kind: str, x, w, rest, ref) -> tuple[str, str]:
+    """("us (rel diff)" of cuDNN's conv2d over a 4-D channels_last [B, C, 1, T], the same of `kernels.conv1d_nwc`)
+    for a stride-1, ungrouped conv1d with input channels in 16s; ("", "") otherwise. Neither counts the layout
+    change of its operands: in a channels-last decoder they would already be so."""
+    from s2tts import kernels
+
+    stride, padding, dilation, groups = (tuple(rest) + (1, 0, 1, 1)[len(rest):])[:4]
+    stride, dilation = (stride if isinstance(stride, int) else stride[0]), (dilation if isinstance(dilation, int) else dilation[0])
+    if kind != "conv1d" or stride != 1 or groups != 1 or padding not in (0, (0,)) or x.shape[1] % 16:
+        return "", ""
+
+    def rel(y) -> str:
+        return f"{float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-12)):.0e}"
+
+    x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    nhwc = f"{timed_us(lambda: F.conv2d(x4, w4, None, 1, 0, (1, dilation))):.1f} " \
+           f"({rel(F.conv2d(x4, w4, None, 1, 0, (1, dilation)).squeeze(2))})"
+    xt, wn = x.transpose(1, 2).contiguous(), kernels.conv_weight_nwc(w)
+    tri = f"{timed_us(lambda: kernels.conv1d_nwc(xt, wn, dilation)):.1f} " \
+          f"({rel(kernels.conv1d_nwc(xt, wn, dilation).transpose(1, 2))})"
+    return nhwc, tri
 
 
 def record_convs(codec, codes) -> list[tuple]:
@@ -92,17 +119,18 @@ def main():
                 if phases:
                     c = conv1d_phases(x, w, None, dil)
                     phases += f" ({float((a.float() - c.float()).abs().max() / a.float().abs().max()):.0e})"
-                rows[key] = [ncw, nwc, b.stride(1) == 1, diff, 0, phases]
+                rows[key] = [ncw, nwc, b.stride(1) == 1, diff, 0, phases, *channels_last_forms(kind, x, w, rest, a)]
             rows[key][4] += 1
             totals[0] += rows[key][0]
             totals[1] += rows[key][1]
             totals[2] += 1
     print(f"\n{args.streams} streams x {args.chunk} frames, fp16, {totals[2]} convolutions a call\n")
     print("| kind | input | weight | stride, padding, dilation, groups | calls | NCW us | NWC us | NWC out channels-last "
-          "| rel diff | phases us (rel diff) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for (kind, xs, ws, rest), (ncw, nwc, cl, diff, n, phases) in rows.items():
-        print(f"| {kind} | {list(xs)} | {list(ws)} | {rest} | {n} | {ncw:.1f} | {nwc:.1f} | {cl} | {diff:.1e} | {phases} |")
+          "| rel diff | phases us (rel diff) | NHWC 4-D us (rel diff) | Triton NWC us (rel diff) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (kind, xs, ws, rest), (ncw, nwc, cl, diff, n, phases, nhwc, tri) in rows.items():
+        print(f"| {kind} | {list(xs)} | {list(ws)} | {rest} | {n} | {ncw:.1f} | {nwc:.1f} | {cl} | {diff:.1e} | {phases} "
+              f"| {nhwc} | {tri} |")
     print(f"\nsum over the call: NCW {totals[0] / 1e3:.2f} ms, NWC {totals[1] / 1e3:.2f} ms")
 
 

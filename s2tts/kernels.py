@@ -463,6 +463,98 @@ def conv_to_one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dilat
     return out
 
 
+# ---- a convolution in channels-last layout (the codec's candidate; perf/bench_conv_layout.py times it) ----------
+# cuDNN runs the decoder's fp16 convolutions on channels-last kernels and transposes every channels-first input and
+# output around them (3.95 of a 64 x 8-frame call's 21.2 ms of kernel time on an H200, perf/RESULTS.md). A
+# convolution over [B, T, C] is an implicit GEMM whose rows are time steps: each tap's input tile is the same rows
+# shifted by tap x dilation, every row C contiguous values (aligned loads, unlike a shifted window along time in
+# [B, C, T], where a Triton kernel measured 1.3-2x slower than cuDNN). Not in the codec's path until measured
+# faster there.
+
+CONV_NWC_CONFIG = {"block_t": 128, "block_co": 128, "block_ci": 32, "num_warps": 4, "num_stages": 3}
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["T_out"])
+    def _conv1d_nwc_kernel(X, W, Bias, Res, Alpha, O, T_in, T_out, C_in, C_out, KS: tl.constexpr, DIL: tl.constexpr,
+                           BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
+                           HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SNAKE: tl.constexpr, IEEE: tl.constexpr):
+        """Program (tile of BLOCK_T output steps, tile of BLOCK_CO output channels, batch row b), x [B, T_in, C_in]
+        and o [B, T_out, C_out] contiguous, w [KS x C_in, C_out] (`conv_weight_nwc`): o[b, t, co] =
+        act(sum over taps k and channels ci of x[b, t + k DIL, ci] w[k C_in + ci, co] (+ bias[co]) (+ res[b, t, co]))
+        in float32, act the Snake of channel co's alpha when SNAKE. C_in is a multiple of BLOCK_CI (a step of the
+        reduction stays within one tap)."""
+        pid_t, pid_co, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        co = pid_co * BLOCK_CO + tl.arange(0, BLOCK_CO)
+        r = tl.arange(0, BLOCK_CI)
+        tmask = t < T_out
+        comask = co < C_out
+        x_rows = X + b * T_in * C_in
+        acc = tl.zeros((BLOCK_T, BLOCK_CO), dtype=tl.float32)
+        for r0 in range(0, KS * C_in, BLOCK_CI):
+            k = r0 // C_in
+            ci = r0 - k * C_in + r
+            x = tl.load(x_rows + (t + k * DIL)[:, None] * C_in + ci[None, :], mask=tmask[:, None], other=0.0)
+            w = tl.load(W + (r0 + r)[:, None] * C_out + co[None, :], mask=comask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+        if HAS_BIAS:
+            acc += tl.load(Bias + co, mask=comask, other=0.0).to(tl.float32)[None, :]
+        mask = tmask[:, None] & comask[None, :]
+        out = b * T_out * C_out + t[:, None] * C_out + co[None, :]
+        if HAS_RES:
+            acc += tl.load(Res + out, mask=mask, other=0.0).to(tl.float32)
+        if SNAKE:
+            a = tl.load(Alpha + co, mask=comask, other=1.0).to(tl.float32)[None, :]
+            s = tl.sin(a * acc)
+            acc = acc + s * s * (1.0 / (a + 1e-9))
+        tl.store(O + out, acc.to(O.dtype.element_ty), mask=mask)
+
+
+def conv_weight_nwc(weight: torch.Tensor) -> torch.Tensor:
+    """A conv1d weight [C_out, C_in, K] laid out for `conv1d_nwc`: [K x C_in, C_out] (tap-major rows)."""
+    c_out, c_in, k = weight.shape
+    return weight.permute(2, 1, 0).reshape(k * c_in, c_out).contiguous()
+
+
+def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: torch.Tensor | None = None,
+               residual: torch.Tensor | None = None, alpha: torch.Tensor | None = None) -> torch.Tensor:
+    """F.conv1d(x^T, w, bias, stride 1, no padding, dilation)^T in channels-last layout: x [B, T, C_in] ->
+    [B, T - (K - 1) dilation, C_out], with `weight` = conv_weight_nwc(w) ([K x C_in, C_out]); then + `residual`
+    ([B, T_out, C_out]) and the Snake of `alpha` ([C_out]) when given, in float32, rounded once to x's dtype.
+    C_in a multiple of 16."""
+    if triton is None:
+        raise RuntimeError("conv1d_nwc needs the `triton` package")
+    B, T, C_in = x.shape
+    KC, C_out = weight.shape
+    if KC % C_in:
+        raise ValueError(f"conv1d_nwc: weight {tuple(weight.shape)} is not conv_weight_nwc of a weight with {C_in} "
+                         "input channels")
+    taps = KC // C_in
+    cfg = CONV_NWC_CONFIG
+    if C_in % 16:
+        raise ValueError(f"conv1d_nwc takes input channels in multiples of 16, not {C_in}")
+    block_ci = cfg["block_ci"] if C_in % cfg["block_ci"] == 0 else 16
+    T_out = T - (taps - 1) * dilation
+    if T_out < 1:
+        raise ValueError(f"conv1d_nwc: {T} steps are too few for {taps} taps at dilation {dilation}")
+    x = x.contiguous()
+    out = torch.empty(B, T_out, C_out, dtype=x.dtype, device=x.device)
+    res = out if residual is None else residual.contiguous()
+    block_t = min(cfg["block_t"], max(16, triton.next_power_of_2(T_out)))
+    block_co = min(cfg["block_co"], max(16, triton.next_power_of_2(C_out)))
+    grid = (triton.cdiv(T_out, block_t), triton.cdiv(C_out, block_co), B)
+    _conv1d_nwc_kernel[grid](x, weight, weight if bias is None else bias, res, weight if alpha is None else alpha,
+                             out, T, T_out, C_in, C_out, KS=taps, DIL=dilation, BLOCK_T=block_t, BLOCK_CO=block_co,
+                             BLOCK_CI=block_ci, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+                             SNAKE=alpha is not None, IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"],
+                             num_stages=cfg["num_stages"])
+    return out
+
+
 def rope_pairs(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of interleaved pairs (2i, 2i+1): x [B, T, H, D] (unit stride along D), rope [B, T, D/2, 2]
     float32 (cos, sin) -> contiguous [B, T, H, D] in x's dtype."""

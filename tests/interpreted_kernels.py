@@ -237,7 +237,7 @@ def check_invariant(ckpt):
 
 def check_codec(ckpt):
     """The codec's kernels (Snake with a joined left context and a folded bias, the biased residual sum, the
-    convolution to one channel, RoPE) against PyTorch, and the codec (its transformers' norms, SwiGLU and scaled
+    convolution to one channel, RoPE; the channels-last convolution, not yet in the codec's path) against PyTorch, and the codec (its transformers' norms, SwiGLU and scaled
     residual sums too) streaming, decoding and encoding with them against without."""
     import torch.nn.functional as F
 
@@ -257,6 +257,19 @@ def check_codec(ckpt):
     for dil in (1, 3):
         w, b = torch.randn(1, 5, 7), torch.randn(1)
         assert rel(kernels.conv_to_one(wide, w, b, dil), F.conv1d(wide, w, b, dilation=dil)) < 1e-6
+    # the channels-last convolution (perf/bench_conv_layout.py's candidate): taps, dilations, 1x1, output channels
+    # not a multiple of the tile, input channels in 16s and 32s, with bias + residual + Snake in its epilogue
+    for c_in, c_out, k, dil, t in ((32, 48, 7, 3, 37), (48, 16, 1, 1, 20), (32, 40, 7, 9, 70)):
+        xi, w = torch.randn(2, c_in, t), torch.randn(c_out, c_in, k) / (c_in * k) ** 0.5
+        b, al = torch.randn(c_out), torch.rand(c_out) + 0.5
+        plain = F.conv1d(xi, w, dilation=dil)
+        res = torch.randn_like(plain)
+        full = plain + b[:, None] + res
+        full = full + torch.sin(al[:, None] * full).pow(2) / (al[:, None] + 1e-9)
+        wn = kernels.conv_weight_nwc(w)
+        assert rel(kernels.conv1d_nwc(xi.transpose(1, 2), wn, dil).transpose(1, 2), plain) < 1e-6
+        got = kernels.conv1d_nwc(xi.transpose(1, 2), wn, dil, bias=b, residual=res.transpose(1, 2), alpha=al)
+        assert rel(got.transpose(1, 2), full) < 1e-6
 
     from s2tts.codec.dac import apply_rope, rope_cos_sin
 
