@@ -54,13 +54,29 @@ def graph_time_ms(fn, iters=50, calls=1) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, prompts, dependent_launch=None):
+def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, prompts, dependent_launch=None,
+               attention: dict | None = None):
+    """`attention`: the decode-attention kernel's split of each row's keys, {"splits": programs a row (a power of
+    two), "split_from": keys of the longest row above which a pass splits (at least 1), "min_split": keys a
+    program takes at least}; each left as the engine sets it when absent."""
     from s2tts.engine import Engine
+    from s2tts.engine.runner import ModelRunner
     from s2tts.sampling import SamplingParams
 
+    attention = attention or {}
+    split_from = ModelRunner.SPLIT_FROM
+    layers = [m for m in model.modules() if hasattr(m, "decode_min_split")]
+    min_split = [m.decode_min_split for m in layers]
+    ModelRunner.SPLIT_FROM = attention.get("split_from", split_from)  # read as the engine captures its graphs
+    for m in layers:
+        m.decode_min_split = attention.get("min_split", m.decode_min_split)
     t0 = time.perf_counter()
-    eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs,
-                 dependent_launch=dependent_launch)
+    try:
+        eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs,
+                     dependent_launch=dependent_launch, decode_splits=attention.get("splits"))
+    finally:
+        ModelRunner.SPLIT_FROM = split_from
+    eng.runner.SPLIT_FROM = attention.get("split_from", split_from)  # and at every step, to pick a graph
     init_s = time.perf_counter() - t0
     for i in range(batch):
         eng.submit(f"r{i}", prompts[i % len(prompts)], SamplingParams(seed=i, max_new_tokens=frames, ignore_end=True))
@@ -77,6 +93,8 @@ def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, promp
         steps.append(time.perf_counter() - t)
     steps.sort()
     med = steps[len(steps) // 2]
+    for m, v in zip(layers, min_split):
+        m.decode_min_split = v
     return {"batch": batch, "graphs": graphs, "init_s": round(init_s, 2), "prefill_ms": round(prefill_s * 1e3, 1),
             "step_ms_p50": round(med * 1e3, 3), "step_ms_p90": round(steps[int(len(steps) * 0.9)] * 1e3, 3),
             "frames_per_s": round(batch / med, 1), "stream_rtf": round(med * FPS, 4),
@@ -194,7 +212,9 @@ def main():
                          "one set of fp8 rows each; without it, the server's two tilings)")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=key=value,...: run every batch once per variant, in one process (keys: pdl=0|1, "
-                         "small_rows=N for kernels.GEMV_SMALL_ROWS, small_block_n, small_block_k)")
+                         "small_rows=N for kernels.GEMV_SMALL_ROWS, small_block_n, small_block_k, small_num_warps, "
+                         "small_num_stages; the attention's split of a row's keys: splits=N (a power of two), "
+                         "split_from=N keys, min_split=N keys)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -240,7 +260,8 @@ def main():
                                                               if k.startswith("small_") and k != "small_rows"})
                 pdl = None if "pdl" not in vset else bool(int(vset["pdl"]))
                 torch.cuda.reset_peak_memory_stats()
-                r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts, pdl)
+                attention = {k: int(vset[k]) for k in ("splits", "split_from", "min_split") if k in vset}
+                r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts, pdl, attention)
                 r["variant"] = vname
                 r["weights"] = weights + (f" ({cfg})" if cfg else "")
                 r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
