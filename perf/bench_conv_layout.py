@@ -35,28 +35,40 @@ def channels_last(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def channels_last_forms(kind: str, x, w, rest, ref) -> tuple[str, str]:
-    """("us (rel diff)" of cuDNN's conv2d over a 4-D channels_last [B, C, 1, T], the same of `kernels.conv1d_nwc`)
-    for a stride-1, ungrouped conv1d with input channels in 16s; ("", "") otherwise. Neither counts the layout
-    change of its operands: in a channels-last decoder they would already be so."""
+def channels_last_forms(kind: str, x, w, rest, ref, configs: list[str]) -> dict | None:
+    """For a stride-1, ungrouped conv1d with input channels in 16s (else None): microseconds and largest relative
+    difference from `ref` of cuDNN's conv2d over a 4-D channels_last [B, C, 1, T] ("nhwc", "nhwc_rel") and of
+    `kernels.conv1d_nwc` in its fastest of `configs` (kernels.CONV_NWC_CONFIG overrides: "tri", "tri_rel", "tri_cfg",
+    that config's index). Neither counts the layout change of its operands: in a channels-last decoder they would
+    already be so."""
+    from bench_engine import config_overrides
+
     from s2tts import kernels
 
     stride, padding, dilation, groups = (tuple(rest) + (1, 0, 1, 1)[len(rest):])[:4]
     stride, dilation = (stride if isinstance(stride, int) else stride[0]), (dilation if isinstance(dilation, int) else dilation[0])
     if kind != "conv1d" or stride != 1 or groups != 1 or padding not in (0, (0,)) or x.shape[1] % 16:
-        return "", ""
+        return None
 
-    def rel(y) -> str:
-        return f"{float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-12)):.0e}"
+    def rel(y) -> float:
+        return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp(min=1e-12))
 
     x4 = x.unsqueeze(2).contiguous(memory_format=torch.channels_last)
     w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-    nhwc = f"{timed_us(lambda: F.conv2d(x4, w4, None, 1, 0, (1, dilation))):.1f} " \
-           f"({rel(F.conv2d(x4, w4, None, 1, 0, (1, dilation)).squeeze(2))})"
+    got = {"nhwc": timed_us(lambda: F.conv2d(x4, w4, None, 1, 0, (1, dilation))),
+           "nhwc_rel": rel(F.conv2d(x4, w4, None, 1, 0, (1, dilation)).squeeze(2))}
     xt, wn = x.transpose(1, 2).contiguous(), kernels.conv_weight_nwc(w)
-    tri = f"{timed_us(lambda: kernels.conv1d_nwc(xt, wn, dilation)):.1f} " \
-          f"({rel(kernels.conv1d_nwc(xt, wn, dilation).transpose(1, 2))})"
-    return nhwc, tri
+    base = dict(kernels.CONV_NWC_CONFIG)
+    try:
+        for i, cfg in enumerate(configs):
+            kernels.CONV_NWC_CONFIG.update(base, **config_overrides(cfg))
+            t = timed_us(lambda: kernels.conv1d_nwc(xt, wn, dilation))
+            if "tri" not in got or t < got["tri"]:
+                got.update(tri=t, tri_rel=rel(kernels.conv1d_nwc(xt, wn, dilation).transpose(1, 2)), tri_cfg=i)
+    finally:
+        kernels.CONV_NWC_CONFIG.clear()
+        kernels.CONV_NWC_CONFIG.update(base)
+    return got
 
 
 def record_convs(codec, codes) -> list[tuple]:
@@ -88,7 +100,11 @@ def main():
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=4)
+    ap.add_argument("--nwc-config", action="append", default=[],
+                    help="kernels.CONV_NWC_CONFIG overrides for the Triton NWC column, e.g. 'block_t=64,block_co=128' "
+                         "(repeat: each shape keeps its fastest; default: the config as it is)")
     args = ap.parse_args()
+    configs = args.nwc_config or [""]
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec.dac import use_triton_kernels
 
@@ -104,6 +120,7 @@ def main():
     from s2tts.codec.dac import conv1d_phases
 
     rows, totals = {}, [0.0, 0.0, 0]
+    last = {"calls": 0, "ncw": 0.0, "nhwc": 0.0, "tri": 0.0}  # over the convolutions the channels-last forms take
     with torch.inference_mode():
         for kind, x, w, rest in convs:
             key = (kind, tuple(x.shape), tuple(w.shape), rest)
@@ -119,8 +136,15 @@ def main():
                 if phases:
                     c = conv1d_phases(x, w, None, dil)
                     phases += f" ({float((a.float() - c.float()).abs().max() / a.float().abs().max()):.0e})"
-                rows[key] = [ncw, nwc, b.stride(1) == 1, diff, 0, phases, *channels_last_forms(kind, x, w, rest, a)]
+                best = min(ncw, float(phases.split()[0])) if phases else ncw  # what the codec runs
+                rows[key] = [ncw, nwc, b.stride(1) == 1, diff, 0, phases, best,
+                             channels_last_forms(kind, x, w, rest, a, configs)]
             rows[key][4] += 1
+            if rows[key][7]:
+                last["calls"] += 1
+                last["ncw"] += rows[key][6]
+                last["nhwc"] += rows[key][7]["nhwc"]
+                last["tri"] += rows[key][7]["tri"]
             totals[0] += rows[key][0]
             totals[1] += rows[key][1]
             totals[2] += 1
@@ -128,10 +152,17 @@ def main():
     print("| kind | input | weight | stride, padding, dilation, groups | calls | NCW us | NWC us | NWC out channels-last "
           "| rel diff | phases us (rel diff) | NHWC 4-D us (rel diff) | Triton NWC us (rel diff) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (kind, xs, ws, rest), (ncw, nwc, cl, diff, n, phases, nhwc, tri) in rows.items():
+    for (kind, xs, ws, rest), (ncw, nwc, cl, diff, n, phases, _, cl_forms) in rows.items():
+        nhwc = tri = ""
+        if cl_forms:
+            nhwc = f"{cl_forms['nhwc']:.1f} ({cl_forms['nhwc_rel']:.0e})"
+            tri = f"{cl_forms['tri']:.1f} ({cl_forms['tri_rel']:.0e}, config {cl_forms['tri_cfg']})"
         print(f"| {kind} | {list(xs)} | {list(ws)} | {rest} | {n} | {ncw:.1f} | {nwc:.1f} | {cl} | {diff:.1e} | {phases} "
               f"| {nhwc} | {tri} |")
     print(f"\nsum over the call: NCW {totals[0] / 1e3:.2f} ms, NWC {totals[1] / 1e3:.2f} ms")
+    print(f"the {last['calls']} stride-1 convolutions a channels-last form takes: as the codec runs them (NCW, phases "
+          f"where faster) {last['ncw'] / 1e3:.2f} ms, cuDNN NHWC 4-D {last['nhwc'] / 1e3:.2f} ms, Triton NWC "
+          f"{last['tri'] / 1e3:.2f} ms (configs: {configs})")
 
 
 if __name__ == "__main__":
