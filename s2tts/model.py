@@ -397,18 +397,19 @@ class FastAR(nn.Module):
 class KernelLinear(nn.Linear):
     """nn.Linear whose products of few rows run in Triton kernels: with `invariant_rows` (batch_invariant) every
     product of up to that many rows in the row-invariant kernel (`kernels.linear`: a row's result does not depend on
-    the rows beside it); otherwise products of up to `small_rows` rows in `kernels.gemv_small` (a decode step at one
-    or a few streams). cuBLAS for the rest, and with both 0 (nn.Linear's function either way)."""
+    the rows beside it); otherwise, with `small`, products of up to `kernels.GEMV_SMALL_ROWS` rows in
+    `kernels.gemv_small` (a decode step at one or two streams). cuBLAS for the rest, and with neither (nn.Linear's
+    function either way)."""
 
     invariant_rows = 0
-    small_rows = 0
+    small = False
 
     def forward(self, x):
         from . import kernels
 
         if self.invariant_rows:
             return kernels.linear(x, self.weight, self.invariant_rows)
-        if 0 < x.numel() <= self.small_rows * self.in_features:
+        if self.small and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features:
             return kernels.gemv_small(x, self.weight)
         return F.linear(x, self.weight)
 
@@ -489,8 +490,6 @@ def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
 
     Fuses w1/w3 into one projection (kept afterwards: it computes the same function either way).
     """
-    from .kernels import GEMV_SMALL_ROWS
-
     for m in model.modules():
         if isinstance(m, FeedForward):
             m.fuse_weights()
@@ -504,7 +503,7 @@ def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
         if isinstance(m, Fp8Linear):
             m.kernel = on
     for m in _kernel_linears(model):  # products of a few rows (a decode step at a few streams) in `gemv_small`
-        m.small_rows = GEMV_SMALL_ROWS if on else 0
+        m.small = on
 
 
 class S2Model(nn.Module):
