@@ -12,6 +12,7 @@ Prints a markdown table; --json writes the numbers.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import hashlib
 import json
@@ -55,28 +56,15 @@ def graph_time_ms(fn, iters=50, calls=1) -> float:
 
 
 def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, prompts, dependent_launch=None,
-               attention: dict | None = None):
-    """`attention`: the decode-attention kernel's split of each row's keys, {"splits": programs a row (a power of
-    two), "split_from": keys of the longest row above which a pass splits (at least 1), "min_split": keys a
-    program takes at least}; each left as the engine sets it when absent."""
+               splits: int | None = None):
+    """`splits`: the decode-attention kernel's programs a row (a power of two; None: the engine's choice); see
+    `attention_split` for the rest of that split."""
     from s2tts.engine import Engine
-    from s2tts.engine.runner import ModelRunner
     from s2tts.sampling import SamplingParams
 
-    attention = attention or {}
-    split_from = ModelRunner.SPLIT_FROM
-    layers = [m for m in model.modules() if hasattr(m, "decode_min_split")]
-    min_split = [m.decode_min_split for m in layers]
-    ModelRunner.SPLIT_FROM = attention.get("split_from", split_from)  # read as the engine captures its graphs
-    for m in layers:
-        m.decode_min_split = attention.get("min_split", m.decode_min_split)
     t0 = time.perf_counter()
-    try:
-        eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs,
-                     dependent_launch=dependent_launch, decode_splits=attention.get("splits"))
-    finally:
-        ModelRunner.SPLIT_FROM = split_from
-    eng.runner.SPLIT_FROM = attention.get("split_from", split_from)  # and at every step, to pick a graph
+    eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs,
+                 dependent_launch=dependent_launch, decode_splits=splits)
     init_s = time.perf_counter() - t0
     for i in range(batch):
         eng.submit(f"r{i}", prompts[i % len(prompts)], SamplingParams(seed=i, max_new_tokens=frames, ignore_end=True))
@@ -93,14 +81,33 @@ def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, promp
         steps.append(time.perf_counter() - t)
     steps.sort()
     med = steps[len(steps) // 2]
-    for m, v in zip(layers, min_split):
-        m.decode_min_split = v
     return {"batch": batch, "graphs": graphs, "init_s": round(init_s, 2), "prefill_ms": round(prefill_s * 1e3, 1),
             "step_ms_p50": round(med * 1e3, 3), "step_ms_p90": round(steps[int(len(steps) * 0.9)] * 1e3, 3),
             "frames_per_s": round(batch / med, 1), "stream_rtf": round(med * FPS, 4),
             "audio_s_per_s": round(batch / med / FPS, 1),
             "r0_codes": hashlib.sha1(b"".join(c.tobytes() for c in first)).hexdigest()[:10],
             "dependent_launch": eng.runner.dependent_launch}, eng
+
+
+@contextlib.contextmanager
+def attention_split(model, split_from: int | None = None, min_split: int | None = None):
+    """Within it, engines (their captured graphs, their steps, the pieces timed after them) split a row's keys in the
+    decode-attention kernel from `split_from` keys of the longest row (ModelRunner.SPLIT_FROM, at least 1) in parts
+    of at least `min_split` keys (each attention's decode_min_split); None leaves either as it is."""
+    from s2tts.engine.runner import ModelRunner
+
+    layers = [m for m in model.modules() if hasattr(m, "decode_min_split")]
+    before = ModelRunner.SPLIT_FROM, [m.decode_min_split for m in layers]
+    if split_from is not None:
+        ModelRunner.SPLIT_FROM = split_from
+    for m in layers:
+        m.decode_min_split = m.decode_min_split if min_split is None else min_split
+    try:
+        yield
+    finally:
+        ModelRunner.SPLIT_FROM = before[0]
+        for m, v in zip(layers, before[1]):
+            m.decode_min_split = v
 
 
 def profile(eng, batch):
@@ -260,19 +267,21 @@ def main():
                                                               if k.startswith("small_") and k != "small_rows"})
                 pdl = None if "pdl" not in vset else bool(int(vset["pdl"]))
                 torch.cuda.reset_peak_memory_stats()
-                attention = {k: int(vset[k]) for k in ("splits", "split_from", "min_split") if k in vset}
-                r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts, pdl, attention)
-                r["variant"] = vname
-                r["weights"] = weights + (f" ({cfg})" if cfg else "")
-                r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                if graphs:
-                    with torch.inference_mode():
-                        r.update(profile(eng, b))
-                    if args.kernel_profile:
-                        tag = vname + "_" + weights + cfg.replace(",", "_").replace("=", "")
-                        n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_{tag}_b{b}.txt")
-                        r["kernels_per_step"] = n
-                        print(table, flush=True)
+                split = {k: int(vset[k]) if k in vset else None for k in ("splits", "split_from", "min_split")}
+                with attention_split(model, split["split_from"], split["min_split"]):
+                    r, eng = run_engine(model, residual, b, args.frames, graphs, args.max_seq, prompts, pdl,
+                                        split["splits"])
+                    r["variant"] = vname
+                    r["weights"] = weights + (f" ({cfg})" if cfg else "")
+                    r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                    if graphs:
+                        with torch.inference_mode():
+                            r.update(profile(eng, b))
+                        if args.kernel_profile:
+                            tag = vname + "_" + weights + cfg.replace(",", "_").replace("=", "")
+                            n, table = kernel_profile(eng, b, Path(args.kernel_profile) / f"kernels_{tag}_b{b}.txt")
+                            r["kernels_per_step"] = n
+                            print(table, flush=True)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
                 del eng
