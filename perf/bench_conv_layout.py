@@ -45,9 +45,8 @@ def channels_last_forms(kind: str, x, w, rest, ref, configs: list[str]) -> dict 
 
     from s2tts import kernels
 
-    stride, padding, dilation, groups = (tuple(rest) + (1, 0, 1, 1)[len(rest):])[:4]
-    stride, dilation = (stride if isinstance(stride, int) else stride[0]), (dilation if isinstance(dilation, int) else dilation[0])
-    if kind != "conv1d" or stride != 1 or groups != 1 or padding not in (0, (0,)) or x.shape[1] % 16:
+    stride, padding, dilation, groups = [v if isinstance(v, int) else v[0] for v in (tuple(rest) + (1, 0, 1, 1)[len(rest):])[:4]]
+    if kind != "conv1d" or stride != 1 or groups != 1 or padding != 0 or x.shape[1] % 16:
         return None
 
     def rel(y) -> float:

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The decode step's matrix products at a few rows: cuBLAS (F.linear) against `s2tts.kernels.linear` (the GEMV
-kernel), and up to `GEMV_SMALL_ROWS` rows `kernels.gemv_small` (the decode step's products at one or two streams; timed without
-dependent launch: alone it has no predecessor to overlap), on S2 Pro's weight shapes, bf16, each timed as a CUDA
-graph of 20 calls; and the kernel with the weight in
+kernel), and up to `GEMV_SMALL_ROWS` rows `kernels.gemv_small` (the decode step's products at one or two streams;
+timed without dependent launch: alone it has no predecessor to overlap), on S2 Pro's weight shapes, bf16, each timed
+as a CUDA graph of 20 calls; and the kernel with the weight in
 FP8 (`kernels.quantize_fp8`: e4m3, a scale per output row; `fp8_rel_err` is against the bf16 weight's exact product),
 and cuBLAS's FP8 x FP8 product (`w8a8_cublas`: the activations in FP8 as well).
 

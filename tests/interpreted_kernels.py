@@ -237,8 +237,9 @@ def check_invariant(ckpt):
 
 def check_codec(ckpt):
     """The codec's kernels (Snake with a joined left context and a folded bias, the biased residual sum, the
-    convolution to one channel, RoPE; the channels-last convolution, not yet in the codec's path) against PyTorch, and the codec (its transformers' norms, SwiGLU and scaled
-    residual sums too) streaming, decoding and encoding with them against without."""
+    convolution to one channel, RoPE; the channels-last convolution, not yet in the codec's path) against PyTorch,
+    and the codec (its transformers' norms, SwiGLU and scaled residual sums too) streaming, decoding and encoding
+    with them against without."""
     import torch.nn.functional as F
 
     from s2tts.checkpoint import load_codec_from_dir
