@@ -11,7 +11,8 @@ against the same without the check.
 `--served-only` times what dac_decoder runs per call (fp16 with the fp32 fallback, `StreamDecoder.decode_many`:
 numpy in, numpy out) for a batch of streams each sending its next chunk: wall and CPU milliseconds per call with
 each stream's own state (no pool, the earlier code), with the slot pool run eagerly, with the pool's CUDA graphs,
-the same with the codec's Triton kernels, and what the servers open (`--paths`); `--profile DIR` writes kernel and
+the same with the codec's Triton kernels (`pool_graphs_kernels`; `..._ncw`: with the decoder channels-first, as
+before the twenty-fourth session), and what the servers open (`--paths`); `--profile DIR` writes kernel and
 operator tables of one chunk, as PyTorch ops and with the kernels. Modes ending in `_kernels` use the kernels too.
 """
 import argparse
@@ -132,7 +133,7 @@ def bench_served(args):
     n = args.chunk
     rows = []
     paths = {"own_state": (0, False, False), "pool_eager": (256, False, False), "pool_graphs": (256, True, False),
-             "pool_graphs_kernels": (256, True, True), "served": None}
+             "pool_graphs_kernels": (256, True, True), "pool_graphs_kernels_ncw": (256, True, "ncw"), "served": None}
     max_batch = max(int(b) for b in args.batches.split(","))
     if args.profile:
         profile_decode(codec, cfg, max_batch, n, Path(args.profile))
@@ -143,8 +144,8 @@ def bench_served(args):
             pool = 256
         else:
             pool, graphs, fused = paths[label]
-            for c in (codec, fallback):
-                use_triton_kernels(c, fused)
+            for c in (codec, fallback):  # "ncw": the kernels with the decoder channels-first, as before
+                use_triton_kernels(c, bool(fused), channels_last=fused != "ncw")
             dec = StreamDecoder(codec, fallback=fallback, pool_size=pool, graphs=graphs)
             made = dec.pool.warm([4, 8, n], max_batch=max_batch) if pool else 0
         if pool:
@@ -194,8 +195,8 @@ def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (batch, 1, n)),
                        torch.randint(0, cfg.codebook_size, (batch, cfg.n_codebooks, n))], 1).cuda()
-    for fused in (False, True):
-        use_triton_kernels(codec, fused)
+    for fused in (False, "ncw", True):
+        use_triton_kernels(codec, bool(fused), channels_last=fused != "ncw")
         with torch.inference_mode():
             st = codec.new_stream_state(batch)
             for _ in range(3):
@@ -212,7 +213,7 @@ def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
         total = sum(getattr(e, attr) for e in avg) / 1e3
         table = avg.table(sort_by=attr, row_limit=30)
         ops = by_op.key_averages().table(sort_by="cuda_time_total", row_limit=40)  # aten ops with their kernels' time
-        name = f"codec_b{batch}_n{n}_{'kernels' if fused else 'torch'}.txt"
+        name = f"codec_b{batch}_n{n}_{ {False: 'torch', 'ncw': 'kernels_ncw', True: 'kernels'}[fused]}.txt"
         (out / name).write_text(table + "\n\nBy operator (CUDA total includes the kernels it launched):\n" + ops)
         print(f"{name}: {sum(e.count for e in avg)} kernels, {total:.1f} ms of kernel time", flush=True)
     use_triton_kernels(codec, False)

@@ -109,7 +109,7 @@ def main():
 
     codec = load_codec_from_dir(args.checkpoint, "cuda", "fp16")
     codec.drop_encoding()
-    use_triton_kernels(codec)
+    use_triton_kernels(codec, channels_last=False)  # its convolutions as PyTorch calls, to be recorded
     cfg = codec.config
     g = torch.Generator().manual_seed(0)
     codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (args.streams, 1, args.chunk), generator=g),

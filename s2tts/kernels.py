@@ -463,55 +463,77 @@ def conv_to_one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dilat
     return out
 
 
-# ---- a convolution in channels-last layout (the codec's candidate; perf/bench_conv_layout.py times it) ----------
+# ---- the codec's decoder in channels-last layout -----------------------------------------------------------------
 # cuDNN runs the decoder's fp16 convolutions on channels-last kernels and transposes every channels-first input and
 # output around them (3.95 of a 64 x 8-frame call's 21.2 ms of kernel time on an H200, perf/RESULTS.md). A
-# convolution over [B, T, C] is an implicit GEMM whose rows are time steps: each tap's input tile is the same rows
-# shifted by tap x dilation, every row C contiguous values (aligned loads, unlike a shifted window along time in
-# [B, C, T], where a Triton kernel measured 1.3-2x slower than cuDNN). Not in the codec's path until measured
-# faster there.
+# convolution over [B, T, C] is an implicit GEMM whose rows are (batch row, time step) pairs: each tap's input tile is
+# the same rows shifted by tap x dilation, every row C contiguous values (aligned loads, unlike a shifted window
+# along time in [B, C, T], where a Triton kernel measured 1.3-2x slower than cuDNN). On the decoder's k7 shapes at
+# 64 x 8 frames it took 6.5 ms against 10.1 for what the codec ran (perf/RESULTS.md, twenty-fourth session).
 
 CONV_NWC_CONFIG = {"block_t": 128, "block_co": 128, "block_ci": 32, "num_warps": 4, "num_stages": 3}
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=["T_out"])
-    def _conv1d_nwc_kernel(X, W, Bias, Res, Alpha, O, T_in, T_out, C_in, C_out, KS: tl.constexpr, DIL: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SNAKE: tl.constexpr, IEEE: tl.constexpr):
-        """Program (tile of BLOCK_T output steps, tile of BLOCK_CO output channels, batch row b), x [B, T_in, C_in]
-        and o [B, T_out, C_out] contiguous, w [KS x C_in, C_out] (`conv_weight_nwc`): o[b, t, co] =
-        act(sum over taps k and channels ci of x[b, t + k DIL, ci] w[k C_in + ci, co] (+ bias[co]) (+ res[b, t, co]))
-        in float32, act the Snake of channel co's alpha when SNAKE. C_in is a multiple of BLOCK_CI (a step of the
-        reduction stays within one tap)."""
-        pid_t, pid_co, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-        t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    @triton.jit(do_not_specialize=["M", "T_in", "T_out"])
+    def _conv1d_nwc_kernel(X, W, Bias, Res, Alpha, O, S, M, T_in, T_out, C_in, C_pad, C_out, PERIOD, stride_sb,
+                           KS: tl.constexpr, DIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr,
+                           BLOCK_CI: tl.constexpr, MASK_CI: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           HAS_RES: tl.constexpr, RAW: tl.constexpr, SNAKE: tl.constexpr, IEEE: tl.constexpr):
+        """Program (tile of BLOCK_T output rows of the B x T_out (batch row, step) pairs, tile of BLOCK_CO output
+        channels), x [B, T_in, C_in] contiguous, w [KS x C_in, C_out] (`conv_weight_nwc`): acc[b, t, co] = sum over
+        taps k and channels ci of x[b, t + k DIL, ci] w[k C_in + ci, co] (+ bias[co % PERIOD]) (+ res[b, t, co]) in
+        float32; RAW: acc to o [B, T_out, C_out] (contiguous); SNAKE: the Snake of alpha[co % PERIOD] of it to S at
+        b stride_sb + t C_out + co. The reduction steps through each tap's C_pad channels (C_in rounded up to
+        BLOCK_CI, the rest masked when MASK_CI) BLOCK_CI at a time; unmasked along the channels (C_in a multiple of
+        BLOCK_CI) the loads stay vectorised (a mask along them made the decoder's convolutions ~20x slower on an
+        H200)."""
+        pid_m, pid_co = tl.program_id(0), tl.program_id(1)
+        m = (pid_m * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         co = pid_co * BLOCK_CO + tl.arange(0, BLOCK_CO)
         r = tl.arange(0, BLOCK_CI)
-        tmask = t < T_out
+        mmask = m < M
+        b = m // T_out
+        t = m - b * T_out
+        rows = (b * T_in + t) * C_in  # the first tap's input row of each output row
         comask = co < C_out
-        x_rows = X + b * T_in * C_in
         acc = tl.zeros((BLOCK_T, BLOCK_CO), dtype=tl.float32)
-        for r0 in range(0, KS * C_in, BLOCK_CI):
-            k = r0 // C_in
-            ci = r0 - k * C_in + r
-            x = tl.load(x_rows + (t + k * DIL)[:, None] * C_in + ci[None, :], mask=tmask[:, None], other=0.0)
-            w = tl.load(W + (r0 + r)[:, None] * C_out + co[None, :], mask=comask[None, :], other=0.0)
+        for r0 in tl.range(0, KS * C_pad, BLOCK_CI):
+            k = r0 // C_pad
+            ci = r0 - k * C_pad + r
+            xp = X + (rows + k * DIL * C_in)[:, None] + ci[None, :]
+            wp = W + (k * C_in + ci)[:, None] * C_out + co[None, :]
+            if MASK_CI:
+                cimask = ci < C_in
+                x = tl.load(xp, mask=mmask[:, None] & cimask[None, :], other=0.0)
+                w = tl.load(wp, mask=cimask[:, None] & comask[None, :], other=0.0)
+            else:
+                x = tl.load(xp, mask=mmask[:, None], other=0.0)
+                w = tl.load(wp, mask=comask[None, :], other=0.0)
             if IEEE:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
+        ch = co % PERIOD
         if HAS_BIAS:
-            acc += tl.load(Bias + co, mask=comask, other=0.0).to(tl.float32)[None, :]
-        mask = tmask[:, None] & comask[None, :]
-        out = b * T_out * C_out + t[:, None] * C_out + co[None, :]
+            acc += tl.load(Bias + ch, mask=comask, other=0.0).to(tl.float32)[None, :]
+        mask = mmask[:, None] & comask[None, :]
+        out = m[:, None] * C_out + co[None, :]
         if HAS_RES:
             acc += tl.load(Res + out, mask=mask, other=0.0).to(tl.float32)
+        if RAW:
+            tl.store(O + out, acc.to(O.dtype.element_ty), mask=mask)
         if SNAKE:
-            a = tl.load(Alpha + co, mask=comask, other=1.0).to(tl.float32)[None, :]
-            s = tl.sin(a * acc)
+            a = tl.load(Alpha + ch, mask=comask, other=1.0).to(tl.float32)[None, :]
+            if IEEE:
+                s = tl.sin(a * acc)
+            else:  # the precise sine here, in a kernel of few resident warps, cost more than the product (H200)
+                z = a * acc
+                z = z - 6.283185307179586 * tl.floor(z * 0.15915494309189535 + 0.5)  # to [-pi, pi]
+                s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
+                                              pack=1)
             acc = acc + s * s * (1.0 / (a + 1e-9))
-        tl.store(O + out, acc.to(O.dtype.element_ty), mask=mask)
+            tl.store(S + (b * stride_sb + t * C_out)[:, None] + co[None, :], acc.to(S.dtype.element_ty), mask=mask)
 
 
 def conv_weight_nwc(weight: torch.Tensor) -> torch.Tensor:
@@ -520,12 +542,30 @@ def conv_weight_nwc(weight: torch.Tensor) -> torch.Tensor:
     return weight.permute(2, 1, 0).reshape(k * c_in, c_out).contiguous()
 
 
+def conv_transpose_weight_nwc(weight: torch.Tensor, stride: int) -> torch.Tensor:
+    """A conv_transpose1d weight [C_in, C_out, 2 stride] laid out for `conv1d_nwc` as a two-tap convolution whose
+    output step m holds the transposed convolution's outputs m stride + p (p < stride) side by side: [2 C_in,
+    stride x C_out], output column p C_out + c. Output m stride + p reads input m (kernel tap p) and input m - 1 (tap
+    p + stride): the first tap of the two-tap convolution is input m - 1. Its [B, T, stride C_out] result viewed as
+    [B, T stride, C_out] is the transposed convolution's, without its first input's left context."""
+    c_in, c_out, k = weight.shape
+    if k != 2 * stride:
+        raise ValueError(f"conv_transpose_weight_nwc: a kernel of {k} taps at stride {stride} (it takes 2 x stride)")
+    w = torch.stack([weight[..., stride:], weight[..., :stride]])  # [2, C_in, C_out, stride]
+    return w.permute(0, 1, 3, 2).reshape(2 * c_in, stride * c_out).contiguous()
+
+
 def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: torch.Tensor | None = None,
-               residual: torch.Tensor | None = None, alpha: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None, alpha: torch.Tensor | None = None,
+               snake_out: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor | None:
     """F.conv1d(x^T, w, bias, stride 1, no padding, dilation)^T in channels-last layout: x [B, T, C_in] ->
-    [B, T - (K - 1) dilation, C_out], with `weight` = conv_weight_nwc(w) ([K x C_in, C_out]); then + `residual`
-    ([B, T_out, C_out]) and the Snake of `alpha` ([C_out]) when given, in float32, rounded once to x's dtype.
-    C_in a multiple of 16."""
+    [B, T - (K - 1) dilation, C_out], with `weight` = conv_weight_nwc(w) ([K x C_in, C_out]) (or
+    conv_transpose_weight_nwc's form); then + `residual` ([B, T_out, C_out]), in float32, rounded once to x's dtype.
+    `bias` and `alpha` hold C_out values, or a divisor of C_out of them repeated along the output channels (a
+    transposed convolution's outputs side by side). With `alpha` ([C_out], a Snake's) the result is its Snake,
+    returned, or written into `snake_out` (any view whose batch rows are each T_out x C_out contiguous values, e.g.
+    the rows after a causal convolution's left context in its input buffer); then the raw result is also returned if
+    `raw`, else None. Dtypes as x's (float32: exact products)."""
     if triton is None:
         raise RuntimeError("conv1d_nwc needs the `triton` package")
     B, T, C_in = x.shape
@@ -534,25 +574,39 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
         raise ValueError(f"conv1d_nwc: weight {tuple(weight.shape)} is not conv_weight_nwc of a weight with {C_in} "
                          "input channels")
     taps = KC // C_in
-    cfg = CONV_NWC_CONFIG
-    if C_in % 16:
-        raise ValueError(f"conv1d_nwc takes input channels in multiples of 16, not {C_in}")
-    block_ci = cfg["block_ci"] if C_in % cfg["block_ci"] == 0 else 16
     T_out = T - (taps - 1) * dilation
     if T_out < 1:
         raise ValueError(f"conv1d_nwc: {T} steps are too few for {taps} taps at dilation {dilation}")
+    period = {t.numel() for t in (bias, alpha) if t is not None}
+    if len(period) > 1 or any(C_out % p for p in period):
+        raise ValueError(f"conv1d_nwc: bias and alpha need the same number of values, a divisor of {C_out}")
+    period = period.pop() if period else C_out
+    cfg = CONV_NWC_CONFIG
+    block_ci = cfg["block_ci"] if C_in % cfg["block_ci"] == 0 else 16
     x = x.contiguous()
-    out = torch.empty(B, T_out, C_out, dtype=x.dtype, device=x.device)
-    res = out if residual is None else residual.contiguous()
-    block_t = min(cfg["block_t"], max(16, triton.next_power_of_2(T_out)))
+    out = S = None
+    if alpha is None or snake_out is None or raw:
+        out = torch.empty(B, T_out, C_out, dtype=x.dtype, device=x.device)
+    if alpha is not None:
+        S = out if snake_out is None else snake_out
+        if S.shape[0] != B or S[0].numel() != T_out * C_out or not S[0].is_contiguous():
+            raise ValueError(f"conv1d_nwc: snake_out {tuple(S.shape)} does not hold {B} batch rows of {T_out} x "
+                             f"{C_out} contiguous values")
+    res = None if residual is None else residual.contiguous()
+    M = B * T_out
+    block_t = min(cfg["block_t"], max(16, triton.next_power_of_2(M)))
     block_co = min(cfg["block_co"], max(16, triton.next_power_of_2(C_out)))
-    grid = (triton.cdiv(T_out, block_t), triton.cdiv(C_out, block_co), B)
-    _conv1d_nwc_kernel[grid](x, weight, weight if bias is None else bias, res, weight if alpha is None else alpha,
-                             out, T, T_out, C_in, C_out, KS=taps, DIL=dilation, BLOCK_T=block_t, BLOCK_CO=block_co,
-                             BLOCK_CI=block_ci, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-                             SNAKE=alpha is not None, IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"],
-                             num_stages=cfg["num_stages"])
-    return out
+    grid = (triton.cdiv(M, block_t), triton.cdiv(C_out, block_co))
+    _conv1d_nwc_kernel[grid](x, weight, weight if bias is None else bias, weight if res is None else res,
+                             weight if alpha is None else alpha.reshape(-1), x if out is None else out,
+                             x if S is None else S, M, T, T_out, C_in, triton.cdiv(C_in, block_ci) * block_ci, C_out,
+                             period, 0 if S is None else S.stride(0), KS=taps, DIL=dilation, BLOCK_T=block_t,
+                             BLOCK_CO=block_co, BLOCK_CI=block_ci, MASK_CI=C_in % block_ci != 0,
+                             HAS_BIAS=bias is not None,
+                             HAS_RES=res is not None, RAW=alpha is None or snake_out is not None and raw,
+                             SNAKE=alpha is not None,
+                             IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out if alpha is None or snake_out is None or raw else None
 
 
 def rope_pairs(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

@@ -237,9 +237,10 @@ def check_invariant(ckpt):
 
 def check_codec(ckpt):
     """The codec's kernels (Snake with a joined left context and a folded bias, the biased residual sum, the
-    convolution to one channel, RoPE; the channels-last convolution, not yet in the codec's path) against PyTorch,
-    and the codec (its transformers' norms, SwiGLU and scaled residual sums too) streaming, decoding and encoding
-    with them against without."""
+    convolution to one channel, RoPE; the channels-last convolution with its epilogues, and a transposed
+    convolution in its form) against PyTorch, and the codec (its transformers' norms, SwiGLU and scaled residual
+    sums too) streaming, decoding and encoding with them, its decoder channels-first and channels-last, against
+    without."""
     import torch.nn.functional as F
 
     from s2tts.checkpoint import load_codec_from_dir
@@ -258,19 +259,32 @@ def check_codec(ckpt):
     for dil in (1, 3):
         w, b = torch.randn(1, 5, 7), torch.randn(1)
         assert rel(kernels.conv_to_one(wide, w, b, dil), F.conv1d(wide, w, b, dilation=dil)) < 1e-6
-    # the channels-last convolution (perf/bench_conv_layout.py's candidate): taps, dilations, 1x1, output channels
-    # not a multiple of the tile, input channels in 16s and 32s, with bias + residual + Snake in its epilogue
-    for c_in, c_out, k, dil, t in ((32, 48, 7, 3, 37), (48, 16, 1, 1, 20), (32, 40, 7, 9, 70)):
+    # the channels-last convolution (the decoder's): taps, dilations, 1x1, output channels not a multiple of the
+    # tile, input channels in 32s, 16s and fewer (masked), one output channel; bias + residual, and their Snake
+    # returned, or written after a left context with the sum also returned
+    for c_in, c_out, k, dil, t in ((32, 48, 7, 3, 37), (48, 16, 1, 1, 20), (8, 40, 7, 9, 70), (4, 1, 7, 1, 30)):
         xi, w = torch.randn(2, c_in, t), torch.randn(c_out, c_in, k) / (c_in * k) ** 0.5
         b, al = torch.randn(c_out), torch.rand(c_out) + 0.5
         plain = F.conv1d(xi, w, dilation=dil)
         res = torch.randn_like(plain)
-        full = plain + b[:, None] + res
-        full = full + torch.sin(al[:, None] * full).pow(2) / (al[:, None] + 1e-9)
-        wn = kernels.conv_weight_nwc(w)
-        assert rel(kernels.conv1d_nwc(xi.transpose(1, 2), wn, dil).transpose(1, 2), plain) < 1e-6
-        got = kernels.conv1d_nwc(xi.transpose(1, 2), wn, dil, bias=b, residual=res.transpose(1, 2), alpha=al)
+        summed = plain + b[:, None] + res
+        full = summed + torch.sin(al[:, None] * summed).pow(2) / (al[:, None] + 1e-9)
+        wn, xt = kernels.conv_weight_nwc(w), xi.transpose(1, 2)
+        assert rel(kernels.conv1d_nwc(xt, wn, dil).transpose(1, 2), plain) < 1e-6
+        got = kernels.conv1d_nwc(xt, wn, dil, bias=b, residual=res.transpose(1, 2), alpha=al)
         assert rel(got.transpose(1, 2), full) < 1e-6
+        buf = torch.full((2, 5 + plain.shape[-1], c_out), 7.0)
+        raw = kernels.conv1d_nwc(xt, wn, dil, b, res.transpose(1, 2), al, snake_out=buf[:, 5:], raw=True)
+        assert rel(raw.transpose(1, 2), summed) < 1e-6 and rel(buf[:, 5:].transpose(1, 2), full) < 1e-6
+        assert torch.equal(buf[:, :5], torch.full_like(buf[:, :5], 7.0))  # the left context's rows untouched
+        assert kernels.conv1d_nwc(xt, wn, dil, alpha=al, snake_out=buf[:, 5:]) is None
+    for c_in, c_out, stride in ((16, 8, 2), (32, 24, 4)):  # a transposed convolution as two taps, bias per channel
+        xi, w, b = torch.randn(2, c_in, 9), torch.randn(c_in, c_out, 2 * stride) / (2 * c_in) ** 0.5, torch.randn(c_out)
+        ctx = torch.randn(2, c_in, 1)  # the input step before (a stream's left context)
+        ref = F.conv_transpose1d(torch.cat([ctx, xi], -1), w, b, stride)[..., stride : stride * 10]
+        got = kernels.conv1d_nwc(torch.cat([ctx, xi], -1).transpose(1, 2), kernels.conv_transpose_weight_nwc(w, stride),
+                                 bias=b)
+        assert rel(got.reshape(2, 9 * stride, c_out).transpose(1, 2), ref) < 1e-6
 
     from s2tts.codec.dac import apply_rope, rope_cos_sin
 
@@ -287,19 +301,30 @@ def check_codec(ckpt):
                        torch.randint(0, cfg.codebook_size, (2, cfg.n_codebooks, 6))], 1)
     wav = torch.randn(2, 1, cfg.frame_length * 3) * 0.3
     got = {}
+    # the interpreter's time is per program: long tiles along time for the decoder (the default tiling's masks
+    # and partial tiles are checked above)
+    tiling = dict(kernels.CONV_NWC_CONFIG)
+    kernels.CONV_NWC_CONFIG.update(block_t=1024, block_co=64)
     with torch.inference_mode():
-        for on in (False, True):
-            use_triton_kernels(codec, on)
+        for mode in ("off", "channels_first", "channels_last"):
+            use_triton_kernels(codec, mode != "off", channels_last=mode == "channels_last")
             for B in (1, 2):  # one stream: its size-1 dimensions give reshapes views of other strides
                 st, parts = codec.new_stream_state(B), []
                 for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):
                     audio, st = codec.decode_stream(codes[:B, :, sl], st)
                     parts.append(audio)
-                got[on, B] = (torch.cat(parts, -1), codec.decode(codes[:B]), codec.encode(wav[:B]))
+                # (the encoder has no channels-last form: encoded once with the kernels)
+                got[mode, B] = (torch.cat(parts, -1), codec.decode(codes[:B]),
+                                codec.encode(wav[:B]) if mode != "channels_last" else None)
+    kernels.CONV_NWC_CONFIG.update(tiling)
+    use_triton_kernels(codec, False)
+    assert codec.new_stream_state(1).tensors["decoder.model.0"].shape[1:] == (cfg.latent_dim, 6)  # [B, C, ctx] again
     for B in (1, 2):
-        assert rel(got[True, B][0], got[False, B][0]) < 1e-5 and rel(got[True, B][1], got[False, B][1]) < 1e-5, B
-        assert rel(got[True, B][0], got[True, B][1]) < 1e-5  # chunks join without seams
-        assert torch.equal(got[True, B][2], got[False, B][2])
+        for mode in ("channels_first", "channels_last"):
+            off, on = got["off", B], got[mode, B]
+            assert rel(on[0], off[0]) < 1e-5 and rel(on[1], off[1]) < 1e-5, (mode, B)
+            assert rel(on[0], on[1]) < 1e-5  # chunks join without seams
+        assert torch.equal(got["channels_first", B][2], got["off", B][2])
     print("codec ok")
 
 

@@ -281,6 +281,12 @@ def _phases_pay(x: Tensor, weight: Tensor, dilation: int) -> bool:
     return use
 
 
+def _context_zeros(conv: nn.Module, batch: int, channels: int, device, dtype) -> Tensor:
+    """A causal convolution's initial left context: [B, C, ctx] zeros, or [B, ctx, C] in a channels-last decoder."""
+    shape = (batch, conv.context, channels) if conv.nwc_weight is not None else (batch, channels, conv.context)
+    return torch.zeros(*shape, device=device, dtype=dtype)
+
+
 class CausalConv1d(nn.Module):
     """Conv1d padded on the left by (kernel-1)*dilation+1-stride, and on the right so the
     last frame is complete. `weight_norm` only says how the reference stores the weight."""
@@ -294,12 +300,13 @@ class CausalConv1d(nn.Module):
         self.state_key = ""
         self.to_one = False  # a Triton kernel for one output channel (see use_triton_kernels)
         self.phase_plan = False  # a dilated one: as `conv1d_phases` where that is faster (see use_triton_kernels)
+        self.nwc_weight: Optional[Tensor] = None  # in a channels-last decoder (`Decoder.channels_last`)
 
     def init_state(self, batch, device, dtype) -> dict[str, Tensor]:
         if self.context == 0:
             return {}
         assert self.stride == 1, "only stride-1 convolutions can stream"
-        return {self.state_key: torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)}
+        return {self.state_key: _context_zeros(self, batch, self.conv.in_channels, device, dtype)}
 
     def forward(self, x: Tensor, step: Optional[_Step] = None, act: Optional["Snake"] = None,
                 act_bias: Optional[Tensor] = None, bias: bool = True) -> Tensor:
@@ -331,11 +338,12 @@ class CausalConvTranspose1d(nn.Module):
         self.context = math.ceil(kernel / stride) - 1  # input frames that reach into a new frame
         self.weight_norm = weight_norm
         self.state_key = ""
+        self.nwc_weight: Optional[Tensor] = None  # in a channels-last decoder (`Decoder.channels_last`)
 
     def init_state(self, batch, device, dtype) -> dict[str, Tensor]:
         if self.context == 0:
             return {}
-        return {self.state_key: torch.zeros(batch, self.conv.in_channels, self.context, device=device, dtype=dtype)}
+        return {self.state_key: _context_zeros(self, batch, self.conv.in_channels, device, dtype)}
 
     def forward(self, x: Tensor, step: Optional[_Step] = None, act: Optional["Snake"] = None,
                 act_bias: Optional[Tensor] = None, bias: bool = True) -> Tensor:
@@ -641,7 +649,24 @@ class Decoder(nn.Module):
         layers += [Snake(last), CausalConv1d(last, 1, 7)]  # (index n+3 is a parameter-free tanh)
         self.model = nn.ModuleList(layers)
 
+    @property
+    def channels_last(self) -> bool:
+        """Whether it runs channels-last (`set_channels_last`)."""
+        return self.model[0].nwc_weight is not None
+
+    def set_channels_last(self, on: bool) -> None:
+        """Run as `_forward_nwc` (Triton's `kernels.conv1d_nwc`; on a GPU, or under the Triton interpreter), or back
+        as channels-first PyTorch convolutions. Its stream states change layout with it ([B, ctx, C] per causal
+        convolution): make them after this."""
+        for m in self.modules():
+            if isinstance(m, CausalConv1d):
+                m.nwc_weight = kernels.conv_weight_nwc(m.conv.weight.detach()) if on else None
+            elif isinstance(m, CausalConvTranspose1d):
+                m.nwc_weight = kernels.conv_transpose_weight_nwc(m.conv.weight.detach(), m.stride) if on else None
+
     def forward(self, x: Tensor, step: Optional[_Step] = None) -> Tensor:  # [B, latent, T] -> [B, 1, T*hop]
+        if self.channels_last:
+            return self._forward_nwc(x, step)
         conv_in, *blocks, snake, conv_out = self.model
         if snake.fused:  # conv_in's bias goes into the first block's activation
             x = blocks[0](conv_in(x, step, bias=False), step, in_bias=conv_in.conv.bias)
@@ -651,6 +676,68 @@ class Decoder(nn.Module):
         for block in blocks:
             x = block(x, step)
         return torch.tanh(conv_out(x, step, act=snake))
+
+
+    def _forward_nwc(self, z: Tensor, step: Optional[_Step]) -> Tensor:
+        """`forward` over [B, T, C] activations, each convolution one `kernels.conv1d_nwc` with the bias, the
+        residual sum and the next Snake in its epilogue, written straight after the next causal convolution's left
+        context in that convolution's input buffer (no Snake, bias, residual or concatenation kernels, no layout
+        transposes but the input's). A transposed convolution (kernel 2 x stride) is a two-tap convolution whose
+        output step holds `stride` steps side by side (`kernels.conv_transpose_weight_nwc`). Each stateful
+        convolution's left context is [B, ctx, C]."""
+        if step is None:  # one call from a fresh state
+            zeros: dict[str, Tensor] = {}
+            for m in self.modules():
+                if hasattr(m, "init_state"):
+                    zeros.update(m.init_state(z.shape[0], z.device, z.dtype))
+            step = _Step(zeros)
+        conv_in, *blocks, last_snake, conv_out = self.model
+        B, T = z.shape[0], z.shape[-1]
+
+        def buffer(conv: nn.Module, steps: int, channels: int) -> Tensor:
+            # [B, ctx + steps, C]: the convolution's left context from the stream, rows for this call's input after
+            buf = z.new_empty(B, conv.context + steps, channels)
+            buf[:, : conv.context].copy_(step.old[conv.state_key])
+            return buf
+
+        def done(conv: nn.Module, buf: Tensor) -> Tensor:  # its input written: keep its last ctx steps
+            step.remember(conv.state_key, buf[:, buf.shape[1] - conv.context :])
+            return buf
+
+        x_in = buffer(conv_in, T, z.shape[1])
+        x_in[:, conv_in.context :].copy_(z.transpose(1, 2))
+        done(conv_in, x_in)
+        # every convolution's epilogue fills the next one's input buffer (after its left context)
+        snake, up = blocks[0].block[0], blocks[0].block[1]
+        up_in = buffer(up, T, up.conv.in_channels)
+        kernels.conv1d_nwc(x_in, conv_in.nwc_weight, 1, conv_in.conv.bias, alpha=snake.alpha,
+                           snake_out=up_in[:, up.context :])
+        done(up, up_in)
+        for i, block in enumerate(blocks):
+            _, up, *units = block.block
+            after = blocks[i + 1].block[:2] if i + 1 < len(blocks) else (last_snake, conv_out)
+            c = up.conv.out_channels
+            # the transposed convolution: x [B, T stride, C], and the first unit's Snake of it into its k7's input
+            first = units[0].block
+            h_in = buffer(first[1], T * up.stride, c)
+            x = kernels.conv1d_nwc(up_in, up.nwc_weight, 1, up.conv.bias, alpha=first[0].alpha,
+                                   snake_out=h_in[:, first[1].context :], raw=True)
+            T *= up.stride
+            x = x.view(B, T, c)
+            for j, unit in enumerate(units):
+                _, conv1, snake2, conv2 = unit.block
+                done(conv1, h_in)
+                h = kernels.conv1d_nwc(h_in, conv1.nwc_weight, conv1.conv.dilation[0], conv1.conv.bias,
+                                       alpha=snake2.alpha)
+                # x + conv2(h), and the next Snake of it: the next unit's (x kept for its residual), or after the
+                # block's last unit the next block's (or the last convolution's), whose input it is alone
+                nxt_snake, nxt_conv = units[j + 1].block[:2] if j + 1 < len(units) else after
+                nxt_in = buffer(nxt_conv, T, c)
+                x = kernels.conv1d_nwc(h, conv2.nwc_weight, 1, conv2.conv.bias, residual=x, alpha=nxt_snake.alpha,
+                                       snake_out=nxt_in[:, nxt_conv.context :], raw=j + 1 < len(units))
+                h_in = nxt_in
+            up_in = done(after[1], h_in)
+        return torch.tanh(kernels.conv1d_nwc(up_in, conv_out.nwc_weight, 1, conv_out.conv.bias).view(B, 1, T))
 
 
 # --------------------------------------------------------------------------- quantizer
@@ -872,7 +959,7 @@ class DAC(nn.Module):
         return codes.to(device=self.decoder.model[0].conv.weight.device, dtype=torch.long)
 
 
-def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
+def use_triton_kernels(codec: nn.Module, on: bool = True, channels_last: bool = True) -> None:
     """Run the streaming decoder's elementwise work as Triton kernels (on a GPU, or under the Triton interpreter in
     tests): every Snake activation as one kernel that also writes a causal convolution's left context next to its
     output and takes the previous convolution's bias along (five elementwise passes, a bias pass and a concatenation
@@ -881,7 +968,9 @@ def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
     embeddings as one lookup in a table of their projections (`Quantizer.fuse_embeddings`); and in the
     quantizer's transformers RMSNorm, RoPE, SwiGLU (w1 | w3 in one product) and the scaled residual sums. A call
     runs over a thousand kernels of a few microseconds each whatever its size: their number is most of what a small
-    call costs."""
+    call costs. `channels_last` (with `on`): the decoder runs over [B, T, C] (`Decoder.set_channels_last`: one
+    Triton convolution per convolution, the Snake, bias and residual sums in their epilogues; its stream states change
+    layout: make them after this)."""
     if on and not kernels.available():
         raise RuntimeError("the codec's Triton kernels need the `triton` package: install it, or run without them")
     for m in codec.modules():
@@ -894,6 +983,8 @@ def use_triton_kernels(codec: nn.Module, on: bool = True) -> None:
             m.phase_plan = on and m.conv.dilation[0] > 1 and m.stride == 1 and m.conv.groups == 1
         if isinstance(m, Quantizer):
             m.fuse_embeddings(on)
+        if isinstance(m, Decoder):
+            m.set_channels_last(on and channels_last)
 
 
 # --------------------------------------------------------------------------- state dicts
