@@ -240,8 +240,8 @@ def _boundaries(calls, sid):
 @pytest.mark.parametrize("pace", [0.45, 0.2])
 def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_ckpt, codec, pace):
     """codec_batch_steps=4 under load (a pace of 0.45): every fourth step the codec decodes the frames every stream
-    made since, in slices of 4 frames (its first chunk's frames at least, for time to first audio; its last frames
-    padded), whatever the chunks; a chunk leaves once its frames are decoded, chunks ready together as one response. At a light pace (0.2) the
+    made since, in slices of 4 frames (until a stream has sent 4 frames of audio, at least what its chunks need, for
+    time to first audio and a client holding little audio; its last frames padded), whatever the chunks; a chunk leaves once its frames are decoded, chunks ready together as one response. At a light pace (0.2) the
     codec decodes each chunk as it completes, as with codec_batch_steps=1. Either way each request's audio is one
     seamless decode of its codes, and every response's audio is its own frames."""
     decoder = StreamDecoder(codec, pool_size=8)
@@ -261,7 +261,10 @@ def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_c
     if pace > 0.35:
         for sid, n in zip(sids, [17, 22, 26, 30]):
             b = _boundaries(calls, sid)
-            assert b[-1] == n and all((y - x) % 4 == 0 for x, y in zip(b, b[1:-1])), b  # slices of 4 after the first
+            # slices of 4 once a stream has sent 4 frames of audio (before, its chunks as they complete: a first
+            # chunk of 2 is followed at once)
+            i = next(k for k, x in enumerate(b) if x >= 4)
+            assert b[-1] == n and all((y - x) % 4 == 0 for x, y in zip(b[i:], b[i + 1 : -1])), b
         assert max(len(call) for call in calls) == 4  # all four streams in one call
         sizes = [c.shape[0] for r in rs for _, c, _, _ in r.sent[:-1]]
         assert any(k > 3 for k in sizes), sizes  # chunks of 2 and 3 frames that left together, as one
@@ -270,6 +273,26 @@ def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_c
                       zip(rs, [17, 22, 26, 30])}
         for sid, n in zip(sids, [17, 22, 26, 30]):
             assert set(_boundaries(calls, sid)) <= chunk_ends[n]  # each slice ended where a chunk did
+
+
+def test_a_short_first_chunk_is_followed_at_once_when_load_comes(model, prompts, tiny_ckpt, codec):
+    """A stream whose first chunk (2 frames) was decoded before the load came: under load (held calls of 4-frame
+    slices) its next chunk is still decoded as soon as it is complete, not when a whole slice is (its client holds
+    only 2 frames of audio), until it has sent 4 frames; then slices of 4. The audio is one seamless decode."""
+    decoder = StreamDecoder(codec, pool_size=4)
+    calls = _recording(decoder)
+    svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=4, frame_seconds=codec_frame_seconds(tiny_ckpt))
+    svc.pace = lambda: 0.45 if calls else 0.2  # light until the first chunk is decoded, then under load
+    (r,) = _serve_all(svc, prompts, [21], 90, "Load comes", first_chunk_frames=2, chunk_frames=4)
+    sizes = [c.shape[0] for _, c, _, _ in r.sent]
+    (sid,) = {s for call in calls for s, *_ in call}
+    b = _boundaries(calls, sid)
+    assert sizes[:2] == [2, 2] and b[:2] == [2, 4], (sizes, b)  # without the rule: [2, 6], a slice of 4 waited for
+    assert all((y - x) % 4 == 0 for x, y in zip(b[1:], b[2:-1])), b  # then slices of 4 (the last padded)
+    assert svc.loop.loaded > 0
+    codes = np.concatenate([c for _, c, _, _ in r.sent]).astype(np.int64)
+    assert codes.shape[0] == 21
+    np.testing.assert_allclose(np.concatenate([a for *_, a in r.sent]), _whole(codec, codes), atol=1e-5, rtol=0)
 
 
 def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny_ckpt, codec):

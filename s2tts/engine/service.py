@@ -552,7 +552,7 @@ class EngineService:
                 self._decoding[rec.iid] = rec
         K = self.codec_batch_steps
         batched = K > 1 and self.under_load()
-        tick = not batched or self.loop.passes % K == 0 or not self.engine.has_work()
+        tick = not batched or self.loop.passes % K == 0 or not self.engine.has_work() or self._short_of_audio(K)
         if tick:
             plans = []
             for rec in list(self._decoding.values()):
@@ -568,11 +568,23 @@ class EngineService:
             out.extend(self._ready_items(rec))
         return out
 
+    def _short_of_audio(self, K: int) -> bool:
+        """Whether a stream that has sent less than K frames of audio (its first chunk made before the load came,
+        shorter than `load_chunk_frames`) has a chunk complete: its client may run dry before a held call (up to
+        2 K - 1 steps away) would decode it, so the codec runs now (on an H200 at c=64, with 2-frame first
+        chunks, 5 of 1280 requests ran dry at their second or third chunk without this)."""
+        for rec in self._decoding.values():
+            st = rec.state
+            if 0 < st.released < K and sum(w[2].shape[0] for w in st.waiting) > st.n_audio:
+                return True
+        return False
+
     def _plan(self, st: RequestState, K: int) -> list[tuple[np.ndarray, bool, bool]]:
         """What to decode of one request's frames now -> [(codes, start, final)] in order, one per codec call.
         All of them once its last item is routed. Else without K (light load) the frames its waiting chunks need;
         with K (under load) as many whole slices of K frames as it has made (a chunk ending in a partial slice waits
-        for the next tick), and for its first chunk at least what that needs (time to first audio)."""
+        for the next tick), and until it has sent K frames of audio at least what its chunks need (time to first
+        audio; then `_short_of_audio`)."""
         if st.codec_dropped:  # its decode failed (its error is what waits) or its stream was closed
             return []
         final_item = bool(st.waiting) and st.waiting[-1][1] == "final"
@@ -583,7 +595,7 @@ class EngineService:
             take = need
         else:
             take = K * (st.n_undecoded // K)
-            if not st.released:
+            if st.released < K:
                 take = max(take, need)
         final = final_item and st.codec.final
         if take <= 0 and not (final and st.codec_open):
