@@ -657,7 +657,7 @@ class Decoder(nn.Module):
     def set_channels_last(self, on: bool) -> None:
         """Run as `_forward_nwc` (Triton's `kernels.conv1d_nwc`; on a GPU, or under the Triton interpreter), or back
         as channels-first PyTorch convolutions. Its stream states change layout with it ([B, ctx, C] per causal
-        convolution): make them after this."""
+        convolution): make them after this. The channels-last weights are copies made here: load weights first."""
         for m in self.modules():
             if isinstance(m, CausalConv1d):
                 m.nwc_weight = kernels.conv_weight_nwc(m.conv.weight.detach()) if on else None
@@ -676,7 +676,6 @@ class Decoder(nn.Module):
         for block in blocks:
             x = block(x, step)
         return torch.tanh(conv_out(x, step, act=snake))
-
 
     def _forward_nwc(self, z: Tensor, step: Optional[_Step]) -> Tensor:
         """`forward` over [B, T, C] activations, each convolution one `kernels.conv1d_nwc` with the bias, the
