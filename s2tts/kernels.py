@@ -19,6 +19,7 @@ after one that does not take part waits as usual.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -31,6 +32,11 @@ except ImportError:  # CPU-only installs without the triton package
 
 def available() -> bool:
     return triton is not None
+
+
+def _interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1: no inline PTX there)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 PDL = False  # the decode step's kernels launched with programmatic dependent launch (set by `dependent_launch`)
@@ -479,12 +485,13 @@ if triton is not None:
     def _conv1d_nwc_kernel(X, W, Bias, Res, Alpha, O, S, M, T_in, T_out, C_in, C_pad, C_out, PERIOD, stride_sb,
                            KS: tl.constexpr, DIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr,
                            BLOCK_CI: tl.constexpr, MASK_CI: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           HAS_RES: tl.constexpr, RAW: tl.constexpr, SNAKE: tl.constexpr, IEEE: tl.constexpr):
+                           HAS_RES: tl.constexpr, RAW: tl.constexpr, SNAKE: tl.constexpr, IEEE: tl.constexpr,
+                           FAST_SIN: tl.constexpr):
         """Program (tile of BLOCK_T output rows of the B x T_out (batch row, step) pairs, tile of BLOCK_CO output
         channels), x [B, T_in, C_in] contiguous, w [KS x C_in, C_out] (`conv_weight_nwc`): acc[b, t, co] = sum over
         taps k and channels ci of x[b, t + k DIL, ci] w[k C_in + ci, co] (+ bias[co % PERIOD]) (+ res[b, t, co]) in
         float32; RAW: acc to o [B, T_out, C_out] (contiguous); SNAKE: the Snake of alpha[co % PERIOD] of it to S at
-        b stride_sb + t C_out + co. The reduction steps through each tap's C_pad channels (C_in rounded up to
+        b stride_sb + t C_out + co, its sine the GPU's approximate one (FAST_SIN) or the precise one. The reduction steps through each tap's C_pad channels (C_in rounded up to
         BLOCK_CI, the rest masked when MASK_CI) BLOCK_CI at a time; unmasked along the channels (C_in a multiple of
         BLOCK_CI) the loads stay vectorised (a mask along them made the decoder's convolutions ~20x slower on an
         H200)."""
@@ -525,7 +532,7 @@ if triton is not None:
             tl.store(O + out, acc.to(O.dtype.element_ty), mask=mask)
         if SNAKE:
             a = tl.load(Alpha + ch, mask=comask, other=1.0).to(tl.float32)[None, :]
-            if IEEE:
+            if not FAST_SIN:
                 s = tl.sin(a * acc)
             else:  # the precise sine here, in a kernel of few resident warps, cost more than the product (H200)
                 z = a * acc
@@ -565,7 +572,8 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
     transposed convolution's outputs side by side). With `alpha` ([C_out], a Snake's) the result is its Snake,
     returned, or written into `snake_out` (any view whose batch rows are each T_out x C_out contiguous values, e.g.
     the rows after a causal convolution's left context in its input buffer); then the raw result is also returned if
-    `raw`, else None. Dtypes as x's (float32: exact products)."""
+    `raw`, else None. Dtypes as x's (float32: exact products and sine; fp16 / bf16 on a GPU: the approximate sine
+    after reduction to [-pi, pi])."""
     if triton is None:
         raise RuntimeError("conv1d_nwc needs the `triton` package")
     B, T, C_in = x.shape
@@ -604,8 +612,9 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
                              BLOCK_CO=block_co, BLOCK_CI=block_ci, MASK_CI=C_in % block_ci != 0,
                              HAS_BIAS=bias is not None,
                              HAS_RES=res is not None, RAW=alpha is None or snake_out is not None and raw,
-                             SNAKE=alpha is not None,
-                             IEEE=x.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                             SNAKE=alpha is not None, IEEE=x.dtype == torch.float32,
+                             FAST_SIN=x.dtype != torch.float32 and x.is_cuda and not _interpreted(),
+                             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out if alpha is None or snake_out is None or raw else None
 
 

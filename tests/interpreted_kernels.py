@@ -316,7 +316,6 @@ def check_codec(ckpt):
                 # (the encoder has no channels-last form: encoded once with the kernels)
                 got[mode, B] = (torch.cat(parts, -1), codec.decode(codes[:B]),
                                 codec.encode(wav[:B]) if mode != "channels_last" else None)
-    kernels.CONV_NWC_CONFIG.update(tiling)
     use_triton_kernels(codec, False)
     assert codec.new_stream_state(1).tensors["decoder.model.0"].shape[1:] == (cfg.latent_dim, 6)  # [B, C, ctx] again
     for B in (1, 2):
@@ -325,6 +324,41 @@ def check_codec(ckpt):
             assert rel(on[0], off[0]) < 1e-5 and rel(on[1], off[1]) < 1e-5, (mode, B)
             assert rel(on[0], on[1]) < 1e-5  # chunks join without seams
         assert torch.equal(got["channels_first", B][2], got["off", B][2])
+
+    # the served path channels-last, as dac_decoder runs it: fp16 streams in the slot pool; a chunk that overflows
+    # fp16 decoded again by the fp32 fallback (channels-last too) from the stream's previous [B, ctx, C] states
+    from s2tts.codec.stream import StreamDecoder
+
+    hot = cfg.semantic_codebook_size - 1  # its codebook row scaled: fp16 activations overflow (tests/test_codec_stream)
+    half, wide = (load_codec_from_dir(ckpt, "cpu", dt) for dt in ("fp16", "fp32"))
+    for c in (half, wide):
+        for name, p in c.named_parameters():
+            if name.endswith("alpha"):
+                p.data.uniform_(0.3, 2.0, generator=torch.Generator().manual_seed(1))
+        w = dict(c.named_parameters())["quantizer.semantic_quantizer.quantizers.0.codebook.weight"]
+        with torch.no_grad():
+            w[hot] = (w[hot].float() * 3e4).to(w.dtype)
+        use_triton_kernels(c, True)
+    assert half.decoder.channels_last and wide.decoder.channels_last
+    gen = np.random.default_rng(2)
+    streams = {k: np.concatenate([gen.integers(0, hot, (1, 6)), gen.integers(0, cfg.codebook_size, (cfg.n_codebooks, 6))])
+               for k in ("cool", "hot")}
+    streams["hot"][0, 3] = hot  # in its second chunk of 2 frames
+    dec = StreamDecoder(half, fallback=wide, pool_size=4)
+    parts = {k: [] for k in streams}
+    for i in range(3):
+        out = dec.decode_many([(k, k, c[:, 2 * i : 2 * i + 2].T, i == 0, i == 2) for k, c in streams.items()], now=i)
+        for k, audio in out.items():
+            assert isinstance(audio, np.ndarray), audio
+            parts[k].append(audio)
+    assert dec.redone == 1 and not dec.states and sorted(dec.pool.free) == [0, 1, 2, 3]
+    for k, c in streams.items():
+        with torch.inference_mode():
+            whole = wide.decode(torch.as_tensor(c)[None])[0, 0].numpy()
+        audio = np.concatenate(parts[k])
+        assert np.isfinite(audio).all() and audio.shape == whole.shape
+        assert np.abs(audio - whole).max() < 0.05 * np.abs(whole).max(), k
+    kernels.CONV_NWC_CONFIG.update(tiling)
     print("codec ok")
 
 
