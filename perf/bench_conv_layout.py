@@ -94,11 +94,25 @@ def record_convs(codec, codes) -> list[tuple]:
     return seen
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def chunk_parser(doc: str, chunk: int) -> argparse.ArgumentParser:
+    """A codec bench's command line: --checkpoint, --streams, --chunk (frames)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=4)
+    ap.add_argument("--chunk", type=int, default=chunk)
+    return ap
+
+
+def random_chunk(cfg, streams: int, frames: int, device) -> torch.Tensor:
+    """Codes [streams, num_codebooks, frames] of a fixed seed, on `device`."""
+    g = torch.Generator().manual_seed(0)
+    return torch.cat([torch.randint(0, cfg.semantic_codebook_size, (streams, 1, frames), generator=g),
+                      torch.randint(0, cfg.codebook_size, (streams, cfg.n_codebooks, frames), generator=g)],
+                     1).to(device)
+
+
+def main():
+    ap = chunk_parser(__doc__, 4)
     ap.add_argument("--nwc-config", action="append", default=[],
                     help="kernels.CONV_NWC_CONFIG overrides for the Triton NWC column, e.g. 'block_t=64,block_co=128' "
                          "(repeat: each shape keeps its fastest; default: the config as it is)")
@@ -110,12 +124,7 @@ def main():
     codec = load_codec_from_dir(args.checkpoint, "cuda", "fp16")
     codec.drop_encoding()
     use_triton_kernels(codec, channels_last=False)  # its convolutions as PyTorch calls, to be recorded
-    cfg = codec.config
-    g = torch.Generator().manual_seed(0)
-    codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (args.streams, 1, args.chunk), generator=g),
-                       torch.randint(0, cfg.codebook_size, (args.streams, cfg.n_codebooks, args.chunk), generator=g)],
-                      1).cuda()
-    convs = record_convs(codec, codes)
+    convs = record_convs(codec, random_chunk(codec.config, args.streams, args.chunk, "cuda"))
     from s2tts.codec.dac import conv1d_phases
 
     rows, totals = {}, [0.0, 0.0, 0]

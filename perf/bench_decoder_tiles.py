@@ -15,7 +15,6 @@ in each tiling; then the sums: each tiling over every call, and each call's fast
 shape would give). `--device cpu` (under TRITON_INTERPRET=1, tiny checkpoints) checks the script only: its times
 are the interpreter's.
 """
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -62,10 +61,9 @@ def describe(args: tuple, kwargs: dict) -> tuple[str, str, str, str]:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--chunk", type=int, default=8)
+    from bench_conv_layout import chunk_parser, random_chunk
+
+    ap = chunk_parser(__doc__, 8)
     ap.add_argument("--config", action="append", default=[],
                     help="kernels.CONV_NWC_CONFIG overrides, e.g. 'block_t=64,block_co=64' (repeat; '' is the "
                          f"default tiling; default: {CONFIGS})")
@@ -94,12 +92,7 @@ def main():
     use_triton_kernels(codec)
     if not codec.decoder.channels_last:
         raise SystemExit("the decoder did not turn channels-last: nothing to time")
-    cfg = codec.config
-    g = torch.Generator().manual_seed(0)
-    codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (args.streams, 1, args.chunk), generator=g),
-                       torch.randint(0, cfg.codebook_size, (args.streams, cfg.n_codebooks, args.chunk), generator=g)],
-                      1).to(args.device)
-    calls = record_calls(codec, codes)
+    calls = record_calls(codec, random_chunk(codec.config, args.streams, args.chunk, args.device))
     configs = args.config or CONFIGS
     base = dict(kernels.CONV_NWC_CONFIG)
     times = []  # [call][config] us
