@@ -39,6 +39,11 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _ptx(x: torch.Tensor) -> bool:
+    """Whether a kernel on x's device compiles inline PTX: an NVIDIA GPU (not ROCm's), outside the interpreter."""
+    return x.is_cuda and torch.version.hip is None and not _interpreted()
+
+
 PDL = False  # the decode step's kernels launched with programmatic dependent launch (set by `dependent_launch`)
 
 
@@ -613,7 +618,7 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
                              HAS_BIAS=bias is not None,
                              HAS_RES=res is not None, RAW=alpha is None or snake_out is not None and raw,
                              SNAKE=alpha is not None, IEEE=x.dtype == torch.float32,
-                             FAST_SIN=x.dtype != torch.float32 and x.is_cuda and not _interpreted(),
+                             FAST_SIN=x.dtype != torch.float32 and _ptx(x),
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out if alpha is None or snake_out is None or raw else None
 
