@@ -597,7 +597,7 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
     cfg = CONV_NWC_CONFIG
     block_ci = cfg["block_ci"] if C_in % cfg["block_ci"] == 0 else 16
     x = x.contiguous()
-    out = S = None
+    out = S = None  # out: what is returned (the sum, or its Snake when that goes nowhere else); S: the Snake's
     if alpha is None or snake_out is None or raw:
         out = torch.empty(B, T_out, C_out, dtype=x.dtype, device=x.device)
     if alpha is not None:
@@ -616,11 +616,11 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
                              period, 0 if S is None else S.stride(0), KS=taps, DIL=dilation, BLOCK_T=block_t,
                              BLOCK_CO=block_co, BLOCK_CI=block_ci, MASK_CI=C_in % block_ci != 0,
                              HAS_BIAS=bias is not None,
-                             HAS_RES=res is not None, RAW=alpha is None or snake_out is not None and raw,
+                             HAS_RES=res is not None, RAW=out is not None and out is not S,
                              SNAKE=alpha is not None, IEEE=x.dtype == torch.float32,
                              FAST_SIN=x.dtype != torch.float32 and _ptx(x),
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return out if alpha is None or snake_out is None or raw else None
+    return out
 
 
 def rope_pairs(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

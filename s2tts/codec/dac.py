@@ -281,6 +281,15 @@ def _phases_pay(x: Tensor, weight: Tensor, dilation: int) -> bool:
     return use
 
 
+def _fresh_states(modules: Iterable[nn.Module], batch: int, device, dtype) -> dict[str, Tensor]:
+    """The initial (all-zero) stream state of these modules, keyed as a StreamState's."""
+    tensors: dict[str, Tensor] = {}
+    for m in modules:
+        if hasattr(m, "init_state"):
+            tensors.update(m.init_state(batch, device, dtype))
+    return tensors
+
+
 def _context_zeros(conv: nn.Module, batch: int, channels: int, device, dtype) -> Tensor:
     """A causal convolution's initial left context: [B, C, ctx] zeros, or [B, ctx, C] in a channels-last decoder."""
     shape = (batch, conv.context, channels) if conv.nwc_weight is not None else (batch, channels, conv.context)
@@ -685,11 +694,7 @@ class Decoder(nn.Module):
         output step holds `stride` steps side by side (`kernels.conv_transpose_weight_nwc`). Each stateful
         convolution's left context is [B, ctx, C]."""
         if step is None:  # one call from a fresh state
-            zeros: dict[str, Tensor] = {}
-            for m in self.modules():
-                if hasattr(m, "init_state"):
-                    zeros.update(m.init_state(z.shape[0], z.device, z.dtype))
-            step = _Step(zeros)
+            step = _Step(_fresh_states(self.modules(), z.shape[0], z.device, z.dtype))
         conv_in, *blocks, last_snake, conv_out = self.model
         B, T = z.shape[0], z.shape[-1]
 
@@ -922,11 +927,7 @@ class DAC(nn.Module):
     def new_stream_state(self, batch: int = 1) -> StreamState:
         self._decoding()
         p = self.decoder.model[0].conv.weight
-        tensors: dict[str, Tensor] = {}
-        for m in self._decode_path():
-            if hasattr(m, "init_state"):
-                tensors.update(m.init_state(batch, p.device, p.dtype))
-        return StreamState(tensors)
+        return StreamState(_fresh_states(self._decode_path(), batch, p.device, p.dtype))
 
     @torch.no_grad()
     def decode_stream(self, codes: Tensor, state: StreamState,

@@ -575,9 +575,14 @@ class EngineService:
         chunks, 5 of 1280 requests ran dry at their second or third chunk without this)."""
         for rec in self._decoding.values():
             st = rec.state
-            if 0 < st.released < K and sum(w[2].shape[0] for w in st.waiting) > st.n_audio:
+            if 0 < st.released < K and self._need(st) > 0:
                 return True
         return False
+
+    @staticmethod
+    def _need(st: RequestState) -> int:
+        """Frames the request's waiting chunks need decoded beyond the audio it holds."""
+        return sum(w[2].shape[0] for w in st.waiting) - st.n_audio
 
     def _plan(self, st: RequestState, K: int) -> list[tuple[np.ndarray, bool, bool]]:
         """What to decode of one request's frames now -> [(codes, start, final)] in order, one per codec call.
@@ -588,7 +593,7 @@ class EngineService:
         if st.codec_dropped:  # its decode failed (its error is what waits) or its stream was closed
             return []
         final_item = bool(st.waiting) and st.waiting[-1][1] == "final"
-        need = sum(w[2].shape[0] for w in st.waiting) - st.n_audio
+        need = self._need(st)
         if final_item:
             take = st.n_undecoded
         elif not K:
