@@ -49,6 +49,7 @@ def main():
     ap.add_argument("--device", default="cuda", help="--served-only: cpu is a smoke test of this script")
     ap.add_argument("--paths", default="own_state,pool_eager,pool_graphs,pool_graphs_kernels,served",
                     help="--served-only: which of dac_decoder's paths to time (`_kernels`: the codec's Triton kernels; "
+                         "`_one_tiling`: every convolution in kernels.CONV_NWC_CONFIG's tiling, not by its shape; "
                          "`served`: what the servers open, `codec.stream.open_stream_decoder`)")
     ap.add_argument("--profile", help="--served-only: directory for kernel and operator tables of one fp16 chunk at "
                                       "the largest batch, as PyTorch ops and with the codec's Triton kernels")
@@ -119,6 +120,7 @@ def bench_served(args):
 
     import numpy as np
 
+    from s2tts import kernels
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec.dac import use_triton_kernels
     from s2tts.codec.stream import StreamDecoder, open_stream_decoder
@@ -133,12 +135,14 @@ def bench_served(args):
     n = args.chunk
     rows = []
     paths = {"own_state": (0, False, False), "pool_eager": (256, False, False), "pool_graphs": (256, True, False),
-             "pool_graphs_kernels": (256, True, True), "pool_graphs_kernels_ncw": (256, True, "ncw"), "served": None}
+             "pool_graphs_kernels": (256, True, True), "pool_graphs_kernels_ncw": (256, True, "ncw"),
+             "pool_graphs_kernels_one_tiling": (256, True, True), "served": None}
     max_batch = max(int(b) for b in args.batches.split(","))
     if args.profile:
         profile_decode(codec, cfg, max_batch, n, Path(args.profile))
     for label in args.paths.split(","):
         t0 = time.perf_counter()
+        kernels.CONV_NWC_BY_SHAPE = label != "pool_graphs_kernels_one_tiling"  # CONV_NWC_CONFIG's for every call
         if paths[label] is None:  # what dac_decoder / slow_ar open: the Triton kernels, pool, graphs
             dec, _, made = open_stream_decoder(args.checkpoint, dev, "auto", 256, 600.0, [4, 8, n], max_batch)
             pool = 256

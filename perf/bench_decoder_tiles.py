@@ -2,7 +2,7 @@
 """The channels-last decoder's convolutions in several tilings, on a GPU: every `kernels.conv1d_nwc` call of one
 chunk (fp16, `--streams` x `--chunk` frames, as the served codec makes it: the transposed convolutions in their
 two-tap form, each epilogue as the decoder asks for it) is recorded with its operands, then timed alone in each
-tiling (`kernels.CONV_NWC_CONFIG` overrides), median of 20 calls queued behind a GPU sleep (GPU time, as in the
+tiling (`kernels.CONV_NWC_CONFIG` overrides; `shape`: the served choice by shape, `kernels.conv_nwc_tiling`), median of 20 calls queued behind a GPU sleep (GPU time, as in the
 pool's CUDA graphs).
 
     python3 perf/bench_decoder_tiles.py --checkpoint /tmp/s2-full --streams 64 --chunk 8
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-CONFIGS = ["", "block_co=64", "block_t=64", "block_t=64,block_co=64", "block_co=64,num_warps=8", "num_stages=4",
+CONFIGS = ["shape", "", "block_co=64", "block_t=64", "block_t=64,block_co=64", "block_co=64,num_warps=8", "num_stages=4",
            "block_ci=64", "block_t=32,block_co=32"]
 
 
@@ -65,8 +65,8 @@ def main():
 
     ap = chunk_parser(__doc__, 8)
     ap.add_argument("--config", action="append", default=[],
-                    help="kernels.CONV_NWC_CONFIG overrides, e.g. 'block_t=64,block_co=64' (repeat; '' is the "
-                         f"default tiling; default: {CONFIGS})")
+                    help="kernels.CONV_NWC_CONFIG overrides, e.g. 'block_t=64,block_co=64' (repeat; '' is "
+                         f"CONV_NWC_CONFIG itself, 'shape' the served choice by shape; default: {CONFIGS})")
     ap.add_argument("--device", default="cuda", help="cpu: a check of this script under TRITON_INTERPRET=1")
     args = ap.parse_args()
     from bench_engine import config_overrides
@@ -100,12 +100,14 @@ def main():
         for a, kw in calls:
             row = []
             for c in configs:
-                kernels.CONV_NWC_CONFIG.update(base, **config_overrides(c))
+                kernels.CONV_NWC_BY_SHAPE = c == "shape"
+                kernels.CONV_NWC_CONFIG.update(base, **config_overrides("" if c == "shape" else c))
                 row.append(timed_us(lambda: kernels.conv1d_nwc(*a, **kw)))
             kernels.CONV_NWC_CONFIG.update(base)
+            kernels.CONV_NWC_BY_SHAPE = True
             times.append(row)
     print(f"\n{args.streams} streams x {args.chunk} frames, {next(codec.parameters()).dtype}, {len(calls)} convolutions "
-          f"a call; tilings: " + ", ".join(f"[{i}] {c or 'default'}" for i, c in enumerate(configs)) + "\n")
+          f"a call; tilings: " + ", ".join(f"[{i}] {c or 'CONV_NWC_CONFIG'}" for i, c in enumerate(configs)) + "\n")
     print("| rows | taps | channels | epilogue | " + " | ".join(f"[{i}] us" for i in range(len(configs))) + " | fastest |")
     print("|---|---|---|---|" + "---|" * (len(configs) + 1))
     for (a, kw), row in zip(calls, times):

@@ -19,6 +19,7 @@ after one that does not take part waits as usual.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -483,6 +484,32 @@ def conv_to_one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dilat
 # 64 x 8 frames it took 6.5 ms against 10.1 for what the codec ran (perf/RESULTS.md, twenty-fourth session).
 
 CONV_NWC_CONFIG = {"block_t": 128, "block_co": 128, "block_ci": 32, "num_warps": 4, "num_stages": 3}
+CONV_NWC_BY_SHAPE = True  # on a GPU, each call's tiling from its shape (`conv_nwc_tiling`); False: CONV_NWC_CONFIG's
+
+
+def conv_nwc_tiling(rows: int, c_in: int, c_out: int, taps: int, sms: int) -> dict:
+    """Overrides of CONV_NWC_CONFIG for a convolution of `rows` output rows (batch rows x steps) on `sms`
+    multiprocessors, from a sweep of the decoder's calls at 1 and 64 streams x 8 frames on an H200 (perf/RESULTS.md,
+    twenty-fifth session: the GPU time of a chunk's convolutions 13.5 -> 12.0 ms at 64 streams, 0.78 -> 0.54 at 1):
+    tiles of 128 rows x 128 output channels where they make a wave of programs, else 64 x 64, else 32 x 32; with
+    128-tiles, 64 input channels a step where they divide (384 and more), and output tiles that divide 192 or 96."""
+    def programs(t):
+        return -(-rows // t) * -(-c_out // t)
+
+    if programs(128) < sms:
+        return {"block_t": 64, "block_co": 64} if programs(64) >= sms else {"block_t": 32, "block_co": 32}
+    if c_in >= 384 and c_in % 64 == 0:
+        return {"block_ci": 64}
+    if c_out % 128 == 64:
+        return {"block_t": 64, "block_co": 64} if taps <= 2 else {"block_co": 64}
+    if c_out % 64 == 32 and taps == 1:
+        return {"block_t": 32, "block_co": 32}
+    return {}
+
+
+@functools.lru_cache(maxsize=None)
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 if triton is not None:
 
@@ -594,7 +621,10 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
     if len(period) > 1 or any(C_out % p for p in period):
         raise ValueError(f"conv1d_nwc: bias and alpha need the same number of values, a divisor of {C_out}")
     period = period.pop() if period else C_out
+    M = B * T_out
     cfg = CONV_NWC_CONFIG
+    if CONV_NWC_BY_SHAPE and x.is_cuda:
+        cfg = {**cfg, **conv_nwc_tiling(M, C_in, C_out, taps, _sms(x.device))}
     block_ci = cfg["block_ci"] if C_in % cfg["block_ci"] == 0 else 16
     x = x.contiguous()
     out = S = None  # out: what is returned (the sum, or its Snake when that goes nowhere else); S: the Snake's
@@ -606,7 +636,6 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
             raise ValueError(f"conv1d_nwc: snake_out {tuple(S.shape)} does not hold {B} batch rows of {T_out} x "
                              f"{C_out} contiguous values")
     res = None if residual is None else residual.contiguous()
-    M = B * T_out
     block_t = min(cfg["block_t"], max(16, triton.next_power_of_2(M)))
     block_co = min(cfg["block_co"], max(16, triton.next_power_of_2(C_out)))
     grid = (triton.cdiv(M, block_t), triton.cdiv(C_out, block_co))

@@ -278,6 +278,22 @@ def check_codec(ckpt):
         assert rel(raw.transpose(1, 2), summed) < 1e-6 and rel(buf[:, 5:].transpose(1, 2), full) < 1e-6
         assert torch.equal(buf[:, :5], torch.full_like(buf[:, :5], 7.0))  # the left context's rows untouched
         assert kernels.conv1d_nwc(xt, wn, dil, alpha=al, snake_out=buf[:, 5:]) is None
+    # in each tiling that a GPU's choice by shape (`conv_nwc_tiling`) makes for the decoder's convolutions at 1, 8
+    # and 64 streams on 132 multiprocessors (an H100's, an H200's)
+    shapes = ((32, 1024, 1536, 7), (256, 768, 768, 1), (2048, 384, 384, 7), (8192, 192, 192, 7), (8192, 192, 192, 2),
+              (16384, 96, 96, 1), (16384, 96, 96, 7))
+    tilings = {tuple(sorted(kernels.conv_nwc_tiling(b * t, ci, co, k, 132).items()))
+               for b in (1, 8, 64) for t, ci, co, k in shapes}
+    xi, w = torch.randn(2, 64, 40), torch.randn(96, 64, 3) / (64 * 3) ** 0.5
+    b, al = torch.randn(96), torch.rand(96) + 0.5
+    summed = F.conv1d(xi, w, b, dilation=2)
+    full = summed + torch.sin(al[:, None] * summed).pow(2) / (al[:, None] + 1e-9)
+    tiling = dict(kernels.CONV_NWC_CONFIG)
+    for t in tilings:
+        kernels.CONV_NWC_CONFIG.update(tiling, **dict(t))
+        got = kernels.conv1d_nwc(xi.transpose(1, 2), kernels.conv_weight_nwc(w), 2, bias=b, alpha=al)
+        assert rel(got.transpose(1, 2), full) < 1e-6, t
+    kernels.CONV_NWC_CONFIG.update(tiling)
     for c_in, c_out, stride in ((16, 8, 2), (32, 24, 4)):  # a transposed convolution as two taps, bias per channel
         xi, w, b = torch.randn(2, c_in, 9), torch.randn(c_in, c_out, 2 * stride) / (2 * c_in) ** 0.5, torch.randn(c_out)
         ctx = torch.randn(2, c_in, 1)  # the input step before (a stream's left context)
