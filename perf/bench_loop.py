@@ -71,7 +71,8 @@ def _stall_points(clients) -> dict:
 
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
-        prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load="", launch_ahead=None):
+        prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load="", launch_ahead=None,
+        codec_overlap=None):
     from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService
@@ -92,6 +93,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
                         launch_ahead=launch_ahead)
     if args.chunk_lag >= 0:
         svc.chunk_lag = args.chunk_lag
+    if codec_overlap is not None:
+        svc.codec_overlap = codec_overlap
     if uniform is not None:
         svc.chunk_options["uniform_from"] = uniform
     clients: list[_Client] = []
@@ -146,7 +149,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     svc.shutdown()
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
-    out = {"launch_ahead": svc.launch_ahead, "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
+    out = {"launch_ahead": svc.launch_ahead, "codec_overlap": svc.codec_overlap, "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
@@ -212,6 +215,9 @@ def main() -> int:
     ap.add_argument("--launch-ahead", default="", help="comma-separated 1/0: the engine launches its next step "
                     "before the loop routes the last one's frames (EngineService(launch_ahead=); default: the "
                     "service's, on a GPU), each tried with the first of the others (the first of all: the default)")
+    ap.add_argument("--codec-overlap", default="", help="comma-separated 1/0: with steps launched ahead, the next "
+                    "one also launched during a held codec call (EngineService.codec_overlap; default on), each tried "
+                    "with the first of the others")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -262,6 +268,8 @@ def main() -> int:
         go(first, gil_load=g)
     for la in [x for x in args.launch_ahead.split(",") if x]:
         go(first, launch_ahead=la == "1")
+    for co in [x for x in args.codec_overlap.split(",") if x]:
+        go(first, codec_overlap=co == "1")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

@@ -218,9 +218,9 @@ def _recording(decoder):
     """Record each codec call's jobs as [(stream id, frames, final)]."""
     calls, inner = [], decoder.decode_many
 
-    def decode_many(jobs, now):
+    def decode_many(jobs, now, **kw):
         calls.append([(sid, codes.shape[0], final) for _, sid, codes, _, final in jobs])
-        return inner(jobs, now)
+        return inner(jobs, now, **kw)
 
     decoder.decode_many = decode_many
     return calls
@@ -298,28 +298,40 @@ def test_a_short_first_chunk_is_followed_at_once_when_load_comes(model, prompts,
 def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny_ckpt, codec):
     """codec_batch_steps=4 under load against 1: fewer codec calls, the same audio; and the same again with the
     engine launching each step before the loop routes the last one's frames (`launch_ahead`, a GPU's default),
-    which it does under load with held slices, and with exactly one final response a request."""
-    def run(steps, ahead=None):
+    which it does under load with held slices, and with exactly one final response a request; with it, the next
+    step launched while a held codec call is queued (`codec_overlap`) or not."""
+    def run(steps, ahead=None, overlap=True):
         decoder = StreamDecoder(codec, pool_size=8)
         svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps, frame_seconds=codec_frame_seconds(tiny_ckpt),
                        launch_ahead=ahead)
+        svc.codec_overlap = overlap
         svc.pace = lambda: 0.45
-        launched = []
-        step_ahead = svc.engine.step_ahead
+        launched, early = [], []
+        step_ahead, launch_next = svc.engine.step_ahead, svc.engine.launch_next
         svc.engine.step_ahead = lambda: launched.append(1) or step_ahead()
+
+        def counted():  # a step launched during a codec call: two in flight after it
+            out = launch_next()
+            early.append(len(svc.engine._inflight))
+            return out
+
+        svc.engine.launch_next = counted
         rs = _serve_all(svc, prompts, [25, 30, 35, 40], 60, "Batch me", first_chunk_frames=1, chunk_frames=1)
         assert all(kind == "ok" for r in rs for kind, *_ in r.sent) and all(r.finals == 1 for r in rs)
         assert bool(launched) == bool(ahead)
+        assert (2 in early) == bool(ahead and overlap), early
         return [np.concatenate([a for *_, a in r.sent]) for r in rs], svc.loop.codec_calls, decoder
 
     every, calls_every, _ = run(1)
     batched, calls_batched, decoder = run(4)
     ahead, _, decoder_ahead = run(4, ahead=True)
-    for a, b, c in zip(every, batched, ahead):
+    apart, _, decoder_apart = run(4, ahead=True, overlap=False)
+    for a, b, c, d in zip(every, batched, ahead, apart):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
         np.testing.assert_allclose(c, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(d, b, atol=1e-5, rtol=0)
     assert calls_batched < 0.4 * calls_every, (calls_batched, calls_every)
-    assert decoder.states == {} and decoder_ahead.states == {}
+    assert decoder.states == {} and decoder_ahead.states == {} and decoder_apart.states == {}
 
 
 def test_slices_follow_the_lengths_the_codec_prepared(codec):

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,14 +75,20 @@ class StreamDecoder:
         return _Stream(now, slot=slot, state=None if slot is not None else self.codec.new_stream_state(1))
 
     @torch.inference_mode()
-    def decode_many(self, jobs, now: float) -> dict:
+    def decode_many(self, jobs, now: float, queued: Callable[[], None] | None = None) -> dict:
         """jobs: [(key, stream_id, codes [n, C] int, start, final)] -> {key: float32 audio [n * frame_length] or
         S2Error}. Jobs of one stream must come in order; a stream appears at most once per call. One call at a time
-        (callers on other threads wait): the pool's graphs and buffers serve every call."""
+        (callers on other threads wait): the pool's graphs and buffers serve every call. `queued` is called once
+        per call: on a GPU as soon as the device work of the call's first group of streams is queued, before the
+        host waits for its audio (device work the caller queues then runs behind it while the host takes the audio:
+        the engine's next step), at the latest before returning."""
+        once = _Once(queued)
         with self._lock:
-            return self._decode_many(jobs, now)
+            out = self._decode_many(jobs, now, once)
+        once()
+        return out
 
-    def _decode_many(self, jobs, now: float) -> dict:
+    def _decode_many(self, jobs, now: float, queued: Callable[[], None]) -> dict:
         out: dict = {}
         seen = set()
         groups = defaultdict(list)
@@ -112,7 +119,7 @@ class StreamDecoder:
             self.batches.append(len(group))
             try:
                 if path == "pool":
-                    self._decode_pooled(group, codes, out)
+                    self._decode_pooled(group, codes, out, queued)
                 else:
                     self._decode_own(group, codes, out, wide=path == "fp32")
             except Exception as e:  # noqa: BLE001 - this group's streams fail; their state is gone
@@ -128,9 +135,9 @@ class StreamDecoder:
         self._collect(now)
         return out
 
-    def _decode_pooled(self, group, codes, out) -> None:
+    def _decode_pooled(self, group, codes, out, queued: Callable[[], None]) -> None:
         streams = [self.states[sid] for _, sid, *_ in group]
-        audio, finite, old = self.pool.decode([s.slot for s in streams], codes, [not s.fresh for s in streams])
+        audio, finite, old = self.pool.decode([s.slot for s in streams], codes, [not s.fresh for s in streams], queued)
         hop = audio.shape[1] // codes.shape[-1]
         for b, ((key, sid, _, n), st) in enumerate(zip(group, streams)):
             st.fresh = False
@@ -302,6 +309,18 @@ def _with_finite(audio: torch.Tensor, state: dict) -> torch.Tensor:
     return torch.cat([audio, finite[:, None].float()], dim=1)
 
 
+class _Once:
+    """A callable calling `fn` (None: nothing) the first time only."""
+
+    def __init__(self, fn: Callable[[], None] | None):
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
+
+
 class SlotPool:
     """The decoder states of up to `size` streams in one set of device tensors (row i = slot i, the extra last row
     is scratch for the padded rows of a batch; a row holds all of a stream's state tensors of one dtype). A batch of
@@ -340,6 +359,7 @@ class SlotPool:
         # buffer, not one per graph (64 S2 Pro streams hold ~280 MB of state)
         self.old_rows: dict[torch.dtype, torch.Tensor] = {}
         self.cap: dict[int, int] = {}  # chunk length -> the most streams one call decodes (`warm`'s max_frames)
+        self._host: torch.Tensor | None = None  # page-locked: a call's audio on its way to the host (GPU)
 
     def take(self) -> int | None:
         return self.free.pop() if self.free else None
@@ -430,23 +450,25 @@ class SlotPool:
         """The length a final chunk of n frames decodes at."""
         return next((L for L in self.lengths if L >= n), n)
 
-    def decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool]):
+    def decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool], queued=None):
         """See `_decode`; on a GPU, with the pool's device current (graphs replay on the current device)."""
+        queued = queued or (lambda: None)
         if self.device.type != "cuda":
-            return self._decode(slots, codes, keep)
+            return self._decode(slots, codes, keep, queued)
         with torch.cuda.device(self.device):
-            return self._decode(slots, codes, keep)
+            return self._decode(slots, codes, keep, queued)
 
-    def _decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool]):
+    def _decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool], queued: Callable[[], None]):
         """codes [B, C, n] (device, int64) of the streams in `slots`; keep[b] False: start from a fresh state.
         -> (audio float32 [B, n * hop] host, finite [B] host, old states {key: [B, ...]} on the device). More
-        streams than `cap` allows for n run as several calls."""
+        streams than `cap` allows for n run as several calls. `queued()` once the device work and the audio's copy
+        to the host are queued (on a GPU: before the host waits for them)."""
         B, n = codes.shape[0], codes.shape[-1]
         cap = self.cap.get(n)
         if cap is not None and B > cap:
             parts = []
             for i in range(0, B, cap):
-                audio, finite, old = self._decode(slots[i : i + cap], codes[i : i + cap], keep[i : i + cap])
+                audio, finite, old = self._decode(slots[i : i + cap], codes[i : i + cap], keep[i : i + cap], queued)
                 parts.append((audio, finite, {k: v.clone() for k, v in old.items()}))  # the next call reuses the buffer
             return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                     {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]})
@@ -462,5 +484,18 @@ class SlotPool:
             graph.replay()
         else:
             self._body(bufs)
-        host = bufs["out"][:B].cpu().numpy()
+        if self.device.type != "cuda":
+            host = bufs["out"][:B].cpu().numpy()
+            queued()
+        else:  # the copy queued behind the decode into page-locked memory, then the caller's device work behind it
+            out = bufs["out"][:B]
+            if self._host is None or self._host.numel() < out.numel():  # one buffer, grown to the largest call
+                self._host = torch.empty(out.numel(), dtype=out.dtype, pin_memory=True)
+            pinned = self._host[: out.numel()].view(out.shape)
+            pinned.copy_(out, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            queued()
+            ready.synchronize()
+            host = pinned.numpy().copy()  # (the page-locked buffer serves the next call of this shape)
         return host[:, :-1], host[:, -1] > 0, {k: v[:B] for k, v in bufs["old"].items()}

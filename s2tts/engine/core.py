@@ -216,6 +216,19 @@ class Engine:
 
         return self._on_device(go)
 
+    def launch_next(self) -> list[Output]:
+        """Launch the next step now if one step is in flight (`step_ahead`'s state between calls) and nothing failed,
+        without finishing any -> the outputs the launch made at once. For a caller about to wait for other device
+        work queued behind the step in flight (the codec's call): the device goes on to this step meanwhile, and the
+        next `step_ahead` finishes the older step without launching."""
+
+        def go():
+            if len(self._inflight) == 1 and self.last_fault is None and self.has_work():
+                return self._launch()
+            return []
+
+        return self._on_device(go)
+
     def _on_device(self, fn) -> list[Output]:
         if self.model.engine_owner is not self:
             raise RuntimeError("another Engine was made over this model since this one: its KV cache (and the CUDA "

@@ -226,6 +226,11 @@ class EngineService:
         codec's call would wait behind that step)."""
         self.engine = engine
         self.launch_ahead = engine.device.type == "cuda" if launch_ahead is None else launch_ahead
+        # with steps launched ahead, the next one also launched during a held codec call, behind it on the device
+        # (`_launch_behind_codec`); its immediate outputs wait in _launched_early for the next pass
+        self.codec_overlap = True
+        self._ahead = False  # this pass launches ahead
+        self._launched_early: list = []
         self.direct_send = direct_send
         self.codec = codec
         self._codec_closing: list[str] = []  # codec streams to close, asked from other threads (engine thread only
@@ -438,7 +443,7 @@ class EngineService:
     def _engine_pass(self) -> None:
         if self.codec is not None:
             self._close_codec_streams()
-        if not self.engine.wait_for_work(timeout=0.5) or self.stop.is_set():
+        if (not self._launched_early and not self.engine.wait_for_work(timeout=0.5)) or self.stop.is_set():
             return
         if not self.health.ok:  # nothing runs on an unhealthy device; drop whatever arrived meanwhile
             self.engine.fail_all("unhealthy")
@@ -446,7 +451,10 @@ class EngineService:
         t0, cpu0 = time.monotonic(), time.thread_time()
         decoding = self.engine.decoding()  # a step of prompt rows alone is not the streams' pace
         ahead = self.launch_ahead and (self.codec is None or (self.codec_batch_steps > 1 and self.under_load()))
+        self._ahead = ahead
         outputs = self.engine.step_ahead() if ahead else self.engine.step()
+        if self._launched_early:  # what the launch during the last pass's codec call made at once comes first
+            outputs, self._launched_early = self._launched_early + outputs, []
         # (statistics, no lock needed): the slots this step held (those live after it and those it ended) and the
         # requests left waiting for one
         live = len(self.engine.live) + sum(o.finish_reason in (FINISH_END, FINISH_LENGTH) for o in outputs)
@@ -629,7 +637,7 @@ class EngineService:
             self.loop.codec_streams += len(now)
             jobs = [(k, rec.state.codec.sid, codes, start, final) for k, (rec, (codes, start, final)) in enumerate(now)]
             try:
-                audio = self.codec.decode_many(jobs, time.monotonic())
+                audio = self.codec.decode_many(jobs, time.monotonic(), queued=self._launch_behind_codec)
             except Exception as e:  # noqa: BLE001 - the codec failed as a whole: these requests end, the service goes on
                 err = errors.from_exception(e, self.name)
                 audio = {k: err for k in range(len(now))}
@@ -645,6 +653,13 @@ class EngineService:
                 st.codec_dropped = True  # nothing more is decoded for it; its waiting items become the error
                 st.waiting = [[rec, "error", None, "", err, None]]
                 self.engine.cancel(str(rec.iid))
+
+    def _launch_behind_codec(self) -> None:
+        """The codec's call is queued on the device: with steps launched ahead, queue the engine's next step behind
+        it, so the device makes frames while this thread takes the call's audio and hands it out (otherwise it idles
+        until the next pass launches). Its immediate outputs join the next pass's."""
+        if self._ahead and self.codec_overlap:
+            self._launched_early += self.engine.launch_next()
 
     def _ready_items(self, rec: Tracked) -> list[list]:
         """A request's waiting items whose audio is all decoded, in order; consecutive chunks as one."""
