@@ -221,7 +221,8 @@ def main():
                     help="NAME=key=value,...: run every batch once per variant, in one process (keys: pdl=0|1, "
                          "small_rows=N for kernels.GEMV_SMALL_ROWS, small_block_n, small_block_k, small_num_warps, "
                          "small_num_stages; the attention's split of a row's keys: splits=N (a power of two), "
-                         "split_from=N keys, min_split=N keys)")
+                         "split_from=N keys, min_split=N keys, few_rows=N for ModelRunner.FEW_ROWS (0: no split "
+                         "for few rows))")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -258,7 +259,10 @@ def main():
         if args.parity:
             print("parity (fused kernels vs plain PyTorch):", json.dumps(check_parity(ck, prompts)), flush=True)
             model = load_model(ck, "cuda", "bf16", weights=weights)
+        from s2tts.engine.runner import ModelRunner
+
         small = (kernels.GEMV_SMALL_ROWS, dict(kernels.GEMV_SMALL_CONFIG))
+        few_rows = ModelRunner.FEW_ROWS
         for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]
                                          for v in [variant(v) for v in args.variant or ["default="]]
                                          for g in ([False, True] if args.eager else [True])]:
@@ -266,6 +270,7 @@ def main():
                 kernels.GEMV_SMALL_CONFIG.update(small[1], **{k[6:]: int(v) for k, v in vset.items()
                                                               if k.startswith("small_") and k != "small_rows"})
                 pdl = None if "pdl" not in vset else bool(int(vset["pdl"]))
+                ModelRunner.FEW_ROWS = int(vset.get("few_rows", few_rows))
                 torch.cuda.reset_peak_memory_stats()
                 split = {k: int(vset[k]) if k in vset else None for k in ("splits", "split_from", "min_split")}
                 with attention_split(model, split["split_from"], split["min_split"]):

@@ -140,7 +140,8 @@ def check_ops():
 
 
 def check_engine(ckpt):
-    """The whole engine with every Triton kernel on (paged cache, blocks of 8, keys split between up to 4 programs;
+    """The whole engine with every Triton kernel on (paged cache, blocks of 8, keys split between up to 4 programs by
+    both of the runner's rules;
     every token a row of one pass, padded to a row bucket, prompts prefilled 16 tokens a step beside the decode rows)
     gives the logits and codes of the plain PyTorch path over the slot layout (decode rows as a batch, each prompt
     as a sequence, all of it at once)."""
@@ -152,10 +153,14 @@ def check_engine(ckpt):
         eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
                      fused_kernels=kern, kv_block_tokens=8 if kern else 0, decode_splits=4 if kern else None,
                      row_buckets=kern, max_prefill_tokens=16 if kern else 512)
-        if kern:  # split every row's keys (a real server splits only past 2048 keys, in parts of at least 1024)
-            eng.runner.SPLIT_FROM = 0
-            for layer in model.slow.layers:
-                layer.attention.decode_min_split = 16
+        ways = []
+        if kern:  # rows' keys split by both rules: past 53 keys of the longest row (`decode_splits`, parts of at
+            # least 16), and in passes of up to 16 rows (FEW_ROWS, parts of at least 8; its 20-row passes not split).
+            # A real server: past 2048 keys in parts of at least 1024, and passes of up to 4 rows in parts of 32.
+            r = eng.runner
+            r.SPLIT_FROM, r.min_split, r.FEW_ROWS, r.FEW_ROWS_MIN_SPLIT = 53, 16, 16, 8
+            use_split = r._use_split
+            r._use_split = lambda way: ways.append(way) or use_split(way)
         small, gemv_small = [], kernels.gemv_small
         kernels.gemv_small = lambda *a, **k: small.append(a[0].numel() // a[0].shape[-1]) or gemv_small(*a, **k)
         mixed, inner = [], eng.runner._slow_pass
@@ -172,6 +177,7 @@ def check_engine(ckpt):
                 frames[o.request_id].append(o.codes)
             step += 1
         assert any(mixed) and eng.runner.flat == kern, mixed  # prompt rows beside decode rows (with the kernel: as rows)
+        assert not kern or {(4, 16), (4, 8), (1, 16)} <= set(ways), sorted(set(ways))
         kernels.gemv_small = gemv_small
         # the kernels' products of up to GEMV_SMALL_ROWS rows (decode passes, the fast AR) in `gemv_small`, the others not
         assert (small and set(small) <= set(range(1, kernels.GEMV_SMALL_ROWS + 1))) if kern else not small, sorted(set(small))

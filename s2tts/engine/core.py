@@ -72,7 +72,7 @@ class Engine:
         default: 1 up to max_seq_len 2048, then one per 2048 tokens of max_seq_len, at most 16), so that a long
         context is read by many programs at once. A pass uses them only while some row has more than
         `ModelRunner.SPLIT_FROM` keys (their extra programs cost ~15% of a step of short requests); with
-        `batch_invariant`, always.
+        `batch_invariant`, always. Passes of up to `ModelRunner.FEW_ROWS` rows split short rows too (4 ways).
 
         `batch_invariant`: a request's numbers do not depend on the requests beside it. With the attention kernel
         (GPU), every matrix product of both ARs goes through the row-invariant kernel (`kernels.linear`: its tiling

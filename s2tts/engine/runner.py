@@ -60,6 +60,11 @@ class ModelRunner:
     ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512, 640, 768, 1024, 1536, 2048,
                    3072, 4096, 6144, 8192)
     SPLIT_FROM = 2048  # keys of the longest row above which a pass splits each row's keys
+    # A pass of up to FEW_ROWS rows (one to four streams decoding) splits each row's keys FEW_ROWS_SPLITS ways, in
+    # parts of at least FEW_ROWS_MIN_SPLIT keys, at any length: its (rows x KV heads) programs would leave most SMs
+    # idle (a step 0.09-0.15 ms shorter at 1-4 rows with 500-frame contexts on an H200; perf/RESULTS.md, twenty-fifth
+    # session). 0 rows: off.
+    FEW_ROWS, FEW_ROWS_SPLITS, FEW_ROWS_MIN_SPLIT = 4, 4, 32
     # a pass's rows on the device, one column per row: [_F_ROWS + num_codebooks, rows] int64
     _SLOT, _POS, _TOKEN, _SEMANTIC, _FROM_LAST, _SRC, _DST, _F_ROWS = range(8)
 
@@ -121,6 +126,7 @@ class ModelRunner:
         if decode_splits < 1 or decode_splits & (decode_splits - 1):
             raise ValueError(f"decode_splits={decode_splits}: use a power of two")
         self.decode_splits = decode_splits
+        self.min_split = model.slow.layers[0].attention.decode_min_split  # least keys a split takes (long rows)
         for st in (model.slow.stack, model.fast.stack):
             for layer in st.layers:
                 layer.attention.decode_kernel = decode_kernel
@@ -256,8 +262,8 @@ class ModelRunner:
         n = B + sum(e - s for _, s, e in chunks)
         rows = self.max_batch if self.apart and decoding else n
         keys = max([r.length + 1 for r in decoding] + [e for _, _, e in chunks])
-        splits = self._splits_for(keys)
         size = self._bucket(self.row_sizes, rows) if self.pad_rows else rows
+        split = self._split_for(keys, size)
         io = self._pass_io(size, "cpu")
         if B:
             io[self._SLOT, :B] = torch.tensor([r.slot for r in decoding])
@@ -278,12 +284,12 @@ class ModelRunner:
             runs.append((row, m, e))
             row += m
         self.passes += 1
-        graph = self.graphs.get((size, splits))
+        graph = self.graphs.get((size, split))
         if graph is not None:
             graph[1].copy_(io, non_blocking=True)
             graph[0].replay()
         else:
-            self._use_splits(splits)
+            self._use_split(split)
             self._slow_core(io.to(self.device), None if self.flat else runs)
         return k - first
 
@@ -362,13 +368,19 @@ class ModelRunner:
     def _bucket(sizes: tuple[int, ...], n: int) -> int:
         return next(b for b in sizes if b >= n)
 
-    def _splits_for(self, keys: int) -> int:
-        """Decode splits of a step whose longest request attends to `keys` keys."""
-        return self.decode_splits if self.batch_invariant or keys > self.SPLIT_FROM else 1
+    def _split_for(self, keys: int, rows: int) -> tuple[int, int]:
+        """How a pass of `rows` rows (its row bucket) whose longest row attends to `keys` keys splits each row's keys
+        in the attention kernel -> (programs, least keys each): `decode_splits` past SPLIT_FROM keys (always with
+        `batch_invariant`: never by the rows), else FEW_ROWS_SPLITS at up to FEW_ROWS rows, else none."""
+        if self.batch_invariant or keys > self.SPLIT_FROM:
+            return self.decode_splits, self.min_split
+        if rows <= self.FEW_ROWS:
+            return self.FEW_ROWS_SPLITS, self.FEW_ROWS_MIN_SPLIT
+        return 1, self.min_split
 
-    def _use_splits(self, n: int) -> None:
+    def _use_split(self, split: tuple[int, int]) -> None:
         for layer in self.model.slow.layers:
-            layer.attention.decode_splits = n
+            layer.attention.decode_splits, layer.attention.decode_min_split = split
 
     def _decode_core(self, slots, pos, step):
         """One decode step of the rows slots [B] at positions pos [B, 1] on the device (perf tools time this)."""
@@ -410,7 +422,6 @@ class ModelRunner:
         pool = torch.cuda.graph_pool_handle()
         dev, C = self.device, self.s2.num_codebooks
         stream = torch.cuda.Stream(dev)
-        variants = sorted({self._splits_for(1), self._splits_for(self.max_seq_len)})
 
         def capture(fn):
             stream.wait_stream(torch.cuda.current_stream(dev))
@@ -425,9 +436,9 @@ class ModelRunner:
 
         for size in sorted(self.row_sizes, reverse=True):
             io = self._pass_io(size, dev)
-            for splits in variants:  # one graph per way of splitting the keys (they share io)
-                self._use_splits(splits)
-                self.graphs[(size, splits)] = (capture(lambda: self._slow_core(io))[0], io)
+            for split in sorted({self._split_for(1, size), self._split_for(self.max_seq_len, size)}):
+                self._use_split(split)  # one graph per way of splitting the keys (they share io)
+                self.graphs[(size, split)] = (capture(lambda: self._slow_core(io))[0], io)
         for size in sorted(self.sample_sizes, reverse=True):
             io = torch.zeros(3, size, dtype=torch.int64, device=dev)
             io[0] = self.scratch
