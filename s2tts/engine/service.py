@@ -446,6 +446,7 @@ class EngineService:
         if (not self._launched_early and not self.engine.wait_for_work(timeout=0.5)) or self.stop.is_set():
             return
         if not self.health.ok:  # nothing runs on an unhealthy device; drop whatever arrived meanwhile
+            self._launched_early = []  # (their requests end here too)
             self.engine.fail_all("unhealthy")
             return
         t0, cpu0 = time.monotonic(), time.thread_time()
