@@ -8,7 +8,8 @@ of what tritonserver can serve from one process, and where a pass's time goes.
 `--frames` frames (random weights never stop; `--frames-jitter` and `--stagger-ms` put streams out of step, as
 real clients are). For each `--batch-steps` value: audio seconds delivered per second
 (responses with audio, counted between the first --warm-s and the end), the pass time split into the step and the
-rest (routing + codec), codec calls and chunks per call, and the stall fraction (a request whose chunks, played from
+rest (routing + codec), codec calls and chunks per call, the GPU's busy share (nvidia-smi's utilization, sampled every
+0.1 s: the time a kernel ran), and the stall fraction (a request whose chunks, played from
 its first one, would run dry; the same rule as perf/loadgen.py). On a CPU with the tiny checkpoint it is a smoke test.
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from loadgen import _stall  # noqa: E402 - the same rule as the Triton load generator
+from loadgen import GpuMonitor, _stall  # noqa: E402 - the same rule as the Triton load generator
 
 
 class _Client:
@@ -131,15 +132,21 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     t0 = time.monotonic()
     svc.loop.every_s = 1e9  # measured here instead
     base = None  # (when, audio delivered, the loop's counters) after --warm-s: what is measured starts there
+    gpu = GpuMonitor(interval=0.1) if cuda else None  # the share of time a kernel ran (nvidia-smi's utilization)
     while time.monotonic() - t0 < args.seconds:
         time.sleep(0.01)
         if base is None and time.monotonic() - t0 >= args.warm_s:
             base = (time.monotonic(), sum(sum(c.durations) for c in clients),
                     dataclasses.replace(svc.loop, tails=list(svc.loop.tails)))
+            if gpu is not None:
+                gpu.reset()
         for k, c in enumerate(live):
             if c.done.is_set() and time.monotonic() - c.done_at >= resubmit_ms / 1e3:
                 live[k] = submit()
     t1 = time.monotonic()
+    gpu_busy = gpu.read()["gpu_util_mean"] if gpu is not None else None
+    if gpu is not None:
+        gpu.close()
     stop_load.set()
     audio = sum(sum(c.durations) for c in clients)
     L, B = svc.loop, base[2]
@@ -160,7 +167,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "prompt_steps": round((L.firsts - B.firsts) / steps, 3),
            "prompt_step_ms": round(1e3 * (L.firsts_s - B.firsts_s) / max(1, L.firsts - B.firsts), 2),
            "tail_ms_p50": round(1e3 * float(np.median(tails)), 1) if tails else None,
-           "off_cpu_ms": round(1e3 * (L.off_cpu_s - B.off_cpu_s) / steps, 2),
+           "off_cpu_ms": round(1e3 * (L.off_cpu_s - B.off_cpu_s) / steps, 2), "gpu_busy_pct": gpu_busy,
            "codec_calls_per_step": round((L.codec_calls - B.codec_calls) / steps, 3),
            "streams_per_call": round((L.codec_streams - B.codec_streams) / calls, 1),
            "requests_done": len(finished), "stall_fraction": round(sum(c.stalled() for c in finished) / max(1, len(finished)), 3),
