@@ -300,7 +300,9 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
     engine launching each step before the loop routes the last one's frames (`launch_ahead`, a GPU's default),
     which it does under load with held slices, and with exactly one final response a request; with it, the next
     step launched while a held codec call is queued (`codec_overlap`) or not."""
-    def run(steps, ahead=None, overlap=True):
+    from injection import fail_on_call
+
+    def run(steps, ahead=None, overlap=True, fail_launch=False):
         decoder = StreamDecoder(codec, pool_size=8)
         svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps, frame_seconds=codec_frame_seconds(tiny_ckpt),
                        launch_ahead=ahead)
@@ -315,7 +317,8 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
             early.append(len(svc.engine._inflight))
             return out
 
-        svc.engine.launch_next = counted
+        # a launch that raises during a codec call: the next pass raises it (logged), the call's streams get audio
+        svc.engine.launch_next = fail_on_call(counted, 1, "launch failed") if fail_launch else counted
         rs = _serve_all(svc, prompts, [25, 30, 35, 40], 60, "Batch me", first_chunk_frames=1, chunk_frames=1)
         assert all(kind == "ok" for r in rs for kind, *_ in r.sent) and all(r.finals == 1 for r in rs)
         assert bool(launched) == bool(ahead)
@@ -326,10 +329,12 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
     batched, calls_batched, decoder = run(4)
     ahead, _, decoder_ahead = run(4, ahead=True)
     apart, _, decoder_apart = run(4, ahead=True, overlap=False)
-    for a, b, c, d in zip(every, batched, ahead, apart):
+    failed, _, _ = run(4, ahead=True, fail_launch=True)
+    for a, b, c, d, f in zip(every, batched, ahead, apart, failed):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
         np.testing.assert_allclose(c, b, atol=1e-5, rtol=0)
         np.testing.assert_allclose(d, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(f, b, atol=1e-5, rtol=0)
     assert calls_batched < 0.4 * calls_every, (calls_batched, calls_every)
     assert decoder.states == {} and decoder_ahead.states == {} and decoder_apart.states == {}
 

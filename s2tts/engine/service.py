@@ -231,6 +231,7 @@ class EngineService:
         self.codec_overlap = True
         self._ahead = False  # this pass launches ahead
         self._launched_early: list = []
+        self._launch_error: Exception | None = None  # raised by that launch: raised again by the next pass
         self.direct_send = direct_send
         self.codec = codec
         self._codec_closing: list[str] = []  # codec streams to close, asked from other threads (engine thread only
@@ -443,12 +444,16 @@ class EngineService:
     def _engine_pass(self) -> None:
         if self.codec is not None:
             self._close_codec_streams()
-        if (not self._launched_early and not self.engine.wait_for_work(timeout=0.5)) or self.stop.is_set():
+        if (not self._launched_early and self._launch_error is None and not self.engine.wait_for_work(timeout=0.5)) \
+                or self.stop.is_set():
             return
         if not self.health.ok:  # nothing runs on an unhealthy device; drop whatever arrived meanwhile
             self._launched_early = []  # (their requests end here too)
             self.engine.fail_all("unhealthy")
             return
+        if self._launch_error is not None:  # as if this pass's own launch had raised it (not the codec's fault)
+            e, self._launch_error = self._launch_error, None
+            raise e
         t0, cpu0 = time.monotonic(), time.thread_time()
         decoding = self.engine.decoding()  # a step of prompt rows alone is not the streams' pace
         ahead = self.launch_ahead and (self.codec is None or (self.codec_batch_steps > 1 and self.under_load()))
@@ -658,9 +663,13 @@ class EngineService:
     def _launch_behind_codec(self) -> None:
         """The codec's call is queued on the device: with steps launched ahead, queue the engine's next step behind
         it, so the device makes frames while this thread takes the call's audio and hands it out (otherwise it idles
-        until the next pass launches). Its immediate outputs join the next pass's."""
-        if self._ahead and self.codec_overlap:
-            self._launched_early += self.engine.launch_next()
+        until the next pass launches). Its immediate outputs join the next pass's; an exception it raises is raised
+        by the next pass, not charged to the codec call's streams."""
+        if self._ahead and self.codec_overlap and self._launch_error is None:
+            try:
+                self._launched_early += self.engine.launch_next()
+            except Exception as e:  # noqa: BLE001 - the engine's, not the codec call's: raised by the next pass
+                self._launch_error = e
 
     def _ready_items(self, rec: Tracked) -> list[list]:
         """A request's waiting items whose audio is all decoded, in order; consecutive chunks as one."""
