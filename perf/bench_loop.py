@@ -73,7 +73,7 @@ def _stall_points(clients) -> dict:
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
         prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load="", launch_ahead=None,
-        codec_overlap=None):
+        codec_overlap=None, light_ahead=None):
     from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService
@@ -96,6 +96,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
         svc.chunk_lag = args.chunk_lag
     if codec_overlap is not None:
         svc.codec_overlap = codec_overlap
+    if light_ahead is not None:
+        svc.light_ahead = light_ahead
     if uniform is not None:
         svc.chunk_options["uniform_from"] = uniform
     clients: list[_Client] = []
@@ -156,7 +158,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     svc.shutdown()
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
-    out = {"launch_ahead": svc.launch_ahead, "codec_overlap": svc.codec_overlap, "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
+    out = {"launch_ahead": svc.launch_ahead, "codec_overlap": svc.codec_overlap, "light_ahead": svc.light_ahead, "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
@@ -225,6 +227,9 @@ def main() -> int:
     ap.add_argument("--codec-overlap", default="", help="comma-separated 1/0: with steps launched ahead, the next "
                     "one also launched during a held codec call (EngineService.codec_overlap; default on), each tried "
                     "with the first of the others")
+    ap.add_argument("--light-ahead", default="", help="comma-separated 1/0: at a light load, steps launched ahead "
+                    "once every request has sent audio (EngineService.light_ahead; default off), each tried with the "
+                    "first of the others (e.g. --streams 1)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -277,6 +282,8 @@ def main() -> int:
         go(first, launch_ahead=la == "1")
     for co in [x for x in args.codec_overlap.split(",") if x]:
         go(first, codec_overlap=co == "1")
+    for la in [x for x in args.light_ahead.split(",") if x]:
+        go(first, light_ahead=la == "1")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:

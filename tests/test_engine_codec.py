@@ -339,6 +339,34 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
     assert decoder.states == {} and decoder_ahead.states == {} and decoder_apart.states == {}
 
 
+def test_light_load_launches_ahead_once_every_request_sounds(model, prompts, tiny_ckpt, codec):
+    """At a light load (each chunk decoded as it completes) with `light_ahead`, the engine launches steps ahead only
+    while every request in flight has sent audio (a first chunk is never decoded behind a launched step), and the
+    audio is that of one step at a time."""
+    def run(light):
+        decoder = StreamDecoder(codec, pool_size=8)
+        svc = _service(model, tiny_ckpt, decoder, frame_seconds=codec_frame_seconds(tiny_ckpt), launch_ahead=True)
+        svc.light_ahead = light
+        svc.pace = lambda: 0.1  # a GPU's pace at one stream (this CPU's would count as load)
+        ahead, step_ahead = [], svc.engine.step_ahead
+
+        def checked():
+            ahead.append(svc._all_sounding())
+            return step_ahead()
+
+        svc.engine.step_ahead = checked
+        rs = _serve_all(svc, prompts, [9, 12], 80, "Light", first_chunk_frames=2, chunk_frames=3)
+        assert all(kind == "ok" for r in rs for kind, *_ in r.sent) and all(r.finals == 1 for r in rs)
+        assert not svc.under_load()
+        return [np.concatenate([a for *_, a in r.sent]) for r in rs], ahead
+
+    alone, never = run(False)
+    light, ahead = run(True)
+    assert not never and ahead and all(ahead), ahead
+    for a, b in zip(alone, light):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
 def test_slices_follow_the_lengths_the_codec_prepared(codec):
     """With CUDA graphs for some chunk lengths, a stream's frames decode in those lengths (a last piece padded to
     one); lengths without a graph would run eagerly. Checked on a CPU with the pool told it has graphs."""

@@ -229,6 +229,9 @@ class EngineService:
         # with steps launched ahead, the next one also launched during a held codec call, behind it on the device
         # (`_launch_behind_codec`); its immediate outputs wait in _launched_early for the next pass
         self.codec_overlap = True
+        # at a light load with a codec here, steps launched ahead too once every request in flight has sent audio
+        # (a first chunk's decode would wait behind a launched step): not yet measured on a GPU, hence off
+        self.light_ahead = False
         self._ahead = False  # this pass launches ahead
         self._launched_early: list = []
         self._launch_error: Exception | None = None  # raised by that launch: raised again by the next pass
@@ -456,7 +459,8 @@ class EngineService:
             raise e
         t0, cpu0 = time.monotonic(), time.thread_time()
         decoding = self.engine.decoding()  # a step of prompt rows alone is not the streams' pace
-        ahead = self.launch_ahead and (self.codec is None or (self.codec_batch_steps > 1 and self.under_load()))
+        ahead = self.launch_ahead and (self.codec is None or (self.codec_batch_steps > 1 and self.under_load())
+                                       or (self.light_ahead and self._all_sounding()))
         self._ahead = ahead
         outputs = self.engine.step_ahead() if ahead else self.engine.step()
         if self._launched_early:  # what the launch during the last pass's codec call made at once comes first
@@ -659,6 +663,10 @@ class EngineService:
                 st.codec_dropped = True  # nothing more is decoded for it; its waiting items become the error
                 st.waiting = [[rec, "error", None, "", err, None]]
                 self.engine.cancel(str(rec.iid))
+
+    def _all_sounding(self) -> bool:
+        """Whether every request in flight has sent audio (none waits for its first chunk)."""
+        return all(rec.state.first_audio_s is not None for rec in self.table.live())
 
     def _launch_behind_codec(self) -> None:
         """The codec's call is queued on the device: with steps launched ahead, queue the engine's next step behind
