@@ -523,8 +523,9 @@ if triton is not None:
         channels), x [B, T_in, C_in] contiguous, w [KS x C_in, C_out] (`conv_weight_nwc`): acc[b, t, co] = sum over
         taps k and channels ci of x[b, t + k DIL, ci] w[k C_in + ci, co] (+ bias[co % PERIOD]) (+ res[b, t, co]) in
         float32; RAW: acc to o [B, T_out, C_out] (contiguous); SNAKE: the Snake of alpha[co % PERIOD] of it to S at
-        b stride_sb + t C_out + co, its sine the GPU's approximate one (FAST_SIN) or the precise one. The reduction steps through each tap's C_pad channels (C_in rounded up to
-        BLOCK_CI, the rest masked when MASK_CI) BLOCK_CI at a time; unmasked along the channels (C_in a multiple of
+        b stride_sb + t C_out + co, its sine the GPU's approximate one (FAST_SIN) or the precise one. The reduction
+        steps through each tap's C_pad channels (C_in rounded up to BLOCK_CI, the rest masked when MASK_CI) BLOCK_CI
+        at a time; unmasked along the channels (C_in a multiple of
         BLOCK_CI) the loads stay vectorised (a mask along them made the decoder's convolutions ~20x slower on an
         H200)."""
         pid_m, pid_co = tl.program_id(0), tl.program_id(1)
@@ -644,8 +645,7 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
                              x if S is None else S, M, T, T_out, C_in, triton.cdiv(C_in, block_ci) * block_ci, C_out,
                              period, 0 if S is None else S.stride(0), KS=taps, DIL=dilation, BLOCK_T=block_t,
                              BLOCK_CO=block_co, BLOCK_CI=block_ci, MASK_CI=C_in % block_ci != 0,
-                             HAS_BIAS=bias is not None,
-                             HAS_RES=res is not None, RAW=out is not None and out is not S,
+                             HAS_BIAS=bias is not None, HAS_RES=res is not None, RAW=out is not None and out is not S,
                              SNAKE=alpha is not None, IEEE=x.dtype == torch.float32,
                              FAST_SIN=x.dtype != torch.float32 and _ptx(x),
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -252,14 +252,17 @@ def check_codec(ckpt):
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec.dac import use_triton_kernels
 
+    def snake_ref(v, alpha):  # the Snake of v, alpha broadcast along v's channels
+        return v + torch.sin(alpha * v).pow(2) / (alpha + 1e-9)
+
     torch.manual_seed(0)
     wide = torch.randn(2, 5, 40)
     x = wide[..., 3:37]  # unit stride along time only, as a transposed convolution's trimmed output is
     a, bias, prefix = torch.rand(1, 5, 1) + 0.2, torch.randn(5), torch.randn(2, 5, 6)
     xb = x + bias[:, None]
-    ref = xb + (a + 1e-9).reciprocal() * torch.sin(a * xb).pow(2)
+    ref = snake_ref(xb, a)
     assert rel(kernels.snake(x, a, prefix, bias), torch.cat([prefix, ref], -1)) < 1e-6
-    assert rel(kernels.snake(x.contiguous(), a), x + (a + 1e-9).reciprocal() * torch.sin(a * x).pow(2)) < 1e-6
+    assert rel(kernels.snake(x.contiguous(), a), snake_ref(x, a)) < 1e-6
     y = torch.randn(2, 5, 34)
     assert rel(kernels.add_bias(x, y, bias), x + y + bias[:, None]) < 1e-6
     for dil in (1, 3):
@@ -274,7 +277,7 @@ def check_codec(ckpt):
         plain = F.conv1d(xi, w, dilation=dil)
         res = torch.randn_like(plain)
         summed = plain + b[:, None] + res
-        full = summed + torch.sin(al[:, None] * summed).pow(2) / (al[:, None] + 1e-9)
+        full = snake_ref(summed, al[:, None])
         wn, xt = kernels.conv_weight_nwc(w), xi.transpose(1, 2)
         assert rel(kernels.conv1d_nwc(xt, wn, dil).transpose(1, 2), plain) < 1e-6
         got = kernels.conv1d_nwc(xt, wn, dil, bias=b, residual=res.transpose(1, 2), alpha=al)
@@ -293,7 +296,7 @@ def check_codec(ckpt):
     xi, w = torch.randn(2, 64, 40), torch.randn(96, 64, 3) / (64 * 3) ** 0.5
     b, al = torch.randn(96), torch.rand(96) + 0.5
     summed = F.conv1d(xi, w, b, dilation=2)
-    full = summed + torch.sin(al[:, None] * summed).pow(2) / (al[:, None] + 1e-9)
+    full = snake_ref(summed, al[:, None])
     tiling = dict(kernels.CONV_NWC_CONFIG)
     for t in tilings:
         kernels.CONV_NWC_CONFIG.update(tiling, **dict(t))

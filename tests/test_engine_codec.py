@@ -241,8 +241,9 @@ def _boundaries(calls, sid):
 def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_ckpt, codec, pace):
     """codec_batch_steps=4 under load (a pace of 0.45): every fourth step the codec decodes the frames every stream
     made since, in slices of 4 frames (until a stream has sent 4 frames of audio, at least what its chunks need, for
-    time to first audio and a client holding little audio; its last frames padded), whatever the chunks; a chunk leaves once its frames are decoded, chunks ready together as one response. At a light pace (0.2) the
-    codec decodes each chunk as it completes, as with codec_batch_steps=1. Either way each request's audio is one
+    time to first audio and a client holding little audio; its last frames padded), whatever the chunks; a chunk
+    leaves once its frames are decoded, chunks ready together as one response. At a light pace (0.2) the codec
+    decodes each chunk as it completes, as with codec_batch_steps=1. Either way each request's audio is one
     seamless decode of its codes, and every response's audio is its own frames."""
     decoder = StreamDecoder(codec, pool_size=8)
     calls = _recording(decoder)
