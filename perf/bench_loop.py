@@ -278,12 +278,9 @@ def main() -> int:
         go(first, resubmit_ms=d)
     for g in [x for x in args.gil_load.split(",") if x]:
         go(first, gil_load=g)
-    for la in [x for x in args.launch_ahead.split(",") if x]:
-        go(first, launch_ahead=la == "1")
-    for co in [x for x in args.codec_overlap.split(",") if x]:
-        go(first, codec_overlap=co == "1")
-    for la in [x for x in args.light_ahead.split(",") if x]:
-        go(first, light_ahead=la == "1")
+    for switch in ("launch_ahead", "codec_overlap", "light_ahead"):  # the service's on / off choices
+        for on in [x for x in getattr(args, switch).split(",") if x]:
+            go(first, **{switch: on == "1"})
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
