@@ -228,7 +228,7 @@ def main() -> int:
                     "one also launched during a held codec call (EngineService.codec_overlap; default on), each tried "
                     "with the first of the others")
     ap.add_argument("--light-ahead", default="", help="comma-separated 1/0: at a light load, steps launched ahead "
-                    "once every request has sent audio (EngineService.light_ahead; default off), each tried with the "
+                    "once every request has sent audio (EngineService.light_ahead; default on), each tried with the "
                     "first of the others (e.g. --streams 1)")
     ap.add_argument("--json")
     args = ap.parse_args()

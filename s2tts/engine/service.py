@@ -222,16 +222,17 @@ class EngineService:
         process (s2pro holding the engine): the engine thread sends each response itself, with no hand-off to the
         sender thread (which then only polls for cancels and reports). `launch_ahead` (None: on a GPU): the engine
         keeps two steps in flight, launching the next before it finishes the last and this thread handles its
-        outputs (`Engine.step_ahead`), except while a codec here decodes each chunk at once (light load: the
-        codec's call would wait behind that step)."""
+        outputs (`Engine.step_ahead`), except while a codec here decodes each chunk at once (light load) and a
+        request in flight has yet to send audio (its first chunk's codec call would wait behind that step)."""
         self.engine = engine
         self.launch_ahead = engine.device.type == "cuda" if launch_ahead is None else launch_ahead
         # with steps launched ahead, the next one also launched during a held codec call, behind it on the device
         # (`_launch_behind_codec`); its immediate outputs wait in _launched_early for the next pass
         self.codec_overlap = True
         # at a light load with a codec here, steps launched ahead too once every request in flight has sent audio
-        # (a first chunk's decode would wait behind a launched step): not yet measured on a GPU, hence off
-        self.light_ahead = False
+        # (a first chunk's decode would wait behind a launched step; c=1 loop alone on an H200: 7.2 -> 7.6 audio-s/s,
+        # perf/RESULTS.md)
+        self.light_ahead = True
         self._ahead = False  # this pass launches ahead
         self._launched_early: list = []
         self._launch_error: Exception | None = None  # raised by that launch: raised again by the next pass
