@@ -222,7 +222,8 @@ def main():
                          "small_rows=N for kernels.GEMV_SMALL_ROWS, small_block_n, small_block_k, small_num_warps, "
                          "small_num_stages; the attention's split of a row's keys: splits=N (a power of two), "
                          "split_from=N keys, min_split=N keys, few_rows=N for ModelRunner.FEW_ROWS (0: no split "
-                         "for few rows))")
+                         "for few rows), blas=cublas|cublaslt (torch.backends.cuda.preferred_blas_library: the "
+                         "library of the products PyTorch runs))")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -263,6 +264,7 @@ def main():
 
         small = (kernels.GEMV_SMALL_ROWS, dict(kernels.GEMV_SMALL_CONFIG))
         few_rows = ModelRunner.FEW_ROWS
+        blas = torch.backends.cuda.preferred_blas_library()
         for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]
                                          for v in [variant(v) for v in args.variant or ["default="]]
                                          for g in ([False, True] if args.eager else [True])]:
@@ -271,6 +273,7 @@ def main():
                                                               if k.startswith("small_") and k != "small_rows"})
                 pdl = None if "pdl" not in vset else bool(int(vset["pdl"]))
                 ModelRunner.FEW_ROWS = int(vset.get("few_rows", few_rows))
+                torch.backends.cuda.preferred_blas_library(vset.get("blas", blas))
                 torch.cuda.reset_peak_memory_stats()
                 split = {k: int(vset[k]) if k in vset else None for k in ("splits", "split_from", "min_split")}
                 with attention_split(model, split["split_from"], split["min_split"]):

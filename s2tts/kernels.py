@@ -111,12 +111,12 @@ if triton is not None:
         stride_vb, stride_vh, stride_vl,
         stride_ob, stride_oh, stride_t,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-        SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, PDL: tl.constexpr,
+        SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, KV_TOGETHER: tl.constexpr, PDL: tl.constexpr,
     ):
         """Program (row b, KV head, split): the split's share of the row's keys (whole tiles of BLOCK_N, at least
         MIN_SPLIT keys). A row that one split covers is finished here (result straight to O, as with SPLITS=1);
         otherwise each split's unnormalised sum and its (max, sum of weights) go to MidO/MidML for
-        `_decode_combine_kernel`."""
+        `_decode_combine_kernel`. KV_TOGETHER: a tile's values are read beside its keys, before its scores."""
         _pdl_wait(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -143,14 +143,18 @@ if triton is not None:
             off = n % BS
             k = tl.load(K + blk[:, None] * stride_kb + kvh * stride_kh + off[:, None] * stride_kl + d[None, :],
                         mask=nmask[:, None], other=0.0)
+            if KV_TOGETHER:
+                v = tl.load(V + blk[:, None] * stride_vb + kvh * stride_vh + off[:, None] * stride_vl + d[None, :],
+                            mask=nmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             s = tl.where(nmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
-            v = tl.load(V + blk[:, None] * stride_vb + kvh * stride_vh + off[:, None] * stride_vl + d[None, :],
-                        mask=nmask[:, None], other=0.0)
+            if not KV_TOGETHER:
+                v = tl.load(V + blk[:, None] * stride_vb + kvh * stride_vh + off[:, None] * stride_vl + d[None, :],
+                            mask=nmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m = m_new
         out = acc / l_sum[:, None]
@@ -191,17 +195,27 @@ if triton is not None:
         tl.store(O + b * stride_ob + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d * 0 + length > per)
 
 
-def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch.Tensor, block_n: int = 64,
-                     splits: int = 1, min_split: int = 1024) -> torch.Tensor:
+# `decode_attention`'s tiling: keys a tile, warps a program, Triton's software-pipeline stages for its tile loop (3:
+# Triton's default, what the kernel had before this was a setting), and whether a tile's values are read beside its
+# keys. At 64 rows the kernel reads its keys and values at ~1 TB/s (perf/RESULTS.md, twenty-sixth session):
+# perf/bench_attention.py times the choices on a GPU.
+DECODE_ATTENTION_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "kv_together": 0}
+
+
+def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch.Tensor, block_n: int | None = None,
+                     splits: int = 1, min_split: int = 1024, config: dict | None = None) -> torch.Tensor:
     """q [B, H, D]; `cache` a paged KVCache (k/v [blocks, K, block_size, D], table [slots, max_blocks]); slots [B];
     lengths [B] (keys 0..len-1 are visible) -> [B, H, D].
 
     `splits` > 1 (a power of two): each row's keys are shared among up to that many programs per KV head (at least
     `min_split` keys each), whose partial results are then combined (flash-decoding), so a long context is read by
     many programs at once rather than by one; a row that fits one split is done as with `splits=1`. A row's result
-    depends on its own length only, never on its neighbours."""
+    depends on its own length only, never on its neighbours. `config`: `DECODE_ATTENTION_CONFIG`'s keys to override
+    (`block_n` too)."""
     if triton is None:
         raise RuntimeError("decode_attention needs the `triton` package")
+    cfg = dict(DECODE_ATTENTION_CONFIG, **(config or {}))
+    block_n = block_n or cfg["block_n"]
     B, H, D = q.shape
     k, v, table = cache.k, cache.v, cache.table
     n_kv = k.shape[1]
@@ -220,7 +234,8 @@ def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch
         v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), table.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, BS=cache.block_size,
-        SPLITS=splits, MIN_SPLIT=min_split, num_warps=4, **_pdl(),
+        SPLITS=splits, MIN_SPLIT=min_split, KV_TOGETHER=bool(cfg["kv_together"]), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"], **_pdl(),
     )
     if splits > 1:
         _decode_combine_kernel[(B, H)](mid_o, mid_ml, out, lengths, out.stride(0), out.stride(1), H, D=D, SPLITS=splits,

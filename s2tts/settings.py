@@ -185,7 +185,8 @@ SETTINGS: tuple[Setting, ...] = (
             "it launches the next step before it finishes the last one and routes its frames, so that the device "
             "does not wait for the host's work (a request's row in the step after its end token is dropped; with "
             "codec_in_engine under load, the next step is also launched while a held codec call runs, behind it; at "
-            "a light load it runs one step at a time, where each chunk's decode would wait behind the next step). "
+            "a light load, only once every request in flight has sent audio: a first chunk's decode never waits "
+            "behind the next step). "
             "`auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
     Setting("dependent_launch", bool, None, ("slow_ar", "s2pro"), "the decode step's Triton kernels start while the "
             "kernel before each ends (programmatic dependent launch; the small matrix products read their first "

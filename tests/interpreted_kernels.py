@@ -70,14 +70,16 @@ def check_ops():
         v = vpool[table.long()].transpose(1, 2).reshape(S, KV, nb * BS, D)
         # 4 splits of at least 16 keys: length 1 and 17 fit one split (finished there), 40 takes three (combined);
         # with at least 8 keys each, 17 takes two and 40 three
-        for splits, least in ((1, 1), (4, 16), (4, 8)):
+        # (and each tiling choice of DECODE_ATTENTION_CONFIG: values read beside the keys, other pipeline stages)
+        for splits, least, cfg in ((1, 1, None), (4, 16, None), (4, 8, None), (1, 1, {"kv_together": 1}),
+                                   (4, 8, {"kv_together": 1, "num_stages": 1, "num_warps": 8})):
             out = kernels.decode_attention(q, KVCache(kpool, vpool, table, BS), slots, lens, block_n=16, splits=splits,
-                                           min_split=least)
+                                           min_split=least, config=cfg)
             for b in range(B):
                 kk = k[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
                 vv = v[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
                 ref = torch.softmax((q[b][:, None] @ kk.transpose(1, 2))[:, 0] * D ** -0.5, -1)[:, None] @ vv
-                assert rel(out[b], ref[:, 0]) < 1e-5, ("attention", BS, splits, least, b, rel(out[b], ref[:, 0]))
+                assert rel(out[b], ref[:, 0]) < 1e-5, ("attention", BS, splits, least, cfg, b, rel(out[b], ref[:, 0]))
     # rms norm (+ residual add) and silu*mul against the module code
     from s2tts.model import RMSNorm
 

@@ -289,6 +289,25 @@ def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert 0 < r["slow_rel_err_mean"] < 0.2 and 0 < r["fast_rel_err_mean"] < 0.2
 
 
+def test_attention_bench_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/bench_attention.py in the Triton interpreter on the tiny model's heads: every tiling at every shape, the
+    keys split as the engine's rule says (up to FEW_ROWS rows: FEW_ROWS_SPLITS ways; more rows: none), each tiling's
+    output that of the first."""
+    from s2tts.engine.runner import ModelRunner
+
+    out = tmp_path / "attention.json"
+    many = ModelRunner.FEW_ROWS + 1
+    _run([sys.executable, "perf/bench_attention.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--rows",
+          f"1,{many}", "--keys", "40", "--block", "8", "--config", "base=", "--config",
+          "kvt=kv_together=1,num_stages=1", "--config", "bn16=block_n=16", "--json", str(out)], timeout=600,
+         env=dict(os.environ, TRITON_INTERPRET="1"))
+    r = json.loads(out.read_text())
+    assert [(x["config"], x["rows"]) for x in r] == [(c, b) for b in (1, many) for c in ("base", "kvt", "bn16")]
+    assert {x["splits"] for x in r if x["rows"] == 1} == {ModelRunner.FEW_ROWS_SPLITS}
+    assert {x["splits"] for x in r if x["rows"] == many} == {1}
+    assert all(x["max_rel_diff"] < 1e-5 and x["us"] > 0 for x in r), r
+
+
 def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/served_gap.sh end to end on the CPU without its served runs (run_gpu.sh is test_scale_gpus's): the
     serving loop with the codec alone (perf/bench_loop.py), streams out of step, two codec-batching settings, held

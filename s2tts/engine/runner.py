@@ -122,7 +122,7 @@ class ModelRunner:
 
             decode_kernel = on_cuda and kernels.available()
         if decode_splits is None:
-            decode_splits = min(16, 1 << max(0, -(-max_seq_len // self.SPLIT_FROM) - 1).bit_length())
+            decode_splits = self.default_splits(max_seq_len)
         if decode_splits < 1 or decode_splits & (decode_splits - 1):
             raise ValueError(f"decode_splits={decode_splits}: use a power of two")
         self.decode_splits = decode_splits
@@ -368,15 +368,28 @@ class ModelRunner:
     def _bucket(sizes: tuple[int, ...], n: int) -> int:
         return next(b for b in sizes if b >= n)
 
-    def _split_for(self, keys: int, rows: int) -> tuple[int, int]:
+    @classmethod
+    def default_splits(cls, max_seq_len: int) -> int:
+        """`decode_splits` when not given: enough programs a row that a row of max_seq_len keys is split in parts
+        of about SPLIT_FROM keys (a power of two, at most 16)."""
+        return min(16, 1 << max(0, -(-max_seq_len // cls.SPLIT_FROM) - 1).bit_length())
+
+    def split_rule(self, keys: int, rows: int, decode_splits: int, min_split: int,
+                   batch_invariant: bool = False) -> tuple[int, int]:
         """How a pass of `rows` rows (its row bucket) whose longest row attends to `keys` keys splits each row's keys
-        in the attention kernel -> (programs, least keys each): `decode_splits` past SPLIT_FROM keys (always with
-        `batch_invariant`: never by the rows), else FEW_ROWS_SPLITS at up to FEW_ROWS rows, else none."""
-        if self.batch_invariant or keys > self.SPLIT_FROM:
-            return self.decode_splits, self.min_split
+        in the attention kernel -> (programs, least keys each): `decode_splits` in parts of at least `min_split`
+        past SPLIT_FROM keys (always with `batch_invariant`: never by the rows), else FEW_ROWS_SPLITS at up to
+        FEW_ROWS rows, else none. `self`: a runner (its SPLIT_FROM and FEW_ROWS*), or the class itself for their
+        defaults (`ModelRunner.split_rule(ModelRunner, ...)`, as perf/bench_attention.py does)."""
+        if batch_invariant or keys > self.SPLIT_FROM:
+            return decode_splits, min_split
         if rows <= self.FEW_ROWS:
             return self.FEW_ROWS_SPLITS, self.FEW_ROWS_MIN_SPLIT
-        return 1, self.min_split
+        return 1, min_split
+
+    def _split_for(self, keys: int, rows: int) -> tuple[int, int]:
+        """This engine's `split_rule`."""
+        return self.split_rule(keys, rows, self.decode_splits, self.min_split, self.batch_invariant)
 
     def _use_split(self, split: tuple[int, int]) -> None:
         for layer in self.model.slow.layers:
