@@ -104,6 +104,7 @@ class Attention(nn.Module):
         self.decode_kernel = False  # use the Triton decode-attention kernel for one-token steps (set by the engine)
         self.decode_splits = 1  # programs sharing one row's keys in that kernel (set by the engine per step)
         self.decode_min_split = 1024  # keys each of them takes at least
+        self.max_keys: int | None = None  # the most keys a row can hold (its cache's positions; set with the cache)
         self.fused = False  # fused q/k norm + RoPE + cache write kernel (see use_triton_kernels)
         self.rope: torch.Tensor | None = None  # the stack's table, set by use_triton_kernels
 
@@ -111,7 +112,7 @@ class Attention(nn.Module):
         """Cached path with the fused q/k-norm + RoPE + cache-write kernel (every token is a row), then the
         decode-attention kernel over each row's keys (the fast AR's first call: two rows a stream, at positions 0
         and 1), or without it plain attention over the cache."""
-        from .kernels import decode_attention, qk_rope_cache
+        from .kernels import decode_attention, qk_rope_cache, short_keys_config
 
         c = self.cfg
         B, S, _ = x.shape
@@ -122,7 +123,8 @@ class Attention(nn.Module):
                           c.head_dim, c.norm_eps, c.qk_norm)
         if self.decode_kernel:  # each token a row: its slot's keys up to its own position (all written above)
             out = decode_attention(q, self.cache, rows_slot, pos.reshape(-1) + 1, splits=self.decode_splits,
-                                   min_split=self.decode_min_split)
+                                   min_split=self.decode_min_split,
+                                   config=short_keys_config(self.max_keys, B * S) if self.max_keys else None)
             return self.wo(out.reshape(B, S, c.q_size))
         kc, vc = self.cache.read(slots, kv_len_max)
         out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)
@@ -151,11 +153,12 @@ class Attention(nn.Module):
         if slots is None:
             out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, S)
         elif S == 1 and self.decode_kernel:
-            from .kernels import decode_attention
+            from .kernels import decode_attention, short_keys_config
 
             self.cache.write(slots, pos, k, v)
             out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0] + 1, splits=self.decode_splits,
-                                   min_split=self.decode_min_split)
+                                   min_split=self.decode_min_split,
+                                   config=short_keys_config(self.max_keys, B) if self.max_keys else None)
             return self.wo(out.reshape(B, 1, c.q_size))
         else:
             self.cache.write(slots, pos, k, v)
@@ -252,6 +255,7 @@ class Stack(nn.Module):
         self.v_pool = torch.zeros(shape, dtype=dtype, device=device)
         for li, layer in enumerate(self.layers):
             layer.attention.cache = KVCache(self.k_pool[li], self.v_pool[li], self.block_table, block_size)
+            layer.attention.max_keys = max_seq
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy block src -> dst for each (src, dst) in order (a later copy may read what an earlier one wrote), in

@@ -80,6 +80,17 @@ def check_ops():
                 vv = v[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
                 ref = torch.softmax((q[b][:, None] @ kk.transpose(1, 2))[:, 0] * D ** -0.5, -1)[:, None] @ vv
                 assert rel(out[b], ref[:, 0]) < 1e-5, ("attention", BS, splits, least, cfg, b, rel(out[b], ref[:, 0]))
+    # rows that never hold more than a short tile's keys (the fast AR's) in the tiling `short_keys_config` gives:
+    # the same outputs as the default tiling
+    assert kernels.short_keys_config(40, 1) is None and kernels.short_keys_config(11, 1) == {"block_n": 16}
+    assert kernels.short_keys_config(11, 64)["num_warps"] == 1
+    lens11 = lens.clamp(max=11)
+    for rows in (1, 3):
+        cache = KVCache(kpool, vpool, table, BS)
+        want = kernels.decode_attention(q[:rows], cache, slots[:rows], lens11[:rows], splits=1)
+        got = kernels.decode_attention(q[:rows], cache, slots[:rows], lens11[:rows], splits=1,
+                                       config=kernels.short_keys_config(11, 64 if rows == 3 else rows))
+        assert rel(got, want) < 1e-6, rows
     # rms norm (+ residual add) and silu*mul against the module code
     from s2tts.model import RMSNorm
 
@@ -163,6 +174,8 @@ def check_engine(ckpt):
             r.SPLIT_FROM, r.min_split, r.FEW_ROWS, r.FEW_ROWS_MIN_SPLIT = 53, 16, 16, 8
             use_split = r._use_split
             r._use_split = lambda way: ways.append(way) or use_split(way)
+        tilings, attention = [], kernels.decode_attention  # the fast AR's rows in the short-keys tiling
+        kernels.decode_attention = lambda *a, **k: tilings.append(k.get("config")) or attention(*a, **k)
         small, gemv_small = [], kernels.gemv_small
         kernels.gemv_small = lambda *a, **k: small.append(a[0].numel() // a[0].shape[-1]) or gemv_small(*a, **k)
         mixed, inner = [], eng.runner._slow_pass
@@ -181,6 +194,8 @@ def check_engine(ckpt):
         assert any(mixed) and eng.runner.flat == kern, mixed  # prompt rows beside decode rows (with the kernel: as rows)
         assert not kern or {(4, 16), (4, 8), (1, 16)} <= set(ways), sorted(set(ways))
         kernels.gemv_small = gemv_small
+        kernels.decode_attention = attention
+        assert (None in tilings and {"block_n": 16} in tilings) if kern else not tilings, tilings[:4]
         # the kernels' products of up to GEMV_SMALL_ROWS rows (decode passes, the fast AR) in `gemv_small`, the others not
         assert (small and set(small) <= set(range(1, kernels.GEMV_SMALL_ROWS + 1))) if kern else not small, sorted(set(small))
         results.append(({k: np.concatenate(v) for k, v in frames.items()}, logits))
