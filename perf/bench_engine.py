@@ -223,7 +223,8 @@ def main():
                          "small_num_stages; the attention's split of a row's keys: splits=N (a power of two), "
                          "split_from=N keys, min_split=N keys, few_rows=N for ModelRunner.FEW_ROWS (0: no split "
                          "for few rows), blas=cublas|cublaslt (torch.backends.cuda.preferred_blas_library: the "
-                         "library of the products PyTorch runs))")
+                         "library of the products PyTorch runs), short_keys=0|1 (kernels.SHORT_KEYS: the fast AR's attention in "
+                         "short tiles))")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -265,6 +266,7 @@ def main():
         small = (kernels.GEMV_SMALL_ROWS, dict(kernels.GEMV_SMALL_CONFIG))
         few_rows = ModelRunner.FEW_ROWS
         blas = torch.backends.cuda.preferred_blas_library()
+        short_keys = kernels.SHORT_KEYS
         for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]
                                          for v in [variant(v) for v in args.variant or ["default="]]
                                          for g in ([False, True] if args.eager else [True])]:
@@ -274,6 +276,7 @@ def main():
                 pdl = None if "pdl" not in vset else bool(int(vset["pdl"]))
                 ModelRunner.FEW_ROWS = int(vset.get("few_rows", few_rows))
                 torch.backends.cuda.preferred_blas_library(vset.get("blas", blas))
+                kernels.SHORT_KEYS = bool(int(vset.get("short_keys", short_keys)))
                 torch.cuda.reset_peak_memory_stats()
                 split = {k: int(vset[k]) if k in vset else None for k in ("splits", "split_from", "min_split")}
                 with attention_split(model, split["split_from"], split["min_split"]):

@@ -202,6 +202,9 @@ if triton is not None:
 DECODE_ATTENTION_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "kv_together": 0}
 
 
+SHORT_KEYS = True  # `short_keys_config` in use (perf/bench_engine.py's variants turn it off: short_keys=0)
+
+
 def short_keys_config(max_keys: int, rows: int) -> dict | None:
     """`decode_attention`'s tiling for rows that never hold more than `max_keys` keys (the fast AR's: its
     num_codebooks + 1 positions) when that is under one default tile: tiles of max(16, next power of two) keys
@@ -209,7 +212,7 @@ def short_keys_config(max_keys: int, rows: int) -> dict | None:
     pipeline. On an H200, 10 keys a row (perf/RESULTS.md, twenty-sixth session): 1 row 5.18 -> 3.06 us a call, 64
     rows 8.60 -> 3.83, 128 rows of 2 keys 16.0 -> 4.68; the same output bits. None: the default tiling."""
     block_n = max(16, triton.next_power_of_2(max_keys)) if triton is not None else 64
-    if block_n >= DECODE_ATTENTION_CONFIG["block_n"]:
+    if not SHORT_KEYS or block_n >= DECODE_ATTENTION_CONFIG["block_n"]:
         return None
     if rows <= 4:
         return {"block_n": block_n}
