@@ -749,6 +749,13 @@ def chunk_notes(result: dict) -> str:
         if lv.get("stall_at_chunk"):
             at = ", ".join(f"chunk {k}: {n}" for k, n in lv["stall_at_chunk"].items())
             line += f"; ran dry first at {at}; longest silence {lv['dry_ms_max']} ms"
+            dry = [r for r in lv.get("records", []) if r.get("stall_at_chunk") is not None]
+            if dry:  # when those requests were sent, and their chunks' lengths up to the late one
+                sent = sorted(r["t_send"] for r in dry)
+                line += (f" (sent {sent[0]:.2f}-{sent[-1]:.2f} s into the level's {lv.get('wall_s')} s; chunks up to "
+                         "the late one, frames: " + ", ".join(
+                             "/".join(map(str, r["chunk_frames"][: r["stall_at_chunk"] + 1])) or "?" for r in dry[:6])
+                         + ")")
         if lv.get("ttfa_parts_ms_p50"):
             line += "; first audio, p50 ms: " + ", ".join(f"{k} {v}" for k, v in lv["ttfa_parts_ms_p50"].items())
         out.append(line)

@@ -50,6 +50,13 @@ def test_stall_finds_the_first_late_chunk_and_the_silence():
                                         "ttfa_parts_ms_p50": {"first frame": 20.0, "received": 45.0}}]}) == (
         "- c=64: 8.3 chunks a request; ran dry first at chunk 1: 2, chunk 3: 1; longest silence 120.0 ms\n"
         "- c=1: 8.3 chunks a request; first audio, p50 ms: first frame 20.0, received 45.0")
+    # with the level's records: when the streams that ran dry were sent, and their chunks up to the late one
+    records = [{"t_send": 0.5, "stall_at_chunk": None, "chunk_frames": [8, 8]},
+               {"t_send": 0.04, "stall_at_chunk": 1, "chunk_frames": [2, 6, 8]},
+               {"t_send": 0.01, "stall_at_chunk": 3, "chunk_frames": [2, 4, 8, 8, 8]}]
+    assert chunk_notes({"levels": [{**lv, "wall_s": 27.5, "records": records}]}) == (
+        "- c=64: 8.3 chunks a request; ran dry first at chunk 1: 2, chunk 3: 1; longest silence 120.0 ms (sent "
+        "0.01-0.04 s into the level's 27.5 s; chunks up to the late one, frames: 2/6, 2/4/8/8)")
 
 
 def test_targets_table_reads_a_run(tmp_path):
