@@ -313,6 +313,13 @@ def test_attention_bench_on_the_cpu(tiny_ckpt, tmp_path):
     assert {x["splits"] for x in r if x["rows"] == 1} == {ModelRunner.FEW_ROWS_SPLITS}
     assert {x["splits"] for x in r if x["rows"] == many} == {1}
     assert all(x["max_rel_diff"] < 1e-5 and x["us"] > 0 for x in r), r
+    # the fast AR's heads and cache, in the engine's tiling for them (short tiles) beside the default
+    _run([sys.executable, "perf/bench_attention.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--ar", "fast",
+          "--rows", f"1,{many}", "--keys", "3", "--config", "base=", "--config", "engine=engine", "--json", str(out)],
+         timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
+    r = json.loads(out.read_text())
+    assert [(x["config"], x["rows"], x["splits"]) for x in r] == [(c, b, 1) for b in (1, many) for c in ("base", "engine")]
+    assert all(x["max_rel_diff"] < 1e-5 for x in r), r
 
 
 def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
