@@ -224,7 +224,8 @@ def main():
                          "split_from=N keys, min_split=N keys, few_rows=N for ModelRunner.FEW_ROWS (0: no split "
                          "for few rows), blas=cublas|cublaslt (torch.backends.cuda.preferred_blas_library: the "
                          "library of the products PyTorch runs), short_keys=0|1 (kernels.SHORT_KEYS: the fast AR's attention in "
-                         "short tiles))")
+                         "short tiles), attention_<key>=N for kernels.DECODE_ATTENTION_CONFIG's keys (block_n, "
+                         "num_warps, num_stages, kv_together))")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -267,6 +268,7 @@ def main():
         few_rows = ModelRunner.FEW_ROWS
         blas = torch.backends.cuda.preferred_blas_library()
         short_keys = kernels.SHORT_KEYS
+        attention = dict(kernels.DECODE_ATTENTION_CONFIG)
         for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]
                                          for v in [variant(v) for v in args.variant or ["default="]]
                                          for g in ([False, True] if args.eager else [True])]:
@@ -277,6 +279,8 @@ def main():
                 ModelRunner.FEW_ROWS = int(vset.get("few_rows", few_rows))
                 torch.backends.cuda.preferred_blas_library(vset.get("blas", blas))
                 kernels.SHORT_KEYS = bool(int(vset.get("short_keys", short_keys)))
+                kernels.DECODE_ATTENTION_CONFIG.update(attention, **{k[10:]: int(v) for k, v in vset.items()
+                                                                     if k.startswith("attention_")})
                 torch.cuda.reset_peak_memory_stats()
                 split = {k: int(vset[k]) if k in vset else None for k in ("splits", "split_from", "min_split")}
                 with attention_split(model, split["split_from"], split["min_split"]):
