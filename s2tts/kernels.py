@@ -197,8 +197,8 @@ if triton is not None:
 
 # `decode_attention`'s tiling: keys a tile, warps a program, Triton's software-pipeline stages for its tile loop (3:
 # Triton's default, what the kernel had before this was a setting), and whether a tile's values are read beside its
-# keys. At 64 rows the kernel reads its keys and values at ~1 TB/s (perf/RESULTS.md, twenty-sixth session):
-# perf/bench_attention.py times the choices on a GPU.
+# keys. perf/bench_attention.py times the choices on a GPU (on an H200 the slow AR's 64 rows read at 3.3-3.6 TB/s
+# with these; a cache of fewer positions than a tile takes `short_keys_config`: perf/RESULTS.md, 26th session).
 DECODE_ATTENTION_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "kv_together": 0}
 
 
