@@ -123,8 +123,8 @@ def main():
                 print(json.dumps(r), flush=True)
     cols = ["config", "rows", "keys", "splits", "us", "tb_s", "max_rel_diff"]
     print(f"\n{args.ar} AR heads {H} / KV heads {KV} x {D}, blocks of {BS}, {dtype}, {device}; tilings: "
-          + "; ".join(f"{n}=" + ("the engine's" if o is None else json.dumps(dict(kernels.DECODE_ATTENTION_CONFIG, **o)))
-                      for n, o in configs))
+          + "; ".join(f"{n}=" + ("the engine's" if o is None
+                                 else json.dumps(dict(kernels.DECODE_ATTENTION_CONFIG, **o))) for n, o in configs))
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows_out:
         print("| " + " | ".join(str(r[k]) for k in cols) + " |")

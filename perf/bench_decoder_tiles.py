@@ -2,8 +2,8 @@
 """The channels-last decoder's convolutions in several tilings, on a GPU: every `kernels.conv1d_nwc` call of one
 chunk (fp16, `--streams` x `--chunk` frames, as the served codec makes it: the transposed convolutions in their
 two-tap form, each epilogue as the decoder asks for it) is recorded with its operands, then timed alone in each
-tiling (`kernels.CONV_NWC_CONFIG` overrides; `shape`: the served choice by shape, `kernels.conv_nwc_tiling`), median of 20 calls queued behind a GPU sleep (GPU time, as in the
-pool's CUDA graphs).
+tiling (`kernels.CONV_NWC_CONFIG` overrides; `shape`: the served choice by shape, `kernels.conv_nwc_tiling`),
+median of 20 calls queued behind a GPU sleep (GPU time, as in the pool's CUDA graphs).
 
     python3 perf/bench_decoder_tiles.py --checkpoint /tmp/s2-full --streams 64 --chunk 8
     python3 perf/bench_decoder_tiles.py --checkpoint /tmp/s2-full --streams 1 --chunk 8 --config '' \
@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-CONFIGS = ["shape", "", "block_co=64", "block_t=64", "block_t=64,block_co=64", "block_co=64,num_warps=8", "num_stages=4",
-           "block_ci=64", "block_t=32,block_co=32"]
+CONFIGS = ["shape", "", "block_co=64", "block_t=64", "block_t=64,block_co=64", "block_co=64,num_warps=8",
+           "num_stages=4", "block_ci=64", "block_t=32,block_co=32"]
 
 
 def record_calls(codec, codes) -> list[tuple[tuple, dict]]:

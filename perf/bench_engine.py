@@ -223,8 +223,8 @@ def main():
                          "small_num_stages; the attention's split of a row's keys: splits=N (a power of two), "
                          "split_from=N keys, min_split=N keys, few_rows=N for ModelRunner.FEW_ROWS (0: no split "
                          "for few rows), blas=cublas|cublaslt (torch.backends.cuda.preferred_blas_library: the "
-                         "library of the products PyTorch runs), short_keys=0|1 (kernels.SHORT_KEYS: the fast AR's attention in "
-                         "short tiles), attention_<key>=N for kernels.DECODE_ATTENTION_CONFIG's keys (block_n, "
+                         "library of the products PyTorch runs), short_keys=0|1 (kernels.SHORT_KEYS: the fast "
+                         "AR's attention in short tiles), attention_<key>=N for kernels.DECODE_ATTENTION_CONFIG's keys (block_n, "
                          "num_warps, num_stages, kv_together))")
     ap.add_argument("--json")
     args = ap.parse_args()

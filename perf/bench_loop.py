@@ -158,7 +158,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     svc.shutdown()
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
-    out = {"launch_ahead": svc.launch_ahead, "codec_overlap": svc.codec_overlap, "light_ahead": svc.light_ahead, "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
+    out = {"launch_ahead": svc.launch_ahead, "codec_overlap": svc.codec_overlap, "light_ahead": svc.light_ahead,
+           "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),

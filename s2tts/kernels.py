@@ -557,9 +557,8 @@ if triton is not None:
         float32; RAW: acc to o [B, T_out, C_out] (contiguous); SNAKE: the Snake of alpha[co % PERIOD] of it to S at
         b stride_sb + t C_out + co, its sine the GPU's approximate one (FAST_SIN) or the precise one. The reduction
         steps through each tap's C_pad channels (C_in rounded up to BLOCK_CI, the rest masked when MASK_CI) BLOCK_CI
-        at a time; unmasked along the channels (C_in a multiple of
-        BLOCK_CI) the loads stay vectorised (a mask along them made the decoder's convolutions ~20x slower on an
-        H200)."""
+        at a time; unmasked along the channels (C_in a multiple of BLOCK_CI) the loads stay vectorised (a mask along
+        them made the decoder's convolutions ~20x slower on an H200)."""
         pid_m, pid_co = tl.program_id(0), tl.program_id(1)
         m = (pid_m * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         co = pid_co * BLOCK_CO + tl.arange(0, BLOCK_CO)

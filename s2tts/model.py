@@ -108,11 +108,18 @@ class Attention(nn.Module):
         self.fused = False  # fused q/k norm + RoPE + cache write kernel (see use_triton_kernels)
         self.rope: torch.Tensor | None = None  # the stack's table, set by use_triton_kernels
 
+    def _tiling(self, rows: int) -> dict | None:
+        """The decode-attention kernel's tiling for a pass of `rows` rows over this layer's cache (None: its default;
+        `kernels.short_keys_config` for a cache of fewer positions than a tile, the fast AR's)."""
+        from .kernels import short_keys_config
+
+        return short_keys_config(self.max_keys, rows) if self.max_keys else None
+
     def _fused(self, x, pos, slots, kv_len_max):
         """Cached path with the fused q/k-norm + RoPE + cache-write kernel (every token is a row), then the
         decode-attention kernel over each row's keys (the fast AR's first call: two rows a stream, at positions 0
         and 1), or without it plain attention over the cache."""
-        from .kernels import decode_attention, qk_rope_cache, short_keys_config
+        from .kernels import decode_attention, qk_rope_cache
 
         c = self.cfg
         B, S, _ = x.shape
@@ -123,8 +130,7 @@ class Attention(nn.Module):
                           c.head_dim, c.norm_eps, c.qk_norm)
         if self.decode_kernel:  # each token a row: its slot's keys up to its own position (all written above)
             out = decode_attention(q, self.cache, rows_slot, pos.reshape(-1) + 1, splits=self.decode_splits,
-                                   min_split=self.decode_min_split,
-                                   config=short_keys_config(self.max_keys, B * S) if self.max_keys else None)
+                                   min_split=self.decode_min_split, config=self._tiling(B * S))
             return self.wo(out.reshape(B, S, c.q_size))
         kc, vc = self.cache.read(slots, kv_len_max)
         out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)
@@ -153,12 +159,11 @@ class Attention(nn.Module):
         if slots is None:
             out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, S)
         elif S == 1 and self.decode_kernel:
-            from .kernels import decode_attention, short_keys_config
+            from .kernels import decode_attention
 
             self.cache.write(slots, pos, k, v)
             out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0] + 1, splits=self.decode_splits,
-                                   min_split=self.decode_min_split,
-                                   config=short_keys_config(self.max_keys, B) if self.max_keys else None)
+                                   min_split=self.decode_min_split, config=self._tiling(B))
             return self.wo(out.reshape(B, 1, c.q_size))
         else:
             self.cache.write(slots, pos, k, v)

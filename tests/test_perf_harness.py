@@ -318,7 +318,8 @@ def test_attention_bench_on_the_cpu(tiny_ckpt, tmp_path):
           "--rows", f"1,{many}", "--keys", "3", "--config", "base=", "--config", "engine=engine", "--json", str(out)],
          timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
     r = json.loads(out.read_text())
-    assert [(x["config"], x["rows"], x["splits"]) for x in r] == [(c, b, 1) for b in (1, many) for c in ("base", "engine")]
+    assert [(x["config"], x["rows"], x["splits"]) for x in r] == [(c, b, 1) for b in (1, many)
+                                                                  for c in ("base", "engine")]
     assert all(x["max_rel_diff"] < 1e-5 for x in r), r
 
 
