@@ -224,8 +224,10 @@ def main():
                          "split_from=N keys, min_split=N keys, few_rows=N for ModelRunner.FEW_ROWS (0: no split "
                          "for few rows), blas=cublas|cublaslt (torch.backends.cuda.preferred_blas_library: the "
                          "library of the products PyTorch runs), short_keys=0|1 (kernels.SHORT_KEYS: the fast "
-                         "AR's attention in short tiles), attention_<key>=N for kernels.DECODE_ATTENTION_CONFIG's keys (block_n, "
-                         "num_warps, num_stages, kv_together))")
+                         "AR's attention in short tiles), attention_<key>=N for kernels.DECODE_ATTENTION_CONFIG's "
+                         "keys (block_n, num_warps, num_stages, kv_together), swiglu=0|1 (kernels.SWIGLU_IN_PRODUCT: "
+                         "the SwiGLU in gemv_small's last step), sort16=0|1 (kernels.SORT_KEY16: bf16 logits sorted "
+                         "as 32-bit keys))")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -267,7 +269,7 @@ def main():
         small = (kernels.GEMV_SMALL_ROWS, dict(kernels.GEMV_SMALL_CONFIG))
         few_rows = ModelRunner.FEW_ROWS
         blas = torch.backends.cuda.preferred_blas_library()
-        short_keys = kernels.SHORT_KEYS
+        short_keys, swiglu, sort16 = kernels.SHORT_KEYS, kernels.SWIGLU_IN_PRODUCT, kernels.SORT_KEY16
         attention = dict(kernels.DECODE_ATTENTION_CONFIG)
         for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]
                                          for v in [variant(v) for v in args.variant or ["default="]]
@@ -279,6 +281,8 @@ def main():
                 ModelRunner.FEW_ROWS = int(vset.get("few_rows", few_rows))
                 torch.backends.cuda.preferred_blas_library(vset.get("blas", blas))
                 kernels.SHORT_KEYS = bool(int(vset.get("short_keys", short_keys)))
+                kernels.SWIGLU_IN_PRODUCT = bool(int(vset.get("swiglu", swiglu)))
+                kernels.SORT_KEY16 = bool(int(vset.get("sort16", sort16)))
                 kernels.DECODE_ATTENTION_CONFIG.update(attention, **{k[10:]: int(v) for k, v in vset.items()
                                                                      if k.startswith("attention_")})
                 torch.cuda.reset_peak_memory_stats()

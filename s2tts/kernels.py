@@ -284,15 +284,23 @@ if triton is not None:
         tl.store(O + row * stride_o + cols, (normed * w).to(O.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(GU, O, stride_gu, stride_o, I: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _swiglu(g, u, dtype):
+        """silu(g) * u of a product's outputs g, u (float32, not yet rounded) in `dtype`, rounded where the two
+        kernels (product, then `silu_mul`) round: the same bits either way."""
+        g = g.to(dtype).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        return (s * u.to(dtype).to(tl.float32)).to(dtype)
+
+    @triton.jit
+    def _silu_mul_kernel(GU, O, stride_gu, stride_o, I: tl.constexpr, STEP: tl.constexpr, UP: tl.constexpr,
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
         _pdl_wait(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
-        g = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(GU + row * stride_gu + I + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(O.dtype.element_ty).to(tl.float32)
-        tl.store(O + row * stride_o + cols, (s * u).to(O.dtype.element_ty), mask=mask)
+        g = tl.load(GU + row * stride_gu + cols * STEP, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * stride_gu + cols * STEP + UP, mask=mask, other=0.0).to(tl.float32)
+        tl.store(O + row * stride_o + cols, _swiglu(g, u, O.dtype.element_ty), mask=mask)
 
     # The codec's elementwise kernels take lengths and strides that change with every chunk length, decoder stage
     # and dilation: left unspecialized, each compiles once per tile size rather than once per divisibility of every
@@ -447,15 +455,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out.reshape(shape)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] (gate | up) -> silu(gate) * up, [..., I]."""
+def silu_mul(gate_up: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """[..., 2I] (gate | up; with `interleaved`, gate i at 2i and up i at 2i+1) -> silu(gate) * up, [..., I]."""
     shape = gate_up.shape
     I = shape[-1] // 2
     g2 = _unit_rows(gate_up.reshape(-1, 2 * I))
     out = torch.empty(g2.shape[0], I, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I, BLOCK=BLOCK,
-                                                            num_warps=4, **_pdl())
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I,
+                                                            STEP=2 if interleaved else 1, UP=1 if interleaved else I,
+                                                            BLOCK=BLOCK, num_warps=4, **_pdl())
     return out.reshape(*shape[:-1], I)
 
 
@@ -734,13 +743,20 @@ if triton is not None:
     # compiles of ~2.7 s (the in-kernel sort) at a server's first start on a GPU, 55 of its 110 s.
     @triton.jit(do_not_specialize=["T", "P", "K", "Seed", "Step", "Out", "stream"])
     def _choose_kernel(SL, T, P, K, Seed, Step, Out, stride, V, stream, BLOCK: tl.constexpr, SORT: tl.constexpr,
-                       PDL: tl.constexpr):
+                       KEY16: tl.constexpr, PDL: tl.constexpr):
         _pdl_wait(PDL)
         row = tl.program_id(0)
         r = tl.arange(0, BLOCK)
         valid = r < V
         x = tl.load(SL + row * stride + r, mask=valid, other=float("-inf")).to(tl.float32)
-        if SORT:  # unsorted logits: sort (value, index) pairs in the program, descending, ties lowest index first
+        if SORT and KEY16:  # bf16 logits: the value's 16 bits and the index's 16 in one int32 (half a sort's data)
+            b16 = x.to(tl.int32, bitcast=True) >> 16
+            key = b16 ^ ((b16 >> 15) & 0x7FFF)  # integers that order as the bf16 values do
+            packed = tl.sort((key << 16) | (BLOCK - 1 - r), descending=True)
+            key = packed >> 16
+            x = ((key ^ ((key >> 15) & 0x7FFF)) << 16).to(tl.float32, bitcast=True)
+            order = BLOCK - 1 - (packed & 0xFFFF)
+        elif SORT:  # unsorted logits: sort (value, index) pairs in the program, descending, ties lowest index first
             bits = x.to(tl.int32, bitcast=True)
             key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers that order as the floats do
             packed = tl.sort((key.to(tl.int64) << 32) | (BLOCK - 1 - r).to(tl.int64), descending=True)
@@ -774,12 +790,14 @@ if triton is not None:
 
 
 SORT_IN_KERNEL = 2048  # `choose(..., sort=True)` up to this many logits a row (the fast AR's 1024); torch.sort above
+SORT_KEY16 = True  # bf16 logits sorted as 32-bit keys (16 bits of value, 16 of index) rather than 64-bit ones
 
 
 def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: bool = False) -> torch.Tensor:
     """Rank index sampled from each row of descending-sorted logits [B, V] -> [B] int64. `sort`: the logits are
     not sorted; the kernel sorts each row itself (V <= SORT_IN_KERNEL) and returns the sampled logit's index (what
-    torch.sort, this and a gather give, in one kernel instead of a radix sort's several)."""
+    torch.sort, this and a gather give, in one kernel instead of a radix sort's several); bf16 logits are sorted
+    as 32-bit (value, index) keys (`SORT_KEY16`), others as 64-bit ones. Logits of any float dtype, read as float32."""
     B, V = logits.shape
     if sort and V > SORT_IN_KERNEL:
         raise ValueError(f"choose(sort=True) takes rows of at most {SORT_IN_KERNEL} logits, not {V}")
@@ -787,7 +805,8 @@ def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: boo
     out = torch.empty(B, dtype=torch.int64, device=sl.device)
     _choose_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
                          seed.contiguous(), step.contiguous(), out, sl.stride(0), V, stream,
-                         BLOCK=triton.next_power_of_2(V), SORT=sort, num_warps=8 if V > 2048 else 4,
+                         BLOCK=triton.next_power_of_2(V), SORT=sort,
+                         KEY16=SORT_KEY16 and sort and logits.dtype == torch.bfloat16, num_warps=8 if V > 2048 else 4,
                          **_pdl())
     return out
 
@@ -961,17 +980,21 @@ GEMV_SMALL_ROWS = 2  # `gemv_small` takes up to this many rows; the model sends 
 # 6.68 with one tile read ahead by hand (cuBLAS 6.8); at 2 rows 6.95 (cuBLAS 6.92), at 4 rows (256 lanes) 8.97 against
 # cuBLAS's 6.78: hence products of up to 2 rows only (a stream's own, and the fast AR's first call of one stream).
 GEMV_SMALL_CONFIG = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 4}
+# A layer's SwiGLU in the last step of its w1 | w3 product where `gemv_small` makes that product (the weight's gate
+# and up rows interleaved, a program's two columns a pair): one kernel fewer a layer at one or two rows
+SWIGLU_IN_PRODUCT = True
 
 if triton is not None:
 
     @triton.jit
     def _gemv_small_kernel(X, W, S, Y, M, N, K, stride_xm, stride_wn, stride_ym, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, SCALED: tl.constexpr,
-                           PDL: tl.constexpr):
+                           SWIGLU: tl.constexpr, PDL: tl.constexpr):
         """Program (tile of BLOCK_N output columns): y[m, n] = sum over k of x[m, k] w[n, k] for the M <= BLOCK_M
         rows, each product in float32, summed along K in BLOCK_K lanes, then across the lanes. The first weight tile
         is read before the wait for the previous kernel (weights are not written by the step), the others through
-        Triton's software pipeline, STAGES tiles in flight."""
+        Triton's software pipeline, STAGES tiles in flight. SWIGLU: columns 2i and 2i+1 are gate i and up i, and
+        the program stores silu(gate) * up in column i of Y ([M, N / 2])."""
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -993,12 +1016,21 @@ if triton is not None:
         y = tl.sum(acc, axis=2)
         if SCALED:  # FP8 weight: the output row's scale after the sum
             y = y * tl.load(S + rn, mask=nmask, other=0.0)[None, :]
-        tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty), mask=mmask & nmask[None, :])
+        if SWIGLU:
+            g, u = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+            ri = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(Y + rm[:, None] * stride_ym + ri[None, :], _swiglu(g, u, Y.dtype.element_ty),
+                     mask=mmask & (ri[None, :] < N // 2))
+        else:
+            tl.store(Y + rm[:, None] * stride_ym + rn[None, :], y.to(Y.dtype.element_ty), mask=mmask & nmask[None, :])
 
 
-def gemv_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def gemv_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+               swiglu: bool = False) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T -> [..., N] for at most GEMV_SMALL_ROWS rows (F.linear's function; with `scale`
-    [N] fp32, `weight` is FP8 e4m3 and column n is multiplied by scale[n], as `linear`)."""
+    [N] fp32, `weight` is FP8 e4m3 and column n is multiplied by scale[n], as `linear`). `swiglu`: the weight's
+    rows are gate and up interleaved (`model.FeedForward.fuse_weights`), and the result is
+    `silu_mul(product, interleaved=True)` [..., N / 2], made in the product's last step (one kernel fewer)."""
     if triton is None:
         raise RuntimeError("gemv_small needs the `triton` package")
     K = x.shape[-1]
@@ -1012,9 +1044,13 @@ def gemv_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     bm = triton.next_power_of_2(M)
     bn = cfg["block_n"]
     bk = max(16, min(cfg["block_k"], triton.next_power_of_2(K)))
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if swiglu and (N % 2 or bn % 2):
+        raise ValueError(f"gemv_small(swiglu=True) needs an even number of weight rows and of columns a program "
+                         f"(GEMV_SMALL_CONFIG['block_n']), not {N} and {bn}")
+    n_out = N // 2 if swiglu else N
+    y = torch.empty(M, n_out, dtype=x.dtype, device=x.device)
     _gemv_small_kernel[(-(-N // bn),)](x2, weight, y if scale is None else scale, y, M, N, K, x2.stride(0),
                                       weight.stride(0), y.stride(0), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                      STAGES=cfg["num_stages"], SCALED=scale is not None, num_warps=cfg["num_warps"],
-                                      **_pdl())
-    return y.reshape(*x.shape[:-1], N)
+                                      STAGES=cfg["num_stages"], SCALED=scale is not None, SWIGLU=swiglu,
+                                      num_warps=cfg["num_warps"], **_pdl())
+    return y.reshape(*x.shape[:-1], n_out)

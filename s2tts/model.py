@@ -181,10 +181,12 @@ class FeedForward(nn.Module):
         self.fused = False
 
     def fuse_weights(self) -> None:
-        """Replace w1 and w3 by one [2I, dim] projection (one GEMM instead of two)."""
+        """Replace w1 and w3 by one [2I, dim] projection (one GEMM instead of two), their rows interleaved: row 2i
+        is w1's row i (gate), row 2i+1 w3's (up). A program of the product that makes columns 2i and 2i+1 can then
+        store silu(gate) * up itself (`kernels.gemv_small(..., swiglu=True)`)."""
         if hasattr(self, "w13"):
             return
-        w = torch.cat([self.w1.weight, self.w3.weight])
+        w = torch.stack([self.w1.weight, self.w3.weight], dim=1).flatten(0, 1)
         self.w13 = nn.Linear(w.shape[1], w.shape[0], bias=False, device="meta")
         self.w13.weight = nn.Parameter(w, requires_grad=False)
         del self.w1, self.w3
@@ -192,13 +194,13 @@ class FeedForward(nn.Module):
     def forward(self, x):
         if not hasattr(self, "w13"):
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        gu = self.w13(x)
         if self.fused:
             from .kernels import silu_mul
 
-            return self.w2(silu_mul(gu))
-        g, u = gu.chunk(2, dim=-1)
-        return self.w2(F.silu(g) * u)
+            gated = getattr(self.w13, "gated", None)
+            return self.w2(gated(x) if gated else silu_mul(self.w13(x), interleaved=True))
+        gu = self.w13(x)
+        return self.w2(F.silu(gu[..., 0::2]) * gu[..., 1::2])
 
 
 class Block(nn.Module):
@@ -395,7 +397,7 @@ class FastAR(nn.Module):
         codes = []
         for k in range(1, self.s2.num_codebooks):
             h = self.stack.run(x, pos, slots, kv_len_max=k + 1)
-            logits = self.output(h[:, -1]).float()[:, :residual_size]
+            logits = self.output(h[:, -1])[:, :residual_size]  # the model's dtype: `sample_fn` reads it as float32
             code = sample_fn(logits, k)
             codes.append(code)
             x = self.embeddings(code)[:, None]
@@ -421,6 +423,16 @@ class KernelLinear(nn.Linear):
         if self.small and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features:
             return kernels.gemv_small(x, self.weight)
         return F.linear(x, self.weight)
+
+    def gated(self, x):
+        """silu(gate) * up of a gate / up interleaved weight (`FeedForward.fuse_weights`): in the product's kernel
+        where `gemv_small` makes it (`kernels.SWIGLU_IN_PRODUCT`), else the product, then `kernels.silu_mul`."""
+        from . import kernels
+
+        if (kernels.SWIGLU_IN_PRODUCT and not self.invariant_rows and self.small
+                and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features):
+            return kernels.gemv_small(x, self.weight, swiglu=True)
+        return kernels.silu_mul(self(x), interleaved=True)
 
 
 def _kernel_linears(model: nn.Module):
@@ -478,6 +490,15 @@ class Fp8Linear(nn.Module):
         if self.kernel and kernels.fp8_matmul_available(x.device):
             return kernels.fp8_matmul(x, self.weight, self.scale)
         return F.linear(x, (self.weight.float() * self.scale[:, None]).to(x.dtype))
+
+    def gated(self, x):
+        """As `KernelLinear.gated`."""
+        from . import kernels
+
+        if (kernels.SWIGLU_IN_PRODUCT and self.kernel and not self.invariant
+                and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features):
+            return kernels.gemv_small(x, self.weight, scale=self.scale, swiglu=True)
+        return kernels.silu_mul(self(x), interleaved=True)
 
 
 def use_fp8_weights(model: nn.Module) -> None:

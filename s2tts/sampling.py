@@ -61,9 +61,10 @@ def _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int, k
 
 
 def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: bool = False) -> torch.Tensor:
-    """logits [B, V] float; temperature/top_p [B] float; top_k [B] int (0 = greedy, as upstream); seed/step [B] int64 -> [B].
+    """logits [B, V] (any float dtype, sampled as float32); temperature/top_p [B] float; top_k [B] int (0 = greedy,
+    as upstream); seed/step [B] int64 -> [B].
 
-    As the reference: sort; top-p mask from the softmax of the un-tempered logits, and rank >= top_k
+    As the reference: sort (equal logits: the lowest index first); top-p mask from the softmax of the un-tempered logits, and rank >= top_k
     masked; rank 0 always kept; then divide by max(T, 1e-5), softmax, exponential-race sample.
     `kernel`: the same function as one Triton kernel per row (GPU), which also sorts rows of up to
     `kernels.SORT_IN_KERNEL` logits itself (the fast AR's).
@@ -73,7 +74,7 @@ def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: b
 
         if logits.shape[-1] <= SORT_IN_KERNEL:
             return choose(logits, temperature, top_p, top_k, seed, step, stream, sort=True)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits, order = logits.float().sort(dim=-1, descending=True, stable=True)  # ties: lowest index first
     choice = _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream, kernel)
     return order.gather(-1, choice[:, None]).squeeze(-1)
 

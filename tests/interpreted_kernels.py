@@ -102,6 +102,40 @@ def check_ops():
     assert rel(h, x + y) < 1e-7 and rel(n, m(x + y)) < 1e-6
     gu = torch.randn(3, 2 * 48)
     assert rel(kernels.silu_mul(gu), torch.nn.functional.silu(gu[:, :48]) * gu[:, 48:]) < 1e-6
+    assert rel(kernels.silu_mul(gu, interleaved=True), torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]) < 1e-6
+    # the SwiGLU in the product's last step (gate / up rows interleaved): the bits of the product, then silu_mul,
+    # in bf16 and fp32, FP8 weights too; the model's MLP with its w1 | w3 interleaved gives the unfused MLP's result
+    wg, xg = torch.randn(2 * 40, 300) / 17, torch.randn(2, 300)
+    wg8, sg = kernels.quantize_fp8(wg)
+    for bn in (GPU_SMALL_BLOCK_N, SMALL_BLOCK_N, 4):
+        kernels.GEMV_SMALL_CONFIG["block_n"] = bn
+        for dt in (torch.float32, torch.bfloat16):
+            for m in (1, 2):
+                xs, ws = xg[:m].to(dt), wg.to(dt)
+                want = kernels.silu_mul(kernels.gemv_small(xs, ws), interleaved=True)
+                got = kernels.gemv_small(xs, ws, swiglu=True)
+                assert got.shape == (m, 40) and torch.equal(got, want), (bn, dt, m)
+                want = kernels.silu_mul(kernels.gemv_small(xs, wg8, scale=sg), interleaved=True)
+                assert torch.equal(kernels.gemv_small(xs, wg8, scale=sg, swiglu=True), want), (bn, dt, m)
+    kernels.GEMV_SMALL_CONFIG["block_n"] = SMALL_BLOCK_N
+    try:
+        kernels.gemv_small(xg[:1], wg[:79], swiglu=True)
+        raise AssertionError("gemv_small(swiglu=True) took an odd number of rows")
+    except ValueError as e:
+        assert "even" in str(e)
+    from types import SimpleNamespace
+
+    from s2tts.model import FeedForward, KernelLinear, _kernel_linears
+
+    ff = FeedForward(SimpleNamespace(dim=300, intermediate_size=40))
+    ff.w1.weight.data, ff.w3.weight.data = wg[:40].clone(), wg[40:].clone()
+    with torch.no_grad():
+        plain = ff(xg)
+        ff.fuse_weights()
+        assert torch.equal(ff.w13.weight[1::2], wg[40:]) and rel(ff(xg), plain) < 1e-6
+        list(_kernel_linears(ff))
+        ff.fused, ff.w13.small = True, True
+        assert isinstance(ff.w13, KernelLinear) and rel(ff(xg[:1]), plain[:1]) < 1e-6
     # products of a few rows (`gemv_small`): 1 and 2 rows, K not a multiple of the lanes nor N of the column tile, a
     # strided row view (the fast AR's last position), FP8 weights with their scale; more rows are refused
     w, x = torch.randn(37, 1500), torch.randn(4, 2, 1500)
@@ -149,6 +183,17 @@ def check_ops():
             a = sample(lg, t, p_, k, seed, step, 3 + st, kernel=False)
             b = sample(lg, t, p_, k, seed, step, 3 + st, kernel=True)
             assert torch.equal(a, b), (V, st, a, b)
+            # bf16 logits (the fast AR's on a GPU; ties are common at 8 bits of mantissa): sorted as 32-bit keys,
+            # the index of the stable float32 sort of the same values, and of the 64-bit keys (ties in either
+            # order would differ: the draw's noise is by rank)
+            lb = (lg * 4).to(torch.bfloat16)
+            a = sample(lb.float(), t, p_, k, seed, step, 3 + st, kernel=False)
+            assert torch.equal(sample(lb, t, p_, k, seed, step, 3 + st, kernel=False), a)
+            b = sample(lb, t, p_, k, seed, step, 3 + st, kernel=True)
+            kernels.SORT_KEY16 = False
+            c = sample(lb, t, p_, k, seed, step, 3 + st, kernel=True)
+            kernels.SORT_KEY16 = True
+            assert torch.equal(a, b) and torch.equal(a, c), (V, st, a, b, c)
     print("ops ok")
 
 
