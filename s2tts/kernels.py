@@ -109,20 +109,22 @@ if triton is not None:
         stride_qb, stride_qh,
         stride_kb, stride_kh, stride_kl,
         stride_vb, stride_vh, stride_vl,
-        stride_ob, stride_oh, stride_t,
+        stride_ob, stride_oh, stride_t, stride_len,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, BS: tl.constexpr,
-        SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, KV_TOGETHER: tl.constexpr, PDL: tl.constexpr,
+        SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, KV_TOGETHER: tl.constexpr, LEN_ADD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         """Program (row b, KV head, split): the split's share of the row's keys (whole tiles of BLOCK_N, at least
         MIN_SPLIT keys). A row that one split covers is finished here (result straight to O, as with SPLITS=1);
         otherwise each split's unnormalised sum and its (max, sum of weights) go to MidO/MidML for
-        `_decode_combine_kernel`. KV_TOGETHER: a tile's values are read beside its keys, before its scores."""
+        `_decode_combine_kernel`. KV_TOGETHER: a tile's values are read beside its keys, before its scores. The row's
+        length is Lens[b] + LEN_ADD."""
         _pdl_wait(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         slot = tl.load(Slots + b).to(tl.int64)
-        length = tl.load(Lens + b)
+        length = tl.load(Lens + b * stride_len) + LEN_ADD
         per = _split_keys(length, SPLITS, BLOCK_N, MIN_SPLIT)
         direct = (length <= per).to(tl.int32)  # one split holds the whole row
         lo = sp * per
@@ -173,14 +175,15 @@ if triton is not None:
             tl.store(MidML + mid * 2 + 1, l_sum, mask=split)
 
     @triton.jit
-    def _decode_combine_kernel(MidO, MidML, O, Lens, stride_ob, stride_oh, H, D: tl.constexpr, SPLITS: tl.constexpr,
-                               BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, PDL: tl.constexpr):
+    def _decode_combine_kernel(MidO, MidML, O, Lens, stride_ob, stride_oh, stride_len, H, D: tl.constexpr, SPLITS: tl.constexpr,
+                               BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, LEN_ADD: tl.constexpr,
+                               PDL: tl.constexpr):
         """Program (row b, head h): the softmax-weighted sum of the splits' partial results (rows that one split
         finished are left alone)."""
         _pdl_wait(PDL)
         b = tl.program_id(0)
         h = tl.program_id(1)
-        length = tl.load(Lens + b)
+        length = tl.load(Lens + b * stride_len) + LEN_ADD
         per = _split_keys(length, SPLITS, BLOCK_N, MIN_SPLIT)
         sp = tl.arange(0, SPLITS)
         d = tl.arange(0, D)
@@ -220,9 +223,11 @@ def short_keys_config(max_keys: int, rows: int) -> dict | None:
 
 
 def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch.Tensor, block_n: int | None = None,
-                     splits: int = 1, min_split: int = 1024, config: dict | None = None) -> torch.Tensor:
+                     splits: int = 1, min_split: int = 1024, config: dict | None = None,
+                     lengths_add: int = 0) -> torch.Tensor:
     """q [B, H, D]; `cache` a paged KVCache (k/v [blocks, K, block_size, D], table [slots, max_blocks]); slots [B];
-    lengths [B] (keys 0..len-1 are visible) -> [B, H, D].
+    lengths [B] (keys 0..len-1 are visible; with `lengths_add`, 0..len+lengths_add-1: a row's position and 1, without
+    a kernel to add them) -> [B, H, D].
 
     `splits` > 1 (a power of two): each row's keys are shared among up to that many programs per KV head (at least
     `min_split` keys each), whose partial results are then combined (flash-decoding), so a long context is read by
@@ -249,14 +254,15 @@ def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), table.stride(0),
+        out.stride(0), out.stride(1), table.stride(0), lengths.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_N=block_n, BS=cache.block_size,
-        SPLITS=splits, MIN_SPLIT=min_split, KV_TOGETHER=bool(cfg["kv_together"]), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"], **_pdl(),
+        SPLITS=splits, MIN_SPLIT=min_split, KV_TOGETHER=bool(cfg["kv_together"]), LEN_ADD=lengths_add,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_pdl(),
     )
     if splits > 1:
-        _decode_combine_kernel[(B, H)](mid_o, mid_ml, out, lengths, out.stride(0), out.stride(1), H, D=D, SPLITS=splits,
-                                       BLOCK_N=block_n, MIN_SPLIT=min_split, num_warps=1, **_pdl())
+        _decode_combine_kernel[(B, H)](mid_o, mid_ml, out, lengths, out.stride(0), out.stride(1), lengths.stride(0), H,
+                                       D=D, SPLITS=splits, BLOCK_N=block_n, MIN_SPLIT=min_split, LEN_ADD=lengths_add,
+                                       num_warps=1, **_pdl())
     return out
 
 

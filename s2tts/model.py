@@ -129,8 +129,8 @@ class Attention(nn.Module):
                           self.rope, pos.reshape(-1), rows_slot, self.cache, c.n_head, c.n_local_heads,
                           c.head_dim, c.norm_eps, c.qk_norm)
         if self.decode_kernel:  # each token a row: its slot's keys up to its own position (all written above)
-            out = decode_attention(q, self.cache, rows_slot, pos.reshape(-1) + 1, splits=self.decode_splits,
-                                   min_split=self.decode_min_split, config=self._tiling(B * S))
+            out = decode_attention(q, self.cache, rows_slot, pos.reshape(-1), splits=self.decode_splits,
+                                   min_split=self.decode_min_split, config=self._tiling(B * S), lengths_add=1)
             return self.wo(out.reshape(B, S, c.q_size))
         kc, vc = self.cache.read(slots, kv_len_max)
         out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)
@@ -162,8 +162,8 @@ class Attention(nn.Module):
             from .kernels import decode_attention
 
             self.cache.write(slots, pos, k, v)
-            out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0] + 1, splits=self.decode_splits,
-                                   min_split=self.decode_min_split, config=self._tiling(B))
+            out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0], splits=self.decode_splits,
+                                   min_split=self.decode_min_split, config=self._tiling(B), lengths_add=1)
             return self.wo(out.reshape(B, 1, c.q_size))
         else:
             self.cache.write(slots, pos, k, v)
@@ -393,7 +393,7 @@ class FastAR(nn.Module):
         dev = hidden.device
         slots = torch.arange(B, device=dev)
         x = torch.stack([hidden, self.embeddings(code0)], dim=1)
-        pos = torch.arange(2, device=dev).expand(B, 2)
+        pos = torch.arange(2, device=dev).repeat(B, 1)  # contiguous: its layers' kernels read it without a copy
         codes = []
         for k in range(1, self.s2.num_codebooks):
             h = self.stack.run(x, pos, slots, kv_len_max=k + 1)

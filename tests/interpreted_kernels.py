@@ -80,6 +80,12 @@ def check_ops():
                 vv = v[slots[b], :, : lens[b]].repeat_interleave(H // KV, 0)
                 ref = torch.softmax((q[b][:, None] @ kk.transpose(1, 2))[:, 0] * D ** -0.5, -1)[:, None] @ vv
                 assert rel(out[b], ref[:, 0]) < 1e-5, ("attention", BS, splits, least, cfg, b, rel(out[b], ref[:, 0]))
+            # lengths given as positions (a strided column, as the step's) and the 1 the kernel adds: the same bits
+            posc = torch.stack([lens - 1, lens], dim=1)[:, 0]
+            assert posc.stride(0) == 2
+            again = kernels.decode_attention(q, KVCache(kpool, vpool, table, BS), slots, posc, block_n=16,
+                                             splits=splits, min_split=least, config=cfg, lengths_add=1)
+            assert torch.equal(again, out), ("lengths_add", BS, splits, least, cfg)
     # rows that never hold more than a short tile's keys (the fast AR's) in the tiling `short_keys_config` gives:
     # the same outputs as the default tiling
     assert kernels.short_keys_config(40, 1) is None and kernels.short_keys_config(11, 1) == {"block_n": 16}
