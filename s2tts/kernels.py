@@ -275,10 +275,14 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(X, Y, R, W, O, H, stride_x, stride_y, stride_o, stride_h, eps, N: tl.constexpr,
                          BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
-        _pdl_wait(PDL)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait (no kernel writes it)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
         if ADD:  # h = x + y (rounded to the activation dtype), written out as the new residual
             x = (x.to(tl.float32) + tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
@@ -286,7 +290,6 @@ if triton is not None:
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
         normed = (xf * inv).to(X.dtype.element_ty).to(tl.float32)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(O + row * stride_o + cols, (normed * w).to(O.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -394,25 +397,30 @@ if triton is not None:
                               H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
                               BS: tl.constexpr, PDL: tl.constexpr):
         """One program per (row, head): heads < H are query heads (-> QO); the rest are KV heads
-        (k normed + rotated, and v, written into the paged cache at the row's slot and position)."""
-        _pdl_wait(PDL)
+        (k normed + rotated, and v, written into the paged cache at the row's slot and position). The norm weights
+        are read before the wait for the kernel before (no kernel writes them)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         half = tl.arange(0, D // 2)
-        pos = tl.load(Pos + b).to(tl.int64)
         is_q = h < H
-        col = h * D  # q heads first, then k heads in the fused qkv projection
-        base = QKV + b * stride_qkv + col
-        xe = tl.load(base + 2 * half).to(tl.float32)
-        xo = tl.load(base + 2 * half + 1).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         if QK_NORM:
-            inv = 1.0 / tl.sqrt((tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)) / D + eps)
             if is_q:
                 we = tl.load(QW + 2 * half).to(tl.float32)
                 wo = tl.load(QW + 2 * half + 1).to(tl.float32)
             else:
                 we = tl.load(KW + 2 * half).to(tl.float32)
                 wo = tl.load(KW + 2 * half + 1).to(tl.float32)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        pos = tl.load(Pos + b).to(tl.int64)
+        col = h * D  # q heads first, then k heads in the fused qkv projection
+        base = QKV + b * stride_qkv + col
+        xe = tl.load(base + 2 * half).to(tl.float32)
+        xo = tl.load(base + 2 * half + 1).to(tl.float32)
+        if QK_NORM:
+            inv = 1.0 / tl.sqrt((tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)) / D + eps)
             dt = QO.dtype.element_ty
             xe = ((xe * inv).to(dt).to(tl.float32) * we).to(dt).to(tl.float32)
             xo = ((xo * inv).to(dt).to(tl.float32) * wo).to(dt).to(tl.float32)

@@ -149,11 +149,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, rope), apply_rope(k, rope), v
 
+    def takes_rope(self, S: int, slots) -> bool:
+        """Whether a pass of S tokens a row reads the rotations the stack gathers (`rope`); the fused path reads
+        its table by position itself."""
+        return not (self.fused and slots is not None and (S > 1 or self.decode_kernel))
+
     def forward(self, x, rope, pos, slots, kv_len_max: int | None):
-        """x [B, S, dim]; rope [B, S, D/2, 2]; pos [B, S]; slots [B] or None (no cache: plain causal)."""
+        """x [B, S, dim]; rope [B, S, D/2, 2] (None where `takes_rope` says it is not read); pos [B, S]; slots [B]
+        or None (no cache: plain causal)."""
         c = self.cfg
         B, S, _ = x.shape
-        if self.fused and slots is not None and (S > 1 or self.decode_kernel):
+        if not self.takes_rope(S, slots):
             return self._fused(x, pos, slots, kv_len_max)
         q, k, v = self.heads(x, rope)
         if slots is None:
@@ -281,7 +287,8 @@ class Stack(nn.Module):
 
     def run(self, x, pos, slots=None, kv_len_max=None):
         """x [B, S, dim] -> final-normed hidden [B, S, dim]."""
-        rope = self.rope[pos]
+        S = x.shape[1]
+        rope = self.rope[pos] if any(layer.attention.takes_rope(S, slots) for layer in self.layers) else None
         if self.norm.fused:  # each residual sum joins the next norm's kernel
             from .kernels import rms_norm
 
