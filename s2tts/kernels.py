@@ -736,6 +736,124 @@ def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv: int
     return q
 
 
+# ---- q/k norm + RoPE + cache write + attention in one kernel, for caches of a few positions -------------
+# The fast AR's passes after its first: one token a row, at most `num_codebooks + 1` keys a row. The two kernels
+# (`qk_rope_cache`, then `decode_attention` in its short tiling) become one program per (row, KV head) that makes
+# its heads' q, the new key and value, writes them to the cache and attends over the row's keys, the new one taken
+# from registers: 32 launches fewer a decode step. Measured in the step on an H200 (perf/RESULTS.md, 27th session):
+# 8 rows 6.57 -> 6.50 ms, 16 rows 6.82 -> 6.76, 64 rows 7.60 -> 7.53; at 1 and 2 rows slower (5.32 -> 5.35, 5.98 ->
+# 6.02: 8 programs with a longer chain each against 40 + 8 that overlap), hence from ROPE_ATTEND_MIN_ROWS rows.
+
+ROPE_ATTEND_SHORT = True  # `Attention._fused` uses `rope_attend_short` where it can (bench_engine: rope_attend=0)
+ROPE_ATTEND_MIN_ROWS = 5  # ... in passes of at least this many rows
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_pairs(xe, xo, we, wo, cos, sin, inv, QK_NORM: tl.constexpr, dt: tl.constexpr):
+        """Pairs (even, odd) of a head, normed (QK_NORM: times inv, rounded, times the weight, rounded) and rotated,
+        rounded to dt, joined: [..., D/2, 2] (reshaped to [..., D]: the bits `_qk_rope_cache_kernel` stores)."""
+        if QK_NORM:
+            xe = ((xe * inv).to(dt).to(tl.float32) * we).to(dt).to(tl.float32)
+            xo = ((xo * inv).to(dt).to(tl.float32) * wo).to(dt).to(tl.float32)
+        return tl.join((xe * cos - xo * sin).to(dt), (xo * cos + xe * sin).to(dt))
+
+    @triton.jit
+    def _rope_attend_short_kernel(QKV, QW, KW, ROPE, Pos, Slots, Table, O, KC, VC, stride_qkv, stride_ob, stride_oh,
+                                  stride_cb, stride_ch, stride_cl, stride_t, stride_pos, eps, scale,
+                                  H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
+                                  GROUP_PAD: tl.constexpr, QK_NORM: tl.constexpr, BS: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+        """Program (row b, KV head g): q of heads g*GROUP.. (normed, rotated), the row's new key (normed, rotated) and
+        value written to the cache at (slot, pos), then softmax attention of those heads over keys 0..pos (at most
+        BLOCK_N; the new key and value from registers, the others from the cache), as `_decode_attention_kernel`
+        computes it over one tile."""
+        b = tl.program_id(0)
+        g = tl.program_id(1)
+        half = tl.arange(0, D // 2)
+        i = tl.arange(0, GROUP_PAD)
+        imask = i < GROUP
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        if QK_NORM:  # weights: read before the wait (no kernel writes them)
+            qwe = tl.load(QW + 2 * half).to(tl.float32)
+            qwo = tl.load(QW + 2 * half + 1).to(tl.float32)
+            kwe = tl.load(KW + 2 * half).to(tl.float32)
+            kwo = tl.load(KW + 2 * half + 1).to(tl.float32)
+        else:
+            qwe = tl.zeros([D // 2], tl.float32)
+            qwo = qwe
+            kwe = qwe
+            kwo = qwe
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        pos = tl.load(Pos + b * stride_pos).to(tl.int64)
+        slot = tl.load(Slots + b).to(tl.int64)
+        cos = tl.load(ROPE + pos * D + 2 * half)
+        sin = tl.load(ROPE + pos * D + 2 * half + 1)
+        dt = O.dtype.element_ty
+        row = QKV + b * stride_qkv
+        # the new key and value
+        ke = tl.load(row + (H + g) * D + 2 * half).to(tl.float32)
+        ko = tl.load(row + (H + g) * D + 2 * half + 1).to(tl.float32)
+        kinv = 1.0 / tl.sqrt((tl.sum(ke * ke, axis=0) + tl.sum(ko * ko, axis=0)) / D + eps)
+        k_new = tl.reshape(_rope_pairs(ke, ko, kwe, kwo, cos, sin, kinv, QK_NORM, dt), [D])
+        d = tl.arange(0, D)
+        v_new = tl.load(row + (H + KVH + g) * D + d)
+        blk_new = tl.load(Table + slot * stride_t + pos // BS).to(tl.int64)
+        dst = blk_new * stride_cb + g * stride_ch + (pos % BS) * stride_cl
+        tl.store(KC + dst + d, k_new.to(KC.dtype.element_ty))
+        tl.store(VC + dst + d, v_new)
+        # the group's queries [GROUP_PAD, D]
+        heads = g * GROUP + i
+        qe = tl.load(row + heads[:, None] * D + 2 * half[None, :], mask=imask[:, None], other=0.0).to(tl.float32)
+        qo = tl.load(row + heads[:, None] * D + 2 * half[None, :] + 1, mask=imask[:, None], other=0.0).to(tl.float32)
+        qinv = 1.0 / tl.sqrt((tl.sum(qe * qe, axis=1) + tl.sum(qo * qo, axis=1)) / D + eps)
+        q = tl.reshape(_rope_pairs(qe, qo, qwe[None, :], qwo[None, :], cos[None, :], sin[None, :], qinv[:, None],
+                                   QK_NORM, dt), [GROUP_PAD, D])
+        # keys 0..pos: the earlier ones from the cache, the new one from registers
+        n = tl.arange(0, BLOCK_N)
+        old = n < pos
+        blk = tl.load(Table + slot * stride_t + n // BS, mask=old, other=0).to(tl.int64)
+        at = blk[:, None] * stride_cb + g * stride_ch + (n % BS)[:, None] * stride_cl + d[None, :]
+        new = (n == pos)[:, None]
+        k = tl.where(new, k_new[None, :].to(KC.dtype.element_ty), tl.load(KC + at, mask=old[:, None], other=0.0))
+        v = tl.where(new, v_new[None, :], tl.load(VC + at, mask=old[:, None], other=0.0))
+        sc = tl.dot(q.to(k.dtype), tl.trans(k)).to(tl.float32) * scale
+        sc = tl.where((n <= pos)[None, :], sc, float("-inf"))
+        m = tl.max(sc, axis=1)
+        p = tl.exp(sc - m[:, None])
+        out = tl.dot(p.to(v.dtype), v).to(tl.float32) / tl.sum(p, axis=1)[:, None]
+        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + d[None, :], out.to(dt), mask=imask[:, None])
+
+
+def rope_attend_short(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv: int, head_dim: int, eps: float,
+                      qk_norm: bool, max_keys: int) -> torch.Tensor:
+    """`qk_rope_cache` then `decode_attention(..., lengths=pos, lengths_add=1)` in one kernel, for one token a row
+    over caches of at most `max_keys` <= 64 positions (the fast AR's, after its first call: a row's earlier positions
+    must be in the cache before the call, which rules out rows of one stream's two first positions in one call).
+    qkv [B, (H+2K)*D]; pos [B] (strided allowed); slots [B] -> attention output [B, H, D]; writes the rows' keys and
+    values into the cache."""
+    if triton is None:
+        raise RuntimeError("rope_attend_short needs the `triton` package")
+    B = qkv.shape[0]
+    block_n = max(16, triton.next_power_of_2(max_keys))
+    if block_n > 64:
+        raise ValueError(f"rope_attend_short takes caches of at most 64 positions, not {max_keys}")
+    out = torch.empty(B, n_head, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k_cache, v_cache, table = cache.k, cache.v, cache.table
+    assert k_cache.stride() == v_cache.stride()
+    group = n_head // n_kv
+    cfg = short_keys_config(max_keys, B) or {}  # the attention kernel's warps for these rows: the same sums
+    _rope_attend_short_kernel[(B, n_kv)](
+        qkv, q_w if q_w is not None else out, k_w if k_w is not None else out, rope, pos, slots, table, out,
+        k_cache, v_cache, qkv.stride(0), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), table.stride(0), pos.stride(0), eps, head_dim ** -0.5, H=n_head, KVH=n_kv, D=head_dim,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), QK_NORM=qk_norm, BS=cache.block_size,
+        BLOCK_N=block_n, num_warps=cfg.get("num_warps", DECODE_ATTENTION_CONFIG["num_warps"]), **_pdl())
+    return out
+
+
 # ---- sampling -----------------------------------------------------------------------------
 # The same function as s2tts.sampling._choose (top-p from the un-tempered softmax, rank >= top_k
 # masked, rank 0 kept, tempered softmax, exponential race with counter-based noise), one program

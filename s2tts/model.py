@@ -105,25 +105,38 @@ class Attention(nn.Module):
         self.decode_splits = 1  # programs sharing one row's keys in that kernel (set by the engine per step)
         self.decode_min_split = 1024  # keys each of them takes at least
         self.max_keys: int | None = None  # the most keys a row can hold (its cache's positions; set with the cache)
+        self.rows_invariant = False  # batch_invariant: one attention tiling at any row count (set by the engine)
         self.fused = False  # fused q/k norm + RoPE + cache write kernel (see use_triton_kernels)
         self.rope: torch.Tensor | None = None  # the stack's table, set by use_triton_kernels
 
     def _tiling(self, rows: int) -> dict | None:
         """The decode-attention kernel's tiling for a pass of `rows` rows over this layer's cache (None: its default;
-        `kernels.short_keys_config` for a cache of fewer positions than a tile, the fast AR's)."""
+        `kernels.short_keys_config` for a cache of fewer positions than a tile, the fast AR's; with `rows_invariant`
+        its one-row tiling at any row count: a row's sums do not change with the rows beside it)."""
         from .kernels import short_keys_config
 
-        return short_keys_config(self.max_keys, rows) if self.max_keys else None
+        return short_keys_config(self.max_keys, 1 if self.rows_invariant else rows) if self.max_keys else None
 
     def _fused(self, x, pos, slots, kv_len_max):
         """Cached path with the fused q/k-norm + RoPE + cache-write kernel (every token is a row), then the
         decode-attention kernel over each row's keys (the fast AR's first call: two rows a stream, at positions 0
-        and 1), or without it plain attention over the cache."""
+        and 1), or without it plain attention over the cache. One token a row over a cache of a few positions (the
+        fast AR's later calls) in passes of `kernels.ROPE_ATTEND_MIN_ROWS` rows or more: both in one kernel
+        (`kernels.rope_attend_short`)."""
+        from . import kernels
         from .kernels import decode_attention, qk_rope_cache
 
         c = self.cfg
         B, S, _ = x.shape
         qkv = self.wqkv(x).reshape(B * S, -1)
+        if (S == 1 and self.decode_kernel and kernels.ROPE_ATTEND_SHORT and B >= kernels.ROPE_ATTEND_MIN_ROWS
+                and not self.rows_invariant and self.decode_splits == 1
+                and self._tiling(B) is not None):  # a cache of a few positions (the fast AR's)
+            out = kernels.rope_attend_short(qkv, self.q_norm.weight if c.qk_norm else None,
+                                            self.k_norm.weight if c.qk_norm else None, self.rope, pos.reshape(-1),
+                                            slots, self.cache, c.n_head, c.n_local_heads, c.head_dim, c.norm_eps,
+                                            c.qk_norm, self.max_keys)
+            return self.wo(out.reshape(B, S, c.q_size))
         rows_slot = slots if S == 1 else slots.repeat_interleave(S)
         q = qk_rope_cache(qkv, self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
                           self.rope, pos.reshape(-1), rows_slot, self.cache, c.n_head, c.n_local_heads,

@@ -97,6 +97,28 @@ def check_ops():
         got = kernels.decode_attention(q[:rows], cache, slots[:rows], lens11[:rows], splits=1,
                                        config=kernels.short_keys_config(11, 64 if rows == 3 else rows))
         assert rel(got, want) < 1e-6, rows
+    # q/k norm + RoPE + cache write + attention in one kernel (the fast AR's later calls): the outputs and cache
+    # writes of the two kernels it replaces, with and without the q/k norm, at 1 and 3 rows (both tilings)
+    from s2tts.model import rope_table
+
+    rope = rope_table(16, D, 10000.0)
+    qkv = torch.randn(B, (H + 2 * KV) * D)
+    qw, kw = torch.rand(D) + 0.5, torch.rand(D) + 0.5
+    posr = torch.tensor([3, 10, 0])
+    for norm in (True, False):
+        for rows in (1, 3):
+            caches = []
+            for _ in range(2):
+                kp, vp = kpool.clone(), vpool.clone()
+                caches.append(KVCache(kp, vp, table, BS))
+            a = (qw, kw) if norm else (None, None)
+            q1 = kernels.qk_rope_cache(qkv[:rows], *a, rope, posr[:rows], slots[:rows], caches[0], H, KV, D, 1e-6, norm)
+            want = kernels.decode_attention(q1, caches[0], slots[:rows], posr[:rows], splits=1, lengths_add=1,
+                                            config=kernels.short_keys_config(11, rows))
+            got = kernels.rope_attend_short(qkv[:rows], *a, rope, posr[:rows], slots[:rows], caches[1], H, KV, D,
+                                            1e-6, norm, 11)
+            assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), (norm, rows)
+            assert rel(got, want) < 1e-6, ("rope_attend_short", norm, rows, rel(got, want))
     # rms norm (+ residual add) and silu*mul against the module code
     from s2tts.model import RMSNorm
 
@@ -226,9 +248,22 @@ def check_engine(ckpt):
             use_split = r._use_split
             r._use_split = lambda way: ways.append(way) or use_split(way)
         tilings, attention = [], kernels.decode_attention  # the fast AR's rows in the short-keys tiling
-        kernels.decode_attention = lambda *a, **k: tilings.append(k.get("config")) or attention(*a, **k)
+        short_rows = []  # rows of the passes in the short tiling
+
+        def counted_attention(q, *a, **k):
+            tilings.append(k.get("config"))
+            if k.get("config"):
+                short_rows.append(q.shape[0])
+            return attention(q, *a, **k)
+
+        kernels.decode_attention = counted_attention
         small, gemv_small = [], kernels.gemv_small
         kernels.gemv_small = lambda *a, **k: small.append(a[0].numel() // a[0].shape[-1]) or gemv_small(*a, **k)
+        # the fast AR's later calls: norm, RoPE, attention in one kernel from 2 rows here (a server: from 5), its 1-row
+        # passes in the two kernels
+        joined, rope_attend, min_rows = [], kernels.rope_attend_short, kernels.ROPE_ATTEND_MIN_ROWS
+        kernels.rope_attend_short = lambda *a, **k: joined.append(a[0].shape[0]) or rope_attend(*a, **k)
+        kernels.ROPE_ATTEND_MIN_ROWS = 2
         mixed, inner = [], eng.runner._slow_pass
         eng.runner._slow_pass = lambda dec, ch, first: mixed.append(bool(dec and ch)) or inner(dec, ch, first)
         logits = {}
@@ -246,6 +281,9 @@ def check_engine(ckpt):
         assert not kern or {(4, 16), (4, 8), (1, 16)} <= set(ways), sorted(set(ways))
         kernels.gemv_small = gemv_small
         kernels.decode_attention = attention
+        kernels.rope_attend_short, kernels.ROPE_ATTEND_MIN_ROWS = rope_attend, min_rows
+        assert (joined and min(joined) == 2) if kern else not joined, joined[:4]
+        assert not kern or 1 in short_rows, short_rows  # 1-row passes: the two kernels
         assert (None in tilings and {"block_n": 16} in tilings) if kern else not tilings, tilings[:4]
         # the kernels' products of up to GEMV_SMALL_ROWS rows (decode passes, the fast AR) in `gemv_small`, the others not
         assert (small and set(small) <= set(range(1, kernels.GEMV_SMALL_ROWS + 1))) if kern else not small, sorted(set(small))
@@ -301,11 +339,20 @@ def check_invariant(ckpt):
             step += 1
         return {i: np.concatenate(v) for i, v in out.items()}
 
+    joined, rope_attend, min_rows = [], kernels.rope_attend_short, kernels.ROPE_ATTEND_MIN_ROWS
+    kernels.rope_attend_short = lambda *a, **k: joined.append(a[0].shape[0]) or rope_attend(*a, **k)
+    kernels.ROPE_ATTEND_MIN_ROWS = 1
     together = run([0, 1])  # the second arrives while the first decodes: its prompt rows beside the decode rows
+    kernels.rope_attend_short, kernels.ROPE_ATTEND_MIN_ROWS = rope_attend, min_rows
+    assert not joined, joined
     for i in range(2):
         np.testing.assert_array_equal(together[i], run([i])[i])
+    # the fast AR's attention in one tiling at any row count, never the joined kernel (its warps follow the rows)
+    fa = model.fast.layers[0].attention
+    assert fa.rows_invariant and fa._tiling(64) == fa._tiling(1) == {"block_n": 16}, fa._tiling(64)
     Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True)
     assert model.slow.layers[0].attention.wqkv.invariant_rows == 0  # an engine without it puts them back
+    assert not fa.rows_invariant and fa._tiling(64)["num_warps"] == 1
     print("invariant ok")
 
 

@@ -131,6 +131,7 @@ class ModelRunner:
             for layer in st.layers:
                 layer.attention.decode_kernel = decode_kernel
                 layer.attention.decode_splits = 1
+                layer.attention.rows_invariant = batch_invariant
         if fused_kernels is None:
             fused_kernels = decode_kernel
         from ..model import use_invariant_linears, use_triton_kernels
