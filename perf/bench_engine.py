@@ -228,7 +228,8 @@ def main():
                          "keys (block_n, num_warps, num_stages, kv_together), swiglu=0|1 (kernels.SWIGLU_IN_PRODUCT: "
                          "the SwiGLU in gemv_small's last step), sort16=0|1 (kernels.SORT_KEY16: bf16 logits sorted "
                          "as 32-bit keys), rope_attend=0|1 (kernels.ROPE_ATTEND_SHORT: the fast AR's q/k norm, RoPE, cache "
-                         "write and attention in one kernel))")
+                         "write and attention in one kernel), semantic=0|1 (kernels.SEMANTIC_IN_KERNEL: the slow "
+                         "AR's code-0 draw, sort and RAS in one kernel))")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -271,7 +272,7 @@ def main():
         few_rows = ModelRunner.FEW_ROWS
         blas = torch.backends.cuda.preferred_blas_library()
         short_keys, swiglu, sort16 = kernels.SHORT_KEYS, kernels.SWIGLU_IN_PRODUCT, kernels.SORT_KEY16
-        rope_attend = kernels.ROPE_ATTEND_SHORT
+        rope_attend, semantic = kernels.ROPE_ATTEND_SHORT, kernels.SEMANTIC_IN_KERNEL
         attention = dict(kernels.DECODE_ATTENTION_CONFIG)
         for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]
                                          for v in [variant(v) for v in args.variant or ["default="]]
@@ -286,6 +287,7 @@ def main():
                 kernels.SWIGLU_IN_PRODUCT = bool(int(vset.get("swiglu", swiglu)))
                 kernels.SORT_KEY16 = bool(int(vset.get("sort16", sort16)))
                 kernels.ROPE_ATTEND_SHORT = bool(int(vset.get("rope_attend", rope_attend)))
+                kernels.SEMANTIC_IN_KERNEL = bool(int(vset.get("semantic", semantic)))
                 kernels.DECODE_ATTENTION_CONFIG.update(attention, **{k[10:]: int(v) for k, v in vset.items()
                                                                      if k.startswith("attention_")})
                 torch.cuda.reset_peak_memory_stats()

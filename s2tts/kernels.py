@@ -869,6 +869,51 @@ if triton is not None:
         h = h * 0xC2B2AE35
         return h ^ (h >> 16)
 
+    @triton.jit
+    def _sort_desc(x, r, BLOCK: tl.constexpr, KEY16: tl.constexpr):
+        """Logits x [BLOCK] (r = arange(BLOCK)) sorted descending, ties lowest index first -> (sorted, order). KEY16:
+        the values are bf16 (their low 16 bits zero): the value's 16 bits and the index's 16 in one int32 (half a
+        sort's data); else 64-bit (value, index) pairs."""
+        if KEY16:
+            b16 = x.to(tl.int32, bitcast=True) >> 16
+            key = b16 ^ ((b16 >> 15) & 0x7FFF)  # integers that order as the bf16 values do
+            packed = tl.sort((key << 16) | (BLOCK - 1 - r), descending=True)
+            key = packed >> 16
+            xs = ((key ^ ((key >> 15) & 0x7FFF)) << 16).to(tl.float32, bitcast=True)
+            order = BLOCK - 1 - (packed & 0xFFFF)
+        else:
+            bits = x.to(tl.int32, bitcast=True)
+            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers that order as the floats do
+            packed = tl.sort((key.to(tl.int64) << 32) | (BLOCK - 1 - r).to(tl.int64), descending=True)
+            key = (packed >> 32).to(tl.int32)
+            xs = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+            order = BLOCK - 1 - (packed & 0xFFFFFFFF).to(tl.int32)
+        return xs, order
+
+    @triton.jit
+    def _draw(x, r, V, t, top_p, top_k, seed, step, stream):
+        """The rank drawn from descending-sorted logits x [BLOCK] (`s2tts.sampling._choose`): top-p from the
+        un-tempered softmax, rank >= top_k masked, rank 0 kept, tempered softmax, exponential race with the
+        counter-based noise of (seed, step, stream, rank)."""
+        valid = r < V
+        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        cum = tl.cumsum(e / tl.sum(e, axis=0), axis=0)
+        k = tl.maximum(top_k.to(tl.int32), 1)  # 0: greedy, as upstream
+        remove = ((cum > top_p) | (r >= k)) & (r != 0)
+        remove = remove | (r >= V)
+        s = tl.where(remove, float("-inf"), x / tl.maximum(t, 1e-5))
+        e2 = tl.exp(s - tl.max(s, axis=0))
+        probs = e2 / tl.sum(e2, axis=0)
+        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        step = (step & 0xFFFFFFFF).to(tl.uint32)
+        h = _mix32(lo * 0x9E3779B1 + _mix32(hi + 0x632BE5AB))
+        h = _mix32(h + step * 0x7FEB352D + stream.to(tl.uint32) * 0x68E31DA4)
+        h = _mix32(h + r.to(tl.uint32) * 0x1B873593 + 0x2545F491)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        score = tl.where(remove, -1.0, probs / (-tl.log(u)))
+        return tl.argmax(score, axis=0)
+
     # Compiled once per (BLOCK, SORT): `stream` is a plain argument and the per-row inputs are not specialised on
     # their alignment. With `stream` a constant (it was), each of the fast AR's nine codebooks and the slow AR's two
     # draws, times the aligned and unaligned step rows of the sampling graphs, compiled a kernel of its own: 22
@@ -879,50 +924,70 @@ if triton is not None:
         _pdl_wait(PDL)
         row = tl.program_id(0)
         r = tl.arange(0, BLOCK)
-        valid = r < V
-        x = tl.load(SL + row * stride + r, mask=valid, other=float("-inf")).to(tl.float32)
-        if SORT and KEY16:  # bf16 logits: the value's 16 bits and the index's 16 in one int32 (half a sort's data)
-            b16 = x.to(tl.int32, bitcast=True) >> 16
-            key = b16 ^ ((b16 >> 15) & 0x7FFF)  # integers that order as the bf16 values do
-            packed = tl.sort((key << 16) | (BLOCK - 1 - r), descending=True)
-            key = packed >> 16
-            x = ((key ^ ((key >> 15) & 0x7FFF)) << 16).to(tl.float32, bitcast=True)
-            order = BLOCK - 1 - (packed & 0xFFFF)
-        elif SORT:  # unsorted logits: sort (value, index) pairs in the program, descending, ties lowest index first
-            bits = x.to(tl.int32, bitcast=True)
-            key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # integers that order as the floats do
-            packed = tl.sort((key.to(tl.int64) << 32) | (BLOCK - 1 - r).to(tl.int64), descending=True)
-            key = (packed >> 32).to(tl.int32)
-            x = (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            order = BLOCK - 1 - (packed & 0xFFFFFFFF).to(tl.int32)
-        e = tl.where(valid, tl.exp(x - tl.max(x, axis=0)), 0.0)
-        cum = tl.cumsum(e / tl.sum(e, axis=0), axis=0)
-        top_p = tl.load(P + row)
-        top_k = tl.load(K + row).to(tl.int32)
-        k = tl.maximum(top_k, 1)  # 0: greedy, as upstream
-        remove = ((cum > top_p) | (r >= k)) & (r != 0)
-        remove = remove | (r >= V)
-        t = tl.maximum(tl.load(T + row), 1e-5)
-        s = tl.where(remove, float("-inf"), x / t)
-        e2 = tl.exp(s - tl.max(s, axis=0))
-        probs = e2 / tl.sum(e2, axis=0)
-        seed = tl.load(Seed + row)
-        lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-        hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        step = (tl.load(Step + row) & 0xFFFFFFFF).to(tl.uint32)
-        h = _mix32(lo * 0x9E3779B1 + _mix32(hi + 0x632BE5AB))
-        h = _mix32(h + step * 0x7FEB352D + stream.to(tl.uint32) * 0x68E31DA4)
-        h = _mix32(h + r.to(tl.uint32) * 0x1B873593 + 0x2545F491)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = tl.where(remove, -1.0, probs / (-tl.log(u)))
-        choice = tl.argmax(score, axis=0)
+        x = tl.load(SL + row * stride + r, mask=r < V, other=float("-inf")).to(tl.float32)
+        if SORT:  # unsorted logits: sorted in the program
+            x, order = _sort_desc(x, r, BLOCK, KEY16)
+        choice = _draw(x, r, V, tl.load(T + row), tl.load(P + row), tl.load(K + row), tl.load(Seed + row),
+                       tl.load(Step + row), stream)
         if SORT:
             choice = tl.sum(tl.where(r == choice, order, 0), axis=0)
         tl.store(Out + row, choice.to(tl.int64))
 
+    @triton.jit(do_not_specialize=["T", "P", "K", "Seed", "Step", "Recent", "AllowEnd", "Out", "stream_first",
+                                   "stream_second"])
+    def _semantic_kernel(SL, T, P, K, Seed, Step, Recent, AllowEnd, Out, stride, stride_recent, V, END, ras_t, ras_p,
+                         stream_first, stream_second, W: tl.constexpr, W_PAD: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+        """Program (row): code 0 of a frame as `s2tts.sampling.sample_semantic` draws it from the slow AR's
+        logits, with the end token masked where AllowEnd is 0: the row sorted in the program (as 32-bit keys where
+        every value is a bf16's: the low 16 bits zero), the request's draw and the RAS draw from the same order,
+        and the RAS draw taken where the first is among the row's W recent codes."""
+        _pdl_wait(PDL)
+        row = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        x = tl.load(SL + row * stride + r, mask=r < V, other=float("-inf")).to(tl.float32)
+        x = tl.where((r == END) & (tl.load(AllowEnd + row) == 0), float("-inf"), x)
+        if tl.max(x.to(tl.int32, bitcast=True) & 0xFFFF, axis=0) == 0:
+            xs, order = _sort_desc(x, r, BLOCK, True)
+        else:
+            xs, order = _sort_desc(x, r, BLOCK, False)
+        top_k, seed, step = tl.load(K + row), tl.load(Seed + row), tl.load(Step + row)
+        first = _draw(xs, r, V, tl.load(T + row), tl.load(P + row), top_k, seed, step, stream_first)
+        second = _draw(xs, r, V, ras_t, ras_p, top_k, seed, step, stream_second)
+        first = tl.sum(tl.where(r == first, order, 0), axis=0)
+        second = tl.sum(tl.where(r == second, order, 0), axis=0)
+        w = tl.arange(0, W_PAD)
+        recent = tl.load(Recent + row * stride_recent + w, mask=w < W, other=-1)
+        repeated = tl.sum((recent == first).to(tl.int32), axis=0) > 0
+        tl.store(Out + row, tl.where(repeated, second, first).to(tl.int64))
+
 
 SORT_IN_KERNEL = 2048  # `choose(..., sort=True)` up to this many logits a row (the fast AR's 1024); torch.sort above
 SORT_KEY16 = True  # bf16 logits sorted as 32-bit keys (16 bits of value, 16 of index) rather than 64-bit ones
+
+
+SEMANTIC_IN_KERNEL = False  # the slow AR's code-0 draw in `choose_semantic` (bench_engine: semantic=1); off until timed
+SEMANTIC_SORT_MAX = 8192  # ... for rows of up to this many logits
+
+
+def choose_semantic(logits, recent, allow_end, end_index: int, temperature, top_p, top_k, seed, step, ras_temperature,
+                    ras_top_p, streams: tuple[int, int]) -> torch.Tensor:
+    """`s2tts.sampling.sample_semantic` of `logits` [B, V] (float, V <= SEMANTIC_SORT_MAX) with column `end_index`
+    masked in the rows where `allow_end` [B] is False, in one kernel instead of a radix sort, two draws, their
+    gathers and the RAS check (~12 launches). recent [B, W] (-1: empty); `streams`: the two draws' random streams
+    -> [B] int64 indices."""
+    B, V = logits.shape
+    if V > SEMANTIC_SORT_MAX:
+        raise ValueError(f"choose_semantic takes rows of at most {SEMANTIC_SORT_MAX} logits, not {V}")
+    sl = _unit_rows(logits)
+    rec = _unit_rows(recent)
+    out = torch.empty(B, dtype=torch.int64, device=sl.device)
+    _semantic_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
+                           seed.contiguous(), step.contiguous(), rec, allow_end.to(torch.int8).contiguous(), out,
+                           sl.stride(0), rec.stride(0), V, end_index, float(ras_temperature), float(ras_top_p),
+                           streams[0], streams[1], W=rec.shape[1], W_PAD=triton.next_power_of_2(rec.shape[1]),
+                           BLOCK=triton.next_power_of_2(V), num_warps=16 if V > 4096 else 8, **_pdl())
+    return out
 
 
 def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: bool = False) -> torch.Tensor:
