@@ -175,8 +175,8 @@ if triton is not None:
             tl.store(MidML + mid * 2 + 1, l_sum, mask=split)
 
     @triton.jit
-    def _decode_combine_kernel(MidO, MidML, O, Lens, stride_ob, stride_oh, stride_len, H, D: tl.constexpr, SPLITS: tl.constexpr,
-                               BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, LEN_ADD: tl.constexpr,
+    def _decode_combine_kernel(MidO, MidML, O, Lens, stride_ob, stride_oh, stride_len, H, D: tl.constexpr,
+                               SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr, LEN_ADD: tl.constexpr,
                                PDL: tl.constexpr):
         """Program (row b, head h): the softmax-weighted sum of the splits' partial results (rows that one split
         finished are left alone)."""
@@ -280,7 +280,7 @@ if triton is not None:
         mask = cols < N
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait (no kernel writes it)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)  # read before the wait: no kernel writes weights
         if PDL:
             tl.extra.cuda.gdc_wait()
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -392,6 +392,16 @@ if triton is not None:
         tl.store(out + 2 * i + 1, (x1 * c + x0 * sn).to(O.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _rope_pairs(xe, xo, we, wo, cos, sin, inv, QK_NORM: tl.constexpr, dt: tl.constexpr):
+        """A head's pairs (even, odd), float32: normed (QK_NORM: times inv, rounded to dt, times the weight, rounded)
+        and rotated -> (even, odd) float32, not yet rounded (`_qk_rope_cache_kernel` and `_rope_attend_short_kernel`
+        round them as they store them: the same bits)."""
+        if QK_NORM:
+            xe = ((xe * inv).to(dt).to(tl.float32) * we).to(dt).to(tl.float32)
+            xo = ((xo * inv).to(dt).to(tl.float32) * wo).to(dt).to(tl.float32)
+        return xe * cos - xo * sin, xo * cos + xe * sin
+
+    @triton.jit
     def _qk_rope_cache_kernel(QKV, QW, KW, ROPE, Pos, Slots, Table, QO, KC, VC, stride_qkv, stride_qo_b, stride_qo_h,
                               stride_cb, stride_ch, stride_cl, stride_t, eps,
                               H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, QK_NORM: tl.constexpr,
@@ -412,6 +422,9 @@ if triton is not None:
             else:
                 we = tl.load(KW + 2 * half).to(tl.float32)
                 wo = tl.load(KW + 2 * half + 1).to(tl.float32)
+        else:
+            we = tl.zeros([D // 2], tl.float32)
+            wo = we
         if PDL:
             tl.extra.cuda.gdc_wait()
         pos = tl.load(Pos + b).to(tl.int64)
@@ -419,15 +432,10 @@ if triton is not None:
         base = QKV + b * stride_qkv + col
         xe = tl.load(base + 2 * half).to(tl.float32)
         xo = tl.load(base + 2 * half + 1).to(tl.float32)
-        if QK_NORM:
-            inv = 1.0 / tl.sqrt((tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)) / D + eps)
-            dt = QO.dtype.element_ty
-            xe = ((xe * inv).to(dt).to(tl.float32) * we).to(dt).to(tl.float32)
-            xo = ((xo * inv).to(dt).to(tl.float32) * wo).to(dt).to(tl.float32)
+        inv = 1.0 / tl.sqrt((tl.sum(xe * xe, axis=0) + tl.sum(xo * xo, axis=0)) / D + eps)  # used with QK_NORM only
         cos = tl.load(ROPE + pos * D + 2 * half)
         sin = tl.load(ROPE + pos * D + 2 * half + 1)
-        re = xe * cos - xo * sin
-        ro = xo * cos + xe * sin
+        re, ro = _rope_pairs(xe, xo, we, wo, cos, sin, inv, QK_NORM, QO.dtype.element_ty)
         if is_q:
             out = QO + b * stride_qo_b + h * stride_qo_h
             tl.store(out + 2 * half, re.to(QO.dtype.element_ty))
@@ -750,15 +758,6 @@ ROPE_ATTEND_MIN_ROWS = 5  # ... in passes of at least this many rows
 if triton is not None:
 
     @triton.jit
-    def _rope_pairs(xe, xo, we, wo, cos, sin, inv, QK_NORM: tl.constexpr, dt: tl.constexpr):
-        """Pairs (even, odd) of a head, normed (QK_NORM: times inv, rounded, times the weight, rounded) and rotated,
-        rounded to dt, joined: [..., D/2, 2] (reshaped to [..., D]: the bits `_qk_rope_cache_kernel` stores)."""
-        if QK_NORM:
-            xe = ((xe * inv).to(dt).to(tl.float32) * we).to(dt).to(tl.float32)
-            xo = ((xo * inv).to(dt).to(tl.float32) * wo).to(dt).to(tl.float32)
-        return tl.join((xe * cos - xo * sin).to(dt), (xo * cos + xe * sin).to(dt))
-
-    @triton.jit
     def _rope_attend_short_kernel(QKV, QW, KW, ROPE, Pos, Slots, Table, O, KC, VC, stride_qkv, stride_ob, stride_oh,
                                   stride_cb, stride_ch, stride_cl, stride_t, stride_pos, eps, scale,
                                   H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr,
@@ -797,7 +796,8 @@ if triton is not None:
         ke = tl.load(row + (H + g) * D + 2 * half).to(tl.float32)
         ko = tl.load(row + (H + g) * D + 2 * half + 1).to(tl.float32)
         kinv = 1.0 / tl.sqrt((tl.sum(ke * ke, axis=0) + tl.sum(ko * ko, axis=0)) / D + eps)
-        k_new = tl.reshape(_rope_pairs(ke, ko, kwe, kwo, cos, sin, kinv, QK_NORM, dt), [D])
+        ke, ko = _rope_pairs(ke, ko, kwe, kwo, cos, sin, kinv, QK_NORM, dt)
+        k_new = tl.reshape(tl.join(ke.to(dt), ko.to(dt)), [D])  # the pairs interleaved again
         d = tl.arange(0, D)
         v_new = tl.load(row + (H + KVH + g) * D + d)
         blk_new = tl.load(Table + slot * stride_t + pos // BS).to(tl.int64)
@@ -809,8 +809,8 @@ if triton is not None:
         qe = tl.load(row + heads[:, None] * D + 2 * half[None, :], mask=imask[:, None], other=0.0).to(tl.float32)
         qo = tl.load(row + heads[:, None] * D + 2 * half[None, :] + 1, mask=imask[:, None], other=0.0).to(tl.float32)
         qinv = 1.0 / tl.sqrt((tl.sum(qe * qe, axis=1) + tl.sum(qo * qo, axis=1)) / D + eps)
-        q = tl.reshape(_rope_pairs(qe, qo, qwe[None, :], qwo[None, :], cos[None, :], sin[None, :], qinv[:, None],
-                                   QK_NORM, dt), [GROUP_PAD, D])
+        qe, qo = _rope_pairs(qe, qo, qwe[None, :], qwo[None, :], cos[None, :], sin[None, :], qinv[:, None], QK_NORM, dt)
+        q = tl.reshape(tl.join(qe.to(dt), qo.to(dt)), [GROUP_PAD, D])
         # keys 0..pos: the earlier ones from the cache, the new one from registers
         n = tl.arange(0, BLOCK_N)
         old = n < pos
@@ -828,29 +828,29 @@ if triton is not None:
 
 
 def rope_attend_short(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv: int, head_dim: int, eps: float,
-                      qk_norm: bool, max_keys: int) -> torch.Tensor:
-    """`qk_rope_cache` then `decode_attention(..., lengths=pos, lengths_add=1)` in one kernel, for one token a row
-    over caches of at most `max_keys` <= 64 positions (the fast AR's, after its first call: a row's earlier positions
-    must be in the cache before the call, which rules out rows of one stream's two first positions in one call).
-    qkv [B, (H+2K)*D]; pos [B] (strided allowed); slots [B] -> attention output [B, H, D]; writes the rows' keys and
-    values into the cache."""
+                      qk_norm: bool, config: dict) -> torch.Tensor:
+    """`qk_rope_cache` then `decode_attention(..., lengths=pos, lengths_add=1, config=config)` in one kernel, for
+    one token a row over caches whose rows never hold more keys than the tiling's one tile (`config`: a
+    `short_keys_config`; its keys a tile and warps, so the same sums), the fast AR's after its first call (a row's
+    earlier positions must be in the cache before the call, which rules out one stream's two first positions in
+    one call). qkv [B, (H+2K)*D]; pos [B] (strided allowed); slots [B] -> attention output [B, H, D]; writes the
+    rows' keys and values into the cache."""
     if triton is None:
         raise RuntimeError("rope_attend_short needs the `triton` package")
+    cfg = dict(DECODE_ATTENTION_CONFIG, **config)
+    if cfg["block_n"] > 64:
+        raise ValueError(f"rope_attend_short takes tiles of at most 64 keys, not {cfg['block_n']}")
     B = qkv.shape[0]
-    block_n = max(16, triton.next_power_of_2(max_keys))
-    if block_n > 64:
-        raise ValueError(f"rope_attend_short takes caches of at most 64 positions, not {max_keys}")
     out = torch.empty(B, n_head, head_dim, dtype=qkv.dtype, device=qkv.device)
     k_cache, v_cache, table = cache.k, cache.v, cache.table
     assert k_cache.stride() == v_cache.stride()
     group = n_head // n_kv
-    cfg = short_keys_config(max_keys, B) or {}  # the attention kernel's warps for these rows: the same sums
     _rope_attend_short_kernel[(B, n_kv)](
         qkv, q_w if q_w is not None else out, k_w if k_w is not None else out, rope, pos, slots, table, out,
         k_cache, v_cache, qkv.stride(0), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), table.stride(0), pos.stride(0), eps, head_dim ** -0.5, H=n_head, KVH=n_kv, D=head_dim,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), QK_NORM=qk_norm, BS=cache.block_size,
-        BLOCK_N=block_n, num_warps=cfg.get("num_warps", DECODE_ATTENTION_CONFIG["num_warps"]), **_pdl())
+        BLOCK_N=cfg["block_n"], num_warps=cfg["num_warps"], **_pdl())
     return out
 
 

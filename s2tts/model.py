@@ -129,13 +129,13 @@ class Attention(nn.Module):
         c = self.cfg
         B, S, _ = x.shape
         qkv = self.wqkv(x).reshape(B * S, -1)
-        if (S == 1 and self.decode_kernel and kernels.ROPE_ATTEND_SHORT and B >= kernels.ROPE_ATTEND_MIN_ROWS
-                and not self.rows_invariant and self.decode_splits == 1
-                and self._tiling(B) is not None):  # a cache of a few positions (the fast AR's)
+        short = self._tiling(B * S)  # a cache of a few positions (the fast AR's): its tiling
+        if (S == 1 and short is not None and self.decode_kernel and kernels.ROPE_ATTEND_SHORT
+                and B >= kernels.ROPE_ATTEND_MIN_ROWS and not self.rows_invariant and self.decode_splits == 1):
             out = kernels.rope_attend_short(qkv, self.q_norm.weight if c.qk_norm else None,
                                             self.k_norm.weight if c.qk_norm else None, self.rope, pos.reshape(-1),
                                             slots, self.cache, c.n_head, c.n_local_heads, c.head_dim, c.norm_eps,
-                                            c.qk_norm, self.max_keys)
+                                            c.qk_norm, short)
             return self.wo(out.reshape(B, S, c.q_size))
         rows_slot = slots if S == 1 else slots.repeat_interleave(S)
         q = qk_rope_cache(qkv, self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
@@ -143,7 +143,7 @@ class Attention(nn.Module):
                           c.head_dim, c.norm_eps, c.qk_norm)
         if self.decode_kernel:  # each token a row: its slot's keys up to its own position (all written above)
             out = decode_attention(q, self.cache, rows_slot, pos.reshape(-1), splits=self.decode_splits,
-                                   min_split=self.decode_min_split, config=self._tiling(B * S), lengths_add=1)
+                                   min_split=self.decode_min_split, config=short, lengths_add=1)
             return self.wo(out.reshape(B, S, c.q_size))
         kc, vc = self.cache.read(slots, kv_len_max)
         out = attend(q.view(B, S, c.n_head, c.head_dim).transpose(1, 2), kc, vc, pos, kv_len_max)

@@ -116,7 +116,7 @@ def check_ops():
             want = kernels.decode_attention(q1, caches[0], slots[:rows], posr[:rows], splits=1, lengths_add=1,
                                             config=kernels.short_keys_config(11, rows))
             got = kernels.rope_attend_short(qkv[:rows], *a, rope, posr[:rows], slots[:rows], caches[1], H, KV, D,
-                                            1e-6, norm, 11)
+                                            1e-6, norm, kernels.short_keys_config(11, rows))
             assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), (norm, rows)
             assert rel(got, want) < 1e-6, ("rope_attend_short", norm, rows, rel(got, want))
     # rms norm (+ residual add) and silu*mul against the module code
