@@ -64,8 +64,8 @@ def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: b
     """logits [B, V] (any float dtype, sampled as float32); temperature/top_p [B] float; top_k [B] int (0 = greedy,
     as upstream); seed/step [B] int64 -> [B].
 
-    As the reference: sort (equal logits: the lowest index first); top-p mask from the softmax of the un-tempered logits, and rank >= top_k
-    masked; rank 0 always kept; then divide by max(T, 1e-5), softmax, exponential-race sample.
+    As the reference: sort (equal logits: the lowest index first); top-p mask from the softmax of the un-tempered
+    logits, and rank >= top_k masked; rank 0 always kept; then divide by max(T, 1e-5), softmax, exponential-race sample.
     `kernel`: the same function as one Triton kernel per row (GPU), which also sorts rows of up to
     `kernels.SORT_IN_KERNEL` logits itself (the fast AR's).
     """
@@ -79,9 +79,24 @@ def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: b
     return order.gather(-1, choice[:, None]).squeeze(-1)
 
 
-def sample_semantic(logits, recent, temperature, top_p, top_k, seed, step, kernel: bool = False) -> torch.Tensor:
+def sample_semantic(logits, recent, temperature, top_p, top_k, seed, step, kernel: bool = False,
+                    end_index: int | None = None, allow_end: torch.Tensor | None = None) -> torch.Tensor:
     """Slow-AR sample with RAS: if the sampled code is among the request's recent codes
-    (`recent` [B, W], -1 = empty), take a second sample drawn at T 1.0 / top-p 0.9 (one sort for both)."""
+    (`recent` [B, W], -1 = empty), take a second sample drawn at T 1.0 / top-p 0.9 (one sort for both).
+    `allow_end` [B] bool with `end_index`: the end token's column masked in the rows where it is False. `kernel`:
+    the draws in the sampling kernel; with `kernels.SEMANTIC_IN_KERNEL` all of it, sort and mask too, in one
+    (`kernels.choose_semantic`)."""
+    if kernel:
+        from . import kernels
+
+        if kernels.SEMANTIC_IN_KERNEL and logits.shape[-1] <= kernels.SEMANTIC_SORT_MAX:
+            if allow_end is None:
+                end_index, allow_end = -1, torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+            return kernels.choose_semantic(logits, recent, allow_end, end_index, temperature, top_p, top_k, seed,
+                                           step, RAS_TEMPERATURE, RAS_TOP_P, (STREAM_SLOW, STREAM_RAS))
+    if allow_end is not None:
+        end_col = torch.arange(logits.shape[-1], device=logits.device) == end_index
+        logits = logits.masked_fill(end_col[None, :] & ~allow_end[:, None], float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     first = order.gather(-1, _choose(sorted_logits, temperature, top_p, top_k, seed, step, STREAM_SLOW, kernel)[:, None])[:, 0]
     ras_t = torch.full_like(temperature, RAS_TEMPERATURE)

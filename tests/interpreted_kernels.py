@@ -235,6 +235,7 @@ def check_ops():
         recent = empty.clone()
         recent[::2, 3] = first[::2]  # rows 0, 2, 4 just drew it: their RAS draw is taken
         want = sample_semantic(masked, recent, t, p_, k, seed, step)
+        assert torch.equal(sample_semantic(lg, recent, t, p_, k, seed, step, end_index=end, allow_end=allow), want)
         got = kernels.choose_semantic(lg, recent, allow, end, t, p_, k, seed, step, RAS_TEMPERATURE, RAS_TOP_P,
                                       (STREAM_SLOW, STREAM_RAS))
         assert torch.equal(got, want) and (got[~allow] != end).all() and (got[allow & (k == 0)] == end).all(), (got, want)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..model import S2Model
-from ..sampling import RAS_TEMPERATURE, RAS_TOP_P, RAS_WINDOW, STREAM_RAS, STREAM_SLOW, sample, sample_semantic
+from ..sampling import RAS_WINDOW, sample, sample_semantic
 from .paged import BlockPool
 from .scheduler import PrefillChunk, Request, StepPlan, StepResult
 
@@ -409,17 +409,10 @@ class ModelRunner:
     def _sample_frame(self, slots, hidden, logits, step, remember):
         """Sample code 0 (or the end token) with RAS, run the fast AR, update slot state -> (frame [B, C], end [B]).
         `remember` [B] bool: code 0 enters the row's RAS window (not for a first frame)."""
-        from .. import kernels
-
         temp, top_p, top_k, seed = self.temperature[slots], self.top_p[slots], self.top_k[slots], self.seed[slots]
         recent = self.recent[slots]
-        if self.sample_kernel and kernels.SEMANTIC_IN_KERNEL and logits.shape[-1] <= kernels.SEMANTIC_SORT_MAX:
-            idx = kernels.choose_semantic(logits, recent, self.allow_end[slots], self.model.slow.end_index, temp, top_p,
-                                          top_k, seed, step, RAS_TEMPERATURE, RAS_TOP_P, (STREAM_SLOW, STREAM_RAS))
-        else:
-            end_col = torch.arange(logits.shape[-1], device=logits.device) == self.model.slow.end_index
-            logits = logits.masked_fill(end_col[None, :] & ~self.allow_end[slots][:, None], float("-inf"))
-            idx = sample_semantic(logits, recent, temp, top_p, top_k, seed, step, kernel=self.sample_kernel)
+        idx = sample_semantic(logits, recent, temp, top_p, top_k, seed, step, kernel=self.sample_kernel,
+                              end_index=self.model.slow.end_index, allow_end=self.allow_end[slots])
         end = idx == self.model.slow.end_index
         code0 = idx.clamp(max=self.s2.num_semantic - 1)
         residual = self.fast_ar(hidden, code0, temp, top_p, top_k, seed, step)
