@@ -227,8 +227,8 @@ def main():
                          "AR's attention in short tiles), attention_<key>=N for kernels.DECODE_ATTENTION_CONFIG's "
                          "keys (block_n, num_warps, num_stages, kv_together), swiglu=0|1 (kernels.SWIGLU_IN_PRODUCT: "
                          "the SwiGLU in gemv_small's last step), sort16=0|1 (kernels.SORT_KEY16: bf16 logits sorted "
-                         "as 32-bit keys), rope_attend=0|1 (kernels.ROPE_ATTEND_SHORT: the fast AR's q/k norm, RoPE, cache "
-                         "write and attention in one kernel), semantic=0|1 (kernels.SEMANTIC_IN_KERNEL: the slow "
+                         "as 32-bit keys), rope_attend=0|1 (kernels.ROPE_ATTEND_SHORT: the fast AR's q/k norm, "
+                         "RoPE, cache write and attention in one kernel), semantic=0|1 (kernels.SEMANTIC_IN_KERNEL: the slow "
                          "AR's code-0 draw, sort and RAS in one kernel))")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -271,8 +271,9 @@ def main():
         small = (kernels.GEMV_SMALL_ROWS, dict(kernels.GEMV_SMALL_CONFIG))
         few_rows = ModelRunner.FEW_ROWS
         blas = torch.backends.cuda.preferred_blas_library()
-        short_keys, swiglu, sort16 = kernels.SHORT_KEYS, kernels.SWIGLU_IN_PRODUCT, kernels.SORT_KEY16
-        rope_attend, semantic = kernels.ROPE_ATTEND_SHORT, kernels.SEMANTIC_IN_KERNEL
+        switches = {"short_keys": "SHORT_KEYS", "swiglu": "SWIGLU_IN_PRODUCT", "sort16": "SORT_KEY16",
+                    "rope_attend": "ROPE_ATTEND_SHORT", "semantic": "SEMANTIC_IN_KERNEL"}  # variant key: kernels.NAME
+        switched = {key: getattr(kernels, name) for key, name in switches.items()}
         attention = dict(kernels.DECODE_ATTENTION_CONFIG)
         for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]
                                          for v in [variant(v) for v in args.variant or ["default="]]
@@ -283,11 +284,8 @@ def main():
                 pdl = None if "pdl" not in vset else bool(int(vset["pdl"]))
                 ModelRunner.FEW_ROWS = int(vset.get("few_rows", few_rows))
                 torch.backends.cuda.preferred_blas_library(vset.get("blas", blas))
-                kernels.SHORT_KEYS = bool(int(vset.get("short_keys", short_keys)))
-                kernels.SWIGLU_IN_PRODUCT = bool(int(vset.get("swiglu", swiglu)))
-                kernels.SORT_KEY16 = bool(int(vset.get("sort16", sort16)))
-                kernels.ROPE_ATTEND_SHORT = bool(int(vset.get("rope_attend", rope_attend)))
-                kernels.SEMANTIC_IN_KERNEL = bool(int(vset.get("semantic", semantic)))
+                for key, name in switches.items():
+                    setattr(kernels, name, bool(int(vset.get(key, switched[key]))))
                 kernels.DECODE_ATTENTION_CONFIG.update(attention, **{k[10:]: int(v) for k, v in vset.items()
                                                                      if k.startswith("attention_")})
                 torch.cuda.reset_peak_memory_stats()
