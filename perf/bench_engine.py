@@ -228,8 +228,7 @@ def main():
                          "keys (block_n, num_warps, num_stages, kv_together), swiglu=0|1 (kernels.SWIGLU_IN_PRODUCT: "
                          "the SwiGLU in gemv_small's last step), sort16=0|1 (kernels.SORT_KEY16: bf16 logits sorted "
                          "as 32-bit keys), rope_attend=0|1 (kernels.ROPE_ATTEND_SHORT: the fast AR's q/k norm, "
-                         "RoPE, cache write and attention in one kernel), semantic=0|1 (kernels.SEMANTIC_IN_KERNEL: the slow "
-                         "AR's code-0 draw, sort and RAS in one kernel))")
+                         "RoPE, cache write and attention in one kernel))")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -272,7 +271,7 @@ def main():
         few_rows = ModelRunner.FEW_ROWS
         blas = torch.backends.cuda.preferred_blas_library()
         switches = {"short_keys": "SHORT_KEYS", "swiglu": "SWIGLU_IN_PRODUCT", "sort16": "SORT_KEY16",
-                    "rope_attend": "ROPE_ATTEND_SHORT", "semantic": "SEMANTIC_IN_KERNEL"}  # variant key: kernels.NAME
+                    "rope_attend": "ROPE_ATTEND_SHORT"}  # variant key: kernels.NAME
         switched = {key: getattr(kernels, name) for key, name in switches.items()}
         attention = dict(kernels.DECODE_ATTENTION_CONFIG)
         for b, (vname, vset), graphs in [(b, v, g) for b in [int(x) for x in args.batches.split(",")]

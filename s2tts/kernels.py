@@ -933,61 +933,9 @@ if triton is not None:
             choice = tl.sum(tl.where(r == choice, order, 0), axis=0)
         tl.store(Out + row, choice.to(tl.int64))
 
-    @triton.jit(do_not_specialize=["T", "P", "K", "Seed", "Step", "Recent", "AllowEnd", "Out", "stream_first",
-                                   "stream_second"])
-    def _semantic_kernel(SL, T, P, K, Seed, Step, Recent, AllowEnd, Out, stride, stride_recent, V, END, ras_t, ras_p,
-                         stream_first, stream_second, W: tl.constexpr, W_PAD: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-        """Program (row): code 0 of a frame as `s2tts.sampling.sample_semantic` draws it from the slow AR's
-        logits, with the end token masked where AllowEnd is 0: the row sorted in the program (as 32-bit keys where
-        every value is a bf16's: the low 16 bits zero), the request's draw and the RAS draw from the same order,
-        and the RAS draw taken where the first is among the row's W recent codes."""
-        _pdl_wait(PDL)
-        row = tl.program_id(0)
-        r = tl.arange(0, BLOCK)
-        x = tl.load(SL + row * stride + r, mask=r < V, other=float("-inf")).to(tl.float32)
-        x = tl.where((r == END) & (tl.load(AllowEnd + row) == 0), float("-inf"), x)
-        if tl.max(x.to(tl.int32, bitcast=True) & 0xFFFF, axis=0) == 0:
-            xs, order = _sort_desc(x, r, BLOCK, True)
-        else:
-            xs, order = _sort_desc(x, r, BLOCK, False)
-        top_k, seed, step = tl.load(K + row), tl.load(Seed + row), tl.load(Step + row)
-        first = _draw(xs, r, V, tl.load(T + row), tl.load(P + row), top_k, seed, step, stream_first)
-        second = _draw(xs, r, V, ras_t, ras_p, top_k, seed, step, stream_second)
-        first = tl.sum(tl.where(r == first, order, 0), axis=0)
-        second = tl.sum(tl.where(r == second, order, 0), axis=0)
-        w = tl.arange(0, W_PAD)
-        recent = tl.load(Recent + row * stride_recent + w, mask=w < W, other=-1)
-        repeated = tl.sum((recent == first).to(tl.int32), axis=0) > 0
-        tl.store(Out + row, tl.where(repeated, second, first).to(tl.int64))
-
 
 SORT_IN_KERNEL = 2048  # `choose(..., sort=True)` up to this many logits a row (the fast AR's 1024); torch.sort above
 SORT_KEY16 = True  # bf16 logits sorted as 32-bit keys (16 bits of value, 16 of index) rather than 64-bit ones
-
-
-SEMANTIC_IN_KERNEL = False  # the slow AR's code-0 draw in `choose_semantic` (bench_engine: semantic=1); off until timed
-SEMANTIC_SORT_MAX = 8192  # ... for rows of up to this many logits
-
-
-def choose_semantic(logits, recent, allow_end, end_index: int, temperature, top_p, top_k, seed, step, ras_temperature,
-                    ras_top_p, streams: tuple[int, int]) -> torch.Tensor:
-    """`s2tts.sampling.sample_semantic` of `logits` [B, V] (float, V <= SEMANTIC_SORT_MAX) with column `end_index`
-    masked in the rows where `allow_end` [B] is False, in one kernel instead of a radix sort, two draws, their
-    gathers and the RAS check (~12 launches). recent [B, W] (-1: empty); `streams`: the two draws' random streams
-    -> [B] int64 indices."""
-    B, V = logits.shape
-    if V > SEMANTIC_SORT_MAX:
-        raise ValueError(f"choose_semantic takes rows of at most {SEMANTIC_SORT_MAX} logits, not {V}")
-    sl = _unit_rows(logits)
-    rec = _unit_rows(recent)
-    out = torch.empty(B, dtype=torch.int64, device=sl.device)
-    _semantic_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
-                           seed.contiguous(), step.contiguous(), rec, allow_end.to(torch.int8).contiguous(), out,
-                           sl.stride(0), rec.stride(0), V, end_index, float(ras_temperature), float(ras_top_p),
-                           streams[0], streams[1], W=rec.shape[1], W_PAD=triton.next_power_of_2(rec.shape[1]),
-                           BLOCK=triton.next_power_of_2(V), num_warps=16 if V > 4096 else 8, **_pdl())
-    return out
 
 
 def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: bool = False) -> torch.Tensor:

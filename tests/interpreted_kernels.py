@@ -219,10 +219,10 @@ def check_ops():
         a = sample(lb.float(), t, p_, k, seed, step, 3, kernel=False)
         assert torch.equal(sample(lb, t, p_, k, seed, step, 3, kernel=False), a) and a[0] == 5
         assert torch.equal(sample(lb, t, p_, k, seed, step, 3, kernel=True), a), V
-    # the slow AR's code-0 draw in one kernel (`choose_semantic`): what the runner's end mask + `sample_semantic`
-    # give, the RAS draw taken where the first is among the recent codes; fp32 logits and bf16 ones (as fp32: the
-    # kernel sorts those as 32-bit keys). Distinct values: the CPU's sort breaks ties in no fixed order
-    from s2tts.sampling import RAS_TEMPERATURE, RAS_TOP_P, STREAM_RAS, STREAM_SLOW, sample_semantic
+    # the slow AR's code-0 draw with the end token masked inside `sample_semantic` (the runner's call): what the
+    # masked logits give, the RAS draw taken where the first is among the recent codes; fp32 logits and bf16-valued
+    # ones. Distinct values: the CPU's sort breaks ties in no fixed order
+    from s2tts.sampling import sample_semantic
 
     V, end = 200, 199
     allow = torch.tensor([True, False, True, False, True, True])
@@ -235,9 +235,7 @@ def check_ops():
         recent = empty.clone()
         recent[::2, 3] = first[::2]  # rows 0, 2, 4 just drew it: their RAS draw is taken
         want = sample_semantic(masked, recent, t, p_, k, seed, step)
-        assert torch.equal(sample_semantic(lg, recent, t, p_, k, seed, step, end_index=end, allow_end=allow), want)
-        got = kernels.choose_semantic(lg, recent, allow, end, t, p_, k, seed, step, RAS_TEMPERATURE, RAS_TOP_P,
-                                      (STREAM_SLOW, STREAM_RAS))
+        got = sample_semantic(lg, recent, t, p_, k, seed, step, end_index=end, allow_end=allow, kernel=True)
         assert torch.equal(got, want) and (got[~allow] != end).all() and (got[allow & (k == 0)] == end).all(), (got, want)
     print("ops ok")
 
@@ -359,19 +357,12 @@ def check_invariant(ckpt):
     joined, rope_attend, min_rows = [], kernels.rope_attend_short, kernels.ROPE_ATTEND_MIN_ROWS
     kernels.rope_attend_short = lambda *a, **k: joined.append(a[0].shape[0]) or rope_attend(*a, **k)
     kernels.ROPE_ATTEND_MIN_ROWS = 1
-    # code 0 drawn in one kernel (`choose_semantic`, off by default): the runner's call, the same codes alone and
-    # beside another request
-    semantic, choose_semantic = [], kernels.choose_semantic
-    kernels.choose_semantic = lambda *a, **k: semantic.append(a[0].shape[0]) or choose_semantic(*a, **k)
-    kernels.SEMANTIC_IN_KERNEL = True
     together = run([0, 1])  # the second arrives while the first decodes: its prompt rows beside the decode rows
     kernels.rope_attend_short, kernels.ROPE_ATTEND_MIN_ROWS = rope_attend, min_rows
     assert not joined, joined
     for i in range(2):
         np.testing.assert_array_equal(together[i], run([i])[i])
-    kernels.choose_semantic, kernels.SEMANTIC_IN_KERNEL = choose_semantic, False
-    assert semantic, semantic
-    # the fast AR's attention in one tiling at any row count, never the joined kernel (its warps follow the rows)
+    together    # the fast AR's attention in one tiling at any row count, never the joined kernel (its warps follow the rows)
     fa = model.fast.layers[0].attention
     assert fa.rows_invariant and fa._tiling(64) == fa._tiling(1) == {"block_n": 16}, fa._tiling(64)
     Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True)
