@@ -296,6 +296,18 @@ def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert 0 < r["slow_rel_err_mean"] < 0.2 and 0 < r["fast_rel_err_mean"] < 0.2
 
 
+def test_stream_check_script_on_the_cpu(tiny_ckpt):
+    """perf/stream_check.py end to end on the tiny model (on a CPU the service has no streams of its own, and the
+    script checks that it used none): every request served both ways, its codes alike and its audio within the
+    tolerance, each request as long as it asked."""
+    p = _run([sys.executable, "perf/stream_check.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
+              "--requests", "3", "--frames", "10"], timeout=600)
+    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    assert [r["frames"] for r in rows] == [10, 17, 24]
+    assert all(r["codes_equal"] and r["ok"] and r["audio_max_abs_diff"] <= 2e-3 and r["audio_rms"] > 0 for r in rows)
+    assert "3 of 3 requests alike" in p.stdout
+
+
 def test_attention_bench_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/bench_attention.py in the Triton interpreter on the tiny model's heads: every tiling at every shape, the
     keys split as the engine's rule says (up to FEW_ROWS rows: FEW_ROWS_SPLITS ways; more rows: none), each tiling's

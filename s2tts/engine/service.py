@@ -31,6 +31,7 @@ outcome ends in exactly one final response. Faults:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -39,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from .. import errors
 from ..chunking import LOAD_PACE, Chunker
@@ -214,7 +216,7 @@ class EngineService:
                  frame_seconds: float | None = None, codec=None,
                  codec_batch_steps: int = SCHEMA["codec_batch_steps"].default,
                  load_chunk_frames: int = SCHEMA["load_chunk_frames"].default, direct_send: bool = False,
-                 launch_ahead: bool | None = SCHEMA["launch_ahead"].default):
+                 launch_ahead: bool | None = SCHEMA["launch_ahead"].default, codec_stream: bool = False):
         """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`chunking.Chunker`);
         None: fixed chunks. `codec` (a `codec.stream.StreamDecoder`): decode audio here (see the module's doc).
         `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off). Defaults: the
@@ -223,7 +225,12 @@ class EngineService:
         sender thread (which then only polls for cancels and reports). `launch_ahead` (None: on a GPU): the engine
         keeps two steps in flight, launching the next before it finishes the last and this thread handles its
         outputs (`Engine.step_ahead`), except while a codec here decodes each chunk at once (light load) and a
-        request in flight has yet to send audio (its first chunk's codec call would wait behind that step)."""
+        request in flight has yet to send audio (its first chunk's codec call would wait behind that step).
+        `codec_stream`: on a GPU, the codec's calls on a CUDA stream of their own beside the engine's
+        (`_device_streams`). Off: served at c=64 on an H200 the engine hung twice with it (a step never finished
+        while a codec call ran beside it; perf/RESULTS.md, 28th session); the loop alone gained 5% at 64 streams and
+        served c=1 RTF 0.1203 -> 0.1185. Only for perf/bench_loop.py and perf/stream_check.py until that is
+        understood."""
         self.engine = engine
         self.launch_ahead = engine.device.type == "cuda" if launch_ahead is None else launch_ahead
         # with steps launched ahead, the next one also launched during a held codec call, behind it on the device
@@ -233,6 +240,11 @@ class EngineService:
         # (a first chunk's decode would wait behind a launched step; c=1 loop alone on an H200: 7.2 -> 7.6 audio-s/s,
         # perf/RESULTS.md)
         self.light_ahead = True
+        # on a GPU, the codec's calls on a CUDA stream of their own beside the engine's (which has the higher
+        # priority): a codec call's kernels fill what the step leaves of the device instead of waiting behind it
+        # (the two streams are made by the engine thread's first pass: `_device_streams`). Off by default (above)
+        self.codec_stream = codec_stream
+        self._streams: tuple | None = None  # (the engine's stream, the codec's), or () to use the current one
         self._ahead = False  # this pass launches ahead
         self._launched_early: list = []
         self._launch_error: Exception | None = None  # raised by that launch: raised again by the next pass
@@ -445,7 +457,28 @@ class EngineService:
                         n, self.engine.kv_capacity_tokens)
             self._preemptions_logged, self._preemption_log_at = n, now
 
+    def _device_streams(self) -> tuple:
+        """(the engine's stream, the codec's) on a GPU with a codec here and `codec_stream`, else (). The engine's
+        has the higher priority, so that the steps lose little to a codec call beside them (perf/RESULTS.md:
+        without it a step waited for the call's kernels)."""
+        dev = self.engine.device
+        if dev.type != "cuda" or self.codec is None or not self.codec_stream:
+            return ()
+        torch.cuda.synchronize(dev)  # what other threads queued (loading, warm-up, graph captures) comes first
+        return torch.cuda.Stream(dev, priority=-1), torch.cuda.Stream(dev, priority=0)  # lower: first
+
+    def _on(self, which: int):
+        """A context that puts this thread's device work on the engine's stream (0) or the codec's (1); a no-op
+        without streams of their own."""
+        return torch.cuda.stream(self._streams[which]) if self._streams else contextlib.nullcontext()
+
     def _engine_pass(self) -> None:
+        if self._streams is None:
+            self._streams = self._device_streams()
+        with self._on(0):
+            self._pass()
+
+    def _pass(self) -> None:
         if self.codec is not None:
             self._close_codec_streams()
         if (not self._launched_early and self._launch_error is None and not self.engine.wait_for_work(timeout=0.5)) \
@@ -648,7 +681,8 @@ class EngineService:
             self.loop.codec_streams += len(now)
             jobs = [(k, rec.state.codec.sid, codes, start, final) for k, (rec, (codes, start, final)) in enumerate(now)]
             try:
-                audio = self.codec.decode_many(jobs, time.monotonic(), queued=self._launch_behind_codec)
+                with self._on(1):
+                    audio = self.codec.decode_many(jobs, time.monotonic(), queued=self._launch_behind_codec)
             except Exception as e:  # noqa: BLE001 - the codec failed as a whole: these requests end, the service goes on
                 err = errors.from_exception(e, self.name)
                 audio = {k: err for k in range(len(now))}
@@ -670,13 +704,14 @@ class EngineService:
         return all(rec.state.first_audio_s is not None for rec in self.table.live())
 
     def _launch_behind_codec(self) -> None:
-        """The codec's call is queued on the device: with steps launched ahead, queue the engine's next step behind
-        it, so the device makes frames while this thread takes the call's audio and hands it out (otherwise it idles
-        until the next pass launches). Its immediate outputs join the next pass's; an exception it raises is raised
+        """The codec's call is queued on the device: with steps launched ahead, queue the engine's next step (on
+        the engine's stream beside the call's with `codec_stream`, else behind it), so the device makes frames while
+        this thread takes the call's audio and hands it out (otherwise it idles until the next pass launches). Its immediate outputs join the next pass's; an exception it raises is raised
         by the next pass, not charged to the codec call's streams."""
         if self._ahead and self.codec_overlap and self._launch_error is None:
             try:
-                self._launched_early += self.engine.launch_next()
+                with self._on(0):  # (called inside the codec's call)
+                    self._launched_early += self.engine.launch_next()
             except Exception as e:  # noqa: BLE001 - the engine's, not the codec call's: raised by the next pass
                 self._launch_error = e
 
