@@ -187,6 +187,27 @@ def test_seed_reproducible_and_seeds_differ(model, prompts):
     assert not np.array_equal(a[:, : min(a.shape[1], c.shape[1])], c[:, : min(a.shape[1], c.shape[1])])
 
 
+def test_each_slot_holds_its_requests_sampling_settings(model, prompts):
+    """Requests that start in one step with different settings: each one's slot holds its own temperature, top-p,
+    top-k, seed and end rule (the runner uploads them together and scatters them by slot)."""
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256)
+    params = {"a": SamplingParams(seed=11, temperature=0.0, top_p=0.5, top_k=7, max_new_tokens=3),
+              "b": SamplingParams(seed=2**40 + 5, temperature=1.3, top_p=0.9, top_k=0, max_new_tokens=3,
+                                  ignore_end=True),
+              "c": SamplingParams(seed=3, temperature=0.6, top_p=1.0, top_k=100, max_new_tokens=3)}
+    for rid, p in params.items():
+        eng.submit(rid, prompts.build(f"Request {rid}."), p)
+    eng.step()
+    live = {r.id: r for r in eng.scheduler.live.values()}
+    assert set(live) == set(params) and len({r.slot for r in live.values()}) == 3
+    run = eng.runner
+    for rid, p in params.items():
+        r = live[rid]
+        got = (float(run.temperature[r.slot]), float(run.top_p[r.slot]), int(run.top_k[r.slot]),
+               int(run.seed[r.slot]), bool(run.allow_end[r.slot]))
+        assert got == pytest.approx((p.temperature, p.top_p, p.top_k, r.seed, not p.ignore_end)), (rid, got)
+
+
 def test_length_limit_and_end_token(model, prompts):
     eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256)
     codes, reason = eng.generate(prompts.build("Stop at five."), SamplingParams(seed=3, max_new_tokens=5))

@@ -191,9 +191,16 @@ class ModelRunner:
         if copies:
             stack.copy_blocks(copies)
         if rows:
-            idx = torch.tensor(rows, dtype=torch.int64)
-            stack.block_table.index_copy_(0, idx.to(self.device, non_blocking=True),
-                                          torch.from_numpy(pool.table[rows]).to(self.device, non_blocking=True))
+            stack.block_table.index_copy_(0, self._upload(torch.tensor(rows, dtype=torch.int64)),
+                                          self._upload(torch.from_numpy(pool.table[rows])))
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the engine's device, queued behind the step in flight without waiting for it: on a GPU
+        through page-locked memory (a copy from pageable memory without non_blocking waits for the stream, which
+        would stop `Engine.step_ahead` from keeping two steps in flight)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queue the plan's device work: the slow AR over its decode and prompt rows (one pass; `batch_invariant`
@@ -217,7 +224,7 @@ class ModelRunner:
         for r in done:
             if r.frames:  # resumed after a preemption: the RAS window as it was (code 0 of the frames decoded)
                 recent = [-1] * RAS_WINDOW + [int(f[0, 0]) for f in r.frames[1:]]
-                self.recent[r.slot] = torch.tensor(recent[-RAS_WINDOW:], dtype=torch.int64, device=self.device)
+                self.recent[r.slot] = self._upload(torch.tensor(recent[-RAS_WINDOW:], dtype=torch.int64))
         # code 0 of a first frame (step 0, sampled from the prompt) stays out of the RAS window, as upstream's
         steps = [r.generated for r in sampled]
         remember = [1] * len(plan.decode) + [int(bool(r.frames)) for r in done]
@@ -246,13 +253,14 @@ class ModelRunner:
         return StepResult(host[:, :-1].astype(np.int32), host[:, -1].astype(bool))
 
     def _set_slot_params(self, reqs: list[Request]) -> None:
-        dev = self.device
-        slots = torch.tensor([r.slot for r in reqs], device=dev)
-        self.temperature[slots] = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev)
-        self.top_p[slots] = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev)
-        self.top_k[slots] = torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64, device=dev)
-        self.seed[slots] = torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev)
-        self.allow_end[slots] = torch.tensor([not r.params.ignore_end for r in reqs], dtype=torch.bool, device=dev)
+        """The starting requests' sampling parameters into their slots' rows: two uploads (integers, floats) queued
+        behind the step in flight (`_upload`), then scatters on the device."""
+        ints = self._upload(torch.tensor([[r.slot, r.params.top_k, r.seed, int(not r.params.ignore_end)] for r in reqs],
+                                         dtype=torch.int64))
+        floats = self._upload(torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32))
+        slots = ints[:, 0]
+        self.temperature[slots], self.top_p[slots] = floats[:, 0], floats[:, 1]
+        self.top_k[slots], self.seed[slots], self.allow_end[slots] = ints[:, 1], ints[:, 2], ints[:, 3].bool()
         self.recent[slots] = -1
 
     def _slow_pass(self, decoding: list[Request], chunks: list[PrefillChunk], first: int) -> int:
