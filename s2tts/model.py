@@ -33,6 +33,15 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * self.weight
 
 
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`, on a GPU queued behind the work in flight without waiting for it: through
+    page-locked memory (a blocking copy from pageable memory waits for the stream, which stops the engine from keeping
+    two steps in flight)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def rope_table(seq_len: int, head_dim: int, base: float) -> torch.Tensor:
     """[seq_len, head_dim/2, 2] (cos, sin), rounded through bf16 as the reference stores it; computed on the CPU
     whatever the default device (a module built on the meta device gets real values, which the loader then moves)."""
@@ -293,8 +302,8 @@ class Stack(nn.Module):
                 run.append(copies[i])
                 dsts.add(copies[i][1])
                 i += 1
-            s = torch.tensor([a for a, _ in run], device=self.k_pool.device)
-            d = torch.tensor([b for _, b in run], device=self.k_pool.device)
+            s = upload(torch.tensor([a for a, _ in run]), self.k_pool.device)
+            d = upload(torch.tensor([b for _, b in run]), self.k_pool.device)
             self.k_pool[:, d] = self.k_pool[:, s]
             self.v_pool[:, d] = self.v_pool[:, s]
 

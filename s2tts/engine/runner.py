@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model import S2Model
+from ..model import S2Model, upload
 from ..sampling import RAS_WINDOW, sample, sample_semantic
 from .paged import BlockPool
 from .scheduler import PrefillChunk, Request, StepPlan, StepResult
@@ -191,16 +191,8 @@ class ModelRunner:
         if copies:
             stack.copy_blocks(copies)
         if rows:
-            stack.block_table.index_copy_(0, self._upload(torch.tensor(rows, dtype=torch.int64)),
-                                          self._upload(torch.from_numpy(pool.table[rows])))
-
-    def _upload(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the engine's device, queued behind the step in flight without waiting for it: on a GPU
-        through page-locked memory (a copy from pageable memory without non_blocking waits for the stream, which
-        would stop `Engine.step_ahead` from keeping two steps in flight)."""
-        if self.device.type != "cuda":
-            return t.to(self.device)
-        return t.pin_memory().to(self.device, non_blocking=True)
+            stack.block_table.index_copy_(0, upload(torch.tensor(rows, dtype=torch.int64), self.device),
+                                          upload(torch.from_numpy(pool.table[rows]), self.device))
 
     def launch(self, plan: StepPlan) -> Launched:
         """Queue the plan's device work: the slow AR over its decode and prompt rows (one pass; `batch_invariant`
@@ -224,7 +216,7 @@ class ModelRunner:
         for r in done:
             if r.frames:  # resumed after a preemption: the RAS window as it was (code 0 of the frames decoded)
                 recent = [-1] * RAS_WINDOW + [int(f[0, 0]) for f in r.frames[1:]]
-                self.recent[r.slot] = self._upload(torch.tensor(recent[-RAS_WINDOW:], dtype=torch.int64))
+                self.recent[r.slot] = upload(torch.tensor(recent[-RAS_WINDOW:], dtype=torch.int64), self.device)
         # code 0 of a first frame (step 0, sampled from the prompt) stays out of the RAS window, as upstream's
         steps = [r.generated for r in sampled]
         remember = [1] * len(plan.decode) + [int(bool(r.frames)) for r in done]
@@ -254,10 +246,11 @@ class ModelRunner:
 
     def _set_slot_params(self, reqs: list[Request]) -> None:
         """The starting requests' sampling parameters into their slots' rows: two uploads (integers, floats) queued
-        behind the step in flight (`_upload`), then scatters on the device."""
-        ints = self._upload(torch.tensor([[r.slot, r.params.top_k, r.seed, int(not r.params.ignore_end)] for r in reqs],
-                                         dtype=torch.int64))
-        floats = self._upload(torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32))
+        behind the step in flight (`model.upload`), then scatters on the device."""
+        ints = upload(torch.tensor([[r.slot, r.params.top_k, r.seed, int(not r.params.ignore_end)] for r in reqs],
+                                   dtype=torch.int64), self.device)
+        floats = upload(torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32),
+                        self.device)
         slots = ints[:, 0]
         self.temperature[slots], self.top_p[slots] = floats[:, 0], floats[:, 1]
         self.top_k[slots], self.seed[slots], self.allow_end[slots] = ints[:, 1], ints[:, 2], ints[:, 3].bool()
