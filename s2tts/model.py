@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ARConfig, S2Config
+from .transfer import upload
 
 
 class RMSNorm(nn.Module):
@@ -31,15 +32,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
-
-
-def upload(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor on `device`, on a GPU queued behind the work in flight without waiting for it: through
-    page-locked memory (a blocking copy from pageable memory waits for the stream, which stops the engine from keeping
-    two steps in flight)."""
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 def rope_table(seq_len: int, head_dim: int, base: float) -> torch.Tensor:

@@ -208,6 +208,18 @@ def test_each_slot_holds_its_requests_sampling_settings(model, prompts):
         assert got == pytest.approx((p.temperature, p.top_p, p.top_k, r.seed, not p.ignore_end)), (rid, got)
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_host_to_device_copies_keep_values(device):
+    """`transfer.upload` / `copy_in` (page-locked and queued on a GPU): the same values and dtype on the device."""
+    from s2tts.transfer import copy_in, upload
+
+    src = torch.tensor([[3, -1, 2**40], [7, 0, 5]], dtype=torch.int64)
+    up = upload(src, device)
+    assert up.device.type == device and up.dtype == torch.int64 and torch.equal(up.cpu(), src)
+    dst = torch.zeros(2, 3, dtype=torch.int64, device=device)
+    assert copy_in(dst, src) is dst and torch.equal(dst.cpu(), src)
+
+
 def test_length_limit_and_end_token(model, prompts):
     eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256)
     codes, reason = eng.generate(prompts.build("Stop at five."), SamplingParams(seed=3, max_new_tokens=5))

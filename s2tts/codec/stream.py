@@ -29,6 +29,7 @@ import torch
 
 from .. import kernels
 from ..errors import S2Error, invalid
+from ..transfer import copy_in, upload
 from .dac import StreamState, use_triton_kernels
 
 log = logging.getLogger("s2tts")
@@ -114,7 +115,7 @@ class StreamDecoder:
             else:
                 groups[(n, "fp32" if sid in self.in_fp32 else "own")].append((key, sid, codes, n))
         for (n, path), group in groups.items():
-            codes = torch.as_tensor(np.stack([g[2] for g in group]), dtype=torch.int64, device=self.device)
+            codes = upload(torch.as_tensor(np.stack([g[2] for g in group]), dtype=torch.int64), self.device)
             codes = codes.transpose(1, 2)  # the codec computes on [B, C, n]
             self.batches.append(len(group))
             try:
@@ -478,8 +479,8 @@ class SlotPool:
         graph, bufs = self.graphs.get((Bp, n)) or (None, self._buffers(Bp, n))
         bufs["codes"][B:].zero_()  # padded rows (a graph's buffer holds the last call's)
         bufs["codes"][:B].copy_(codes)
-        bufs["idx"].copy_(idx)
-        bufs["keep"].copy_(kp)
+        copy_in(bufs["idx"], idx)
+        copy_in(bufs["keep"], kp)
         if graph is not None:
             graph.replay()
         else:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model import S2Model, upload
+from ..model import S2Model
 from ..sampling import RAS_WINDOW, sample, sample_semantic
+from ..transfer import upload
 from .paged import BlockPool
 from .scheduler import PrefillChunk, Request, StepPlan, StepResult
 
@@ -246,7 +247,7 @@ class ModelRunner:
 
     def _set_slot_params(self, reqs: list[Request]) -> None:
         """The starting requests' sampling parameters into their slots' rows: two uploads (integers, floats) queued
-        behind the step in flight (`model.upload`), then scatters on the device."""
+        behind the step in flight (`transfer.upload`), then scatters on the device."""
         ints = upload(torch.tensor([[r.slot, r.params.top_k, r.seed, int(not r.params.ignore_end)] for r in reqs],
                                    dtype=torch.int64), self.device)
         floats = upload(torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32),
