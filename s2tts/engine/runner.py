@@ -22,7 +22,7 @@ import torch
 
 from ..model import S2Model
 from ..sampling import RAS_WINDOW, sample, sample_semantic
-from ..transfer import upload
+from ..transfer import copy_in, upload
 from .paged import BlockPool
 from .scheduler import PrefillChunk, Request, StepPlan, StepResult
 
@@ -289,11 +289,11 @@ class ModelRunner:
         self.passes += 1
         graph = self.graphs.get((size, split))
         if graph is not None:
-            graph[1].copy_(io, non_blocking=True)
+            copy_in(graph[1], io)
             graph[0].replay()
         else:
             self._use_split(split)
-            self._slow_core(io.to(self.device), None if self.flat else runs)
+            self._slow_core(upload(io, self.device), None if self.flat else runs)
         return k - first
 
     def _pass_io(self, size: int, device) -> torch.Tensor:
@@ -343,11 +343,11 @@ class ModelRunner:
         io[0, :B], io[1, :B], io[2, :B] = torch.tensor([r.slot for r in reqs]), torch.tensor(steps), torch.tensor(remember)
         graph = self.sample_graphs.get(size)
         if graph is not None:
-            graph[1].copy_(io, non_blocking=True)
+            copy_in(graph[1], io)
             graph[0].replay()
             frame, end = graph[2]
         else:
-            frame, end, logits = self._sample_core(io.to(self.device))
+            frame, end, logits = self._sample_core(upload(io, self.device))
             if self.logits_hook is not None:
                 self.logits_hook([r.id for r in reqs], logits[:B])
         return frame[:B], end[:B]
