@@ -232,9 +232,10 @@ def main() -> int:
     ap.add_argument("--light-ahead", default="", help="comma-separated 1/0: at a light load, steps launched ahead "
                     "once every request has sent audio (EngineService.light_ahead; default on), each tried with the "
                     "first of the others (e.g. --streams 1)")
-    ap.add_argument("--codec-stream", default="", help="comma-separated 1/0: on a GPU, the codec's calls on a CUDA "
-                    "stream of their own beside the engine's (EngineService(codec_stream=); default off: it hung served "
-                    "c=64, perf/RESULTS.md), each tried with the first of the others")
+    ap.add_argument("--codec-stream", default="", help="comma-separated 1/0: the codec's calls by a thread of their "
+                    "own, on a GPU on a CUDA stream of their own beside the engine's (EngineService(codec_stream=); "
+                    "default off: made from the engine thread it hung served c=64, perf/RESULTS.md), each tried with "
+                    "the first of the others")
     ap.add_argument("--json")
     args = ap.parse_args()
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""The codec's calls on a CUDA stream of their own (`EngineService.codec_stream`) give the same codes and audio as on
-the engine's: `--requests` seeded requests served at once by slow_ar's loop with the codec in it (no Triton), once
-each way, every request's codes compared exactly (`batch_invariant` engine: a row's codes do not depend on its
-neighbours) and its audio to within `--atol` (the codec batches streams as they come: its fp16 kernels may tile a
-batch of another size differently).
+"""The codec's calls made by a thread of their own on a CUDA stream of their own (`EngineService(codec_stream=True)`)
+give the same codes and audio as on the engine's: `--requests` seeded requests served at once by slow_ar's loop
+with the codec in it (no Triton), once each way, every request's codes compared exactly (`batch_invariant` engine: a
+row's codes do not depend on its neighbours) and its audio to within `--atol` (the codec batches streams as they
+come: its fp16 kernels may tile a batch of another size differently).
 
     python3 perf/stream_check.py --checkpoint /tmp/s2-full          (GPU; exit 1 on a difference)
-    python3 perf/stream_check.py --checkpoint /tmp/tinyck --device cpu   (no streams there: both runs alike)
+    python3 perf/stream_check.py --checkpoint /tmp/tinyck --device cpu   (the codec's thread, no streams there)
 """
 
 from __future__ import annotations
@@ -68,9 +68,10 @@ def serve(model, ckpt, codec, fallback, prompts, args, on: bool) -> list[tuple[n
                 raise SystemExit(f"codec_stream={on}: a request did not finish in {args.wait_s} s")
     finally:
         svc.shutdown()
-    used = bool(svc._streams)
-    if used != (on and eng.device.type == "cuda"):
-        raise SystemExit(f"codec_stream={on}: streams of their own {'used' if used else 'not used'}")
+    used, worker = bool(svc._streams), svc._codec_worker is not None
+    if used != (on and eng.device.type == "cuda") or worker != on:
+        raise SystemExit(f"codec_stream={on}: streams of their own {'used' if used else 'not used'}, the codec's "
+                         f"thread {'used' if worker else 'not used'}")
     out = []
     for c in clients:
         if c.error is not None:

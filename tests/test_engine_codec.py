@@ -68,11 +68,13 @@ def _serve_all(svc, prompts, lengths, seed, name, first_chunk_frames, chunk_fram
     return rs
 
 
-def test_chunks_carry_audio_that_joins_seamlessly(model, prompts, tiny_ckpt, codec):
+@pytest.mark.parametrize("codec_stream", [False, True])
+def test_chunks_carry_audio_that_joins_seamlessly(model, prompts, tiny_ckpt, codec, codec_stream):
     """Three requests at once: every chunk's audio is its own frames (2048 samples each), decoded in batches of
-    several streams, and each request's audio is one whole decode of its codes."""
+    several streams, and each request's audio is one whole decode of its codes; also with the codec's calls made
+    by a thread of their own (`codec_stream`)."""
     decoder = StreamDecoder(codec, pool_size=8)
-    svc = _service(model, tiny_ckpt, decoder)
+    svc = _service(model, tiny_ckpt, decoder, codec_stream=codec_stream)
     rs = [_Responder() for _ in range(3)]
     try:
         for i, r in enumerate(rs):
@@ -193,14 +195,15 @@ def test_closing_the_stream_of_a_running_request_cancels_it(model, prompts, tiny
     assert decoder.states == {}
 
 
-def test_a_codec_failure_ends_only_its_requests(model, prompts, tiny_ckpt, codec):
+@pytest.mark.parametrize("codec_stream", [False, True])
+def test_a_codec_failure_ends_only_its_requests(model, prompts, tiny_ckpt, codec, codec_stream):
     """The codec raising on a call: the requests in that call end with an error naming the decode, the service
-    stays healthy, and the next request gets its audio."""
+    stays healthy, and the next request gets its audio (also when the codec's thread made the call)."""
     from injection import fail_on_call
 
     decoder = StreamDecoder(codec, pool_size=4)
     decoder.decode_many = fail_on_call(decoder.decode_many, 2, "codec kernel failed")
-    svc = _service(model, tiny_ckpt, decoder)
+    svc = _service(model, tiny_ckpt, decoder, codec_stream=codec_stream)
     bad, good = _Responder(), _Responder()
     try:
         svc.submit("bad", bad, prompts.build("Fails."), SamplingParams(seed=5, max_new_tokens=40, ignore_end=True), 2, 2)
@@ -340,13 +343,16 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
     assert decoder.states == {} and decoder_ahead.states == {} and decoder_apart.states == {}
 
 
-def test_light_load_launches_ahead_once_every_request_sounds(model, prompts, tiny_ckpt, codec):
+@pytest.mark.parametrize("codec_stream", [False, True])
+def test_light_load_launches_ahead_once_every_request_sounds(model, prompts, tiny_ckpt, codec, codec_stream):
     """At a light load (each chunk decoded as it completes) with `light_ahead`, the engine launches steps ahead only
     while every request in flight has sent audio (a first chunk is never decoded behind a launched step), and the
-    audio is that of one step at a time."""
+    audio is that of one step at a time; also with the codec's calls made by its own thread (the engine thread
+    launching the next step while the call runs)."""
     def run(light):
         decoder = StreamDecoder(codec, pool_size=8)
-        svc = _service(model, tiny_ckpt, decoder, frame_seconds=codec_frame_seconds(tiny_ckpt), launch_ahead=True)
+        svc = _service(model, tiny_ckpt, decoder, frame_seconds=codec_frame_seconds(tiny_ckpt), launch_ahead=True,
+                       codec_stream=codec_stream)
         svc.light_ahead = light
         svc.pace = lambda: 0.1  # a GPU's pace at one stream (this CPU's would count as load)
         ahead, step_ahead = [], svc.engine.step_ahead
@@ -356,14 +362,18 @@ def test_light_load_launches_ahead_once_every_request_sounds(model, prompts, tin
             return step_ahead()
 
         svc.engine.step_ahead = checked
+        behind, launch_next = [], svc.engine.launch_next  # steps launched during a codec call
+        svc.engine.launch_next = lambda: behind.append(threading.current_thread()) or launch_next()
         rs = _serve_all(svc, prompts, [9, 12], 80, "Light", first_chunk_frames=2, chunk_frames=3)
         assert all(kind == "ok" for r in rs for kind, *_ in r.sent) and all(r.finals == 1 for r in rs)
         assert not svc.under_load()
-        return [np.concatenate([a for *_, a in r.sent]) for r in rs], ahead
+        assert all(t.name == "s2tts-engine" for t in behind), behind  # only the engine thread touches the engine
+        return [np.concatenate([a for *_, a in r.sent]) for r in rs], ahead, behind
 
-    alone, never = run(False)
-    light, ahead = run(True)
+    alone, never, none_behind = run(False)
+    light, ahead, behind = run(True)
     assert not never and ahead and all(ahead), ahead
+    assert not none_behind and behind
     for a, b in zip(alone, light):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
 

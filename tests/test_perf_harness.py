@@ -297,9 +297,9 @@ def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
 
 
 def test_stream_check_script_on_the_cpu(tiny_ckpt):
-    """perf/stream_check.py end to end on the tiny model (on a CPU the service has no streams of its own, and the
-    script checks that it used none): every request served both ways, its codes alike and its audio within the
-    tolerance, each request as long as it asked."""
+    """perf/stream_check.py end to end on the tiny model (on a CPU the codec's calls go to its own thread, with no
+    streams of their own; the script checks both): every request served both ways, its codes alike and its audio
+    within the tolerance, each request as long as it asked."""
     p = _run([sys.executable, "perf/stream_check.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
               "--requests", "3", "--frames", "10"], timeout=600)
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]

@@ -36,6 +36,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -226,11 +227,12 @@ class EngineService:
         keeps two steps in flight, launching the next before it finishes the last and this thread handles its
         outputs (`Engine.step_ahead`), except while a codec here decodes each chunk at once (light load) and a
         request in flight has yet to send audio (its first chunk's codec call would wait behind that step).
-        `codec_stream`: on a GPU, the codec's calls on a CUDA stream of their own beside the engine's
-        (`_device_streams`). Off: served at c=64 on an H200 the engine hung twice with it (a step never finished
-        while a codec call ran beside it; perf/RESULTS.md, 28th session); the loop alone gained 5% at 64 streams and
-        served c=1 RTF 0.1203 -> 0.1185. Only for perf/bench_loop.py and perf/stream_check.py until that is
-        understood."""
+        `codec_stream`: the codec's calls made by a thread of their own (`_codec_call`), on a GPU on a CUDA stream
+        of their own beside the engine's (`_device_streams`). Off: served at c=64 on an H200 the engine hung twice
+        with the stream made by the engine thread itself (a step never finished while a codec call ran beside it;
+        perf/RESULTS.md, 28th session: one cuBLAS handle per thread, shared by both streams, is the suspect); the
+        loop alone gained 5% at 64 streams and served c=1 RTF 0.1203 -> 0.1185. Only for perf/bench_loop.py and
+        perf/stream_check.py until a served run shows it safe."""
         self.engine = engine
         self.launch_ahead = engine.device.type == "cuda" if launch_ahead is None else launch_ahead
         # with steps launched ahead, the next one also launched during a held codec call, behind it on the device
@@ -240,11 +242,15 @@ class EngineService:
         # (a first chunk's decode would wait behind a launched step; c=1 loop alone on an H200: 7.2 -> 7.6 audio-s/s,
         # perf/RESULTS.md)
         self.light_ahead = True
-        # on a GPU, the codec's calls on a CUDA stream of their own beside the engine's (which has the higher
-        # priority): a codec call's kernels fill what the step leaves of the device instead of waiting behind it
-        # (the two streams are made by the engine thread's first pass: `_device_streams`). Off by default (above)
+        # the codec's calls by a thread of their own, on a GPU on a CUDA stream of their own beside the engine's
+        # (which has the higher priority): a codec call's kernels fill what the step leaves of the device instead of
+        # waiting behind it (the streams are made by the engine thread's first pass: `_device_streams`). Off by
+        # default (above)
         self.codec_stream = codec_stream
         self._streams: tuple | None = None  # (the engine's stream, the codec's), or () to use the current one
+        # with codec_stream: the thread that makes the codec's calls (its own cuBLAS handle: PyTorch keeps one per
+        # thread, and two streams' products on one handle are the suspect of the hang above)
+        self._codec_worker = ThreadPoolExecutor(1, thread_name_prefix="s2tts-codec") if codec_stream and codec else None
         self._ahead = False  # this pass launches ahead
         self._launched_early: list = []
         self._launch_error: Exception | None = None  # raised by that launch: raised again by the next pass
@@ -681,8 +687,7 @@ class EngineService:
             self.loop.codec_streams += len(now)
             jobs = [(k, rec.state.codec.sid, codes, start, final) for k, (rec, (codes, start, final)) in enumerate(now)]
             try:
-                with self._on(1):
-                    audio = self.codec.decode_many(jobs, time.monotonic(), queued=self._launch_behind_codec)
+                audio = self._codec_call(jobs)
             except Exception as e:  # noqa: BLE001 - the codec failed as a whole: these requests end, the service goes on
                 err = errors.from_exception(e, self.name)
                 audio = {k: err for k in range(len(now))}
@@ -699,6 +704,24 @@ class EngineService:
                 st.waiting = [[rec, "error", None, "", err, None]]
                 self.engine.cancel(str(rec.iid))
 
+    def _codec_call(self, jobs: list) -> dict:
+        """`codec.decode_many(jobs)`, the engine's next step launched once the call's device work is queued
+        (`_launch_behind_codec`). With `codec_stream` the codec's thread makes the call (on the codec's stream) while
+        this one waits, launches the step itself when the call says its work is queued (the engine is only touched
+        from this thread), and takes the result."""
+        if self._codec_worker is None:
+            return self.codec.decode_many(jobs, time.monotonic(), queued=self._launch_behind_codec)
+        queued = threading.Event()
+        call = self._codec_worker.submit(self._codec_on_worker, jobs, queued)
+        call.add_done_callback(lambda _: queued.set())  # (a call that raised before queueing its work)
+        queued.wait()
+        self._launch_behind_codec()
+        return call.result()
+
+    def _codec_on_worker(self, jobs: list, queued: threading.Event) -> dict:
+        with self._on(1):
+            return self.codec.decode_many(jobs, time.monotonic(), queued=queued.set)
+
     def _all_sounding(self) -> bool:
         """Whether every request in flight has sent audio (none waits for its first chunk)."""
         return all(rec.state.first_audio_s is not None for rec in self.table.live())
@@ -710,7 +733,7 @@ class EngineService:
         by the next pass, not charged to the codec call's streams."""
         if self._ahead and self.codec_overlap and self._launch_error is None:
             try:
-                with self._on(0):  # (called inside the codec's call)
+                with self._on(0):
                     self._launched_early += self.engine.launch_next()
             except Exception as e:  # noqa: BLE001 - the engine's, not the codec call's: raised by the next pass
                 self._launch_error = e
@@ -822,6 +845,8 @@ class EngineService:
         for t in self.threads:
             t.join(timeout)
         self.engine.fail_all("shutting down")
+        if self._codec_worker is not None:
+            self._codec_worker.shutdown(wait=False)
         return self.table.fail_all(errors.shutting_down(self.name))
 
 
