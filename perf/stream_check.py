@@ -55,8 +55,9 @@ def serve(model, ckpt, codec, fallback, prompts, args, on: bool) -> list[tuple[n
     decoder = StreamDecoder(codec, fallback=fallback, pool_size=2 * args.requests)
     if eng.device.type == "cuda":
         decoder.pool.warm(EngineService.codec_lengths(2, 16, 1), max_batch=args.requests)
-    svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", codes, audio), lambda e: ("error", e.wire(), None),
-                        frame_seconds=codec_frame_seconds(ckpt), codec=decoder, codec_stream=on)
+    svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", codes, audio),
+                        lambda e: ("error", e.wire(), None), frame_seconds=codec_frame_seconds(ckpt), codec=decoder,
+                        codec_stream=on)
     clients = [_Collect() for _ in range(args.requests)]
     try:
         for i, c in enumerate(clients):

@@ -250,7 +250,8 @@ class EngineService:
         self._streams: tuple | None = None  # (the engine's stream, the codec's), or () to use the current one
         # with codec_stream: the thread that makes the codec's calls (its own cuBLAS handle: PyTorch keeps one per
         # thread, and two streams' products on one handle are the suspect of the hang above)
-        self._codec_worker = ThreadPoolExecutor(1, thread_name_prefix="s2tts-codec") if codec_stream and codec else None
+        self._codec_worker = (ThreadPoolExecutor(1, thread_name_prefix="s2tts-codec") if codec_stream and codec
+                              else None)
         self._ahead = False  # this pass launches ahead
         self._launched_early: list = []
         self._launch_error: Exception | None = None  # raised by that launch: raised again by the next pass
@@ -729,12 +730,12 @@ class EngineService:
     def _launch_behind_codec(self) -> None:
         """The codec's call is queued on the device: with steps launched ahead, queue the engine's next step (on
         the engine's stream beside the call's with `codec_stream`, else behind it), so the device makes frames while
-        this thread takes the call's audio and hands it out (otherwise it idles until the next pass launches). Its immediate outputs join the next pass's; an exception it raises is raised
-        by the next pass, not charged to the codec call's streams."""
+        this thread takes the call's audio and hands it out (otherwise it idles until the next pass launches). Its
+        immediate outputs join the next pass's; an exception it raises is raised by the next pass, not charged to the
+        codec call's streams. Engine thread only (inside `_engine_pass`: on the engine's stream)."""
         if self._ahead and self.codec_overlap and self._launch_error is None:
             try:
-                with self._on(0):
-                    self._launched_early += self.engine.launch_next()
+                self._launched_early += self.engine.launch_next()
             except Exception as e:  # noqa: BLE001 - the engine's, not the codec call's: raised by the next pass
                 self._launch_error = e
 
