@@ -1,6 +1,6 @@
 """How a stream's frames become audio chunks: `Chunker` (frames first, growing with the measured pace so playback
 does not run dry), `PaceMeter` (seconds of work a second of audio, across streams) and the pace from which a server is
-under load (`LOAD_PACE`). slow_ar's engine service and dac_decoder plan chunks with them; s2pro measures the pace."""
+under load (`LOAD_PACE`, `LOAD_SLOTS`). slow_ar's engine service and dac_decoder plan chunks with them; s2pro measures the pace."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ import numpy as np
 # From this pace (seconds of work a second of audio: c=64 on one H100, not c=16) a server is "under load": first
 # chunks grow (`Chunker(load_frames=)`) and slow_ar's in-engine codec decodes all streams together every few steps
 LOAD_PACE = 0.35
+# ... or, in slow_ar's loop with its codec (`EngineService.under_load`), from this share of the engine's slots held: a
+# pace alone stops counting a full batch as load once the pipeline is fast enough (served c=64 on an H200 ran at a
+# pace of ~0.27-0.28, at the threshold for staying under load, and dropped out of it on a few steps: the streams
+# admitted then got 2-frame first chunks, the ones that ran dry; perf/RESULTS.md)
+LOAD_SLOTS = 0.75
 
 
 class Chunker:

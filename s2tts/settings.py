@@ -158,7 +158,8 @@ SETTINGS: tuple[Setting, ...] = (
             "chunk is `first_chunk_frames` and every later one `chunk_frames`"),
     Setting("load_chunk_frames", int, 8, ("slow_ar", "s2pro"), "with `adaptive_chunks`, under load (from a measured pace of "
             "0.35 s of work a second of audio, c=64 on one H100 but not c=16, until its one-second average falls below "
-            "0.28) a stream's first chunk is at least "
+            "0.28; with codec_in_engine also while requests fill three quarters of `max_batch`) a stream's first "
+            "chunk is at least "
             "this many frames (rounded up to a chunk length), so that more audio is in hand while the next is made; "
             "0: off. On an H100 at c=64, 8-frame first chunks: 1 stream of 384 ran dry against 7, TTFA p50 +83 ms "
             "(perf/RESULTS.md)", min=0, max=4096),

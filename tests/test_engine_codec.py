@@ -36,8 +36,8 @@ class _Responder:
         return self.cancelled
 
 
-def _service(model, tiny_ckpt, decoder, **kw):
-    eng = Engine(model, residual_size=codec_codebook_sizes(tiny_ckpt)[1], max_batch=4, max_seq_len=512,
+def _service(model, tiny_ckpt, decoder, max_batch=4, **kw):
+    eng = Engine(model, residual_size=codec_codebook_sizes(tiny_ckpt)[1], max_batch=max_batch, max_seq_len=512,
                  prefix_cache_bytes=0)
     return EngineService(eng, lambda codes, reason, stats, audio: ("ok", codes, reason, audio),
                          lambda e: ("error", e), codec=decoder, **kw)
@@ -109,6 +109,19 @@ def test_first_chunk_grows_under_load(model, prompts, tiny_ckpt, codec, load, fi
     assert sizes[0] == first and sum(sizes) == 30 and max(sizes) > first, sizes
     codes = np.concatenate([c for _, c, _, _ in r.sent]).astype(np.int64)
     np.testing.assert_allclose(np.concatenate([a for *_, a in r.sent]), _whole(codec, codes), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("streams,first", [(3, 8), (2, 4)])
+def test_a_full_batch_is_load_at_any_pace(model, prompts, tiny_ckpt, codec, streams, first):
+    """At a light pace (0.1: a fast engine) three requests in a batch of four are still load: their first chunks
+    grow to `load_chunk_frames` (8); two requests at the same pace are not (first_chunk_frames' 4)."""
+    svc = _service(model, tiny_ckpt, StreamDecoder(codec, pool_size=4), frame_seconds=codec_frame_seconds(tiny_ckpt),
+                   load_chunk_frames=8, codec_batch_steps=1)
+    svc.pace = lambda: 0.1
+    rs = _serve_all(svc, prompts, [20] * streams, 31, "Full", first_chunk_frames=4, chunk_frames=16)
+    assert [r.sent[0][1].shape[0] for r in rs] == [first] * streams
+    assert all(sum(c.shape[0] for _, c, _, _ in r.sent) == 20 for r in rs)
+    assert (svc.loop.loaded > 0) == (first == 8)
 
 
 def test_one_codec_stream_across_two_requests(model, prompts, tiny_ckpt, codec):
@@ -247,10 +260,12 @@ def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_c
     time to first audio and a client holding little audio; its last frames padded), whatever the chunks; a chunk
     leaves once its frames are decoded, chunks ready together as one response. At a light pace (0.2) the codec
     decodes each chunk as it completes, as with codec_batch_steps=1. Either way each request's audio is one
-    seamless decode of its codes, and every response's audio is its own frames."""
+    seamless decode of its codes, and every response's audio is its own frames. (A batch of 8: four requests in
+    a batch of four would be load at any pace.)"""
     decoder = StreamDecoder(codec, pool_size=8)
     calls = _recording(decoder)
-    svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=4, frame_seconds=codec_frame_seconds(tiny_ckpt))
+    svc = _service(model, tiny_ckpt, decoder, max_batch=8, codec_batch_steps=4,
+                   frame_seconds=codec_frame_seconds(tiny_ckpt))
     svc.pace = lambda: pace
     rs = _serve_all(svc, prompts, [17, 22, 26, 30], 80, "Slice me", first_chunk_frames=2, chunk_frames=3)
     sids = [f"own/{rec}" for rec in sorted({sid.split("/")[1] for call in calls for sid, *_ in call}, key=int)]
@@ -428,7 +443,8 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
 def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny_ckpt, monkeypatch):
     """`under_load` (what grows first chunks and holds codec calls): on from the first pass at a pace of 0.35 (a
     wave of arrivals), kept while the pace averaged over about a second stays above 0.28 (a held call's own
-    saving, single light steps), off once that average falls below it. Without a measured pace: never."""
+    saving, single light steps), off once that average falls below it; and whenever three quarters of the batch's
+    slots are wanted, whatever the pace. Without a measured pace: never."""
     import s2tts.engine.service as es
 
     clock = [100.0]
@@ -449,6 +465,17 @@ def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny
         assert passes(0.36, 0.01)  # one pass at the load pace
         assert passes(0.3, 3.0) and passes(0.2, 0.05)  # a light stretch shorter than the average's second
         assert not passes(0.2, 2.0)
+        # three quarters of the batch's slots wanted (held or waiting): under load at any pace, at once; off again
+        # as soon as fewer are wanted and the pace is light
+        wanted = [2]
+        svc._slots_wanted = lambda: wanted[0]
+        assert svc.engine.max_batch == 4 and not passes(0.1, 1.0)
+        wanted[0] = 3
+        assert passes(0.1, 0.01) and passes(0.1, 3.0)
+        wanted[0] = 2
+        assert not passes(0.1, 0.01)
+        wanted[0] = 5  # more waiting than slots
+        assert passes(0.1, 0.01)
     finally:
         svc.shutdown()
     fixed = _service(model, tiny_ckpt, None)

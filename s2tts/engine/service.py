@@ -12,7 +12,8 @@ closes with the request's last chunk when `final`, and whenever the request ends
 decodes is a stream's frames, not its chunks: a chunk leaves once all of its frames are decoded.
 - Light load (and `codec_batch_steps=1`): after each step, the frames of the chunks that step completed, all
   streams in one call.
-- Under load (a pace of at least `chunking.LOAD_PACE`) with `codec_batch_steps=K` > 1: every K steps the frames
+- Under load (a pace of at least `chunking.LOAD_PACE`, or `chunking.LOAD_SLOTS` of the slots held) with
+  `codec_batch_steps=K` > 1: every K steps the frames
   every stream made since, in slices of K (a stream's last frames padded to a prepared length), so that one call
   of one length (one CUDA graph) decodes all streams; between those steps nothing. A call's cost on a GPU is mostly
   per length it decodes, not per frame (perf/RESULTS.md). A stream's chunks that become ready together leave as
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 
 from .. import errors
-from ..chunking import LOAD_PACE, Chunker
+from ..chunking import LOAD_PACE, LOAD_SLOTS, Chunker
 from ..errors import S2Error
 from ..frontend.prompt import Prompt
 from ..lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
@@ -398,25 +399,31 @@ class EngineService:
         """Whether the service is under load (with a measured pace: `frame_seconds`): from the moment the pace
         reaches `LOAD_PACE` (a wave of arrivals: its first chunks already count) until the pace averaged over about
         a second falls below 0.8 of that (a held codec call itself lowers the pace, and makes single steps vary:
-        hence the margin and the average). First chunks grow then (`load_chunk_frames`) and the codec holds its
-        calls (`codec_batch_steps`)."""
+        hence the margin and the average); and whenever requests in slots or waiting for one fill `LOAD_SLOTS` of
+        the batch, whatever the pace (a fast engine at a full batch). First chunks grow then (`load_chunk_frames`)
+        and the codec holds its calls (`codec_batch_steps`)."""
         return self._load is not None and self._load[2]
 
     def _note_load(self) -> None:
         if not self.frame_seconds:
             return
         now, r = time.monotonic(), self.pace()
+        full = self._slots_wanted() >= LOAD_SLOTS * self.engine.max_batch
         if self._load is None:
-            avg, loaded = r, r >= LOAD_PACE
+            avg, loaded = r, r >= LOAD_PACE or full
         else:
             avg, at, loaded = self._load
             a = min(1.0, (now - at) / 1.0)
             avg = (1 - a) * avg + a * r
             if loaded:
-                loaded = avg >= 0.8 * LOAD_PACE
-            elif r >= LOAD_PACE:
+                loaded = full or avg >= 0.8 * LOAD_PACE
+            elif r >= LOAD_PACE or full:
                 loaded, avg = True, max(avg, r)  # the average starts from the pace that turned it on
         self._load = (avg, now, loaded)
+
+    def _slots_wanted(self) -> int:
+        """Requests holding a slot or waiting for one."""
+        return len(self.engine.live) + len(self.engine.scheduler.waiting)
 
     def control(self, what: str, client_id: str):
         """One of s2pro's control words for this engine, the same over BLS (slow_ar) and in-process
