@@ -1,6 +1,7 @@
 """How a stream's frames become audio chunks: `Chunker` (frames first, growing with the measured pace so playback
-does not run dry), `PaceMeter` (seconds of work a second of audio, across streams) and the pace from which a server is
-under load (`LOAD_PACE`, `LOAD_SLOTS`). slow_ar's engine service and dac_decoder plan chunks with them; s2pro measures the pace."""
+does not run dry), `PaceMeter` (seconds of work a second of audio, across streams) and what puts a server under load
+(`LOAD_PACE`, `LOAD_SLOTS`). slow_ar's engine service and dac_decoder plan chunks with them; s2pro measures the
+pace."""
 
 from __future__ import annotations
 
