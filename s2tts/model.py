@@ -441,19 +441,34 @@ class KernelLinear(nn.Linear):
 
         if self.invariant_rows:
             return kernels.linear(x, self.weight, self.invariant_rows)
-        if self.small and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features:
+        if self.takes_gemv_small(x):
             return kernels.gemv_small(x, self.weight)
         return F.linear(x, self.weight)
 
-    def gated(self, x):
-        """silu(gate) * up of a gate / up interleaved weight (`FeedForward.fuse_weights`): in the product's kernel
-        where `gemv_small` makes it (`kernels.SWIGLU_IN_PRODUCT`), else the product, then `kernels.silu_mul`."""
-        from . import kernels
+    def takes_gemv_small(self, x) -> bool:
+        """Whether the product of `x` runs in `kernels.gemv_small`."""
+        return not self.invariant_rows and self.small and _few_rows(x, self.in_features)
 
-        if (kernels.SWIGLU_IN_PRODUCT and not self.invariant_rows and self.small
-                and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features):
-            return kernels.gemv_small(x, self.weight, swiglu=True)
-        return kernels.silu_mul(self(x), interleaved=True)
+    def gated(self, x):
+        """silu(gate) * up of a gate / up interleaved weight (`FeedForward.fuse_weights`): `_gated`."""
+        return _gated(self, x)
+
+
+def _few_rows(x, in_features: int) -> bool:
+    """Whether `x` holds 1 to `kernels.GEMV_SMALL_ROWS` rows of `in_features` (`gemv_small`'s products)."""
+    from .kernels import GEMV_SMALL_ROWS
+
+    return 0 < x.numel() <= GEMV_SMALL_ROWS * in_features
+
+
+def _gated(linear, x, scale=None):
+    """silu(gate) * up of `linear`'s gate / up interleaved weight: in the product's kernel where `gemv_small` makes
+    the product (`kernels.SWIGLU_IN_PRODUCT`; `scale`: an FP8 weight's), else the product, then `kernels.silu_mul`."""
+    from . import kernels
+
+    if kernels.SWIGLU_IN_PRODUCT and linear.takes_gemv_small(x):
+        return kernels.gemv_small(x, linear.weight, scale=scale, swiglu=True)
+    return kernels.silu_mul(linear(x), interleaved=True)
 
 
 def _kernel_linears(model: nn.Module):
@@ -501,7 +516,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x):
         from . import kernels
 
-        if self.kernel and not self.invariant and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features:
+        if self.takes_gemv_small(x):
             return kernels.gemv_small(x, self.weight, scale=self.scale)
         if self.kernel and x.numel() <= self.kernel_rows * self.in_features:
             return kernels.linear(x, self.weight, scale=self.scale, wide_rows=self.wide_rows)
@@ -512,14 +527,13 @@ class Fp8Linear(nn.Module):
             return kernels.fp8_matmul(x, self.weight, self.scale)
         return F.linear(x, (self.weight.float() * self.scale[:, None]).to(x.dtype))
 
+    def takes_gemv_small(self, x) -> bool:
+        """Whether the product of `x` runs in `kernels.gemv_small`."""
+        return self.kernel and not self.invariant and _few_rows(x, self.in_features)
+
     def gated(self, x):
         """As `KernelLinear.gated`."""
-        from . import kernels
-
-        if (kernels.SWIGLU_IN_PRODUCT and self.kernel and not self.invariant
-                and 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * self.in_features):
-            return kernels.gemv_small(x, self.weight, scale=self.scale, swiglu=True)
-        return kernels.silu_mul(self(x), interleaved=True)
+        return _gated(self, x, self.scale)
 
 
 def use_fp8_weights(model: nn.Module) -> None:
