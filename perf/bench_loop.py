@@ -73,7 +73,7 @@ def _stall_points(clients) -> dict:
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
         prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load="", launch_ahead=None,
-        codec_overlap=None, light_ahead=None, codec_stream=None):
+        codec_overlap=None, light_ahead=None, codec_concurrent=None):
     from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService
@@ -91,7 +91,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", audio), lambda e: ("error", e.wire()),
                         frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps,
                         load_chunk_frames=SCHEMA["load_chunk_frames"].default if load_frames is None else load_frames,
-                        launch_ahead=launch_ahead, codec_stream=bool(codec_stream))
+                        launch_ahead=launch_ahead, codec_concurrent=codec_concurrent)
     if args.chunk_lag >= 0:
         svc.chunk_lag = args.chunk_lag
     if codec_overlap is not None:
@@ -159,7 +159,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
     out = {"launch_ahead": svc.launch_ahead, "codec_overlap": svc.codec_overlap, "light_ahead": svc.light_ahead,
-           "codec_stream": bool(svc._streams),
+           "codec_concurrent": bool(svc._streams),
            "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
@@ -232,10 +232,9 @@ def main() -> int:
     ap.add_argument("--light-ahead", default="", help="comma-separated 1/0: at a light load, steps launched ahead "
                     "once every request has sent audio (EngineService.light_ahead; default on), each tried with the "
                     "first of the others (e.g. --streams 1)")
-    ap.add_argument("--codec-stream", default="", help="comma-separated 1/0: the codec's calls by a thread of their "
-                    "own, on a GPU on a CUDA stream of their own beside the engine's (EngineService(codec_stream=); "
-                    "default off: made from the engine thread it hung served c=64, perf/RESULTS.md), each tried with "
-                    "the first of the others")
+    ap.add_argument("--codec-concurrent", default="", help="comma-separated 1/0: the codec's calls by a thread of "
+                    "their own, on a GPU on a CUDA stream of their own beside the engine's (the setting "
+                    "codec_concurrent; default on a GPU), each tried with the first of the others")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -284,7 +283,7 @@ def main() -> int:
         go(first, resubmit_ms=d)
     for g in [x for x in args.gil_load.split(",") if x]:
         go(first, gil_load=g)
-    for switch in ("launch_ahead", "codec_overlap", "light_ahead", "codec_stream"):  # the service's on / off choices
+    for switch in ("launch_ahead", "codec_overlap", "light_ahead", "codec_concurrent"):  # the service's on / off choices
         for on in [x for x in getattr(args, switch).split(",") if x]:
             go(first, **{switch: on == "1"})
     cols = list(rows[0])

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The codec's calls made by a thread of their own on a CUDA stream of their own (`EngineService(codec_stream=True)`)
+"""The codec's calls made by a thread of their own on a CUDA stream of their own (the setting `codec_concurrent`)
 give the same codes and audio as on the engine's: `--requests` seeded requests served at once by slow_ar's loop
 with the codec in it (no Triton), once each way, every request's codes compared exactly (`batch_invariant` engine: a
 row's codes do not depend on its neighbours) and its audio to within `--atol` (the codec batches streams as they
@@ -57,7 +57,7 @@ def serve(model, ckpt, codec, fallback, prompts, args, on: bool) -> list[tuple[n
         decoder.pool.warm(EngineService.codec_lengths(2, 16, 1), max_batch=args.requests)
     svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", codes, audio),
                         lambda e: ("error", e.wire(), None), frame_seconds=codec_frame_seconds(ckpt), codec=decoder,
-                        codec_stream=on)
+                        codec_concurrent=on)
     clients = [_Collect() for _ in range(args.requests)]
     try:
         for i, c in enumerate(clients):
@@ -66,12 +66,12 @@ def serve(model, ckpt, codec, fallback, prompts, args, on: bool) -> list[tuple[n
         for c in clients:
             if not c.done.wait(args.wait_s):
                 faulthandler.dump_traceback(all_threads=True)  # where the service's threads are
-                raise SystemExit(f"codec_stream={on}: a request did not finish in {args.wait_s} s")
+                raise SystemExit(f"codec_concurrent={on}: a request did not finish in {args.wait_s} s")
     finally:
         svc.shutdown()
     used, worker = bool(svc._streams), svc._codec_worker is not None
     if used != (on and eng.device.type == "cuda") or worker != on:
-        raise SystemExit(f"codec_stream={on}: streams of their own {'used' if used else 'not used'}, the codec's "
+        raise SystemExit(f"codec_concurrent={on}: streams of their own {'used' if used else 'not used'}, the codec's "
                          f"thread {'used' if worker else 'not used'}")
     out = []
     for c in clients:

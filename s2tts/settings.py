@@ -189,6 +189,10 @@ SETTINGS: tuple[Setting, ...] = (
             "a light load, only once every request in flight has sent audio: a first chunk's decode never waits "
             "behind the next step). "
             "`auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
+    Setting("codec_concurrent", bool, None, ("slow_ar", "s2pro"), "with codec_in_engine, the codec's calls are made "
+            "by a thread of their own on a CUDA stream of their own, beside the engine's steps (which keep the higher "
+            "priority): a call's kernels fill what a step leaves of the GPU instead of waiting behind it (served on an "
+            "H200: c=1 RTF 0.1205 -> 0.1190, c=64 +4%; perf/RESULTS.md). `auto`: on a GPU; off on a CPU", auto=True),
     Setting("dependent_launch", bool, None, ("slow_ar", "s2pro"), "the decode step's Triton kernels start while the "
             "kernel before each ends (programmatic dependent launch; the small matrix products read their first "
             "weights meanwhile), in passes of up to 2 rows (one or two streams): the step at one stream 6-8% "

@@ -68,13 +68,13 @@ def _serve_all(svc, prompts, lengths, seed, name, first_chunk_frames, chunk_fram
     return rs
 
 
-@pytest.mark.parametrize("codec_stream", [False, True])
-def test_chunks_carry_audio_that_joins_seamlessly(model, prompts, tiny_ckpt, codec, codec_stream):
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_chunks_carry_audio_that_joins_seamlessly(model, prompts, tiny_ckpt, codec, concurrent):
     """Three requests at once: every chunk's audio is its own frames (2048 samples each), decoded in batches of
     several streams, and each request's audio is one whole decode of its codes; also with the codec's calls made
-    by a thread of their own (`codec_stream`)."""
+    by a thread of their own (`codec_concurrent`)."""
     decoder = StreamDecoder(codec, pool_size=8)
-    svc = _service(model, tiny_ckpt, decoder, codec_stream=codec_stream)
+    svc = _service(model, tiny_ckpt, decoder, codec_concurrent=concurrent)
     rs = [_Responder() for _ in range(3)]
     try:
         for i, r in enumerate(rs):
@@ -208,15 +208,15 @@ def test_closing_the_stream_of_a_running_request_cancels_it(model, prompts, tiny
     assert decoder.states == {}
 
 
-@pytest.mark.parametrize("codec_stream", [False, True])
-def test_a_codec_failure_ends_only_its_requests(model, prompts, tiny_ckpt, codec, codec_stream):
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_a_codec_failure_ends_only_its_requests(model, prompts, tiny_ckpt, codec, concurrent):
     """The codec raising on a call: the requests in that call end with an error naming the decode, the service
     stays healthy, and the next request gets its audio (also when the codec's thread made the call)."""
     from injection import fail_on_call
 
     decoder = StreamDecoder(codec, pool_size=4)
     decoder.decode_many = fail_on_call(decoder.decode_many, 2, "codec kernel failed")
-    svc = _service(model, tiny_ckpt, decoder, codec_stream=codec_stream)
+    svc = _service(model, tiny_ckpt, decoder, codec_concurrent=concurrent)
     bad, good = _Responder(), _Responder()
     try:
         svc.submit("bad", bad, prompts.build("Fails."), SamplingParams(seed=5, max_new_tokens=40, ignore_end=True), 2, 2)
@@ -358,8 +358,8 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
     assert decoder.states == {} and decoder_ahead.states == {} and decoder_apart.states == {}
 
 
-@pytest.mark.parametrize("codec_stream", [False, True])
-def test_light_load_launches_ahead_once_every_request_sounds(model, prompts, tiny_ckpt, codec, codec_stream):
+@pytest.mark.parametrize("concurrent", [False, True])
+def test_light_load_launches_ahead_once_every_request_sounds(model, prompts, tiny_ckpt, codec, concurrent):
     """At a light load (each chunk decoded as it completes) with `light_ahead`, the engine launches steps ahead only
     while every request in flight has sent audio (a first chunk is never decoded behind a launched step), and the
     audio is that of one step at a time; also with the codec's calls made by its own thread (the engine thread
@@ -367,7 +367,7 @@ def test_light_load_launches_ahead_once_every_request_sounds(model, prompts, tin
     def run(light):
         decoder = StreamDecoder(codec, pool_size=8)
         svc = _service(model, tiny_ckpt, decoder, frame_seconds=codec_frame_seconds(tiny_ckpt), launch_ahead=True,
-                       codec_stream=codec_stream)
+                       codec_concurrent=concurrent)
         svc.light_ahead = light
         svc.pace = lambda: 0.1  # a GPU's pace at one stream (this CPU's would count as load)
         ahead, step_ahead = [], svc.engine.step_ahead
@@ -485,3 +485,34 @@ def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny
         assert not fixed.under_load()
     finally:
         fixed.shutdown()
+
+
+class _PoolStream:
+    """Stands in for torch.cuda.Stream on a CPU machine: PyTorch's pool hands out 32 streams per priority in turn."""
+    handed = {0: 0, -1: 0}
+
+    def __init__(self, device=None, priority=0):
+        self.device_index, self.priority = 0, priority
+        self.stream_id = (priority, self.handed[priority] % 32)
+        self.handed[priority] += 1
+
+
+def test_graph_owners_get_streams_no_other_owner_has(monkeypatch):
+    """The engine's and the codec's graphs are captured, and the service's steps and codec calls replayed, each on a
+    stream no other of them has (a graph keeps the cuBLAS workspace of its capture stream; two graphs of one stream
+    replayed at once race in it), however many streams other code draws from the pool between them."""
+    from s2tts import graphs
+
+    monkeypatch.setattr(graphs, "_taken", set())
+    monkeypatch.setattr(graphs.torch.cuda, "Stream", _PoolStream)
+    got = []
+    for k in range(40):
+        got.append(graphs.own_stream("cuda", priority=-1 if k % 5 == 0 else 0).stream_id)
+        for _ in range(k):  # other code's streams from the same pool
+            _PoolStream()
+        if len(got) == 32 + 8:
+            break
+    assert len(got) == len(set(got)) == 40, got  # 32 of priority 0 and 8 of -1: all distinct
+    with pytest.raises(RuntimeError, match="no CUDA stream left"):
+        graphs.own_stream("cuda")  # the 33rd of priority 0: the pool has none left that no owner holds
+    assert graphs.own_stream("cuda", priority=-1).stream_id[0] == -1

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..graphs import capture as capture_graph, own_stream
 from .. import kernels
 from ..errors import S2Error, invalid
 from ..transfer import copy_in, upload
@@ -355,7 +356,7 @@ class SlotPool:
         self.use_graphs = self.device.type == "cuda" and graphs is not False  # CUDA graphs need a GPU
         self.graphs: dict[tuple[int, int], tuple[object, dict]] = {}  # (batch bucket, frames) -> (graph, buffers)
         self.lengths: list[int] = []  # the chunk lengths `warm` prepared
-        self._mempool = None
+        self._mempool = self._stream = None  # `_capture`'s graphs' memory pool and capture stream
         # the gathered old states of the last call, for every shape up to the largest bucket `warm` prepared: one
         # buffer, not one per graph (64 S2 Pro streams hold ~280 MB of state)
         self.old_rows: dict[torch.dtype, torch.Tensor] = {}
@@ -403,19 +404,14 @@ class SlotPool:
         bufs["old"] = olds
 
     def _capture(self, Bp: int, n: int) -> None:
+        """One graph, on the pool's own capture stream (`graphs.own_stream`: the engine's graphs may replay beside
+        these and must not share their cuBLAS workspace)."""
         bufs = self._buffers(Bp, n)  # idx: all scratch, so the warm-up and capture write no stream's state
         try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._body(dict(bufs))
-            torch.cuda.current_stream(self.device).wait_stream(side)
             if self._mempool is None:
-                self._mempool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool):
-                self._body(bufs)
+                self._mempool, self._stream = torch.cuda.graph_pool_handle(), own_stream(self.device)
+            graph, _ = capture_graph(lambda: self._body(bufs), self._stream, self._mempool,
+                                     warm=lambda: self._body(dict(bufs)))
         except Exception as e:  # noqa: BLE001 - that shape runs eagerly
             log.warning("dac_decoder: no CUDA graph for batch %d x %d frames (%s); it runs eagerly", Bp, n, e)
             return

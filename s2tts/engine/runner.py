@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..graphs import capture as capture_graph, own_stream
 from ..model import S2Model
 from ..sampling import RAS_WINDOW, sample, sample_semantic
 from ..transfer import copy_in, upload
@@ -261,7 +262,7 @@ class ModelRunner:
         """One pass over the slow AR: a row per decoding request (input: its last frame, at its length) and a row per
         prompt token of `chunks`; the final hidden of each sampled row (decode rows, the last row of a prompt that
         ends here) goes to h_sel[first + i] -> how many rows were sampled."""
-        C, B = self.s2.num_codebooks, len(decoding)
+        B = len(decoding)
         n = B + sum(e - s for _, s, e in chunks)
         rows = self.max_batch if self.apart and decoding else n
         keys = max([r.length + 1 for r in decoding] + [e for _, _, e in chunks])
@@ -433,21 +434,15 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """Capture a pass per row bucket (and way of splitting keys) and sampling per batch bucket, on the scratch
-        slot, sharing one memory pool."""
+        slot, sharing one memory pool, on the runner's own capture stream (`graphs.own_stream`: the codec's graphs
+        may replay beside these and must not share their cuBLAS workspace)."""
         pool = torch.cuda.graph_pool_handle()
-        dev, C = self.device, self.s2.num_codebooks
-        stream = torch.cuda.Stream(dev)
+        dev = self.device
+        stream = own_stream(dev)
 
         def capture(fn):
-            stream.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(stream), torch.inference_mode():
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream(dev).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-                out = fn()
-            return graph, out
+            with torch.inference_mode():
+                return capture_graph(fn, stream, pool)
 
         for size in sorted(self.row_sizes, reverse=True):
             io = self._pass_io(size, dev)

@@ -48,6 +48,7 @@ from .. import errors
 from ..chunking import LOAD_PACE, LOAD_SLOTS, Chunker
 from ..errors import S2Error
 from ..frontend.prompt import Prompt
+from ..graphs import own_stream
 from ..lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
 from ..sampling import SamplingParams
 from ..settings import SCHEMA, default_kv_tokens
@@ -218,7 +219,8 @@ class EngineService:
                  frame_seconds: float | None = None, codec=None,
                  codec_batch_steps: int = SCHEMA["codec_batch_steps"].default,
                  load_chunk_frames: int = SCHEMA["load_chunk_frames"].default, direct_send: bool = False,
-                 launch_ahead: bool | None = SCHEMA["launch_ahead"].default, codec_stream: bool = False):
+                 launch_ahead: bool | None = SCHEMA["launch_ahead"].default,
+                 codec_concurrent: bool | None = SCHEMA["codec_concurrent"].default):
         """`frame_seconds` (audio per frame): chunks grow by the engine's measured pace (`chunking.Chunker`);
         None: fixed chunks. `codec` (a `codec.stream.StreamDecoder`): decode audio here (see the module's doc).
         `load_chunk_frames`: the least first chunk under load (`Chunker(load_frames=)`; 0: off). Defaults: the
@@ -228,12 +230,10 @@ class EngineService:
         keeps two steps in flight, launching the next before it finishes the last and this thread handles its
         outputs (`Engine.step_ahead`), except while a codec here decodes each chunk at once (light load) and a
         request in flight has yet to send audio (its first chunk's codec call would wait behind that step).
-        `codec_stream`: the codec's calls made by a thread of their own (`_codec_call`), on a GPU on a CUDA stream
-        of their own beside the engine's (`_device_streams`). Off: served at c=64 on an H200 the engine hung twice
-        with the stream made by the engine thread itself (a step never finished while a codec call ran beside it;
-        perf/RESULTS.md, 28th session: one cuBLAS handle per thread, shared by both streams, is the suspect); the
-        loop alone gained 5% at 64 streams and served c=1 RTF 0.1203 -> 0.1185. Only for perf/bench_loop.py and
-        perf/stream_check.py until a served run shows it safe."""
+        `codec_concurrent` (None: on a GPU): the codec's calls made by a thread of their own (`_codec_call`), on a
+        GPU on a CUDA stream of their own beside the engine's (`_device_streams`): served on an H200, c=1 RTF 0.1205
+        -> 0.1190, c=64 243 -> 253 audio-s/s (perf/RESULTS.md, 29th session). Every graph it replays was captured
+        on a stream of its owner's own (`s2tts.graphs`: with one capture stream for all, c=64 hung)."""
         self.engine = engine
         self.launch_ahead = engine.device.type == "cuda" if launch_ahead is None else launch_ahead
         # with steps launched ahead, the next one also launched during a held codec call, behind it on the device
@@ -245,14 +245,12 @@ class EngineService:
         self.light_ahead = True
         # the codec's calls by a thread of their own, on a GPU on a CUDA stream of their own beside the engine's
         # (which has the higher priority): a codec call's kernels fill what the step leaves of the device instead of
-        # waiting behind it (the streams are made by the engine thread's first pass: `_device_streams`). Off by
-        # default (above)
-        self.codec_stream = codec_stream
+        # waiting behind it (the streams are made by the engine thread's first pass: `_device_streams`)
+        self.codec_concurrent = engine.device.type == "cuda" if codec_concurrent is None else codec_concurrent
         self._streams: tuple | None = None  # (the engine's stream, the codec's), or () to use the current one
-        # with codec_stream: the thread that makes the codec's calls (its own cuBLAS handle: PyTorch keeps one per
-        # thread, and two streams' products on one handle are the suspect of the hang above)
-        self._codec_worker = (ThreadPoolExecutor(1, thread_name_prefix="s2tts-codec") if codec_stream and codec
-                              else None)
+        # with codec_concurrent: the thread that makes the codec's calls
+        self._codec_worker = (ThreadPoolExecutor(1, thread_name_prefix="s2tts-codec")
+                              if self.codec_concurrent and codec else None)
         self._ahead = False  # this pass launches ahead
         self._launched_early: list = []
         self._launch_error: Exception | None = None  # raised by that launch: raised again by the next pass
@@ -472,14 +470,14 @@ class EngineService:
             self._preemptions_logged, self._preemption_log_at = n, now
 
     def _device_streams(self) -> tuple:
-        """(the engine's stream, the codec's) on a GPU with a codec here and `codec_stream`, else (). The engine's
+        """(the engine's stream, the codec's) on a GPU with a codec here and `codec_concurrent`, else (). The engine's
         has the higher priority, so that the steps lose little to a codec call beside them (perf/RESULTS.md:
         without it a step waited for the call's kernels)."""
         dev = self.engine.device
-        if dev.type != "cuda" or self.codec is None or not self.codec_stream:
+        if dev.type != "cuda" or self.codec is None or not self.codec_concurrent:
             return ()
         torch.cuda.synchronize(dev)  # what other threads queued (loading, warm-up, graph captures) comes first
-        return torch.cuda.Stream(dev, priority=-1), torch.cuda.Stream(dev, priority=0)  # lower: first
+        return own_stream(dev, priority=-1), own_stream(dev, priority=0)  # lower: first
 
     def _on(self, which: int):
         """A context that puts this thread's device work on the engine's stream (0) or the codec's (1); a no-op
@@ -714,7 +712,7 @@ class EngineService:
 
     def _codec_call(self, jobs: list) -> dict:
         """`codec.decode_many(jobs)`, the engine's next step launched once the call's device work is queued
-        (`_launch_behind_codec`). With `codec_stream` the codec's thread makes the call (on the codec's stream) while
+        (`_launch_behind_codec`). With `codec_concurrent` the codec's thread makes the call (on the codec's stream) while
         this one waits, launches the step itself when the call says its work is queued (the engine is only touched
         from this thread), and takes the result."""
         if self._codec_worker is None:
@@ -736,7 +734,7 @@ class EngineService:
 
     def _launch_behind_codec(self) -> None:
         """The codec's call is queued on the device: with steps launched ahead, queue the engine's next step (on
-        the engine's stream beside the call's with `codec_stream`, else behind it), so the device makes frames while
+        the engine's stream beside the call's with `codec_concurrent`, else behind it), so the device makes frames while
         this thread takes the call's audio and hands it out (otherwise it idles until the next pass launches). Its
         immediate outputs join the next pass's; an exception it raises is raised by the next pass, not charged to the
         codec call's streams. Engine thread only (inside `_engine_pass`: on the engine's stream)."""
@@ -909,7 +907,8 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
                             on_unhealthy=on_unhealthy, on_tick=on_tick,
                             frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
                             codec=codec, codec_batch_steps=v.codec_batch_steps, load_chunk_frames=v.load_chunk_frames,
-                            direct_send=direct_send, launch_ahead=v.launch_ahead)
+                            direct_send=direct_send, launch_ahead=v.launch_ahead,
+                            codec_concurrent=v.codec_concurrent)
     log.info("%s ready in %.1f s (weights %.1f s, codec %.1f s, engine and its CUDA graphs %.1f s; the GPU kernels' "
              "first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d "
              "kv_cache=%d tokens in blocks of %d cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s "
