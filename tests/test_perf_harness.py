@@ -277,6 +277,20 @@ def test_paged_mixed_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert r["mixed_kv_pool_tokens"] >= 4 * 30 + 2 * 330
 
 
+def test_admission_profile_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/admission_profile.py end to end on the tiny model: the decode phase has no prompt rows, the arrivals
+    phase one prompt ending a step (each step one request cancelled and one submitted) with its prompt's rows, every
+    slot held in both."""
+    out = tmp_path / "adm.json"
+    _run([sys.executable, "perf/admission_profile.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
+          "--streams", "3", "--steps", "5", "--warm-steps", "3", "--json", str(out)], timeout=600)
+    decode, arrivals = json.loads(out.read_text())
+    assert decode["phase"] == "decode" and arrivals["phase"] == "arrivals"
+    assert decode["prompt_rows_per_step"] == decode["prompts_ending_per_step"] == 0 and decode["slots_held"] == 3
+    assert arrivals["prompts_ending_per_step"] == 1.0 and arrivals["prompt_rows_per_step"] > 10
+    assert 0 < decode["wall_ms_p50"] and 0 < arrivals["wall_ms_p50"]
+
+
 def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/fp8_effect.py end to end on the tiny model: for each seed the sampled codes of both models compared
     codebook by codebook, and the teacher-forced logits of both ARs: FP8's error is above zero (the weights did
