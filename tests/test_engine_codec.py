@@ -444,7 +444,7 @@ def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny
     """`under_load` (what grows first chunks and holds codec calls): on from the first pass at a pace of 0.35 (a
     wave of arrivals), kept while the pace averaged over about a second stays above 0.28 (a held call's own
     saving, single light steps), off once that average falls below it; and whenever three quarters of the batch's
-    slots are wanted, whatever the pace. Without a measured pace: never."""
+    slots are wanted, whatever the pace, counted when asked. Without a measured pace: never."""
     import s2tts.engine.service as es
 
     clock = [100.0]
@@ -474,6 +474,10 @@ def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny
         assert passes(0.1, 0.01) and passes(0.1, 3.0)
         wanted[0] = 2
         assert not passes(0.1, 0.01)
+        wanted[0] = 3  # counted when asked, not at the last pass: requests back after a wave of finals
+        assert svc.under_load()
+        wanted[0] = 2
+        assert not svc.under_load()
         wanted[0] = 5  # more waiting than slots
         assert passes(0.1, 0.01)
     finally:

@@ -398,15 +398,17 @@ class EngineService:
         reaches `LOAD_PACE` (a wave of arrivals: its first chunks already count) until the pace averaged over about
         a second falls below 0.8 of that (a held codec call itself lowers the pace, and makes single steps vary:
         hence the margin and the average); and whenever requests in slots or waiting for one fill `LOAD_SLOTS` of
-        the batch, whatever the pace (a fast engine at a full batch). First chunks grow then (`load_chunk_frames`)
-        and the codec holds its calls (`codec_batch_steps`)."""
-        return self._load is not None and self._load[2]
+        the batch, whatever the pace (a fast engine at a full batch), counted at that moment: a wave of requests
+        coming back after a wave of finals (their clients' round trips) is load from its first frames, though the
+        pass before counted the slots the finals left. First chunks grow then (`load_chunk_frames`) and the codec
+        holds its calls (`codec_batch_steps`)."""
+        return self._load is not None and (self._load[2] or self._full())
 
     def _note_load(self) -> None:
         if not self.frame_seconds:
             return
         now, r = time.monotonic(), self.pace()
-        full = self._slots_wanted() >= LOAD_SLOTS * self.engine.max_batch
+        full = self._full()
         if self._load is None:
             avg, loaded = r, r >= LOAD_PACE or full
         else:
@@ -418,6 +420,10 @@ class EngineService:
             elif r >= LOAD_PACE or full:
                 loaded, avg = True, max(avg, r)  # the average starts from the pace that turned it on
         self._load = (avg, now, loaded)
+
+    def _full(self) -> bool:
+        """Whether requests in slots or waiting for one fill `LOAD_SLOTS` of the batch."""
+        return self._slots_wanted() >= LOAD_SLOTS * self.engine.max_batch
 
     def _slots_wanted(self) -> int:
         """Requests holding a slot or waiting for one."""
