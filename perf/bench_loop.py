@@ -283,7 +283,8 @@ def main() -> int:
         go(first, resubmit_ms=d)
     for g in [x for x in args.gil_load.split(",") if x]:
         go(first, gil_load=g)
-    for switch in ("launch_ahead", "codec_overlap", "light_ahead", "codec_concurrent"):  # the service's on / off choices
+    # the service's on / off choices
+    for switch in ("launch_ahead", "codec_overlap", "light_ahead", "codec_concurrent"):
         for on in [x for x in getattr(args, switch).split(",") if x]:
             go(first, **{switch: on == "1"})
     cols = list(rows[0])

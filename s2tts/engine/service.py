@@ -718,9 +718,9 @@ class EngineService:
 
     def _codec_call(self, jobs: list) -> dict:
         """`codec.decode_many(jobs)`, the engine's next step launched once the call's device work is queued
-        (`_launch_behind_codec`). With `codec_concurrent` the codec's thread makes the call (on the codec's stream) while
-        this one waits, launches the step itself when the call says its work is queued (the engine is only touched
-        from this thread), and takes the result."""
+        (`_launch_behind_codec`). With `codec_concurrent` the codec's thread makes the call (on the codec's stream)
+        while this one waits, launches the step itself when the call says its work is queued (the engine is only
+        touched from this thread), and takes the result."""
         if self._codec_worker is None:
             return self.codec.decode_many(jobs, time.monotonic(), queued=self._launch_behind_codec)
         queued = threading.Event()
