@@ -374,7 +374,9 @@ def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
         assert r["step_ms"] > 0 and r["streams_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
         assert sum(r["stall_at_chunk"].values()) == round(r["stall_fraction"] * r["requests_done"])
         # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
-        assert 0 < r["frames_per_step"] <= r["slots_held"] <= 3 and 0 <= r["prompt_steps"] <= 1, r
+        # (slots held: those live after a pass and the requests it ended, which for a pass that also takes the
+        # outputs of the step launched during its codec call are two steps' ends: at most 2 x 3)
+        assert 0 < r["frames_per_step"] <= r["slots_held"] <= 2 * 3 and 0 <= r["prompt_steps"] <= 1, r
         assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0
         assert 0 <= r["off_cpu_ms"] <= r["step_ms"] + r["rest_ms"], r  # of the pass, the engine thread off its CPU
 
