@@ -27,6 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir  # noqa: E402
+
 
 def _kernel_table(fn, steps: int, path: Path) -> dict:
     """Profile `steps` calls of fn (CUDA kernels) -> CUDA time and kernel launches a step; the table to `path`."""
@@ -110,9 +112,7 @@ def run(args, model, residual, prompts) -> list[dict]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--make-full", action="store_true", help="write a full-size random checkpoint there if missing")
-    ap.add_argument("--device", default="cuda")
+    checkpoint_arguments(ap)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--arrivals", type=int, default=1, help="requests turned over a step in the arrivals phase")
     ap.add_argument("--text-words", type=int, default=12, help="words of each prompt's text")
@@ -129,11 +129,7 @@ def main() -> int:
     from s2tts.config import S2Config
     from s2tts.frontend.prompt import PromptBuilder
 
-    ck = Path(args.checkpoint)
-    if args.make_full and not (ck / "config.json").is_file():
-        from s2tts.tiny import write_checkpoint
-
-        write_checkpoint(ck, "full", seed=0, device=args.device)
+    ck = checkpoint_dir(args)
     model = load_model(ck, args.device, "bf16" if args.device.startswith("cuda") else "fp32")
     pb = PromptBuilder.from_dir(ck, S2Config.from_dir(ck))
     words = "one two three four five six seven eight nine ten eleven twelve".split()

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from loadgen import GpuMonitor, _stall  # noqa: E402 - the same rule as the Triton load generator
+from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir  # noqa: E402
 
 
 class _Client:
@@ -188,9 +189,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--make-full", action="store_true", help="write a full-size random checkpoint there if missing")
-    ap.add_argument("--device", default="cuda")
+    checkpoint_arguments(ap)
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--frames", type=int, default=100)
     ap.add_argument("--frames-jitter", type=int, default=0, help="each request's frames: --frames +- this (uniform)")
@@ -243,11 +242,7 @@ def main() -> int:
     from s2tts.config import S2Config
     from s2tts.frontend.prompt import PromptBuilder
 
-    ck = Path(args.checkpoint)
-    if args.make_full and not (ck / "config.json").is_file():
-        from s2tts.tiny import write_checkpoint
-
-        write_checkpoint(ck, "full", seed=0, device=args.device)
+    ck = checkpoint_dir(args)
     cuda = args.device.startswith("cuda")
     model = load_model(ck, args.device, "bf16" if cuda else "fp32")
     codec = load_codec_from_dir(ck, args.device, "fp16" if cuda else "fp32")

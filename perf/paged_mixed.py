@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir  # noqa: E402
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -67,8 +69,7 @@ def release(model) -> None:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--make-full", action="store_true")
+    checkpoint_arguments(ap)
     ap.add_argument("--short", type=int, default=64)
     ap.add_argument("--long", type=int, default=4)
     ap.add_argument("--long-tokens", type=int, default=20000)
@@ -78,7 +79,6 @@ def main():
     ap.add_argument("--max-seq", type=int, default=1024, help="max_seq_len of the step-time comparison")
     ap.add_argument("--prefill-tokens", type=int, default=4096)
     ap.add_argument("--splits", default="auto,1", help="decode_splits values for the mixed load (auto: the engine's rule)")
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script on a tiny checkpoint")
     ap.add_argument("--json")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
@@ -95,11 +95,7 @@ def main():
     from s2tts.frontend.prompt import Prompt, PromptBuilder
     from s2tts.sampling import SamplingParams
 
-    ck = Path(args.checkpoint)
-    if args.make_full and not (ck / "config.json").is_file():
-        from s2tts.tiny import write_checkpoint
-
-        write_checkpoint(ck, "full", seed=0, device=args.device)
+    ck = checkpoint_dir(args)
     model = load_model(ck, args.device, "bf16" if cuda else "fp32")
     s2 = model.s2
     c = s2.text

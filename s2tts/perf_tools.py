@@ -1,4 +1,5 @@
-"""Locating and running `perf_analyzer` (shipped in the tritonclient==2.51.0 manylinux wheel)."""
+"""What the perf tools share: locating and running `perf_analyzer` (shipped in the tritonclient==2.51.0 manylinux
+wheel), and the checkpoint a script runs on."""
 
 from __future__ import annotations
 
@@ -33,3 +34,21 @@ def perf_analyzer_env() -> dict:
     if dirs:
         env["LD_LIBRARY_PATH"] = ":".join(dirs + [env.get("LD_LIBRARY_PATH", "")])
     return env
+
+
+def checkpoint_arguments(ap, device: str = "cuda") -> None:
+    """A perf script's --checkpoint, --make-full and --device (default `device`)."""
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--make-full", action="store_true", help="write a full-size random checkpoint there if missing")
+    ap.add_argument("--device", default=device, help="cpu: a smoke run of the script on a tiny checkpoint")
+
+
+def checkpoint_dir(args) -> Path:
+    """args.checkpoint, where with --make-full a full-size random checkpoint (on args.device) is written first if
+    none is there."""
+    ck = Path(args.checkpoint)
+    if args.make_full and not (ck / "config.json").is_file():
+        from .tiny import write_checkpoint
+
+        write_checkpoint(ck, "full", seed=0, device=args.device)
+    return ck
