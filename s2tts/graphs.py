@@ -13,27 +13,31 @@ the service's two replay streams come from `own_stream` too (neither is a captur
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 
 import torch
 
 _lock = threading.Lock()
-_taken: set[tuple[int, int]] = set()  # (device index, stream id) handed out by `own_stream`
+_taken: dict[tuple[int, int], weakref.ref] = {}  # (device index, stream id) -> the Stream object `own_stream` gave
 
 
 def own_stream(device, priority: int = 0) -> torch.cuda.Stream:
-    """A CUDA stream on `device` (of `priority`: lower runs first) that no earlier call here returned (PyTorch's pool
-    hands out its streams in turn, the same one again after a round): for a capture, or for replays that must not
-    run on another owner's capture stream. Raises RuntimeError once the pool has none left to give."""
+    """A CUDA stream on `device` (of `priority`: lower runs first) that no other owner holds (PyTorch's pool hands
+    out its streams in turn, the same one again after a round): for a capture, or for replays that must not run on
+    another owner's capture stream. The owner keeps the returned object as long as it uses the stream (its graphs
+    live): once that object is gone, the stream may go to another owner. Raises RuntimeError when every stream of
+    the pool is held."""
     with _lock:
         for _ in range(256):  # a round of the pool is 32 streams
             s = torch.cuda.Stream(device, priority=priority)
             key = (s.device_index, s.stream_id)
-            if key not in _taken:
-                _taken.add(key)
+            held = _taken.get(key)
+            if held is None or held() is None:
+                _taken[key] = weakref.ref(s)
                 return s
-    raise RuntimeError("no CUDA stream left for another owner of CUDA graphs: every stream of PyTorch's pool is one "
-                       "owner's capture stream already (create fewer engines or codec pools in this process)")
+    raise RuntimeError("no CUDA stream left for another owner of CUDA graphs: every stream of PyTorch's pool is held "
+                       "by a live engine or codec pool of this process (create fewer of them at once)")
 
 
 def capture(fn: Callable[[], object], stream: torch.cuda.Stream, pool, warm: Callable[[], object] | None = None):

@@ -503,20 +503,25 @@ class _PoolStream:
 
 def test_graph_owners_get_streams_no_other_owner_has(monkeypatch):
     """The engine's and the codec's graphs are captured, and the service's steps and codec calls replayed, each on a
-    stream no other of them has (a graph keeps the cuBLAS workspace of its capture stream; two graphs of one stream
-    replayed at once race in it), however many streams other code draws from the pool between them."""
+    stream no other of them holds (a graph keeps the cuBLAS workspace of its capture stream; two graphs of one stream
+    replayed at once race in it), however many streams other code draws from the pool between them; a stream whose
+    owner is gone goes to the next one."""
+    import gc
+
     from s2tts import graphs
 
-    monkeypatch.setattr(graphs, "_taken", set())
+    monkeypatch.setattr(graphs, "_taken", {})
     monkeypatch.setattr(graphs.torch.cuda, "Stream", _PoolStream)
-    got = []
+    held = []  # the owners keep their streams
     for k in range(40):
-        got.append(graphs.own_stream("cuda", priority=-1 if k % 5 == 0 else 0).stream_id)
+        held.append(graphs.own_stream("cuda", priority=-1 if k % 5 == 0 else 0))
         for _ in range(k):  # other code's streams from the same pool
             _PoolStream()
-        if len(got) == 32 + 8:
-            break
-    assert len(got) == len(set(got)) == 40, got  # 32 of priority 0 and 8 of -1: all distinct
+    ids = [s.stream_id for s in held]
+    assert len(ids) == len(set(ids)) == 40, ids  # 32 of priority 0 and 8 of -1: all distinct
     with pytest.raises(RuntimeError, match="no CUDA stream left"):
-        graphs.own_stream("cuda")  # the 33rd of priority 0: the pool has none left that no owner holds
+        graphs.own_stream("cuda")  # a 33rd of priority 0: every one is held
     assert graphs.own_stream("cuda", priority=-1).stream_id[0] == -1
+    gone = held.pop(3).stream_id  # an owner gone (an engine let go): its stream is free again
+    gc.collect()
+    assert graphs.own_stream("cuda").stream_id == gone

@@ -438,7 +438,7 @@ class ModelRunner:
         may replay beside these and must not share their cuBLAS workspace)."""
         pool = torch.cuda.graph_pool_handle()
         dev = self.device
-        stream = own_stream(dev)
+        stream = self._capture_stream = own_stream(dev)  # held while the graphs live
 
         def capture(fn):
             with torch.inference_mode():
