@@ -82,16 +82,21 @@ def exit_without_teardown() -> None:
 
 def setup_logging(name: str) -> logging.Logger:
     """Log lines from a model process go to stderr with the model's name, which Triton passes through. A model
-    process that crashes (a fatal signal) prints every thread's Python stack there first (faulthandler). With
-    `S2TTS_PROFILE_DIR` set, the process also samples its threads' stacks there (`sampler.StackSampler`).
-    Once Triton has finalized the model, its process exits without the interpreter's teardown (`exit_without_teardown`)."""
+    process that crashes (a fatal signal) prints every thread's Python stack there first (faulthandler), and one
+    sent SIGUSR1 prints them and goes on (where a model seems stuck: `kill -USR1 <its triton_python_backend_stub>`;
+    unless the process already handles that signal). With `S2TTS_PROFILE_DIR` set, the process also samples its
+    threads' stacks there (`sampler.StackSampler`). Once Triton has finalized the model, its process exits without
+    the interpreter's teardown (`exit_without_teardown`)."""
     import faulthandler
+    import signal
 
     from .sampler import start_from_env
 
     exit_without_teardown()
     if not faulthandler.is_enabled():
         faulthandler.enable(file=sys.stderr, all_threads=True)
+    if hasattr(signal, "SIGUSR1") and signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:  # (SIG_DFL: it would end)
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     log = logging.getLogger("s2tts")
     if not log.handlers:
         h = logging.StreamHandler(sys.stderr)

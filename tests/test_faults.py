@@ -114,6 +114,23 @@ def test_model_process_killed_mid_stream(fault_server, victim):
     wait_released(s)
 
 
+def test_a_model_prints_its_stacks_on_sigusr1_and_serves_on(fault_server):
+    """`kill -USR1` on a model's process (what an operator does where a model seems stuck): every thread's Python
+    stack goes to the server's log (slow_ar's engine thread among them) and the model keeps serving."""
+    s = fault_server
+    before = len(s.log_path.read_text(errors="replace"))
+    os.kill(stub_pid(s, "slow_ar"), signal.SIGUSR1)
+    deadline, dump = time.time() + 20, ""
+    while time.time() < deadline and "s2tts/engine/service.py" not in dump:
+        time.sleep(0.2)
+        dump = s.log_path.read_text(errors="replace")[before:]
+    assert "most recent call first" in dump and "s2tts/engine/service.py" in dump, dump[-3000:]
+    with S2ProClient(s.grpc_url) as c:
+        res = c.synthesize(TTSInput(text="Still here.", seed=4, max_new_tokens=6))
+    assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * 2048
+    assert stub_pid(s, "slow_ar") and "slow_ar reloaded" not in s.log_path.read_text(errors="replace")[before:]
+
+
 def test_duplicate_request_ids(triton_server):
     """Two slow_ar streams with one id: the second is refused (already_exists), the first is read to its end
     untouched (slow_ar is request-response: a generation request answers the first chunk, `control=next` each
