@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from loadgen import GpuMonitor, _stall  # noqa: E402 - the same rule as the Triton load generator
-from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir  # noqa: E402
+from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir, served_model_and_codec  # noqa: E402
 
 
 class _Client:
@@ -237,18 +237,12 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir, load_model
-    from s2tts.codec.stream import tune_for_device
+    from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds
     from s2tts.config import S2Config
     from s2tts.frontend.prompt import PromptBuilder
 
     ck = checkpoint_dir(args)
-    cuda = args.device.startswith("cuda")
-    model = load_model(ck, args.device, "bf16" if cuda else "fp32")
-    codec = load_codec_from_dir(ck, args.device, "fp16" if cuda else "fp32")
-    fallback = load_codec_from_dir(ck, args.device, "fp32") if cuda else None
-    if not args.torch_codec:
-        tune_for_device(args.device, codec, fallback)  # as the servers run it
+    model, codec, fallback = served_model_and_codec(ck, args.device, tune=not args.torch_codec)
     s2 = S2Config.from_dir(ck)
     pb = PromptBuilder.from_dir(ck, s2)
     prompts = [pb.build(f"Stream number {i} says a sentence of ordinary length for the benchmark.") for i in range(16)]

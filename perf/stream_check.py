@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
+from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir, served_model_and_codec  # noqa: E402
+
 
 class _Collect:
     def __init__(self):
@@ -83,8 +85,7 @@ def serve(model, ckpt, codec, fallback, prompts, args, on: bool) -> list[tuple[n
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--device", default="cuda")
+    checkpoint_arguments(ap)
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--frames", type=int, default=80)
     ap.add_argument("--atol", type=float, default=2e-3)
@@ -93,17 +94,11 @@ def main() -> int:
     ap.add_argument("--wait-s", type=float, default=120.0, help="for each request (then the threads' stacks are printed)")
     args = ap.parse_args()
 
-    from s2tts.checkpoint import load_codec_from_dir, load_model
-    from s2tts.codec.stream import tune_for_device
     from s2tts.config import S2Config
     from s2tts.frontend.prompt import PromptBuilder
 
-    ck = Path(args.checkpoint)
-    cuda = args.device.startswith("cuda")
-    model = load_model(ck, args.device, "bf16" if cuda else "fp32")
-    codec = load_codec_from_dir(ck, args.device, "fp16" if cuda else "fp32")
-    fallback = load_codec_from_dir(ck, args.device, "fp32") if cuda else None
-    tune_for_device(args.device, codec, fallback)
+    ck = checkpoint_dir(args)
+    model, codec, fallback = served_model_and_codec(ck, args.device)
     pb = PromptBuilder.from_dir(ck, S2Config.from_dir(ck))
     prompts = [pb.build(f"Request {i} checks the codec's own stream.") for i in range(4)]
     side = serve(model, ck, codec, fallback, prompts, args, True)

@@ -43,6 +43,22 @@ def checkpoint_arguments(ap, device: str = "cuda") -> None:
     ap.add_argument("--device", default=device, help="cpu: a smoke run of the script on a tiny checkpoint")
 
 
+def served_model_and_codec(ck: Path, device: str, tune: bool = True):
+    """The AR model and the codec as slow_ar runs them, for a script's loop -> (model, codec, fallback): on a GPU
+    bf16 weights and an fp16 codec with its fp32 redo, on a CPU fp32 and no redo; `tune`: the codec's kernels tiled
+    for the device (`codec.stream.tune_for_device`, as the servers do)."""
+    from .checkpoint import load_codec_from_dir, load_model
+    from .codec.stream import tune_for_device
+
+    cuda = device.startswith("cuda")
+    model = load_model(ck, device, "bf16" if cuda else "fp32")
+    codec = load_codec_from_dir(ck, device, "fp16" if cuda else "fp32")
+    fallback = load_codec_from_dir(ck, device, "fp32") if cuda else None
+    if tune:
+        tune_for_device(device, codec, fallback)
+    return model, codec, fallback
+
+
 def checkpoint_dir(args) -> Path:
     """args.checkpoint, where with --make-full a full-size random checkpoint (on args.device) is written first if
     none is there."""

@@ -13,11 +13,10 @@ decodes is a stream's frames, not its chunks: a chunk leaves once all of its fra
 - Light load (and `codec_batch_steps=1`): after each step, the frames of the chunks that step completed, all
   streams in one call.
 - Under load (a pace of at least `chunking.LOAD_PACE`, or `chunking.LOAD_SLOTS` of the slots held) with
-  `codec_batch_steps=K` > 1: every K steps the frames
-  every stream made since, in slices of K (a stream's last frames padded to a prepared length), so that one call
-  of one length (one CUDA graph) decodes all streams; between those steps nothing. A call's cost on a GPU is mostly
-  per length it decodes, not per frame (perf/RESULTS.md). A stream's chunks that become ready together leave as
-  one response.
+  `codec_batch_steps=K` > 1: every K steps the frames every stream made since, in slices of K (a stream's last
+  frames padded to a prepared length), so that one call of one length (one CUDA graph) decodes all streams; between
+  those steps nothing. A call's cost on a GPU is mostly per length it decodes, not per frame (perf/RESULTS.md). A
+  stream's chunks that become ready together leave as one response.
 
 Requests are tracked by `lifecycle.RequestTable` under internal ids (the engine sees
 only those); the caller's id serves for cancellation, status and log lines. Every
