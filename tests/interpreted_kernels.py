@@ -362,7 +362,7 @@ def check_invariant(ckpt):
     assert not joined, joined
     for i in range(2):
         np.testing.assert_array_equal(together[i], run([i])[i])
-    together    # the fast AR's attention in one tiling at any row count, never the joined kernel (its warps follow the rows)
+    # the fast AR's attention in one tiling at any row count, never the joined kernel (its warps follow the rows)
     fa = model.fast.layers[0].attention
     assert fa.rows_invariant and fa._tiling(64) == fa._tiling(1) == {"block_n": 16}, fa._tiling(64)
     Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True)
