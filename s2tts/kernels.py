@@ -552,21 +552,31 @@ CONV_NWC_BY_SHAPE = True  # on a GPU, each call's tiling from its shape (`conv_n
 
 def conv_nwc_tiling(rows: int, c_in: int, c_out: int, taps: int, sms: int) -> dict:
     """Overrides of CONV_NWC_CONFIG for a convolution of `rows` output rows (batch rows x steps) on `sms`
-    multiprocessors, from a sweep of the decoder's calls at 1 and 64 streams x 8 frames on an H200 (perf/RESULTS.md,
-    twenty-fifth session: the GPU time of a chunk's convolutions 13.5 -> 12.0 ms at 64 streams, 0.78 -> 0.54 at 1):
-    tiles of 128 rows x 128 output channels where they make a wave of programs, else 64 x 64, else 32 x 32; with
-    128-tiles, 64 input channels a step where they divide (384 and more), and output tiles that divide 192 or 96."""
+    multiprocessors, from sweeps of the decoder's calls at 1 and 64 streams x 8 frames on H200s (perf/RESULTS.md,
+    twenty-fifth session; 64 streams again in the thirtieth): tiles of 64 x 64 or 32 x 32 where 128 x 128 tiles
+    would not make a wave of programs. Else: convolutions of several taps into 256 output channels, or 192, in
+    128 x 256 tiles of eight warps taking 64 input channels a step (their input read once for 256 outputs: 128 x 128
+    tiles cost 8-20% more); one-tap ones from 384 channels in 64 x 128 tiles; the rest 128 x 128 (64 input channels
+    a step from 384), narrower where 192 or 96 output channels would leave a 128-wide tile a third or a quarter
+    empty."""
     def programs(t):
         return -(-rows // t) * -(-c_out // t)
 
     if programs(128) < sms:
         return {"block_t": 64, "block_co": 64} if programs(64) >= sms else {"block_t": 32, "block_co": 32}
+    wide = c_in % 64 == 0 and (c_out % 256 == 0 or (taps > 2 and c_out % 256 == 192))
+    if taps > 1 and wide:
+        return {"block_co": 256, "block_ci": 64, "num_warps": 8}
+    if taps == 1 and c_in >= 384 and c_in % 64 == 0:
+        return {"block_t": 64, "block_ci": 64}
     if c_in >= 384 and c_in % 64 == 0:
         return {"block_ci": 64}
     if c_out % 128 == 64:
+        if taps == 1 and c_in % 64 == 0:
+            return {"block_co": 64, "block_ci": 64, "num_stages": 4}
         return {"block_t": 64, "block_co": 64} if taps <= 2 else {"block_co": 64}
     if c_out % 64 == 32 and taps == 1:
-        return {"block_t": 32, "block_co": 32}
+        return {"block_co": 32}
     return {}
 
 
@@ -627,15 +637,80 @@ if triton is not None:
             tl.store(O + out, acc.to(O.dtype.element_ty), mask=mask)
         if SNAKE:
             a = tl.load(Alpha + ch, mask=comask, other=1.0).to(tl.float32)[None, :]
-            if not FAST_SIN:
-                s = tl.sin(a * acc)
-            else:  # the precise sine here, in a kernel of few resident warps, cost more than the product (H200)
-                z = a * acc
-                z = z - 6.283185307179586 * tl.floor(z * 0.15915494309189535 + 0.5)  # to [-pi, pi]
-                s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
-                                              pack=1)
-            acc = acc + s * s * (1.0 / (a + 1e-9))
+            acc = _snake_f32(acc, a, FAST_SIN)
             tl.store(S + (b * stride_sb + t * C_out)[:, None] + co[None, :], acc.to(S.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _snake_f32(x, a, FAST_SIN: tl.constexpr):
+        """Snake of float32 x with alpha a: x + sin(a x)^2 / (a + 1e-9); FAST_SIN: the GPU's approximate sine after
+        reduction to [-pi, pi] (the precise one, in kernels of few resident warps, cost more than their products on
+        an H200)."""
+        if not FAST_SIN:
+            s = tl.sin(a * x)
+        else:
+            z = a * x
+            z = z - 6.283185307179586 * tl.floor(z * 0.15915494309189535 + 0.5)
+            s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
+                                          pack=1)
+        return x + s * s * (1.0 / (a + 1e-9))
+
+    @triton.jit(do_not_specialize=["M", "T_in", "T_out"])
+    def _res_unit_nwc_kernel(H, W7, B7, A2, W1, B1, Res, A3, O, S, M, T_in, T_out, C, C_pad, stride_sb,
+                             KS: tl.constexpr, DIL: tl.constexpr, CP: tl.constexpr, BLOCK_T: tl.constexpr,
+                             BLOCK_CI: tl.constexpr, MASK_CI: tl.constexpr, BLOCK_N: tl.constexpr, RAW: tl.constexpr,
+                             IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
+        """Program (tile of BLOCK_T output rows of the B x T_out (batch row, step) pairs), every channel (C of them,
+        CP = C rounded up to a power of two): a residual unit of the decoder in one pass, h [B, T_in, C] the Snake of
+        its input after the k7 convolution's left context, w7 [KS x C, C] and w1 [C, C] (`conv_weight_nwc`):
+        u = snake_a2(conv7(h) + b7) stays on chip (float32 sums, rounded to h's dtype as the unfused path stores it),
+        then y = res + conv1(u) + b1 in float32, BLOCK_N output channels at a time: to o (RAW) and its Snake of a3 to
+        S at b stride_sb + t C + co. The padding channels (C..CP) hold zeros throughout. The first product steps
+        through each tap's C_pad channels (C rounded up to BLOCK_CI, the rest masked when MASK_CI)."""
+        pid = tl.program_id(0)
+        m = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+        mmask = m < M
+        b = m // T_out
+        t = m - b * T_out
+        rows = (b * T_in + t) * C
+        cc = tl.arange(0, CP)
+        cmask = cc < C
+        r = tl.arange(0, BLOCK_CI)
+        acc = tl.zeros((BLOCK_T, CP), dtype=tl.float32)
+        for r0 in tl.range(0, KS * C_pad, BLOCK_CI):
+            k = r0 // C_pad
+            ci = r0 - k * C_pad + r
+            xp = H + (rows + k * DIL * C)[:, None] + ci[None, :]
+            wp = W7 + (k * C + ci)[:, None] * C + cc[None, :]
+            if MASK_CI:
+                x = tl.load(xp, mask=mmask[:, None] & (ci < C)[None, :], other=0.0)
+                w = tl.load(wp, mask=(ci < C)[:, None] & cmask[None, :], other=0.0)
+            else:
+                x = tl.load(xp, mask=mmask[:, None], other=0.0)
+                w = tl.load(wp, mask=cmask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(x, w, input_precision="ieee")
+            else:
+                acc += tl.dot(x, w)
+        acc += tl.load(B7 + cc, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        a2 = tl.load(A2 + cc, mask=cmask, other=1.0).to(tl.float32)[None, :]
+        u = _snake_f32(acc, a2, FAST_SIN).to(H.dtype.element_ty)
+        for n0 in tl.static_range(0, CP, BLOCK_N):
+            co = n0 + tl.arange(0, BLOCK_N)
+            comask = co < C
+            w1 = tl.load(W1 + cc[:, None] * C + co[None, :], mask=cmask[:, None] & comask[None, :], other=0.0)
+            if IEEE:
+                y = tl.dot(u, w1, input_precision="ieee")
+            else:
+                y = tl.dot(u, w1)
+            mask = mmask[:, None] & comask[None, :]
+            out = m[:, None] * C + co[None, :]
+            y += tl.load(B1 + co, mask=comask, other=0.0).to(tl.float32)[None, :]
+            y += tl.load(Res + out, mask=mask, other=0.0).to(tl.float32)
+            if RAW:
+                tl.store(O + out, y.to(O.dtype.element_ty), mask=mask)
+            a3 = tl.load(A3 + co, mask=comask, other=1.0).to(tl.float32)[None, :]
+            y = _snake_f32(y, a3, FAST_SIN)
+            tl.store(S + (b * stride_sb + t * C)[:, None] + co[None, :], y.to(S.dtype.element_ty), mask=mask)
 
 
 def conv_weight_nwc(weight: torch.Tensor) -> torch.Tensor:
@@ -711,6 +786,60 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
                              SNAKE=alpha is not None, IEEE=x.dtype == torch.float32,
                              FAST_SIN=x.dtype != torch.float32 and _ptx(x),
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+RES_UNIT_MAX_CHANNELS = 192  # residual units of at most this many channels run as one kernel (`res_unit_nwc`)
+RES_UNIT_CONFIG = {"block_t": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
+RES_UNIT_BY_SHAPE = True  # on a GPU, `res_unit_tiling`'s overrides of RES_UNIT_CONFIG
+
+
+def res_unit_tiling(rows: int, channels: int, sms: int) -> dict:
+    """Overrides of RES_UNIT_CONFIG for a residual unit of `rows` output rows on `sms` multiprocessors, from a sweep
+    at 8 and 64 streams x 8 frames on an H200 (perf/RESULTS.md, thirtieth session): four warps for up to 128
+    channels (eight for 192: its 128 x 256 sums), 64-row tiles where 128-row ones would not make a wave."""
+    cfg = {} if channels > 128 else {"num_warps": 4}
+    if -(-rows // 128) < sms:
+        cfg["block_t"] = 64
+    return cfg
+
+
+def res_unit_nwc(h: torch.Tensor, w7: torch.Tensor, dilation: int, b7: torch.Tensor, a2: torch.Tensor,
+                 w1: torch.Tensor, b1: torch.Tensor, residual: torch.Tensor, a3: torch.Tensor, snake_out: torch.Tensor,
+                 raw: bool = False) -> torch.Tensor | None:
+    """One residual unit of the channels-last decoder in one kernel: y = residual + conv1(snake_a2(conv7(h) + b7)) + b1
+    with h [B, T_in, C] (the Snake of the unit's input after the dilated convolution's left context), w7 and w1 in
+    `conv_weight_nwc`'s form ([KS x C, C], [C, C]), residual [B, T_out, C]; snake_a3(y) written into `snake_out` (as
+    `conv1d_nwc`'s), y returned if `raw` (else None). The same sums and roundings as `conv1d_nwc` twice (the inner
+    activation rounded to h's dtype), without its round trip through memory."""
+    if triton is None:
+        raise RuntimeError("res_unit_nwc needs the `triton` package")
+    B, T_in, C = h.shape
+    KC = w7.shape[0]
+    if KC % C or w7.shape[1] != C or tuple(w1.shape) != (C, C):
+        raise ValueError(f"res_unit_nwc: weights {tuple(w7.shape)} and {tuple(w1.shape)} do not fit {C} channels")
+    taps = KC // C
+    T_out = T_in - (taps - 1) * dilation
+    if T_out < 1 or tuple(residual.shape) != (B, T_out, C):
+        raise ValueError(f"res_unit_nwc: residual {tuple(residual.shape)} against {B} x {T_out} x {C}")
+    if snake_out.shape[0] != B or snake_out[0].numel() != T_out * C or not snake_out[0].is_contiguous():
+        raise ValueError(f"res_unit_nwc: snake_out {tuple(snake_out.shape)} does not hold {B} batch rows of {T_out} x "
+                         f"{C} contiguous values")
+    M = B * T_out
+    cfg = RES_UNIT_CONFIG
+    if RES_UNIT_BY_SHAPE and h.is_cuda:
+        cfg = {**cfg, **res_unit_tiling(M, C, _sms(h.device))}
+    cp = max(16, triton.next_power_of_2(C))
+    block_ci = 64 if C % 64 == 0 else 32 if C % 32 == 0 else 16
+    h, res = h.contiguous(), residual.contiguous()
+    out = torch.empty(B, T_out, C, dtype=h.dtype, device=h.device) if raw else None
+    block_t = min(cfg["block_t"], max(16, triton.next_power_of_2(M)))
+    _res_unit_nwc_kernel[(triton.cdiv(M, block_t),)](
+        h, w7, b7, a2.reshape(-1), w1, b1, res, a3.reshape(-1), h if out is None else out, snake_out, M, T_in, T_out,
+        C, triton.cdiv(C, block_ci) * block_ci, snake_out.stride(0), KS=taps, DIL=dilation, CP=cp, BLOCK_T=block_t,
+        BLOCK_CI=block_ci, MASK_CI=C % block_ci != 0, BLOCK_N=min(cfg["block_n"], cp), RAW=raw,
+        IEEE=h.dtype == torch.float32, FAST_SIN=h.dtype != torch.float32 and _ptx(h), num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
     return out
 
 

@@ -419,12 +419,15 @@ def check_codec(ckpt):
         assert kernels.conv1d_nwc(xt, wn, dil, alpha=al, snake_out=buf[:, 5:]) is None
     # in each tiling that a GPU's choice by shape (`conv_nwc_tiling`) makes for the decoder's convolutions at 1, 8
     # and 64 streams on 132 multiprocessors (an H100's, an H200's)
-    shapes = ((32, 1024, 1536, 7), (256, 768, 768, 1), (2048, 384, 384, 7), (8192, 192, 192, 7), (8192, 192, 192, 2),
+    shapes = ((32, 1024, 1536, 7), (32, 1536, 6144, 2), (256, 768, 768, 7), (256, 768, 768, 1), (2048, 384, 384, 7),
+              (2048, 384, 384, 1), (2048, 384, 768, 2), (8192, 192, 192, 7), (8192, 192, 192, 1), (8192, 192, 192, 2),
               (16384, 96, 96, 1), (16384, 96, 96, 7))
     tilings = {tuple(sorted(kernels.conv_nwc_tiling(b * t, ci, co, k, 132).items()))
                for b in (1, 8, 64) for t, ci, co, k in shapes}
-    xi, w = torch.randn(2, 64, 40), torch.randn(96, 64, 3) / (64 * 3) ** 0.5
-    b, al = torch.randn(96), torch.rand(96) + 0.5
+    assert len(tilings) >= 8, tilings
+    # 320 output channels: a 256-wide tile's second one is partly masked
+    xi, w = torch.randn(2, 64, 40), torch.randn(320, 64, 3) / (64 * 3) ** 0.5
+    b, al = torch.randn(320), torch.rand(320) + 0.5
     summed = F.conv1d(xi, w, b, dilation=2)
     full = snake_ref(summed, al[:, None])
     tiling = dict(kernels.CONV_NWC_CONFIG)
@@ -433,6 +436,30 @@ def check_codec(ckpt):
         got = kernels.conv1d_nwc(xi.transpose(1, 2), kernels.conv_weight_nwc(w), 2, bias=b, alpha=al)
         assert rel(got.transpose(1, 2), full) < 1e-6, t
     kernels.CONV_NWC_CONFIG.update(tiling)
+    # a residual unit in one kernel (`res_unit_nwc`) against its two convolutions: channels in 32s (a partial
+    # power-of-two tile), in 16s, and masked (40); dilation 3; y returned or not
+    unit_tiling = dict(kernels.RES_UNIT_CONFIG)
+    for C, tile in ((96, 64), (48, 16), (40, 64)):
+        kernels.RES_UNIT_CONFIG.update(block_n=tile)
+        h_in = torch.randn(2, 30, C)
+        w7, w1 = torch.randn(C, C, 7) / (7 * C) ** 0.5, torch.randn(C, C, 1) / C ** 0.5
+        b7, b1, a2, a3 = torch.randn(C), torch.randn(C), torch.rand(C) + 0.5, torch.rand(C) + 0.5
+        w7n, w1n = kernels.conv_weight_nwc(w7), kernels.conv_weight_nwc(w1)
+        x = torch.randn(2, 12, C)
+        hh = kernels.conv1d_nwc(h_in, w7n, 3, b7, alpha=a2)
+        ref_s = torch.empty(2, 12, C)
+        ref_y = kernels.conv1d_nwc(hh, w1n, 1, b1, residual=x, alpha=a3, snake_out=ref_s, raw=True)
+        want = x + F.conv1d(snake_ref(F.conv1d(h_in.transpose(1, 2), w7, b7, dilation=3), a2[:, None]), w1,
+                            b1).transpose(1, 2)
+        assert rel(ref_y, want) < 1e-5
+        for raw in (True, False):
+            buf = torch.full((2, 4 + 12, C), 7.0)
+            y = kernels.res_unit_nwc(h_in, w7n, 3, b7, a2, w1n, b1, x, a3, buf[:, 4:], raw=raw)
+            assert (y is None) != raw and torch.equal(buf[:, :4], torch.full_like(buf[:, :4], 7.0))
+            assert rel(buf[:, 4:], ref_s) < 1e-6, (C, raw)
+            if raw:
+                assert rel(y, ref_y) < 1e-6, C
+    kernels.RES_UNIT_CONFIG.update(unit_tiling)
     for c_in, c_out, stride in ((16, 8, 2), (32, 24, 4)):  # a transposed convolution as two taps, bias per channel
         xi, w, b = torch.randn(2, c_in, 9), torch.randn(c_in, c_out, 2 * stride) / (2 * c_in) ** 0.5, torch.randn(c_out)
         ctx = torch.randn(2, c_in, 1)  # the input step before (a stream's left context)
@@ -463,6 +490,8 @@ def check_codec(ckpt):
     # and partial tiles are checked above)
     tiling = dict(kernels.CONV_NWC_CONFIG)
     kernels.CONV_NWC_CONFIG.update(block_t=4096, block_co=128)
+    unit_tiling = dict(kernels.RES_UNIT_CONFIG)
+    kernels.RES_UNIT_CONFIG.update(block_t=4096)
     with torch.inference_mode():
         for mode in ("off", "channels_first", "channels_last"):
             use_triton_kernels(codec, mode != "off", channels_last=mode == "channels_last")
@@ -512,6 +541,7 @@ def check_codec(ckpt):
         assert np.isfinite(audio).all() and audio.shape == whole.shape
         assert np.abs(audio - whole).max() < 0.05 * np.abs(whole).max(), k
     kernels.CONV_NWC_CONFIG.update(tiling)
+    kernels.RES_UNIT_CONFIG.update(unit_tiling)
     print("codec ok")
 
 

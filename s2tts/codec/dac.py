@@ -731,14 +731,20 @@ class Decoder(nn.Module):
             for j, unit in enumerate(units):
                 _, conv1, snake2, conv2 = unit.block
                 done(conv1, h_in)
-                h = kernels.conv1d_nwc(h_in, conv1.nwc_weight, conv1.conv.dilation[0], conv1.conv.bias,
-                                       alpha=snake2.alpha)
                 # x + conv2(h), and the next Snake of it: the next unit's (x kept for its residual), or after the
                 # block's last unit the next block's (or the last convolution's), whose input it is alone
                 nxt_snake, nxt_conv = units[j + 1].block[:2] if j + 1 < len(units) else after
                 nxt_in = buffer(nxt_conv, T, c)
-                x = kernels.conv1d_nwc(h, conv2.nwc_weight, 1, conv2.conv.bias, residual=x, alpha=nxt_snake.alpha,
-                                       snake_out=nxt_in[:, nxt_conv.context :], raw=j + 1 < len(units))
+                last = j + 1 == len(units)
+                if c <= kernels.RES_UNIT_MAX_CHANNELS:  # the unit in one kernel (h stays on chip)
+                    x = kernels.res_unit_nwc(h_in, conv1.nwc_weight, conv1.conv.dilation[0], conv1.conv.bias,
+                                             snake2.alpha, conv2.nwc_weight, conv2.conv.bias, x, nxt_snake.alpha,
+                                             nxt_in[:, nxt_conv.context :], raw=not last)
+                else:
+                    h = kernels.conv1d_nwc(h_in, conv1.nwc_weight, conv1.conv.dilation[0], conv1.conv.bias,
+                                           alpha=snake2.alpha)
+                    x = kernels.conv1d_nwc(h, conv2.nwc_weight, 1, conv2.conv.bias, residual=x, alpha=nxt_snake.alpha,
+                                           snake_out=nxt_in[:, nxt_conv.context :], raw=not last)
                 h_in = nxt_in
             up_in = done(after[1], h_in)
         return torch.tanh(kernels.conv1d_nwc(up_in, conv_out.nwc_weight, 1, conv_out.conv.bias).view(B, 1, T))
