@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--paths", default="own_state,pool_eager,pool_graphs,pool_graphs_kernels,served",
                     help="--served-only: which of dac_decoder's paths to time (`_kernels`: the codec's Triton kernels; "
                          "`_one_tiling`: every convolution in kernels.CONV_NWC_CONFIG's tiling, not by its shape; "
+                         "`_unfused`: each residual unit as its two convolutions, not `kernels.res_unit_nwc`; "
                          "`served`: what the servers open, `codec.stream.open_stream_decoder`)")
     ap.add_argument("--profile", help="--served-only: directory for kernel and operator tables of one fp16 chunk at "
                                       "the largest batch, as PyTorch ops and with the codec's Triton kernels")
@@ -136,13 +137,16 @@ def bench_served(args):
     rows = []
     paths = {"own_state": (0, False, False), "pool_eager": (256, False, False), "pool_graphs": (256, True, False),
              "pool_graphs_kernels": (256, True, True), "pool_graphs_kernels_ncw": (256, True, "ncw"),
-             "pool_graphs_kernels_one_tiling": (256, True, True), "served": None}
+             "pool_graphs_kernels_one_tiling": (256, True, True), "pool_graphs_kernels_unfused": (256, True, True),
+             "served": None}
     max_batch = max(int(b) for b in args.batches.split(","))
+    unit_channels = kernels.RES_UNIT_MAX_CHANNELS
     if args.profile:
         profile_decode(codec, cfg, max_batch, n, Path(args.profile))
     for label in args.paths.split(","):
         t0 = time.perf_counter()
         kernels.CONV_NWC_BY_SHAPE = label != "pool_graphs_kernels_one_tiling"  # CONV_NWC_CONFIG's for every call
+        kernels.RES_UNIT_MAX_CHANNELS = 0 if label == "pool_graphs_kernels_unfused" else unit_channels
         if paths[label] is None:  # what dac_decoder / slow_ar open: the Triton kernels, pool, graphs
             dec, _, made = open_stream_decoder(args.checkpoint, dev, "auto", 256, 600.0, [4, 8, n], max_batch)
             pool = 256

@@ -60,6 +60,14 @@ def describe(args: tuple, kwargs: dict) -> tuple[str, str, str, str]:
     return f"{x.shape[0]} x {t_out}", f"k{taps} d{dilation}", f"{x.shape[-1]} -> {weight.shape[1]}", epi or "-"
 
 
+def call_flops(args: tuple, kwargs: dict) -> float:
+    """Multiply-adds x 2 of a recorded call: rows x taps x channels in x channels out."""
+    x, weight = args[0], args[1]
+    taps = weight.shape[0] // x.shape[-1]
+    dilation = args[2] if len(args) > 2 else kwargs.get("dilation", 1)
+    return 2.0 * x.shape[0] * (x.shape[1] - (taps - 1) * dilation) * weight.shape[0] * weight.shape[1]
+
+
 def main():
     from bench_conv_layout import chunk_parser, random_chunk
 
@@ -108,14 +116,18 @@ def main():
             times.append(row)
     print(f"\n{args.streams} streams x {args.chunk} frames, {next(codec.parameters()).dtype}, {len(calls)} convolutions "
           f"a call; tilings: " + ", ".join(f"[{i}] {c or 'CONV_NWC_CONFIG'}" for i, c in enumerate(configs)) + "\n")
-    print("| rows | taps | channels | epilogue | " + " | ".join(f"[{i}] us" for i in range(len(configs))) + " | fastest |")
-    print("|---|---|---|---|" + "---|" * (len(configs) + 1))
-    for (a, kw), row in zip(calls, times):
+    print("| rows | taps | channels | epilogue | " + " | ".join(f"[{i}] us" for i in range(len(configs)))
+          + " | fastest | GFLOP | TFLOP/s [0] / fastest |")
+    print("|---|---|---|---|" + "---|" * (len(configs) + 3))
+    flops = [call_flops(a, kw) for a, kw in calls]
+    for (a, kw), row, f in zip(calls, times, flops):
         best = min(range(len(configs)), key=row.__getitem__)
-        print("| " + " | ".join(describe(a, kw)) + " | " + " | ".join(f"{t:.0f}" for t in row) + f" | [{best}] |")
+        print("| " + " | ".join(describe(a, kw)) + " | " + " | ".join(f"{t:.0f}" for t in row) + f" | [{best}] | "
+              f"{f / 1e9:.1f} | {f / row[0] / 1e6:.0f} / {f / row[best] / 1e6:.0f} |")
     sums = [sum(r[i] for r in times) for i in range(len(configs))]
     print("\nsums, ms: " + ", ".join(f"[{i}] {s / 1e3:.2f}" for i, s in enumerate(sums))
-          + f"; each call's fastest {sum(min(r) for r in times) / 1e3:.2f}")
+          + f"; each call's fastest {sum(min(r) for r in times) / 1e3:.2f}; {sum(flops) / 1e12:.2f} TFLOP a call, "
+          f"{sum(flops) / sums[0] / 1e6:.0f} TFLOP/s in [0]")
 
 
 if __name__ == "__main__":
