@@ -256,6 +256,7 @@ class Record:
     chunk_frames: list = field(default_factory=list)  # each chunk's length in frames, in order (gRPC)
     max_gap_s: float | None = None  # largest gap between chunk arrivals
     server: dict = field(default_factory=dict)  # the model's final stats (gRPC only)
+    pid: int = 0  # the client process that ran it (`--procs`)
 
     @property
     def rtf(self) -> float | None:
@@ -405,6 +406,7 @@ class HttpWorker:
 
 
 def _finish(rec: Record, arrivals, durations, o) -> None:
+    rec.pid = os.getpid()
     if rec.sample_rate:
         rec.audio_s = rec.samples / rec.sample_rate
     rec.frames = int(rec.server.get("frames", round(rec.samples / HOP))) if rec.ok else 0
@@ -469,6 +471,79 @@ def cleanup_references(o: "Options", refs: dict) -> None:
 # ---------------------------------------------------------------------------------------------- the sweep
 
 
+def make_worker(o: "Options", refs: dict):
+    """A worker for `o`'s target: HTTP to the gateway, else gRPC to Triton."""
+    if o.target:
+        return HttpWorker(o.target, o, refs)
+    return GrpcWorker(o.url, o.model, o, refs)
+
+
+def run_workers(workers: list, warm_jobs: list[Job], barrier, start, clock, next_job, o: "Options"):
+    """Each worker in a thread of its own: its warm-up job (if any), then `barrier` (the level's start), then jobs
+    from `next_job()` (None: none left) until the deadline. `start()` runs in the calling thread once the threads
+    are started (it passes the barrier itself, or returns at once when another process does); `clock()` -> (t0,
+    deadline), read after the barrier. -> (records, warm-up errors)."""
+    records: list[Record] = []
+    warm_errors: list[str] = []
+    lock = threading.Lock()
+
+    def loop(k: int):
+        w = workers[k]
+        if warm_jobs:
+            r = w.run(warm_jobs[k], time.perf_counter())
+            if not r.ok:
+                with lock:
+                    warm_errors.append(r.error or "?")
+        try:
+            barrier.wait(timeout=o.timeout + 60)
+        except threading.BrokenBarrierError:
+            return
+        t0, deadline = clock()
+        while time.perf_counter() < deadline:
+            job = next_job()
+            if job is None:
+                return
+            r = w.run(job, t0)
+            with lock:
+                records.append(r)
+
+    threads = [threading.Thread(target=loop, args=(k,), daemon=True, name=f"w{k}") for k in range(len(workers))]
+    for t in threads:
+        t.start()
+    start()
+    before_start = time.perf_counter() + o.timeout + 180  # a start that never comes (a worker stuck in warm-up)
+    for t in threads:
+        while t.is_alive():
+            t.join(timeout=1.0)
+            deadline = clock()[1]  # 0 until the level starts
+            if time.perf_counter() > (deadline + o.timeout + 30 if deadline else before_start):
+                break
+    for w in workers:
+        w.close()
+    return records, warm_errors
+
+
+def _level_process(o: "Options", refs: dict, count: int, warm_jobs: list[Job], jobs, barrier, clock_values,
+                   out) -> None:
+    """A process's share of a level's workers (`--procs`): `count` workers, their warm-up jobs (or none), then jobs
+    from the shared queue; its records and warm-up errors into `out`. The parent passes the barrier when every
+    worker waits at it, after writing the level's start and deadline (time.perf_counter: CLOCK_MONOTONIC, one
+    clock for every process)."""
+    def next_job():
+        try:
+            return jobs.get(timeout=1.0)
+        except queue.Empty:
+            return None
+
+    try:
+        workers = [make_worker(o, refs) for _ in range(count)]
+        records, warm_errors = run_workers(workers, warm_jobs, barrier, lambda: None,
+                                           lambda: (clock_values[0], clock_values[1]), next_job, o)
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which counts the level's requests
+        records, warm_errors = [], [f"worker process: {type(e).__name__}: {e}"[:300]]
+    out.put((records, warm_errors))
+
+
 @dataclass
 class Options:
     url: str = "127.0.0.1:8001"
@@ -501,6 +576,7 @@ class Options:
     reuse_stream: bool = False
     seed: int = 0
     gpu_poll_s: float = 0.2
+    procs: int = 1  # processes a level's workers are split over (each its own GIL): 1 = this process's threads
 
 
 class Sweep:
@@ -524,20 +600,26 @@ class Sweep:
         return Job(i, prompt_text(i), o.seed + i, frames or o.frames, kind, warmup)
 
     def worker(self):
-        if self.o.target:
-            return HttpWorker(self.o.target, self.o, self.refs)
-        return GrpcWorker(self.o.url, self.o.model, self.o, self.refs)
+        return make_worker(self.o, self.refs)
 
     def level(self, c: int, gpu: GpuMonitor) -> dict:
         o = self.o
         n = o.level_requests.get(c) or o.requests_per_level or max(2 * c, 8)
-        jobs: queue.Queue = queue.Queue()
-        for _ in range(n):
-            jobs.put(self.job())
-        workers = [self.worker() for _ in range(c)]
-        records: list[Record] = []
-        warm_errors: list[str] = []
-        lock = threading.Lock()
+        jobs = [self.job() for _ in range(n)]
+        warm_jobs = [self.job(frames=o.warmup_frames, warmup=True) for _ in range(c)] if o.level_warmup else []
+        procs = max(1, min(o.procs, c))
+        if procs > 1:
+            records, warm_errors, wall = self._level_processes(c, procs, jobs, warm_jobs, gpu)
+        else:
+            records, warm_errors, wall = self._level_threads(c, jobs, warm_jobs, gpu)
+        gstats = gpu.read()
+        return summarize(c, n, sorted(records, key=lambda r: r.idx), wall, gstats, warm_errors, o)
+
+    def _level_threads(self, c: int, jobs: list[Job], warm_jobs: list[Job], gpu: GpuMonitor):
+        o = self.o
+        pending: queue.Queue = queue.Queue()
+        for j in jobs:
+            pending.put(j)
         state = {"t0": 0.0, "deadline": 0.0}
 
         def start_clock():  # runs once, before any worker passes the barrier
@@ -546,42 +628,72 @@ class Sweep:
             state["deadline"] = state["t0"] + o.level_timeout
 
         barrier = threading.Barrier(c + 1, action=start_clock)
-        warm_jobs = [self.job(frames=o.warmup_frames, warmup=True) for _ in range(c)] if o.level_warmup else []
 
-        def loop(k: int):
-            w = workers[k]
-            if warm_jobs:
-                r = w.run(warm_jobs[k], time.perf_counter())
-                if not r.ok:
-                    with lock:
-                        warm_errors.append(r.error or "?")
+        def start():
             try:
-                barrier.wait(timeout=o.timeout + 60)
+                barrier.wait(timeout=o.timeout + 120)
             except threading.BrokenBarrierError:
-                return
-            while time.perf_counter() < state["deadline"]:
-                try:
-                    job = jobs.get_nowait()
-                except queue.Empty:
-                    return
-                r = w.run(job, state["t0"])
-                with lock:
-                    records.append(r)
+                start_clock()
 
-        threads = [threading.Thread(target=loop, args=(k,), daemon=True, name=f"w{k}") for k in range(c)]
-        for t in threads:
-            t.start()
+        def next_job():
+            try:
+                return pending.get_nowait()
+            except queue.Empty:
+                return None
+
+        records, warm_errors = run_workers([self.worker() for _ in range(c)], warm_jobs, barrier, start,
+                                           lambda: (state["t0"], state["deadline"]), next_job, o)
+        return records, warm_errors, time.perf_counter() - state["t0"]
+
+    def _level_processes(self, c: int, procs: int, jobs: list[Job], warm_jobs: list[Job], gpu: GpuMonitor):
+        """The level's c workers split over `procs` spawned processes (threads in each), sharing one job queue and
+        one start; the parent keeps the clock and the GPU monitor."""
+        import multiprocessing as mp
+
+        o = self.o
+        ctx = mp.get_context("spawn")  # no fork: the parent holds gRPC channels and threads
+        pending, out = ctx.Queue(), ctx.Queue()
+        for j in jobs:
+            pending.put(j)
+        barrier = ctx.Barrier(c + 1)
+        clock_values = ctx.Array("d", 2, lock=False)
+        counts = [len(range(k, c, procs)) for k in range(procs)]  # workers of each process
+        shares = [warm_jobs[k::procs] for k in range(procs)]  # their warm-up jobs (none without level warm-up)
+        ps = [ctx.Process(target=_level_process, args=(o, self.refs, counts[k], shares[k], pending, barrier,
+                                                       clock_values, out), daemon=True, name=f"loadgen-{k}")
+              for k in range(procs)]
+        for p in ps:
+            p.start()
+        limit = time.perf_counter() + o.timeout + 120  # every worker warmed up and waiting, or give up
+        while barrier.n_waiting < c and time.perf_counter() < limit and all(p.is_alive() for p in ps):
+            time.sleep(0.01)
+        gpu.reset()
+        t0 = time.perf_counter()
+        clock_values[0], clock_values[1] = t0, t0 + o.level_timeout
         try:
-            barrier.wait(timeout=o.timeout + 120)
+            barrier.wait(timeout=5.0)
         except threading.BrokenBarrierError:
-            start_clock()
-        for t in threads:
-            t.join(timeout=max(1.0, state["deadline"] - time.perf_counter() + o.timeout + 30))
-        wall = time.perf_counter() - state["t0"]
-        gstats = gpu.read()
-        for w in workers:
-            w.close()
-        return summarize(c, n, sorted(records, key=lambda r: r.idx), wall, gstats, warm_errors, o)
+            barrier.abort()
+        records: list[Record] = []
+        warm_errors: list[str] = []
+        wait_until, got = clock_values[1] + o.timeout + 60, 0
+        while got < procs:
+            try:
+                r, w = out.get(timeout=1.0)
+            except queue.Empty:
+                if time.perf_counter() > wait_until or not any(p.is_alive() for p in ps):
+                    warm_errors.append(f"{procs - got} of {procs} worker processes sent no results")
+                    break
+                continue
+            got += 1
+            records += r
+            warm_errors += w
+        wall = time.perf_counter() - t0
+        for p in ps:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        return records, warm_errors, wall
 
     def run(self, on_level=None) -> dict:
         """on_level(result): called after each level (e.g. to save partial results)."""
@@ -817,6 +929,10 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--level-timeout", type=float, default=1800.0, help="no new requests start after this long in a level")
     ap.add_argument("--reuse-stream", action="store_true", help="one gRPC stream per worker instead of one per request")
     ap.add_argument("--seed", type=int, default=0, help="request i uses seed+i")
+    ap.add_argument("--procs", type=int, default=1,
+                    help="split each level's workers over this many processes (each with its own GIL; a level of "
+                         "fewer workers uses one each): at c=128 one Python process is at one core and its own "
+                         "receiving delays what it measures (default %(default)s: threads of this process)")
     ap.add_argument("--json", help="write the full result here")
     ap.add_argument("--markdown", help="also write the table here")
     a = ap.parse_args(argv)
@@ -836,7 +952,9 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
                 clone_mode=a.clone_mode, fresh_references=a.fresh_references, ref_seconds=a.ref_seconds, ref_sample_rate=a.ref_sample_rate,
                 temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, first_chunk_frames=a.first_chunk_frames,
                 chunk_frames=a.chunk_frames, timeout=a.timeout, level_timeout=a.level_timeout, reuse_stream=a.reuse_stream,
-                seed=a.seed)
+                seed=a.seed, procs=a.procs)
+    if a.procs < 1:
+        ap.error("--procs must be at least 1")
     return o, a
 
 

@@ -159,6 +159,30 @@ def test_loadgen_sweep(triton_server, tmp_path):
     assert got["server ready <= 60 s"][1] == "not run" and got["no underrun at every level up to c=64"][1] == "not run"
 
 
+def test_loadgen_worker_processes(triton_server, tmp_path):
+    """--procs: a level's workers split over spawned processes (one job queue, one start, the parent's clock): every
+    request is run once and recorded with its audio, and each record's send time is on the parent's clock (within
+    the level's wall time; a per-process clock would put them anywhere); a level smaller than --procs uses one
+    process per worker."""
+    out = tmp_path / "loadgen.json"
+    _run([sys.executable, "perf/loadgen.py", "--url", triton_server.grpc_url, "--concurrency", "3,1",
+          "--requests-per-level", "5,1:2", "--frames", str(FRAMES), "--warmup", "0", "--warmup-frames", "4",
+          "--procs", "2", "--timeout", "120", "--json", str(out)], timeout=240)
+    r = json.loads(out.read_text())
+    assert r["config"]["procs"] == 2
+    for lv, n in zip(r["levels"], (5, 2)):
+        assert lv["requests"] == n and lv["ok"] == n and lv["not_run"] == 0, lv["error_samples"]
+        assert lv["warmup_errors"] == 0
+        recs = lv["records"]
+        assert sorted(q["idx"] for q in recs) == sorted({q["idx"] for q in recs}) and len(recs) == n  # each once
+        for q in recs:
+            assert q["ok"] and q["frames"] == FRAMES and q["samples"] == FRAMES * HOP
+            assert 0 <= q["t_send"] <= lv["wall_s"] and q["t_send"] + q["total_s"] <= lv["wall_s"] + 0.05
+        assert lv["audio_s_per_s"] == pytest.approx(n * FRAMES * HOP / SR / lv["wall_s"], rel=0.01)
+        # run by two processes (the level of one worker: in the loadgen process itself)
+        assert len({q["pid"] for q in recs}) == min(2, lv["concurrency"]), recs
+
+
 def _perf_analyzer_runs() -> str | None:
     """None if perf_analyzer can start here, else why not."""
     from s2tts.perf_tools import perf_analyzer_env, perf_analyzer_path
