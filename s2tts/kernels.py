@@ -603,12 +603,36 @@ if triton is not None:
         pid_m, pid_co = tl.program_id(0), tl.program_id(1)
         m = (pid_m * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         co = pid_co * BLOCK_CO + tl.arange(0, BLOCK_CO)
-        r = tl.arange(0, BLOCK_CI)
         mmask = m < M
         b = m // T_out
         t = m - b * T_out
         rows = (b * T_in + t) * C_in  # the first tap's input row of each output row
         comask = co < C_out
+        acc = _conv_nwc_sums(X, W, rows, mmask, co, comask, C_in, C_out, C_pad, KS, DIL, BLOCK_T, BLOCK_CO, BLOCK_CI,
+                             MASK_CI, IEEE)
+        ch = co % PERIOD
+        if HAS_BIAS:
+            acc += tl.load(Bias + ch, mask=comask, other=0.0).to(tl.float32)[None, :]
+        mask = mmask[:, None] & comask[None, :]
+        out = m[:, None] * C_out + co[None, :]
+        if HAS_RES:
+            acc += tl.load(Res + out, mask=mask, other=0.0).to(tl.float32)
+        if RAW:
+            tl.store(O + out, acc.to(O.dtype.element_ty), mask=mask)
+        if SNAKE:
+            a = tl.load(Alpha + ch, mask=comask, other=1.0).to(tl.float32)[None, :]
+            acc = _snake_f32(acc, a, FAST_SIN)
+            tl.store(S + (b * stride_sb + t * C_out)[:, None] + co[None, :], acc.to(S.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _conv_nwc_sums(X, W, rows, mmask, co, comask, C_in, C_out, C_pad, KS: tl.constexpr, DIL: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, MASK_CI: tl.constexpr,
+                       IEEE: tl.constexpr):
+        """The implicit GEMM of a channels-last convolution, float32 [BLOCK_T, BLOCK_CO]: sum over taps k and input
+        channels ci of x[row + k DIL C_in + ci] w[(k C_in + ci) C_out + co] (`rows`: each output row's first tap's
+        input offset), stepping through each tap's C_pad channels BLOCK_CI at a time (masked past C_in when
+        MASK_CI; unmasked the loads stay vectorised)."""
+        r = tl.arange(0, BLOCK_CI)
         acc = tl.zeros((BLOCK_T, BLOCK_CO), dtype=tl.float32)
         for r0 in tl.range(0, KS * C_pad, BLOCK_CI):
             k = r0 // C_pad
@@ -626,19 +650,7 @@ if triton is not None:
                 acc += tl.dot(x, w, input_precision="ieee")
             else:
                 acc += tl.dot(x, w)
-        ch = co % PERIOD
-        if HAS_BIAS:
-            acc += tl.load(Bias + ch, mask=comask, other=0.0).to(tl.float32)[None, :]
-        mask = mmask[:, None] & comask[None, :]
-        out = m[:, None] * C_out + co[None, :]
-        if HAS_RES:
-            acc += tl.load(Res + out, mask=mask, other=0.0).to(tl.float32)
-        if RAW:
-            tl.store(O + out, acc.to(O.dtype.element_ty), mask=mask)
-        if SNAKE:
-            a = tl.load(Alpha + ch, mask=comask, other=1.0).to(tl.float32)[None, :]
-            acc = _snake_f32(acc, a, FAST_SIN)
-            tl.store(S + (b * stride_sb + t * C_out)[:, None] + co[None, :], acc.to(S.dtype.element_ty), mask=mask)
+        return acc
 
     @triton.jit
     def _snake_f32(x, a, FAST_SIN: tl.constexpr):
@@ -674,23 +686,7 @@ if triton is not None:
         rows = (b * T_in + t) * C
         cc = tl.arange(0, CP)
         cmask = cc < C
-        r = tl.arange(0, BLOCK_CI)
-        acc = tl.zeros((BLOCK_T, CP), dtype=tl.float32)
-        for r0 in tl.range(0, KS * C_pad, BLOCK_CI):
-            k = r0 // C_pad
-            ci = r0 - k * C_pad + r
-            xp = H + (rows + k * DIL * C)[:, None] + ci[None, :]
-            wp = W7 + (k * C + ci)[:, None] * C + cc[None, :]
-            if MASK_CI:
-                x = tl.load(xp, mask=mmask[:, None] & (ci < C)[None, :], other=0.0)
-                w = tl.load(wp, mask=(ci < C)[:, None] & cmask[None, :], other=0.0)
-            else:
-                x = tl.load(xp, mask=mmask[:, None], other=0.0)
-                w = tl.load(wp, mask=cmask[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w)
+        acc = _conv_nwc_sums(H, W7, rows, mmask, cc, cmask, C, C, C_pad, KS, DIL, BLOCK_T, CP, BLOCK_CI, MASK_CI, IEEE)
         acc += tl.load(B7 + cc, mask=cmask, other=0.0).to(tl.float32)[None, :]
         a2 = tl.load(A2 + cc, mask=cmask, other=1.0).to(tl.float32)[None, :]
         u = _snake_f32(acc, a2, FAST_SIN).to(H.dtype.element_ty)
