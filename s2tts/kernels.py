@@ -550,7 +550,7 @@ CONV_NWC_CONFIG = {"block_t": 128, "block_co": 128, "block_ci": 32, "num_warps":
 CONV_NWC_BY_SHAPE = True  # on a GPU, each call's tiling from its shape (`conv_nwc_tiling`); False: CONV_NWC_CONFIG's
 
 
-def conv_nwc_tiling(rows: int, c_in: int, c_out: int, taps: int, sms: int) -> dict:
+def conv_nwc_tiling(rows: int, c_in: int, c_out: int, taps: int, sms: int, itemsize: int = 2) -> dict:
     """Overrides of CONV_NWC_CONFIG for a convolution of `rows` output rows (batch rows x steps) on `sms`
     multiprocessors, from sweeps of the decoder's calls at 1 and 64 streams x 8 frames on H200s (perf/RESULTS.md,
     twenty-fifth session; 64 streams again in the thirtieth): tiles of 64 x 64 or 32 x 32 where 128 x 128 tiles
@@ -558,13 +558,14 @@ def conv_nwc_tiling(rows: int, c_in: int, c_out: int, taps: int, sms: int) -> di
     128 x 256 tiles of eight warps taking 64 input channels a step (their input read once for 256 outputs: 128 x 128
     tiles cost 8-20% more); one-tap ones from 384 channels in 64 x 128 tiles; the rest 128 x 128 (64 input channels
     a step from 384), narrower where 192 or 96 output channels would leave a 128-wide tile a third or a quarter
-    empty."""
+    empty. `itemsize`: bytes of a value; 128 x 256 tiles only for 2-byte ones (float32's three pipeline stages of
+    them would need 288 KB of shared memory, more than an SM has: the fp32 fallback decoder's calls)."""
     def programs(t):
         return -(-rows // t) * -(-c_out // t)
 
     if programs(128) < sms:
         return {"block_t": 64, "block_co": 64} if programs(64) >= sms else {"block_t": 32, "block_co": 32}
-    wide = c_in % 64 == 0 and (c_out % 256 == 0 or (taps > 2 and c_out % 256 == 192))
+    wide = itemsize <= 2 and c_in % 64 == 0 and (c_out % 256 == 0 or (taps > 2 and c_out % 256 == 192))
     if taps > 1 and wide:
         return {"block_co": 256, "block_ci": 64, "num_warps": 8}
     if taps == 1 and c_in >= 384 and c_in % 64 == 0:
@@ -572,7 +573,7 @@ def conv_nwc_tiling(rows: int, c_in: int, c_out: int, taps: int, sms: int) -> di
     if c_in >= 384 and c_in % 64 == 0:
         return {"block_ci": 64}
     if c_out % 128 == 64:
-        if taps == 1 and c_in % 64 == 0:
+        if taps == 1 and c_in % 64 == 0 and itemsize <= 2:  # (four stages of float32 tiles: 192 KB)
             return {"block_co": 64, "block_ci": 64, "num_stages": 4}
         return {"block_t": 64, "block_co": 64} if taps <= 2 else {"block_co": 64}
     if c_out % 64 == 32 and taps == 1:
@@ -758,7 +759,7 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
     M = B * T_out
     cfg = CONV_NWC_CONFIG
     if CONV_NWC_BY_SHAPE and x.is_cuda:
-        cfg = {**cfg, **conv_nwc_tiling(M, C_in, C_out, taps, _sms(x.device))}
+        cfg = {**cfg, **conv_nwc_tiling(M, C_in, C_out, taps, _sms(x.device), x.element_size())}
     block_ci = cfg["block_ci"] if C_in % cfg["block_ci"] == 0 else 16
     x = x.contiguous()
     out = S = None  # out: what is returned (the sum, or its Snake when that goes nowhere else); S: the Snake's
@@ -788,6 +789,14 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
 RES_UNIT_MAX_CHANNELS = 192  # residual units of at most this many channels run as one kernel (`res_unit_nwc`)
 RES_UNIT_CONFIG = {"block_t": 128, "block_n": 64, "num_warps": 8, "num_stages": 3}
 RES_UNIT_BY_SHAPE = True  # on a GPU, `res_unit_tiling`'s overrides of RES_UNIT_CONFIG
+
+
+def res_unit_applies(channels: int, x: torch.Tensor) -> bool:
+    """Whether a residual unit of `channels` channels over activations like x runs as `res_unit_nwc`: up to
+    RES_UNIT_MAX_CHANNELS, and on a GPU for 2-byte values only (float32's tiles of all the unit's channels would
+    need more shared memory and registers than an SM has: the fp32 fallback decoder keeps two convolutions there;
+    the interpreter on a CPU runs it in float32, as the tests check it)."""
+    return channels <= RES_UNIT_MAX_CHANNELS and (x.element_size() <= 2 or not x.is_cuda)
 
 
 def res_unit_tiling(rows: int, channels: int, sms: int) -> dict:

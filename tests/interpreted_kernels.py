@@ -425,6 +425,12 @@ def check_codec(ckpt):
     tilings = {tuple(sorted(kernels.conv_nwc_tiling(b * t, ci, co, k, 132).items()))
                for b in (1, 8, 64) for t, ci, co, k in shapes}
     assert len(tilings) >= 8, tilings
+    # float32 (the fallback decoder): no 128 x 256 tiles (their pipeline would not fit an SM's shared memory), and
+    # its residual units as two convolutions on a GPU
+    assert all(kernels.conv_nwc_tiling(b * t, ci, co, k, 132, 4).get("block_co", 128) <= 128
+               for b in (1, 8, 64) for t, ci, co, k in shapes)
+    assert kernels.res_unit_applies(192, torch.zeros(1, dtype=torch.float32))  # on the CPU (interpreted)
+    assert not kernels.res_unit_applies(384, torch.zeros(1, dtype=torch.float16))
     # 320 output channels: a 256-wide tile's second one is partly masked
     xi, w = torch.randn(2, 64, 40), torch.randn(320, 64, 3) / (64 * 3) ** 0.5
     b, al = torch.randn(320), torch.rand(320) + 0.5

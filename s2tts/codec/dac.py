@@ -736,7 +736,7 @@ class Decoder(nn.Module):
                 nxt_snake, nxt_conv = units[j + 1].block[:2] if j + 1 < len(units) else after
                 nxt_in = buffer(nxt_conv, T, c)
                 last = j + 1 == len(units)
-                if c <= kernels.RES_UNIT_MAX_CHANNELS:  # the unit in one kernel (h stays on chip)
+                if kernels.res_unit_applies(c, h_in):  # the unit in one kernel (h stays on chip)
                     x = kernels.res_unit_nwc(h_in, conv1.nwc_weight, conv1.conv.dilation[0], conv1.conv.bias,
                                              snake2.alpha, conv2.nwc_weight, conv2.conv.bias, x, nxt_snake.alpha,
                                              nxt_in[:, nxt_conv.context :], raw=not last)
