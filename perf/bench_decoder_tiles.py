@@ -46,13 +46,18 @@ def record_calls(codec, codes) -> list[tuple[tuple, dict]]:
     return calls
 
 
-def describe(args: tuple, kwargs: dict) -> tuple[str, str, str, str]:
-    """(rows, taps and dilation, channels, epilogue) of a recorded call."""
+def geometry(args: tuple, kwargs: dict) -> tuple:
+    """(x, weight, dilation, taps, output steps) of a recorded call."""
     x, weight = args[0], args[1]
     dilation = args[2] if len(args) > 2 else kwargs.get("dilation", 1)
-    bias = args[3] if len(args) > 3 else kwargs.get("bias")
     taps = weight.shape[0] // x.shape[-1]
-    t_out = x.shape[1] - (taps - 1) * dilation
+    return x, weight, dilation, taps, x.shape[1] - (taps - 1) * dilation
+
+
+def describe(args: tuple, kwargs: dict) -> tuple[str, str, str, str]:
+    """(rows, taps and dilation, channels, epilogue) of a recorded call."""
+    x, weight, dilation, taps, t_out = geometry(args, kwargs)
+    bias = args[3] if len(args) > 3 else kwargs.get("bias")
     epi = ("b" if bias is not None else "") + ("r" if kwargs.get("residual") is not None else "")
     if kwargs.get("alpha") is not None:
         epi += "S" if kwargs.get("snake_out") is not None else "s"
@@ -62,10 +67,8 @@ def describe(args: tuple, kwargs: dict) -> tuple[str, str, str, str]:
 
 def call_flops(args: tuple, kwargs: dict) -> float:
     """Multiply-adds x 2 of a recorded call: rows x taps x channels in x channels out."""
-    x, weight = args[0], args[1]
-    taps = weight.shape[0] // x.shape[-1]
-    dilation = args[2] if len(args) > 2 else kwargs.get("dilation", 1)
-    return 2.0 * x.shape[0] * (x.shape[1] - (taps - 1) * dilation) * weight.shape[0] * weight.shape[1]
+    x, weight, _, _, t_out = geometry(args, kwargs)
+    return 2.0 * x.shape[0] * t_out * weight.shape[0] * weight.shape[1]
 
 
 def main():

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir  # noqa: E402
 
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
