@@ -45,7 +45,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--served-only", action="store_true")
     ap.add_argument("--modes", default="fp32,tf32,fp16,fp16_kernels,bf16",
-                    help="precisions to compare (fp32 first: the reference); `_kernels`: the codec's Triton kernels")
+                    help="precisions to compare (fp32 first: the reference); `_kernels`: the codec's Triton kernels; "
+                         "`fp32_kernels_ieee`: their float32 products exact (kernels.FP32_CONV_PRECISION), not tf32x3")
     ap.add_argument("--device", default="cuda", help="--served-only: cpu is a smoke test of this script")
     ap.add_argument("--paths", default="own_state,pool_eager,pool_graphs,pool_graphs_kernels,served",
                     help="--served-only: which of dac_decoder's paths to time (`_kernels`: the codec's Triton kernels; "
@@ -63,6 +64,7 @@ def main():
         codec_module._phases_pay = lambda *a: False
     if args.served_only:
         return bench_served(args)
+    from s2tts import kernels
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec.dac import use_triton_kernels
     from s2tts.codec.stream import StreamDecoder
@@ -76,7 +78,8 @@ def main():
         torch.backends.cudnn.allow_tf32 = mode == "tf32"
         torch.backends.cuda.matmul.allow_tf32 = mode == "tf32"
         codec = load_codec_from_dir(args.checkpoint, "cuda", mode.split("_")[0] if mode != "tf32" else "fp32")
-        use_triton_kernels(codec, mode.endswith("_kernels"))
+        use_triton_kernels(codec, "_kernels" in mode)
+        kernels.FP32_CONV_PRECISION = "ieee" if mode.endswith("_ieee") else "tf32x3"
         cfg = codec.config
         for b in batches:
             if b not in all_codes:

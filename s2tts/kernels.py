@@ -585,13 +585,26 @@ def conv_nwc_tiling(rows: int, c_in: int, c_out: int, taps: int, sms: int, items
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
+
+# How the channels-last convolutions multiply float32 values on a GPU (the fp32 decoder that redoes a chunk that
+# overflowed fp16): "tf32x3" (three TF32 tensor-core products: float32's range and near its precision) or "ieee" (exact
+# products on the CUDA cores: ~8x slower, measured in perf/RESULTS.md). The interpreter multiplies exactly.
+FP32_CONV_PRECISION = "tf32x3"
+
+
+def _conv_precision(x: torch.Tensor) -> str:
+    """tl.dot's input_precision for a convolution over x's values (for 2-byte values it changes nothing)."""
+    if x.dtype != torch.float32:
+        return "tf32"
+    return FP32_CONV_PRECISION if x.is_cuda else "ieee"
+
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "T_in", "T_out"])
     def _conv1d_nwc_kernel(X, W, Bias, Res, Alpha, O, S, M, T_in, T_out, C_in, C_pad, C_out, PERIOD, stride_sb,
                            KS: tl.constexpr, DIL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr,
                            BLOCK_CI: tl.constexpr, MASK_CI: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           HAS_RES: tl.constexpr, RAW: tl.constexpr, SNAKE: tl.constexpr, IEEE: tl.constexpr,
+                           HAS_RES: tl.constexpr, RAW: tl.constexpr, SNAKE: tl.constexpr, PREC: tl.constexpr,
                            FAST_SIN: tl.constexpr):
         """Program (tile of BLOCK_T output rows of the B x T_out (batch row, step) pairs, tile of BLOCK_CO output
         channels), x [B, T_in, C_in] contiguous, w [KS x C_in, C_out] (`conv_weight_nwc`): acc[b, t, co] = sum over
@@ -610,7 +623,7 @@ if triton is not None:
         rows = (b * T_in + t) * C_in  # the first tap's input row of each output row
         comask = co < C_out
         acc = _conv_nwc_sums(X, W, rows, mmask, co, comask, C_in, C_out, C_pad, KS, DIL, BLOCK_T, BLOCK_CO, BLOCK_CI,
-                             MASK_CI, IEEE)
+                             MASK_CI, PREC)
         ch = co % PERIOD
         if HAS_BIAS:
             acc += tl.load(Bias + ch, mask=comask, other=0.0).to(tl.float32)[None, :]
@@ -628,7 +641,7 @@ if triton is not None:
     @triton.jit
     def _conv_nwc_sums(X, W, rows, mmask, co, comask, C_in, C_out, C_pad, KS: tl.constexpr, DIL: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_CI: tl.constexpr, MASK_CI: tl.constexpr,
-                       IEEE: tl.constexpr):
+                       PREC: tl.constexpr):
         """The implicit GEMM of a channels-last convolution, float32 [BLOCK_T, BLOCK_CO]: sum over taps k and input
         channels ci of x[row + k DIL C_in + ci] w[(k C_in + ci) C_out + co] (`rows`: each output row's first tap's
         input offset), stepping through each tap's C_pad channels BLOCK_CI at a time (masked past C_in when
@@ -647,10 +660,7 @@ if triton is not None:
             else:
                 x = tl.load(xp, mask=mmask[:, None], other=0.0)
                 w = tl.load(wp, mask=comask[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(x, w, input_precision="ieee")
-            else:
-                acc += tl.dot(x, w)
+            acc += tl.dot(x, w, input_precision=PREC)
         return acc
 
     @triton.jit
@@ -671,7 +681,7 @@ if triton is not None:
     def _res_unit_nwc_kernel(H, W7, B7, A2, W1, B1, Res, A3, O, S, M, T_in, T_out, C, C_pad, stride_sb,
                              KS: tl.constexpr, DIL: tl.constexpr, CP: tl.constexpr, BLOCK_T: tl.constexpr,
                              BLOCK_CI: tl.constexpr, MASK_CI: tl.constexpr, BLOCK_N: tl.constexpr, RAW: tl.constexpr,
-                             IEEE: tl.constexpr, FAST_SIN: tl.constexpr):
+                             PREC: tl.constexpr, FAST_SIN: tl.constexpr):
         """Program (tile of BLOCK_T output rows of the B x T_out (batch row, step) pairs), every channel (C of them,
         CP = C rounded up to a power of two): a residual unit of the decoder in one pass, h [B, T_in, C] the Snake of
         its input after the k7 convolution's left context, w7 [KS x C, C] and w1 [C, C] (`conv_weight_nwc`):
@@ -687,7 +697,7 @@ if triton is not None:
         rows = (b * T_in + t) * C
         cc = tl.arange(0, CP)
         cmask = cc < C
-        acc = _conv_nwc_sums(H, W7, rows, mmask, cc, cmask, C, C, C_pad, KS, DIL, BLOCK_T, CP, BLOCK_CI, MASK_CI, IEEE)
+        acc = _conv_nwc_sums(H, W7, rows, mmask, cc, cmask, C, C, C_pad, KS, DIL, BLOCK_T, CP, BLOCK_CI, MASK_CI, PREC)
         acc += tl.load(B7 + cc, mask=cmask, other=0.0).to(tl.float32)[None, :]
         a2 = tl.load(A2 + cc, mask=cmask, other=1.0).to(tl.float32)[None, :]
         u = _snake_f32(acc, a2, FAST_SIN).to(H.dtype.element_ty)
@@ -695,10 +705,7 @@ if triton is not None:
             co = n0 + tl.arange(0, BLOCK_N)
             comask = co < C
             w1 = tl.load(W1 + cc[:, None] * C + co[None, :], mask=cmask[:, None] & comask[None, :], other=0.0)
-            if IEEE:
-                y = tl.dot(u, w1, input_precision="ieee")
-            else:
-                y = tl.dot(u, w1)
+            y = tl.dot(u, w1, input_precision=PREC)
             mask = mmask[:, None] & comask[None, :]
             out = m[:, None] * C + co[None, :]
             y += tl.load(B1 + co, mask=comask, other=0.0).to(tl.float32)[None, :]
@@ -739,8 +746,8 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
     transposed convolution's outputs side by side). With `alpha` ([C_out], a Snake's) the result is its Snake,
     returned, or written into `snake_out` (any view whose batch rows are each T_out x C_out contiguous values, e.g.
     the rows after a causal convolution's left context in its input buffer); then the raw result is also returned if
-    `raw`, else None. Dtypes as x's (float32: exact products and sine; fp16 / bf16 on a GPU: the approximate sine
-    after reduction to [-pi, pi])."""
+    `raw`, else None. Dtypes as x's (float32: the precise sine, the products as FP32_CONV_PRECISION says; fp16 / bf16
+    on a GPU: the approximate sine after reduction to [-pi, pi])."""
     if triton is None:
         raise RuntimeError("conv1d_nwc needs the `triton` package")
     B, T, C_in = x.shape
@@ -780,7 +787,7 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
                              period, 0 if S is None else S.stride(0), KS=taps, DIL=dilation, BLOCK_T=block_t,
                              BLOCK_CO=block_co, BLOCK_CI=block_ci, MASK_CI=C_in % block_ci != 0,
                              HAS_BIAS=bias is not None, HAS_RES=res is not None, RAW=out is not None and out is not S,
-                             SNAKE=alpha is not None, IEEE=x.dtype == torch.float32,
+                             SNAKE=alpha is not None, PREC=_conv_precision(x),
                              FAST_SIN=x.dtype != torch.float32 and _ptx(x),
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
@@ -843,7 +850,7 @@ def res_unit_nwc(h: torch.Tensor, w7: torch.Tensor, dilation: int, b7: torch.Ten
         h, w7, b7, a2.reshape(-1), w1, b1, res, a3.reshape(-1), h if out is None else out, snake_out, M, T_in, T_out,
         C, triton.cdiv(C, block_ci) * block_ci, snake_out.stride(0), KS=taps, DIL=dilation, CP=cp, BLOCK_T=block_t,
         BLOCK_CI=block_ci, MASK_CI=C % block_ci != 0, BLOCK_N=min(cfg["block_n"], cp), RAW=raw,
-        IEEE=h.dtype == torch.float32, FAST_SIN=h.dtype != torch.float32 and _ptx(h), num_warps=cfg["num_warps"],
+        PREC=_conv_precision(h), FAST_SIN=h.dtype != torch.float32 and _ptx(h), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
 
