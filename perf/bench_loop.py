@@ -171,6 +171,13 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "frames_per_step": round((L.frames - B.frames) / steps, 1), "slots_held": round((L.live - B.live) / steps, 1),
            "prompt_steps": round((L.firsts - B.firsts) / steps, 3),
            "prompt_step_ms": round(1e3 * (L.firsts_s - B.firsts_s) / max(1, L.firsts - B.firsts), 2),
+           # a step's engine call: launching (host work) and waiting for frames, the prompt steps' apart, and the share
+           # of those launched behind a codec call (beside it on the device)
+           "launch_ms": round(1e3 * (L.launch_s - B.launch_s) / steps, 2),
+           "wait_ms": round(1e3 * (L.wait_s - B.wait_s) / steps, 2),
+           "prompt_launch_ms": round(1e3 * (L.firsts_launch_s - B.firsts_launch_s) / max(1, L.firsts - B.firsts), 2),
+           "prompt_wait_ms": round(1e3 * (L.firsts_wait_s - B.firsts_wait_s) / max(1, L.firsts - B.firsts), 2),
+           "prompt_behind_codec": round((L.firsts_early - B.firsts_early) / max(1, L.firsts - B.firsts), 3),
            "tail_ms_p50": round(1e3 * float(np.median(tails)), 1) if tails else None,
            "off_cpu_ms": round(1e3 * (L.off_cpu_s - B.off_cpu_s) / steps, 2), "gpu_busy_pct": gpu_busy,
            "codec_calls_per_step": round((L.codec_calls - B.codec_calls) / steps, 3),

@@ -18,7 +18,7 @@ from pathlib import Path
 # slow_ar's loop line (s2tts.engine.service.LoopStats), the parts this table reads
 LINE = re.compile(r"(\d+) steps of ([\d.]+) ms making ([\d.]+) frames each, then ([\d.]+) ms a step .*? slots held "
                   r"([\d.]+), requests waiting ([\d.]+) a step; (\d+)% of the steps with prompt rows ending \(([\d.]+) "
-                  r"ms, the others ([\d.]+)\); last frame to final response (?:([\d.]+) ms p50|-)"
+                  r"ms, the others ([\d.]+)(?:;[^)]*)?\); last frame to final response (?:([\d.]+) ms p50|-)"
                   r"(?: \(\d+ requests\); the engine thread off its CPU ([\d.]+) ms a step)?")
 HEAD = ("| run | audio-s/s | pass ms (step + codec and routing) | frames a step | slots held | steps ending a prompt "
         "(their step ms / the others') | last frame -> final p50 ms | engine thread off its CPU, ms a step |\n"

@@ -433,10 +433,16 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
     # where the slots went: held at each step's start (decoding or prefilling: never more than the 3 requests),
     # none waiting (3 slots free), and each request's final response timed once from its last frame
     held = re.findall(r"slots held ([\d.]+), requests waiting ([\d.]+) a step; (\d+)% of the steps with prompt rows "
-                      r"ending \(([\d.]+) ms, the others ([\d.]+)\); last frame to final response (?:[\d.]+ ms p50|-) "
-                      r"\((\d+) requests\)", s2_log.text)
+                      r"ending \(([\d.]+) ms, the others ([\d.]+); launching ([\d.]+) and waiting ([\d.]+) ms of it, "
+                      r"the others ([\d.]+) and ([\d.]+); (\d+)% of them launched behind a codec call\); last frame "
+                      r"to final response (?:[\d.]+ ms p50|-) \((\d+) requests\)", s2_log.text)
     assert len(held) == len(lines)
     assert all(0 < float(h) <= 3 and float(w) == 0 and 0 <= int(p) <= 100 for h, w, p, *_ in held)
+    # the engine calls split into launching and waiting (within each kind of step's time); here a step runs as it is
+    # launched (no launch ahead on a CPU), so none behind a codec call
+    for _, _, _, first_ms, other_ms, fl, fw, ol, ow, behind, _ in held:
+        assert float(fl) + float(fw) <= float(first_ms) + 0.1 and float(ol) + float(ow) <= float(other_ms) + 0.1
+        assert float(fl) + float(ol) > 0 and behind == "0"
     assert sum(int(n) for *_, n in held) + len(svc.loop.tails) == len(rs)
 
 

@@ -403,6 +403,11 @@ def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
         assert 0 < r["frames_per_step"] <= r["slots_held"] <= 2 * 3 and 0 <= r["prompt_steps"] <= 1, r
         assert r["tail_ms_p50"] is None or r["tail_ms_p50"] >= 0
         assert 0 <= r["off_cpu_ms"] <= r["step_ms"] + r["rest_ms"], r  # of the pass, the engine thread off its CPU
+        # the engine's calls split into launching and waiting for frames (within the pass; a launch behind a codec
+        # call falls in rest_ms), the prompt steps' apart
+        assert r["launch_ms"] > 0 and r["wait_ms"] >= 0 and r["launch_ms"] + r["wait_ms"] <= r["step_ms"] + r["rest_ms"], r
+        assert r["prompt_launch_ms"] >= 0 and r["prompt_wait_ms"] >= 0 and 0 <= r["prompt_behind_codec"] <= 1, r
+        assert r["prompt_behind_codec"] == 0 or r["launch_ahead"], r  # only launch ahead launches behind a call
 
 
 def test_gap_table_reads_slow_ars_loop_line(tmp_path):
@@ -425,10 +430,14 @@ def test_gap_table_reads_slow_ars_loop_line(tmp_path):
     try:
         for frames, step_s in ((30, 0.012), (58, 0.011)):  # a ramp's window, then the steady state
             stats = LoopStats(every_s=0.0, codec_calls=1, codec_streams=50, tails=[0.07, 0.08, 0.09])
-            stats.add(step_s, 0.004, "slow_ar", frames, True, frames + 1, 2, True, off_cpu_s=frames / 1e5)
+            stats.add(step_s, 0.004, "slow_ar", frames, True, frames + 1, 2, True, off_cpu_s=frames / 1e5,
+                      launch_s=0.002, wait_s=step_s - 0.003, early=True)
     finally:
         log.removeHandler(keep)
         log.setLevel(level)
+    # a step ending a prompt: its engine call's launch and wait, and that it ran behind a codec call
+    assert "(11.0 ms, the others 0.0; launching 2.0 and waiting 8.0 ms of it, the others 0.0 and 0.0; 100% of them " \
+           "launched behind a codec call)" in lines[-1], lines[-1]
     run = tmp_path / "served"
     run.mkdir()
     (run / "summary.md").write_text("## slow_ar's loop, from its log\n\n" + "".join(f"- {m}\n" for m in lines))

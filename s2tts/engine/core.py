@@ -28,6 +28,7 @@ slot it took; the exception is kept in `last_fault` (None after a clean step) fo
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -112,7 +113,13 @@ class Engine:
         self.device, self.dtype = r.device, r.dtype
         self.fault_hook = None  # optional fn(phase "decode" | "prefill", requests) called before device work (tests)
         self.last_fault: BaseException | None = None
-        self._inflight: deque[tuple[StepPlan, Launched]] = deque()  # launched steps not yet finished (engine thread)
+        # launched steps not yet finished, each with whether `launch_next` launched it (engine thread)
+        self._inflight: deque[tuple[StepPlan, Launched, bool]] = deque()
+        self._launching_next = False
+        self.finished_next = False  # whether the step the last `_finish` finished was launched by `launch_next`
+        # host seconds spent launching steps (commands, the plan, its device work queued) and waiting for launched
+        # steps' frames, summed (engine thread; a caller's statistics read the differences)
+        self.launch_s = self.wait_s = 0.0
 
         self._lock = threading.Lock()  # the command queue, the ids, and the scheduler's state while others read it
         self._work = threading.Condition(self._lock)
@@ -224,7 +231,11 @@ class Engine:
 
         def go():
             if len(self._inflight) == 1 and self.last_fault is None and self.has_work():
-                return self._launch()
+                self._launching_next = True
+                try:
+                    return self._launch()
+                finally:
+                    self._launching_next = False
             return []
 
         return self._on_device(go)
@@ -238,10 +249,17 @@ class Engine:
         with torch.cuda.device(self.device):
             return self._ended(fn())
 
-    @torch.inference_mode()
     def _launch(self) -> list[Output]:
         """Steps 1-3: commands, the plan, its device work queued (kept in `_inflight` for `_finish`) -> the outputs
         known at once (cancels, failures)."""
+        t0 = time.perf_counter()
+        try:
+            return self._launch_plan()
+        finally:
+            self.launch_s += time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def _launch_plan(self) -> list[Output]:
         self.last_fault = None
         with self._lock:
             outputs = self._take_commands()
@@ -279,12 +297,15 @@ class Engine:
         fault seen only now (the device's, at the wait) ends every request of the step still running."""
         if not self._inflight:
             return []
-        plan, launched = self._inflight.popleft()
+        plan, launched, self.finished_next = self._inflight.popleft()
+        t0 = time.perf_counter()
         try:
             result = self.runner.collect(launched)
         except Exception as e:  # noqa: BLE001 - judged by the caller through last_fault
             self.last_fault = e
             return self._fail(plan.decode + [c.request for c in plan.prefill], e)
+        finally:
+            self.wait_s += time.perf_counter() - t0
         with self._lock:
             return self.scheduler.complete(plan, result)
 
@@ -305,7 +326,7 @@ class Engine:
         launched = self.runner.launch(plan)
         with self._lock:
             self.scheduler.advance(plan)
-        self._inflight.append((plan, launched))
+        self._inflight.append((plan, launched, self._launching_next))
 
     def _decode_failed(self, plan: StepPlan, e: BaseException) -> list[Output]:
         """The decode rows failed: their requests end; the plan's prompt rows' requests start again later."""

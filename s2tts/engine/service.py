@@ -145,12 +145,20 @@ class LoopStats:
     firsts: int = 0  # steps that made some request's first frame (its prompt's last rows ran in them)
     firsts_s: float = 0.0  # their step time
     off_cpu_s: float = 0.0  # the steps' passes: wall time the engine thread was off its CPU (GIL waits, blocking)
+    # the passes' engine calls split (`Engine.launch_s`, `wait_s`), those of the steps with prompt rows ending apart,
+    # and how many of those steps had been launched behind a codec call (beside it on the device)
+    launch_s: float = 0.0
+    wait_s: float = 0.0
+    firsts_launch_s: float = 0.0
+    firsts_wait_s: float = 0.0
+    firsts_early: int = 0
     tails: list = field(default_factory=list)  # seconds from a request's last frame to its final response handed out
     since: float = 0.0
     every_s: float = 10.0
 
     def add(self, step_s: float, rest_s: float, name: str, frames: int = 0, loaded: bool = False, live: int = 0,
-            waiting: int = 0, firsts: bool = False, off_cpu_s: float = 0.0) -> None:
+            waiting: int = 0, firsts: bool = False, off_cpu_s: float = 0.0, launch_s: float = 0.0,
+            wait_s: float = 0.0, early: bool = False) -> None:
         now = time.monotonic()
         if not self.since:
             self.since = now
@@ -164,22 +172,34 @@ class LoopStats:
         self.firsts += firsts
         self.firsts_s += step_s if firsts else 0.0
         self.off_cpu_s += off_cpu_s
+        self.launch_s += launch_s
+        self.wait_s += wait_s
+        if firsts:
+            self.firsts_launch_s += launch_s
+            self.firsts_wait_s += wait_s
+            self.firsts_early += early
         if now - self.since >= self.every_s and self.codec_calls:
             tail = f"{1e3 * float(np.percentile(self.tails, 50)):.1f} ms p50" if self.tails else "-"
             log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
                      "decoding audio (%d codec calls, %.1f streams a call); under load %.0f%% of the steps; slots held "
                      "%.1f, requests waiting %.1f a step; %.0f%% of the steps with prompt rows ending (%.1f ms, the "
-                     "others %.1f); last frame to final response %s (%d requests); the engine thread off its CPU "
-                     "%.2f ms a step (waiting for the GIL, or blocked: a GPU wait spins)", name,
+                     "others %.1f; launching %.1f and waiting %.1f ms of it, the others %.1f and %.1f; %.0f%% of them "
+                     "launched behind a codec call); last frame to final response %s (%d requests); the engine thread "
+                     "off its CPU %.2f ms a step (waiting for the GIL, or blocked: a GPU wait spins)", name,
                      now - self.since, self.steps, 1e3 * self.step_s / self.steps, self.frames / self.steps,
                      1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_streams / self.codec_calls,
                      100 * self.loaded / self.steps, self.live / self.steps, self.waiting / self.steps,
                      100 * self.firsts / self.steps, 1e3 * self.firsts_s / max(1, self.firsts),
-                     1e3 * (self.step_s - self.firsts_s) / max(1, self.steps - self.firsts), tail,
-                     len(self.tails), 1e3 * self.off_cpu_s / self.steps)
+                     1e3 * (self.step_s - self.firsts_s) / max(1, self.steps - self.firsts),
+                     1e3 * self.firsts_launch_s / max(1, self.firsts), 1e3 * self.firsts_wait_s / max(1, self.firsts),
+                     1e3 * (self.launch_s - self.firsts_launch_s) / max(1, self.steps - self.firsts),
+                     1e3 * (self.wait_s - self.firsts_wait_s) / max(1, self.steps - self.firsts),
+                     100 * self.firsts_early / max(1, self.firsts), tail, len(self.tails),
+                     1e3 * self.off_cpu_s / self.steps)
             self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_streams, self.frames = 0, 0.0, 0.0, 0, 0, 0
             self.loaded, self.live, self.waiting, self.firsts, self.firsts_s, self.tails = 0, 0, 0, 0, 0.0, []
-            self.off_cpu_s = 0.0
+            self.off_cpu_s = self.launch_s = self.wait_s = self.firsts_launch_s = self.firsts_wait_s = 0.0
+            self.firsts_early = 0
             self.since = now
 
 
@@ -513,6 +533,7 @@ class EngineService:
         ahead = self.launch_ahead and (self.codec is None or (self.codec_batch_steps > 1 and self.under_load())
                                        or (self.light_ahead and self._all_sounding()))
         self._ahead = ahead
+        launch0, wait0 = self.engine.launch_s, self.engine.wait_s
         outputs = self.engine.step_ahead() if ahead else self.engine.step()
         if self._launched_early:  # what the launch during the last pass's codec call made at once comes first
             outputs, self._launched_early = self._launched_early + outputs, []
@@ -556,7 +577,8 @@ class EngineService:
             self._note_load()
             self.loop.add(t1 - t0, t2 - t1, self.name, sum(o.codes.shape[0] for o in outputs), self.under_load(),
                           live, waiting, any(o.queue_s is not None for o in outputs),
-                          max(0.0, dt - (time.thread_time() - cpu0)))
+                          max(0.0, dt - (time.thread_time() - cpu0)), self.engine.launch_s - launch0,
+                          self.engine.wait_s - wait0, self.engine.finished_next)
 
     def _route(self, o: Output) -> list[list]:
         """One request's output -> what to send: [record, "chunk" | "final" | "error", codes, finish reason,
