@@ -64,7 +64,7 @@ def main():
         codec_module._phases_pay = lambda *a: False
     if args.served_only:
         return bench_served(args)
-    from s2tts import kernels
+    from s2tts.codec import kernels
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec.dac import use_triton_kernels
     from s2tts.codec.stream import StreamDecoder
@@ -124,7 +124,7 @@ def bench_served(args):
 
     import numpy as np
 
-    from s2tts import kernels
+    from s2tts.codec import kernels
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec.dac import use_triton_kernels
     from s2tts.codec.stream import StreamDecoder, open_stream_decoder

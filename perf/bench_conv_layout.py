@@ -43,7 +43,7 @@ def channels_last_forms(kind: str, x, w, rest, ref, configs: list[str]) -> dict 
     already be so."""
     from bench_engine import config_overrides
 
-    from s2tts import kernels
+    from s2tts.codec import kernels
 
     stride, padding, dilation, groups = [v if isinstance(v, int) else v[0] for v in (tuple(rest) + (1, 0, 1, 1)[len(rest):])[:4]]
     if kind != "conv1d" or stride != 1 or groups != 1 or padding != 0 or x.shape[1] % 16:

@@ -29,7 +29,7 @@ CONFIGS = ["shape", "", "block_co=64", "block_t=64", "block_t=64,block_co=64", "
 
 def record_calls(codec, codes) -> list[tuple[tuple, dict]]:
     """(args, kwargs) of every kernels.conv1d_nwc call of one decode_stream (their tensors stay alive with them)."""
-    from s2tts import kernels
+    from s2tts.codec import kernels
 
     calls, real = [], kernels.conv1d_nwc
 
@@ -82,7 +82,7 @@ def main():
     args = ap.parse_args()
     from bench_engine import config_overrides
 
-    from s2tts import kernels
+    from s2tts.codec import kernels
     from s2tts.checkpoint import load_codec_from_dir
     from s2tts.codec.dac import use_triton_kernels
 

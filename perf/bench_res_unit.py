@@ -31,7 +31,7 @@ def main():
     from bench_codec import timed
     from bench_engine import config_overrides
 
-    from s2tts import kernels
+    from s2tts.codec import kernels
 
     configs = args.config or CONFIGS
     base = dict(kernels.RES_UNIT_CONFIG)

@@ -9,6 +9,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from s2tts import kernels  # noqa: E402
+from s2tts.codec import kernels as codec_kernels  # noqa: E402
 from s2tts.checkpoint import load_model  # noqa: E402
 from s2tts.engine import Engine  # noqa: E402
 from s2tts.frontend.prompt import PromptBuilder  # noqa: E402
@@ -391,13 +392,13 @@ def check_codec(ckpt):
     a, bias, prefix = torch.rand(1, 5, 1) + 0.2, torch.randn(5), torch.randn(2, 5, 6)
     xb = x + bias[:, None]
     ref = snake_ref(xb, a)
-    assert rel(kernels.snake(x, a, prefix, bias), torch.cat([prefix, ref], -1)) < 1e-6
-    assert rel(kernels.snake(x.contiguous(), a), snake_ref(x, a)) < 1e-6
+    assert rel(codec_kernels.snake(x, a, prefix, bias), torch.cat([prefix, ref], -1)) < 1e-6
+    assert rel(codec_kernels.snake(x.contiguous(), a), snake_ref(x, a)) < 1e-6
     y = torch.randn(2, 5, 34)
-    assert rel(kernels.add_bias(x, y, bias), x + y + bias[:, None]) < 1e-6
+    assert rel(codec_kernels.add_bias(x, y, bias), x + y + bias[:, None]) < 1e-6
     for dil in (1, 3):
         w, b = torch.randn(1, 5, 7), torch.randn(1)
-        assert rel(kernels.conv_to_one(wide, w, b, dil), F.conv1d(wide, w, b, dilation=dil)) < 1e-6
+        assert rel(codec_kernels.conv_to_one(wide, w, b, dil), F.conv1d(wide, w, b, dilation=dil)) < 1e-6
     # the channels-last convolution (the decoder's): taps, dilations, 1x1, output channels not a multiple of the
     # tile, input channels in 32s, 16s and fewer (masked), one output channel; bias + residual, and their Snake
     # returned, or written after a left context with the sum also returned
@@ -408,77 +409,77 @@ def check_codec(ckpt):
         res = torch.randn_like(plain)
         summed = plain + b[:, None] + res
         full = snake_ref(summed, al[:, None])
-        wn, xt = kernels.conv_weight_nwc(w), xi.transpose(1, 2)
-        assert rel(kernels.conv1d_nwc(xt, wn, dil).transpose(1, 2), plain) < 1e-6
-        got = kernels.conv1d_nwc(xt, wn, dil, bias=b, residual=res.transpose(1, 2), alpha=al)
+        wn, xt = codec_kernels.conv_weight_nwc(w), xi.transpose(1, 2)
+        assert rel(codec_kernels.conv1d_nwc(xt, wn, dil).transpose(1, 2), plain) < 1e-6
+        got = codec_kernels.conv1d_nwc(xt, wn, dil, bias=b, residual=res.transpose(1, 2), alpha=al)
         assert rel(got.transpose(1, 2), full) < 1e-6
         buf = torch.full((2, 5 + plain.shape[-1], c_out), 7.0)
-        raw = kernels.conv1d_nwc(xt, wn, dil, b, res.transpose(1, 2), al, snake_out=buf[:, 5:], raw=True)
+        raw = codec_kernels.conv1d_nwc(xt, wn, dil, b, res.transpose(1, 2), al, snake_out=buf[:, 5:], raw=True)
         assert rel(raw.transpose(1, 2), summed) < 1e-6 and rel(buf[:, 5:].transpose(1, 2), full) < 1e-6
         assert torch.equal(buf[:, :5], torch.full_like(buf[:, :5], 7.0))  # the left context's rows untouched
-        assert kernels.conv1d_nwc(xt, wn, dil, alpha=al, snake_out=buf[:, 5:]) is None
+        assert codec_kernels.conv1d_nwc(xt, wn, dil, alpha=al, snake_out=buf[:, 5:]) is None
     # in each tiling that a GPU's choice by shape (`conv_nwc_tiling`) makes for the decoder's convolutions at 1, 8
     # and 64 streams on 132 multiprocessors (an H100's, an H200's)
     shapes = ((32, 1024, 1536, 7), (32, 1536, 6144, 2), (256, 768, 768, 7), (256, 768, 768, 1), (2048, 384, 384, 7),
               (2048, 384, 384, 1), (2048, 384, 768, 2), (8192, 192, 192, 7), (8192, 192, 192, 1), (8192, 192, 192, 2),
               (16384, 96, 96, 1), (16384, 96, 96, 7))
-    tilings = {tuple(sorted(kernels.conv_nwc_tiling(b * t, ci, co, k, 132).items()))
+    tilings = {tuple(sorted(codec_kernels.conv_nwc_tiling(b * t, ci, co, k, 132).items()))
                for b in (1, 8, 64) for t, ci, co, k in shapes}
     assert len(tilings) >= 8, tilings
     # float32 (the fallback decoder): no 128 x 256 tiles (their pipeline would not fit an SM's shared memory), and
     # its residual units as two convolutions on a GPU
-    assert all(kernels.conv_nwc_tiling(b * t, ci, co, k, 132, 4).get("block_co", 128) <= 128
+    assert all(codec_kernels.conv_nwc_tiling(b * t, ci, co, k, 132, 4).get("block_co", 128) <= 128
                for b in (1, 8, 64) for t, ci, co, k in shapes)
-    assert kernels.res_unit_applies(192, torch.zeros(1, dtype=torch.float32))  # on the CPU (interpreted)
-    assert not kernels.res_unit_applies(384, torch.zeros(1, dtype=torch.float16))
+    assert codec_kernels.res_unit_applies(192, torch.zeros(1, dtype=torch.float32))  # on the CPU (interpreted)
+    assert not codec_kernels.res_unit_applies(384, torch.zeros(1, dtype=torch.float16))
     # 320 output channels: a 256-wide tile's second one is partly masked
     xi, w = torch.randn(2, 64, 40), torch.randn(320, 64, 3) / (64 * 3) ** 0.5
     b, al = torch.randn(320), torch.rand(320) + 0.5
     summed = F.conv1d(xi, w, b, dilation=2)
     full = snake_ref(summed, al[:, None])
-    tiling = dict(kernels.CONV_NWC_CONFIG)
+    tiling = dict(codec_kernels.CONV_NWC_CONFIG)
     for t in tilings:
-        kernels.CONV_NWC_CONFIG.update(tiling, **dict(t))
-        got = kernels.conv1d_nwc(xi.transpose(1, 2), kernels.conv_weight_nwc(w), 2, bias=b, alpha=al)
+        codec_kernels.CONV_NWC_CONFIG.update(tiling, **dict(t))
+        got = codec_kernels.conv1d_nwc(xi.transpose(1, 2), codec_kernels.conv_weight_nwc(w), 2, bias=b, alpha=al)
         assert rel(got.transpose(1, 2), full) < 1e-6, t
-    kernels.CONV_NWC_CONFIG.update(tiling)
+    codec_kernels.CONV_NWC_CONFIG.update(tiling)
     # a residual unit in one kernel (`res_unit_nwc`) against its two convolutions: channels in 32s (a partial
     # power-of-two tile), in 16s, and masked (40); dilation 3; y returned or not
-    unit_tiling = dict(kernels.RES_UNIT_CONFIG)
+    unit_tiling = dict(codec_kernels.RES_UNIT_CONFIG)
     for C, tile in ((96, 64), (48, 16), (40, 64)):
-        kernels.RES_UNIT_CONFIG.update(block_n=tile)
+        codec_kernels.RES_UNIT_CONFIG.update(block_n=tile)
         h_in = torch.randn(2, 30, C)
         w7, w1 = torch.randn(C, C, 7) / (7 * C) ** 0.5, torch.randn(C, C, 1) / C ** 0.5
         b7, b1, a2, a3 = torch.randn(C), torch.randn(C), torch.rand(C) + 0.5, torch.rand(C) + 0.5
-        w7n, w1n = kernels.conv_weight_nwc(w7), kernels.conv_weight_nwc(w1)
+        w7n, w1n = codec_kernels.conv_weight_nwc(w7), codec_kernels.conv_weight_nwc(w1)
         x = torch.randn(2, 12, C)
-        hh = kernels.conv1d_nwc(h_in, w7n, 3, b7, alpha=a2)
+        hh = codec_kernels.conv1d_nwc(h_in, w7n, 3, b7, alpha=a2)
         ref_s = torch.empty(2, 12, C)
-        ref_y = kernels.conv1d_nwc(hh, w1n, 1, b1, residual=x, alpha=a3, snake_out=ref_s, raw=True)
+        ref_y = codec_kernels.conv1d_nwc(hh, w1n, 1, b1, residual=x, alpha=a3, snake_out=ref_s, raw=True)
         want = x + F.conv1d(snake_ref(F.conv1d(h_in.transpose(1, 2), w7, b7, dilation=3), a2[:, None]), w1,
                             b1).transpose(1, 2)
         assert rel(ref_y, want) < 1e-5
         for raw in (True, False):
             buf = torch.full((2, 4 + 12, C), 7.0)
-            y = kernels.res_unit_nwc(h_in, w7n, 3, b7, a2, w1n, b1, x, a3, buf[:, 4:], raw=raw)
+            y = codec_kernels.res_unit_nwc(h_in, w7n, 3, b7, a2, w1n, b1, x, a3, buf[:, 4:], raw=raw)
             assert (y is None) != raw and torch.equal(buf[:, :4], torch.full_like(buf[:, :4], 7.0))
             assert rel(buf[:, 4:], ref_s) < 1e-6, (C, raw)
             if raw:
                 assert rel(y, ref_y) < 1e-6, C
-    kernels.RES_UNIT_CONFIG.update(unit_tiling)
+    codec_kernels.RES_UNIT_CONFIG.update(unit_tiling)
     for c_in, c_out, stride in ((16, 8, 2), (32, 24, 4)):  # a transposed convolution as two taps, bias per channel
         xi, w, b = torch.randn(2, c_in, 9), torch.randn(c_in, c_out, 2 * stride) / (2 * c_in) ** 0.5, torch.randn(c_out)
         ctx = torch.randn(2, c_in, 1)  # the input step before (a stream's left context)
         ref = F.conv_transpose1d(torch.cat([ctx, xi], -1), w, b, stride)[..., stride : stride * 10]
-        got = kernels.conv1d_nwc(torch.cat([ctx, xi], -1).transpose(1, 2), kernels.conv_transpose_weight_nwc(w, stride),
-                                 bias=b)
+        got = codec_kernels.conv1d_nwc(torch.cat([ctx, xi], -1).transpose(1, 2),
+                                       codec_kernels.conv_transpose_weight_nwc(w, stride), bias=b)
         assert rel(got.reshape(2, 9 * stride, c_out).transpose(1, 2), ref) < 1e-6
 
     from s2tts.codec.dac import apply_rope, rope_cos_sin
 
     qkv = torch.randn(2, 5, 3, 4, 16)  # [B, T, q|k|v, H, D]: q and k are strided views, as the codec's are
     rope = rope_cos_sin(torch.arange(7, 12)[None].expand(2, 5), 16, 10000.0)
-    assert rel(kernels.rope_pairs(qkv[:, :, 1], rope), apply_rope(qkv[:, :, 1], rope)) < 1e-6
+    assert rel(codec_kernels.rope_pairs(qkv[:, :, 1], rope), apply_rope(qkv[:, :, 1], rope)) < 1e-6
 
     def varied_snakes(codec, seed=None):  # the tiny checkpoint's alphas are ones
         for name, p in codec.named_parameters():
@@ -494,10 +495,10 @@ def check_codec(ckpt):
     got = {}
     # the interpreter's time is per program: long tiles along time for the decoder (the default tiling's masks
     # and partial tiles are checked above)
-    tiling = dict(kernels.CONV_NWC_CONFIG)
-    kernels.CONV_NWC_CONFIG.update(block_t=4096, block_co=128)
-    unit_tiling = dict(kernels.RES_UNIT_CONFIG)
-    kernels.RES_UNIT_CONFIG.update(block_t=4096)
+    tiling = dict(codec_kernels.CONV_NWC_CONFIG)
+    codec_kernels.CONV_NWC_CONFIG.update(block_t=4096, block_co=128)
+    unit_tiling = dict(codec_kernels.RES_UNIT_CONFIG)
+    codec_kernels.RES_UNIT_CONFIG.update(block_t=4096)
     with torch.inference_mode():
         for mode in ("off", "channels_first", "channels_last"):
             use_triton_kernels(codec, mode != "off", channels_last=mode == "channels_last")
@@ -546,8 +547,8 @@ def check_codec(ckpt):
         audio = np.concatenate(parts[k])
         assert np.isfinite(audio).all() and audio.shape == whole.shape
         assert np.abs(audio - whole).max() < 0.05 * np.abs(whole).max(), k
-    kernels.CONV_NWC_CONFIG.update(tiling)
-    kernels.RES_UNIT_CONFIG.update(unit_tiling)
+    codec_kernels.CONV_NWC_CONFIG.update(tiling)
+    codec_kernels.RES_UNIT_CONFIG.update(unit_tiling)
     print("codec ok")
 
 

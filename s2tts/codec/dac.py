@@ -35,7 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import kernels
+from . import kernels
 from ..meta import on_meta
 
 log = logging.getLogger("s2tts")
