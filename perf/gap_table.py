@@ -18,11 +18,14 @@ from pathlib import Path
 # slow_ar's loop line (s2tts.engine.service.LoopStats), the parts this table reads
 LINE = re.compile(r"(\d+) steps of ([\d.]+) ms making ([\d.]+) frames each, then ([\d.]+) ms a step .*? slots held "
                   r"([\d.]+), requests waiting ([\d.]+) a step; (\d+)% of the steps with prompt rows ending \(([\d.]+) "
-                  r"ms, the others ([\d.]+)(?:;[^)]*)?\); last frame to final response (?:([\d.]+) ms p50|-)"
+                  r"ms, the others ([\d.]+)(?:; launching ([\d.]+) and waiting ([\d.]+) ms of it, the others "
+                  r"([\d.]+) and ([\d.]+); (\d+)% of them launched behind a codec call)?\); last frame to final response "
+                  r"(?:([\d.]+) ms p50|-)"
                   r"(?: \(\d+ requests\); the engine thread off its CPU ([\d.]+) ms a step)?")
 HEAD = ("| run | audio-s/s | pass ms (step + codec and routing) | frames a step | slots held | steps ending a prompt "
-        "(their step ms / the others') | last frame -> final p50 ms | engine thread off its CPU, ms a step |\n"
-        "|---|---|---|---|---|---|---|---|")
+        "(their step ms / the others') | their launch + wait ms / the others' (behind a codec call) | "
+        "last frame -> final p50 ms | engine thread off its CPU, ms a step |\n"
+        "|---|---|---|---|---|---|---|---|---|")
 
 
 def served_row(res: Path, run: str) -> str:
@@ -31,10 +34,12 @@ def served_row(res: Path, run: str) -> str:
     summary = res / run / "summary.md"
     lines = [m.groups() for m in LINE.finditer(summary.read_text(errors="replace"))] if summary.is_file() else []
     if not lines:
-        return f"| {run} | {level.get('audio_s_per_s', '-')} | (no loop line over 10 s) | | | | | |"
-    _, step, frames, rest, held, _, pct, pms, oms, tail, off = max(lines, key=lambda g: float(g[2]))
+        return f"| {run} | {level.get('audio_s_per_s', '-')} | (no loop line over 10 s) | | | | | | |"
+    steady = max(lines, key=lambda g: float(g[2]))  # the window with the most frames a step
+    _, step, frames, rest, held, _, pct, pms, oms, pl, pw, ol, ow, behind, tail, off = steady
+    split = f"{pl} + {pw} / {ol} + {ow} ({behind}%)" if pl is not None else "-"
     return (f"| {run} | {level.get('audio_s_per_s', '-')} | {float(step) + float(rest):.2f} ({step} + {rest}) | "
-            f"{frames} | {held} | {pct}% ({pms} / {oms}) | {tail or '-'} | {off or '-'} |")
+            f"{frames} | {held} | {pct}% ({pms} / {oms}) | {split} | {tail or '-'} | {off or '-'} |")
 
 
 def loop_row(r: dict) -> str:
@@ -43,9 +48,14 @@ def loop_row(r: dict) -> str:
     p = r["prompt_steps"]
     others = (r["step_ms"] - p * r["prompt_step_ms"]) / (1 - p) if p < 1 else 0.0
     tail = r["tail_ms_p50"] if r["tail_ms_p50"] is not None else "-"
+    split = "-"
+    if "launch_ms" in r:  # (loop.json of runs before the split was timed lack it)
+        ol, ow = ((r[k] - p * r[f"prompt_{k}"]) / (1 - p) if p < 1 else 0.0 for k in ("launch_ms", "wait_ms"))
+        split = (f"{r['prompt_launch_ms']} + {r['prompt_wait_ms']} / {ol:.2f} + {ow:.2f} "
+                 f"({100 * r['prompt_behind_codec']:.0f}%)")
     return (f"| {what} | {r['audio_s_per_s']} | {r['step_ms'] + r['rest_ms']:.2f} ({r['step_ms']} + {r['rest_ms']}) | "
             f"{r['frames_per_step']} | {r['slots_held']} | {100 * p:.0f}% ({r['prompt_step_ms']} / {others:.2f}) | "
-            f"{tail} | {r.get('off_cpu_ms', '-')} |")
+            f"{split} | {tail} | {r.get('off_cpu_ms', '-')} |")
 
 
 def table(res: Path, runs: list[str]) -> str:

@@ -9,8 +9,9 @@
 # 3. loop     perf/bench_loop.py with $LOOP_ARGS: the loop alone at once, with a served closed loop's round trip
 #             (--resubmit-ms), with Python beside it in its process (--gil-load)
 # One table (gap.md, printed): audio-s/s, and for each run its steady state: a pass's step and codec-and-routing
-# time, frames and slots a step, the share of steps ending a prompt (their step time against the others'), a
-# request's last frame to its final response. For a served run the steady state is slow_ar's 10 s loop line that made
+# time, frames and slots a step, the share of steps ending a prompt (their step time against the others', and each
+# kind's engine call split into launching and waiting for frames, with the share of prompt steps launched behind a
+# codec call), a request's last frame to its final response. For a served run the steady state is slow_ar's 10 s loop line that made
 # the most frames a step (its level must last more than 10 s: REQUESTS >= 12 C or so).
 #
 # Knobs: OUT (perf/out), CKPT (/tmp/s2-full), C (64), REQUESTS (768), PIN (1), SERVED (1; 0: the loop alone), LOOP_ARGS ("--streams $C --seconds 20

@@ -386,6 +386,10 @@ def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
     _run(["bash", "perf/served_gap.sh"], timeout=600, env=env)
     table = (tmp_path / "out" / "gap.md").read_text().splitlines()
     assert table[0].startswith("| run | audio-s/s | pass ms") and len(table) == 2 + 6, table
+    # every row's nine cells, the steps' launch + wait among them (prompt steps / the others, share behind a call)
+    assert all(row.count(" | ") == 8 for row in table[2:]), table
+    split = re.compile(r"[\d.]+ \+ [\d.]+ / -?[\d.]+ \+ -?[\d.]+ \(\d+%\)")
+    assert all(split.fullmatch(row.split(" | ")[6]) for row in table[2:]), table
     assert [row.split(" | ")[0] for row in table[2:5]] == ["| loop"] * 3
     assert [row.split(" | ")[0] for row in table[5:]] == ["| loop, resubmit 30 ms", "| loop, Python beside 50:1",
                                                          "| loop, launch ahead"]
@@ -443,5 +447,6 @@ def test_gap_table_reads_slow_ars_loop_line(tmp_path):
     (run / "summary.md").write_text("## slow_ar's loop, from its log\n\n" + "".join(f"- {m}\n" for m in lines))
     (run / "loadgen.json").write_text(json.dumps({"levels": [{"audio_s_per_s": 171.5}]}))
     rows = table(tmp_path, ["served", "pinned"]).splitlines()
-    assert rows[2] == "| served | 171.5 | 15.00 (11.0 + 4.0) | 58.0 | 59.0 | 100% (11.0 / 0.0) | 80.0 | 0.58 |", rows
-    assert rows[3] == "| pinned | - | (no loop line over 10 s) | | | | | |"
+    assert rows[2] == ("| served | 171.5 | 15.00 (11.0 + 4.0) | 58.0 | 59.0 | 100% (11.0 / 0.0) | "
+                       "2.0 + 8.0 / 0.0 + 0.0 (100%) | 80.0 | 0.58 |"), rows
+    assert rows[3] == "| pinned | - | (no loop line over 10 s) | | | | | | |"
