@@ -126,6 +126,7 @@ class RequestState:
     waiting: list = field(default_factory=list)
     released: int = 0  # frames whose audio was sent
     last_frame_at: float | None = None  # when the engine ended it (its last frame made)
+    final_pass: int | None = None  # with an in-engine codec: the codec pass that took its final item
 
 
 @dataclass
@@ -153,6 +154,7 @@ class LoopStats:
     firsts_wait_s: float = 0.0
     firsts_early: int = 0
     tails: list = field(default_factory=list)  # seconds from a request's last frame to its final response handed out
+    final_waits: list = field(default_factory=list)  # codec passes from a request's final item to its hand-out
     since: float = 0.0
     every_s: float = 10.0
 
@@ -198,6 +200,7 @@ class LoopStats:
                      1e3 * self.off_cpu_s / self.steps)
             self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_streams, self.frames = 0, 0.0, 0.0, 0, 0, 0
             self.loaded, self.live, self.waiting, self.firsts, self.firsts_s, self.tails = 0, 0, 0, 0, 0.0, []
+            self.final_waits = []
             self.off_cpu_s = self.launch_s = self.wait_s = self.firsts_launch_s = self.firsts_wait_s = 0.0
             self.firsts_early = 0
             self.since = now
@@ -262,6 +265,11 @@ class EngineService:
         # (a first chunk's decode would wait behind a launched step; c=1 loop alone on an H200: 7.2 -> 7.6 audio-s/s,
         # perf/RESULTS.md)
         self.light_ahead = True
+        # with held codec calls (under load), a request's final item waits for the next held call (up to
+        # codec_batch_steps passes; its client's next request waits for it): with N > 0, its last frames are decoded
+        # in a call of the finished requests alone once it has waited N passes. 0: off (perf/RESULTS.md, 31st session:
+        # a served slot's ~95 ms turnaround costs ~7%; not yet measured on a GPU)
+        self.finals_early_passes = 0
         # the codec's calls by a thread of their own, on a GPU on a CUDA stream of their own beside the engine's
         # (which has the higher priority): a codec call's kernels fill what the step leaves of the device instead of
         # waiting behind it (the streams are made by the engine thread's first pass: `_device_streams`)
@@ -569,6 +577,8 @@ class EngineService:
                 continue
             if kind == "final" and rec.state.last_frame_at is not None and len(self.loop.tails) < 100_000:
                 self.loop.tails.append(now - rec.state.last_frame_at)
+                if rec.state.final_pass is not None:
+                    self.loop.final_waits.append(self.loop.passes - rec.state.final_pass)
             hand(rec, kind, (codes, reason, stats, audio), reason or None, now)
         if decoding and fault is None:
             t2 = time.monotonic()
@@ -641,6 +651,8 @@ class EngineService:
             else:
                 st.waiting.append(item)
                 self._decoding[rec.iid] = rec
+                if item[1] == "final":
+                    st.final_pass = self.loop.passes
         K = self.codec_batch_steps
         batched = K > 1 and self.under_load()
         tick = not batched or self.loop.passes % K == 0 or not self.engine.has_work() or self._short_of_audio(K)
@@ -655,6 +667,11 @@ class EngineService:
                 if plan:
                     plans.append((rec, plan))
             self._run_codec(plans)
+        elif self.finals_early_passes:  # finished requests that have waited long enough: their last frames alone
+            N = self.finals_early_passes
+            due = [rec for rec in self._decoding.values() if not rec.closed and rec.state.final_pass is not None
+                   and self.loop.passes - rec.state.final_pass >= N]
+            self._run_codec([(rec, plan) for rec in due if (plan := self._plan(rec.state, K))])
         for rec in list(self._decoding.values()):
             out.extend(self._ready_items(rec))
         return out
