@@ -44,7 +44,8 @@ def served_row(res: Path, run: str) -> str:
 
 def loop_row(r: dict) -> str:
     what = "loop" + (f", resubmit {r['resubmit_ms']:g} ms" if r.get("resubmit_ms") else "") + \
-        (f", Python beside {r['gil_load']}" if r.get("gil_load") else "") + (", launch ahead" if r.get("launch_ahead") else "")
+        (f", Python beside {r['gil_load']}" if r.get("gil_load") else "") + (", launch ahead" if r.get("launch_ahead") else "") + \
+        (f", finals early {r['finals_early']}" if r.get("finals_early") else "")
     p = r["prompt_steps"]
     others = (r["step_ms"] - p * r["prompt_step_ms"]) / (1 - p) if p < 1 else 0.0
     tail = r["tail_ms_p50"] if r["tail_ms_p50"] is not None else "-"
