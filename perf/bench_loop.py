@@ -130,7 +130,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
 
         threading.Thread(target=busy, daemon=True).start()
     rng = np.random.default_rng(0)
-    live = []
+    live, due = [], {}  # due: a finished client's slot -> when its replacement comes
     for _ in range(args.streams):  # --stagger-ms apart: streams out of step, as clients arrive
         live.append(submit())
         time.sleep(args.stagger_ms / 1e3)
@@ -146,8 +146,13 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
             if gpu is not None:
                 gpu.reset()
         for k, c in enumerate(live):
-            if c.done.is_set() and time.monotonic() - c.done_at >= resubmit_ms / 1e3:
-                live[k] = submit()
+            if c.done.is_set():
+                if k not in due:  # its replacement's delay, drawn once: --resubmit-ms +- --resubmit-jitter-ms
+                    jitter = args.resubmit_jitter_ms * rng.uniform(-1.0, 1.0) if args.resubmit_jitter_ms else 0.0
+                    due[k] = c.done_at + max(0.0, resubmit_ms + jitter) / 1e3
+                if time.monotonic() >= due[k]:
+                    del due[k]
+                    live[k] = submit()
     t1 = time.monotonic()
     gpu_busy = gpu.read()["gpu_util_mean"] if gpu is not None else None
     if gpu is not None:
@@ -169,7 +174,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
            "passes_per_step": round(eng.runner.passes / max(1, svc.loop.steps), 2),
            "buckets": len(decoder.pool.BUCKETS),
-           "streams": args.streams, "resubmit_ms": resubmit_ms, "gil_load": gil_load or None,
+           "streams": args.streams, "resubmit_ms": resubmit_ms, "resubmit_jitter_ms": args.resubmit_jitter_ms,
+           "gil_load": gil_load or None,
            "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
            "step_ms": round(1e3 * (L.step_s - B.step_s) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - B.codec_s) / steps, 2),
            "frames_per_step": round((L.frames - B.frames) / steps, 1), "slots_held": round((L.live - B.live) / steps, 1),
@@ -231,6 +237,9 @@ def main() -> int:
     ap.add_argument("--resubmit-ms", default="0", help="comma-separated: a finished request's replacement comes this "
                     "long after its final response (a served closed loop's round trip: the final's way to the client, "
                     "the next request's way in; 0: at once), each tried with the first of the others")
+    ap.add_argument("--resubmit-jitter-ms", type=float, default=0.0, help="each replacement's delay drawn "
+                    "uniformly within --resubmit-ms +- this (served clients' round trips differ: arrivals spread over "
+                    "the steps instead of all after a held codec call)")
     ap.add_argument("--gil-load", default="", help="comma-separated R:W: a thread runs W ms of pure Python R times a "
                     "second beside the loop (what serving adds in slow_ar's process: its sender builds ~340 "
                     "responses/s of ~0.35 ms at c=64 on an H100, e.g. 340:0.35), each tried with the first of the "

@@ -43,7 +43,8 @@ def served_row(res: Path, run: str) -> str:
 
 
 def loop_row(r: dict) -> str:
-    what = "loop" + (f", resubmit {r['resubmit_ms']:g} ms" if r.get("resubmit_ms") else "") + \
+    rs, jitter = r.get("resubmit_ms") or 0, r.get("resubmit_jitter_ms") or 0
+    what = "loop" + (f", resubmit {rs:g}" + (f" +- {jitter:g}" if jitter else "") + " ms" if rs or jitter else "") + \
         (f", Python beside {r['gil_load']}" if r.get("gil_load") else "") + (", launch ahead" if r.get("launch_ahead") else "") + \
         (f", finals early {r['finals_early']}" if r.get("finals_early") else "")
     p = r["prompt_steps"]

@@ -382,7 +382,8 @@ def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "SERVED": "0", "DEVICE": "cpu", "CKPT": str(tiny_ckpt),
            "PYTHON": sys.executable,
            "LOOP_ARGS": "--streams 3 --frames 12 --frames-jitter 3 --stagger-ms 20 --seconds 1.5 --warm-s 0.4 "
-                        "--batch-steps 1,4 --admit-every 1,2 --resubmit-ms 0,30 --gil-load 50:1 --launch-ahead 1"}
+                        "--batch-steps 1,4 --admit-every 1,2 --resubmit-ms 0,30 --resubmit-jitter-ms 10 --gil-load 50:1 "
+                        "--launch-ahead 1"}
     _run(["bash", "perf/served_gap.sh"], timeout=600, env=env)
     table = (tmp_path / "out" / "gap.md").read_text().splitlines()
     assert table[0].startswith("| run | audio-s/s | pass ms") and len(table) == 2 + 6, table
@@ -390,15 +391,17 @@ def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert all(row.count(" | ") == 8 for row in table[2:]), table
     split = re.compile(r"[\d.]+ \+ [\d.]+ / -?[\d.]+ \+ -?[\d.]+ \(\d+%\)")
     assert all(split.fullmatch(row.split(" | ")[6]) for row in table[2:]), table
-    assert [row.split(" | ")[0] for row in table[2:5]] == ["| loop"] * 3
-    assert [row.split(" | ")[0] for row in table[5:]] == ["| loop, resubmit 30 ms", "| loop, Python beside 50:1",
-                                                         "| loop, launch ahead"]
+    # (every replacement's delay within --resubmit-ms +- 10 ms)
+    assert [row.split(" | ")[0] for row in table[2:5]] == ["| loop, resubmit 0 +- 10 ms"] * 3
+    assert [row.split(" | ")[0] for row in table[5:]] == ["| loop, resubmit 30 +- 10 ms",
+                                                         "| loop, resubmit 0 +- 10 ms, Python beside 50:1",
+                                                         "| loop, resubmit 0 +- 10 ms, launch ahead"]
     rows = json.loads((tmp_path / "out" / "loop.json").read_text())
     assert [(r["batch_steps"], r["admit_every"], r["resubmit_ms"], r["gil_load"], r["launch_ahead"]) for r in rows] == \
         [(1, 1, 0, None, False), (4, 1, 0, None, False), (1, 2, 0, None, False), (1, 1, 30, None, False),
          (1, 1, 0, "50:1", False), (1, 1, 0, None, True)]
     for r in rows:
-        assert r["audio_s_per_s"] > 0 and r["requests_done"] > 0 and r["errors"] == 0, r
+        assert r["audio_s_per_s"] > 0 and r["requests_done"] > 0 and r["errors"] == 0 and r["resubmit_jitter_ms"] == 10, r
         assert r["step_ms"] > 0 and r["streams_per_call"] >= 1 and 0 <= r["stall_fraction"] <= 1
         assert sum(r["stall_at_chunk"].values()) == round(r["stall_fraction"] * r["requests_done"])
         # where the slots went (3 streams): frames and slots a step, steps with a prompt's end, last frame to final
