@@ -48,15 +48,19 @@ def loop_row(r: dict) -> str:
         (f", Python beside {r['gil_load']}" if r.get("gil_load") else "") + (", launch ahead" if r.get("launch_ahead") else "") + \
         (f", finals early {r['finals_early']}" if r.get("finals_early") else "")
     p = r["prompt_steps"]
-    others = (r["step_ms"] - p * r["prompt_step_ms"]) / (1 - p) if p < 1 else 0.0
+
+    def others(mean: float, prompt_mean: float) -> float:  # the steps not ending a prompt, from the mean of all
+        return (mean - p * prompt_mean) / (1 - p) if p < 1 else 0.0
+
     tail = r["tail_ms_p50"] if r["tail_ms_p50"] is not None else "-"
     split = "-"
     if "launch_ms" in r:  # (loop.json of runs before the split was timed lack it)
-        ol, ow = ((r[k] - p * r[f"prompt_{k}"]) / (1 - p) if p < 1 else 0.0 for k in ("launch_ms", "wait_ms"))
+        ol, ow = others(r["launch_ms"], r["prompt_launch_ms"]), others(r["wait_ms"], r["prompt_wait_ms"])
         split = (f"{r['prompt_launch_ms']} + {r['prompt_wait_ms']} / {ol:.2f} + {ow:.2f} "
                  f"({100 * r['prompt_behind_codec']:.0f}%)")
+    other_step = others(r["step_ms"], r["prompt_step_ms"])
     return (f"| {what} | {r['audio_s_per_s']} | {r['step_ms'] + r['rest_ms']:.2f} ({r['step_ms']} + {r['rest_ms']}) | "
-            f"{r['frames_per_step']} | {r['slots_held']} | {100 * p:.0f}% ({r['prompt_step_ms']} / {others:.2f}) | "
+            f"{r['frames_per_step']} | {r['slots_held']} | {100 * p:.0f}% ({r['prompt_step_ms']} / {other_step:.2f}) | "
             f"{split} | {tail} | {r.get('off_cpu_ms', '-')} |")
 
 
