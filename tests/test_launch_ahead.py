@@ -4,6 +4,7 @@ a launch runs the step at once: what is checked is the order and the bookkeeping
 
 import numpy as np
 import pytest
+import torch
 
 from s2tts.engine import Engine
 from s2tts.engine.service import EngineService
@@ -210,3 +211,68 @@ def test_faults_at_a_launch_with_a_step_in_flight(model, prompts):
     assert not eng._inflight and not eng.live and eng.blocks.free == eng.blocks.capacity
     codes, reason = eng.generate(prompts.build("After."), SamplingParams(seed=2, max_new_tokens=3, ignore_end=True))
     assert codes.shape[1] == 3 and reason == "length"
+
+
+class _NumbersThroughIndex:
+    """A dispatch mode that records every Python number written through a tensor index (`t[idx] = -1`: the number
+    made a tensor by `aten.lift_fresh`, then the value of an `aten.index_put_`): on a GPU that value is copied from
+    pageable host memory, a copy that waits for all the work queued on the stream (the step in flight), so a launch
+    must never do it. (A 1-element device tensor written the same way, viewed as 0-dim, is not one.)"""
+
+    def __init__(self):
+        import weakref
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found = self.found = []
+        numbers = weakref.WeakSet()
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                name = func.overloadpacket.__name__
+                if name == "lift_fresh":
+                    numbers.add(out)
+                elif name in ("index_put_", "index_put", "_index_put_impl_") and args[2] in numbers:
+                    found.append((str(func), tuple(args[0].shape)))
+                return out
+
+        self.mode = Mode()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_a_launch_never_waits_for_the_device(tiny_ckpt, prompts, device):
+    """Launching steps with requests starting (their sampling state set, their prompt rows), decoding and joining:
+    no Python number goes through a tensor index (the CPU's check of what on a GPU is a copy that waits for the step
+    in flight: each prompt's first step was launched ~6 ms late on an H200), and on a GPU nothing in a launch
+    synchronizes with the device at all (`torch.cuda.set_sync_debug_mode("error")`)."""
+    from s2tts.checkpoint import load_model
+
+    model = load_model(tiny_ckpt, device, "fp32")
+    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
+    check, launches = _NumbersThroughIndex(), []
+    launch = eng._launch
+
+    def checked():
+        launches.append(len(eng.scheduler.live))
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with check.mode:
+                return launch()
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+
+    eng._launch = checked
+    for i, text in enumerate(["One to start.", "And a second."]):
+        eng.submit(f"r{i}", prompts.build(text), SamplingParams(seed=i, max_new_tokens=6, ignore_end=True))
+    frames, calls = {}, 0
+    while eng.has_work():
+        calls += 1
+        if calls == 3:
+            eng.submit("late", prompts.build("Joining late."), SamplingParams(seed=9, max_new_tokens=4, ignore_end=True))
+        for o in eng.step_ahead():
+            frames[o.request_id] = frames.get(o.request_id, 0) + len(o.codes)
+    assert frames == {"r0": 6, "r1": 6, "late": 4}
+    assert len(launches) >= 8 and check.found == [], check.found

@@ -248,7 +248,8 @@ class ModelRunner:
 
     def _set_slot_params(self, reqs: list[Request]) -> None:
         """The starting requests' sampling parameters into their slots' rows: two uploads (integers, floats) queued
-        behind the step in flight (`transfer.upload`), then scatters on the device."""
+        behind the step in flight (`transfer.upload`), then scatters on the device; nothing here waits for the
+        device."""
         ints = upload(torch.tensor([[r.slot, r.params.top_k, r.seed, int(not r.params.ignore_end)] for r in reqs],
                                    dtype=torch.int64), self.device)
         floats = upload(torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32),
@@ -256,7 +257,9 @@ class ModelRunner:
         slots = ints[:, 0]
         self.temperature[slots], self.top_p[slots] = floats[:, 0], floats[:, 1]
         self.top_k[slots], self.seed[slots], self.allow_end[slots] = ints[:, 1], ints[:, 2], ints[:, 3].bool()
-        self.recent[slots] = -1
+        # not `recent[slots] = -1`: a Python number put through a device index is copied from pageable host memory,
+        # which waits for the step in flight (each prompt's first step launched ~6 ms late; perf/RESULTS.md)
+        self.recent.index_fill_(0, slots, -1)
 
     def _slow_pass(self, decoding: list[Request], chunks: list[PrefillChunk], first: int) -> int:
         """One pass over the slow AR: a row per decoding request (input: its last frame, at its length) and a row per
