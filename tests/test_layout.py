@@ -239,3 +239,19 @@ def test_a_failed_engine_ends_only_its_requests_and_the_other_takes_new_ones(two
     assert all(_result(r)[0] is None for r in after)
     assert {min(_placement(h, f"after{i}")[0]) for i in range(2)} == {"slow_ar", "slow_ar_1"}
     _released(h)
+
+
+def test_later_chunks_grow_with_the_engines_s2pro_relays_for(tiny_ckpt):
+    """chunk_frames unset: 16 frames for each engine (one s2pro relays them all), at most max_chunk_frames; a given
+    value is kept. The value resolved is the one rendered into every model."""
+    from s2tts import settings as S
+
+    def chunk(**kw):
+        return S.resolve({"checkpoint": str(tiny_ckpt), **kw})["chunk_frames"]
+
+    assert chunk(device="cuda:0") == chunk(device="cpu") == S.SCHEMA["chunk_frames"].default == 16
+    assert chunk(device="cuda:0,cuda:1") == chunk(device="cpu,cpu") == 32
+    assert chunk(device="cuda:0,cuda:1,cuda:2,cuda:3") == 64
+    assert chunk(device="cuda:0,cuda:1", max_chunk_frames="24") == 24
+    assert chunk(device="cuda:0,cuda:1", chunk_frames="8") == 8
+    assert chunk(device="cuda:0,cuda:1", codec_device="cuda:2") == 32  # engines, not codecs
