@@ -7,7 +7,8 @@ load generator and of everything else, and how busy the machine's CPUs were, fro
     kill -INT %1; wait
 
 A process's share is its user + system CPU time over the window, in cores (1.0 = one CPU busy all the time); the
-stub of a model is named by its model.py's folder (slow_ar, s2pro, ...), the load generator by its script; processes
+stub of a model is named by its model.py's folder (slow_ar, s2pro, ...), the load generator by its script (the worker
+processes it spawns, `--procs`, counted with it: `processes` says how many); processes
 that started or ended inside the window count the part they ran. `busy` is the share of all CPUs not idle over the
 window (/proc/stat), `cpus` their number. The heaviest threads of each server process are listed too (their kernel
 names: Python threads share the process's name unless they set one).
@@ -54,6 +55,12 @@ def role(pid: str) -> str | None:
     for c in cmd[1:3]:
         if c.endswith(".py") and "/perf/" in f"/{c}":
             return os.path.basename(c)[:-3]
+    if "--multiprocessing-fork" in cmd:  # a spawned worker (loadgen's --procs): its parent's role
+        try:
+            ppid = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
+            return None
+        return role(ppid) if ppid != pid else None
     return None
 
 
@@ -121,9 +128,11 @@ class Sampler:
         b1, t1 = machine()
         cpus = os.cpu_count() or 1
         by_role: dict[str, float] = defaultdict(float)
+        procs: dict[str, int] = defaultdict(int)
         for pid, (r, t) in self.first.items():
             if r and pid in self.last:
                 by_role[r] += self.last[pid] - t
+                procs[r] += 1
         threads: dict[str, list] = defaultdict(list)
         for (pid, tid), (name, t) in self.threads_last.items():
             r = self.first.get(pid, ("", 0))[0]
@@ -132,6 +141,7 @@ class Sampler:
         return {"seconds": round(wall, 2), "cpus": cpus,
                 "busy": round((b1 - self.m0[0]) / max(1e-9, t1 - self.m0[1]), 4),
                 "cores": {r: round(s / max(wall, 1e-9), 3) for r, s in sorted(by_role.items(), key=lambda kv: -kv[1])},
+                "processes": dict(procs),
                 "top_threads": {r: [[n, round(s / max(wall, 1e-9), 3)] for s, n in sorted(v, reverse=True)[:5]]
                                 for r, v in threads.items()}}
 
@@ -142,7 +152,8 @@ def markdown(rep: dict) -> str:
              "|---|---|---|"]
     for r, c in rep["cores"].items():
         top = ", ".join(f"{n} {s:.2f}" for n, s in rep["top_threads"].get(r, []))
-        lines.append(f"| {r} | {c:.2f} | {top} |")
+        n = rep.get("processes", {}).get(r, 1)
+        lines.append(f"| {r}{f' ({n} processes)' if n > 1 else ''} | {c:.2f} | {top} |")
     return "\n".join(lines) + "\n"
 
 
