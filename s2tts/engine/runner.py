@@ -8,6 +8,9 @@ paged cache up to its own position, so prompt rows are causal); then one batch s
 for every request that gets a frame. The pass is captured as a CUDA graph per row bucket (and way of splitting the
 keys), the sampling per batch bucket; the step's frames reach the host in one copy, its one synchronisation
 (`launch` queues a step and returns; `collect` waits for its frames: the host may do other work in between).
+Nothing in a launch waits for the device: host data goes up through `transfer.upload` / `copy_in`, and no Python
+number is written through a device index (that is a copy from pageable memory, which waits for the step in flight;
+tests/test_launch_ahead.py checks both).
 
 Slot `max_batch` is the scratch slot: the padding rows of a graph's bucket read and write it, never a live
 request's.
