@@ -784,7 +784,7 @@ def summarize(c: int, n: int, records: list[Record], wall: float, gstats: dict, 
     errs = [r.error for r in records if r.error]
     lv = {
         "concurrency": c, "requests": n, "completed": len(records), "ok": len(ok), "errors": len(records) - len(ok),
-        "not_run": n - len(records),
+        "not_run": n - len(records), "client_processes": len({r.pid for r in records}),
         "clone_requests": sum(r.kind != "plain" for r in records),
         "wall_s": _r(span, 3),
         "ttfa_ms_mean": _r(np.mean(ttfa), 2) if ttfa else None, "ttfa_ms_p50": _r(_pct(ttfa, 50), 2),

@@ -14,6 +14,9 @@
 #   MAX_BATCH            64             KV slots per engine
 #   SETTINGS             ""             more settings for every run
 #   DEVICE_TYPE          cuda           cpu: a smoke test with a tiny CKPT (device=cpu,cpu,...)
+#   PROCS_PER_GPU        2              from two engines up, load generator processes per engine (loadgen --procs,
+#                                       unless LOADGEN_ARGS has it): one Python client process tops out near one core
+#                                       (2x H200, c=128: 448.3 audio-s/s with one, 475.2 with four; perf/RESULTS.md)
 #   CKPT                 /tmp/s2-full   written once (full-size random) if missing
 #   OUT                  perf/out       results: scale.md (the table), scale.json, gN.tar.gz (run_gpu.sh's files)
 # run_gpu.sh's own knobs (SERVER_CPUS, STOP_NOW, ...) pass through to every run.
@@ -42,7 +45,9 @@ for n in $GPUS; do
   echo "[scale_gpus] == $n engine(s): device=$devs, c=$c"
   rm -rf "$RES/g$n" && mkdir -p "$RES/g$n"
   rc=0
-  OUT="$RES/g$n" DEVICE="$devs" CONCURRENCY="$c" CLONE_CONCURRENCY="" PA=0 \
+  la="${LOADGEN_ARGS:-}"
+  if [ "$n" -gt 1 ] && [[ "$la" != *--procs* ]]; then la="$la --procs $((${PROCS_PER_GPU:-2} * n))"; fi
+  LOADGEN_ARGS="$la" OUT="$RES/g$n" DEVICE="$devs" CONCURRENCY="$c" CLONE_CONCURRENCY="" PA=0 \
     SETTINGS="max_concurrent_requests=$((2 * c)) ${SETTINGS:-}" bash perf/run_gpu.sh >"$RES/g$n.log" 2>&1 || rc=$?
   tail -5 "$RES/g$n.log"
   [ $rc -eq 0 ] || echo "[scale_gpus] the $n-engine run failed (exit $rc): see g$n.tar.gz"

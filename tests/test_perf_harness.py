@@ -255,7 +255,7 @@ def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/scale_gpus.sh end to end with `device=cpu` and `cpu,cpu` (what it runs as cuda:0 and cuda:0,cuda:1 on a
     GPU host): both layouts serve every request, and the two-engine server loaded slow_ar_1 and dac_decoder_1 and
     served through both engines and both codecs (the real tritonserver with two engines; what s2pro does with them
-    is tests/test_layout.py's, on the fake)."""
+    is tests/test_layout.py's, on the fake), its load generator in worker processes (one per stream here)."""
     import tarfile
 
     from servers import free_port
@@ -271,6 +271,10 @@ def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
     _run(["bash", "perf/scale_gpus.sh"], timeout=600, env=env)
     rows = json.loads((tmp_path / "out" / "scale.json").read_text())
     assert [(r["engines"], r["concurrency"]) for r in rows] == [(1, 1), (2, 2)]
+    for n, procs in ((1, 1), (2, 2)):  # from two engines up the client runs in processes (PROCS_PER_GPU; min(c, 4) here)
+        with tarfile.open(tmp_path / "out" / f"g{n}.tar.gz") as tar:
+            level = json.loads(tar.extractfile(f"g{n}/loadgen.json").read())["levels"][-1]
+        assert level["client_processes"] == procs, (n, level)
     assert all(r["ok"] == r["requests"] > 0 and r["audio_s_per_s"] > 0 for r in rows), rows
     assert rows[0]["efficiency"] == 1.0 and rows[1]["efficiency"] > 0
     with tarfile.open(tmp_path / "out" / "g1.tar.gz") as tar:
