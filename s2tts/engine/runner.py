@@ -261,7 +261,7 @@ class ModelRunner:
         self.temperature[slots], self.top_p[slots] = floats[:, 0], floats[:, 1]
         self.top_k[slots], self.seed[slots], self.allow_end[slots] = ints[:, 1], ints[:, 2], ints[:, 3].bool()
         # not `recent[slots] = -1`: a Python number put through a device index is copied from pageable host memory,
-        # which waits for the step in flight (each prompt's first step launched ~6 ms late; perf/RESULTS.md)
+        # which waits for the step in flight (a prompt's first step launched ~7 ms late; perf/RESULTS.md)
         self.recent.index_fill_(0, slots, -1)
 
     def _slow_pass(self, decoding: list[Request], chunks: list[PrefillChunk], first: int) -> int:
