@@ -244,6 +244,7 @@ class Record:
     error: str | None = None
     t_send: float = 0.0  # seconds since the level started
     ttfa_s: float | None = None
+    arrived_s: float | None = None  # the first audio's arrival in the client process (its gRPC stream thread)
     total_s: float | None = None
     samples: int = 0
     sample_rate: int = 0
@@ -309,7 +310,7 @@ class GrpcWorker:
                 if isinstance(ev, AudioChunk):
                     if ev.audio.size:
                         if rec.ttfa_s is None:
-                            rec.ttfa_s = ev.t
+                            rec.ttfa_s, rec.arrived_s = ev.t, ev.arrived
                         rec.samples += int(ev.audio.size)
                         rec.sample_rate = ev.sample_rate
                         rec.chunks += 1
@@ -819,13 +820,17 @@ TTFA_PARTS = (("to slow_ar", "to_engine_s"), ("queue", "queue_s"), ("first frame
 
 def ttfa_parts(ok: list[Record]) -> dict:
     """Median milliseconds of each part of TTFA_PARTS (from the request's arrival in s2pro, but the slow_ar ones: from
-    its arrival in slow_ar), and the client's own TTFA; {} when the server reports none."""
+    its arrival in slow_ar), the first audio's arrival in the client process (gRPC: its stream thread) and the
+    client's own TTFA (when a worker read it); {} when the server reports none."""
     out = {}
     for name, key in TTFA_PARTS:
         v = [r.server[key] * 1e3 for r in ok if isinstance(r.server.get(key), (int, float))]
         if v:
             out[name] = _r(_pct(v, 50), 1)
     if out:
+        arrived = [r.arrived_s * 1e3 for r in ok if r.arrived_s is not None]
+        if arrived:  # in the client process (gRPC): the rest of "received" is the client's own thread scheduling
+            out["at the client"] = _r(_pct(arrived, 50), 1)
         out["received"] = _r(_pct([r.ttfa_s * 1e3 for r in ok if r.ttfa_s is not None], 50), 1)
     return out
 

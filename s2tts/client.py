@@ -116,9 +116,11 @@ class AudioChunk:
     sequence: int
     audio: np.ndarray  # float32
     sample_rate: int
-    t: float  # seconds since the request was sent
+    t: float  # seconds since the request was sent, when this generator read it
     codes: np.ndarray | None = None  # [frames, num_codebooks] behind this chunk
     segment: dict | None = None  # where it is: {segment, text, frame, frames} (s2tts.frontend.orchestrator)
+    arrived: float | None = None  # seconds since the request was sent, when it reached this process (tritonclient's
+    # stream thread), before a thread of the caller's read it: `t - arrived` is the client's own delay
 
 
 @dataclass
@@ -179,7 +181,7 @@ class S2ProClient:
         self._lock = threading.Lock()
 
     def _callback(self, result, error):
-        self._q.put((result, error))
+        self._q.put((time.perf_counter(), result, error))
 
     def _ensure_stream(self):
         if not self._open:
@@ -207,7 +209,7 @@ class S2ProClient:
             n = 0
             while True:
                 try:
-                    result, error = self._q.get(timeout=timeout)
+                    arrived, result, error = self._q.get(timeout=timeout)
                 except queue.Empty:
                     self.close(cancel=True)  # the request is abandoned: cancel it on the server
                     raise TTSError(f"no response within {timeout} s", "deadline_exceeded") from None
@@ -224,7 +226,7 @@ class S2ProClient:
                 if audio is not None and audio.size:
                     sr = int(result.as_numpy("sample_rate").reshape(-1)[0])
                     yield AudioChunk(int(result.as_numpy("sequence").reshape(-1)[0]), audio.astype(np.float32), sr, t,
-                                     result.as_numpy("codes"), json_output(result, "segment"))
+                                     result.as_numpy("codes"), json_output(result, "segment"), arrived - t0)
                     n += 1
                     if cancel_after_chunks is not None and n >= cancel_after_chunks:
                         self.close(cancel=True)

@@ -127,8 +127,10 @@ def test_loadgen_sweep(triton_server, tmp_path):
         assert lv["chunks_per_request_mean"] >= 1
         parts = lv["ttfa_parts_ms_p50"]
         assert list(parts) == ["to slow_ar", "queue", "first frame", "first chunk out of slow_ar", "sent by s2pro",
-                               "received"]
-        assert parts["first frame"] <= parts["first chunk out of slow_ar"] <= parts["sent by s2pro"] <= parts["received"]
+                               "at the client", "received"]
+        # each request's first audio reached the client process after s2pro sent it and before a worker read it
+        assert parts["first frame"] <= parts["first chunk out of slow_ar"] <= parts["sent by s2pro"] \
+            <= parts["at the client"] <= parts["received"]
         assert 0 <= lv["stall_fraction"] <= 1
         assert sum(lv["stall_at_chunk"].values()) == round(lv["stall_fraction"] * n) and lv["dry_ms_max"] >= 0
         if r["gpu"]["monitor"] == "n/a":
@@ -137,6 +139,7 @@ def test_loadgen_sweep(triton_server, tmp_path):
         for q in lv["records"]:
             kinds.add(q["kind"])
             assert q["ok"] and q["error"] is None
+            assert 0 < q["arrived_s"] <= q["ttfa_s"], q
             assert q["frames"] == FRAMES and q["samples"] == FRAMES * HOP and q["sample_rate"] == SR
             assert q["audio_s"] == pytest.approx(audio_s, abs=1e-4)
             assert 0 < q["ttfa_s"] <= q["total_s"] and q["rtf"] == pytest.approx(q["total_s"] / q["audio_s"], rel=1e-3)
