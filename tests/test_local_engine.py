@@ -100,25 +100,3 @@ def test_an_engine_fault_ends_every_request_once_and_unloads_s2pro(harness_facto
     assert ("s2pro", "unload") in h.calls and not engine.health.ok
     assert not [c for c in h.calls if c[0] == "slow_ar"]
     assert not [t for t in threading.enumerate() if t.name.startswith("s2tts-reload")]
-
-
-def test_a_worker_asks_for_its_clients_cancel_at_most_every_chunk_cancel_check_s(harness_factory):
-    """With `chunk_cancel_check_s` (TTSService; 0, the default: at every chunk) a request's worker asks whether its
-    client cancelled at most that often between chunks (each ask is a round trip to Triton's process): fewer asks
-    than chunks, and a cancel still ends the request (cancelled, well before its 400 frames)."""
-    h = harness_factory(codec_in_engine="true", engine_in_s2pro="true", chunk_frames="2")
-    h.models["s2pro"].service.chunk_cancel_check_s = 0.5
-    r = h.request("s2pro", tts_inputs("Ask me rarely.", max_new_tokens=400, ignore_eos=np.array([True])), "rare")
-    asks, ask = [], r.sender.is_cancelled
-    r.sender.is_cancelled = lambda: asks.append(time.monotonic()) or ask()
-    deadline = time.time() + 60
-    while time.time() < deadline and len([x for x in r.sender.responses if not x.has_error()]) < 12:
-        time.sleep(0.01)
-    chunks = len(r.sender.responses)
-    assert chunks >= 12 and len(asks) < chunks, (chunks, len(asks))
-    r.cancelled = True
-    wait_final(r)
-    final = r.sender.responses[-1]
-    assert b'"finish_reason": "cancelled"' in final.get("stats").reshape(-1)[0]
-    frames = sum(x.get("codes").shape[0] for x in r.sender.responses[:-1])
-    assert frames < 400 and quiet(h)["live"] == 0

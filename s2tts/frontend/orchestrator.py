@@ -150,10 +150,6 @@ class TTSService:
         self.check_timeout_s = min(10.0, values["stall_timeout_s"])
         self.supervise_s = supervise_s
         self.cancel_check_s = 0.5  # a request waiting this long on a model: the supervisor checks for a cancel
-        # between its chunks a request's worker asks whether its client cancelled at most this often (0: at every
-        # chunk). Each ask is a round trip to Triton's process: 12% of s2pro's CPU on the CPU machine's tiny server
-        # (perf/RESULTS.md, 31st session), where s2pro is a one-core process at two GPUs' load; not yet measured there
-        self.chunk_cancel_check_s = 0.0
         self.on_tick = on_tick  # called every supervisor pass (metrics)
         self.recovering: dict[str, float] = {}  # model -> when its reload started
         self.last_reload: dict[str, float] = {}
@@ -381,11 +377,8 @@ class TTSService:
             w.step("generating")
             if rec.closed:
                 return made, None
-            now = time.monotonic()
-            if now - w.last_cancel_check >= self.chunk_cancel_check_s:
-                w.last_cancel_check = now
-                if rec.responder.is_cancelled():
-                    raise Cancelled()
+            if rec.responder.is_cancelled():
+                raise Cancelled()
             if frames.shape[0]:
                 made.append(frames)
                 where = {"segment": w.segment[0], "text": w.segment[1], "frame": stats.frames,
