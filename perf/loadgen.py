@@ -859,10 +859,13 @@ def markdown(result: dict) -> str:
 
 
 def chunk_notes(result: dict) -> str:
-    """One line per level: the chunks a request got and, where streams ran dry, at which chunk and for how long."""
+    """One line per level: the chunks a request got (and the client's processes, if more than one) and, where streams
+    ran dry, at which chunk and for how long."""
     out = []
     for lv in result["levels"]:
         line = f"- c={lv['concurrency']}: {lv['chunks_per_request_mean']} chunks a request"
+        if lv.get("client_processes", 1) > 1:
+            line += f" (the client in {lv['client_processes']} processes)"
         if lv.get("stall_at_chunk"):
             at = ", ".join(f"chunk {k}: {n}" for k, n in lv["stall_at_chunk"].items())
             line += f"; ran dry first at {at}; longest silence {lv['dry_ms_max']} ms"

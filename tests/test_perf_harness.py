@@ -46,10 +46,12 @@ def test_stall_finds_the_first_late_chunk_and_the_silence():
     assert stall and at == 2 and dry == pytest.approx(0.25) and gap == pytest.approx(0.9)
     assert _stall([0.0, 0.5, 1.0], [1.0, 1.0, 1.0]) == (False, 0.5, None, 0.0)
     lv = {"concurrency": 64, "chunks_per_request_mean": 8.3, "stall_at_chunk": {1: 2, 3: 1}, "dry_ms_max": 120.0}
-    assert chunk_notes({"levels": [lv, {**lv, "concurrency": 1, "stall_at_chunk": {},
-                                        "ttfa_parts_ms_p50": {"first frame": 20.0, "received": 45.0}}]}) == (
+    assert chunk_notes({"levels": [lv, {**lv, "concurrency": 1, "stall_at_chunk": {}, "client_processes": 1,
+                                        "ttfa_parts_ms_p50": {"first frame": 20.0, "received": 45.0}},
+                                   {**lv, "concurrency": 128, "stall_at_chunk": {}, "client_processes": 4}]}) == (
         "- c=64: 8.3 chunks a request; ran dry first at chunk 1: 2, chunk 3: 1; longest silence 120.0 ms\n"
-        "- c=1: 8.3 chunks a request; first audio, p50 ms: first frame 20.0, received 45.0")
+        "- c=1: 8.3 chunks a request; first audio, p50 ms: first frame 20.0, received 45.0\n"
+        "- c=128: 8.3 chunks a request (the client in 4 processes)")
     # with the level's records: when the streams that ran dry were sent, and their chunks up to the late one
     records = [{"t_send": 0.5, "stall_at_chunk": None, "chunk_frames": [8, 8]},
                {"t_send": 0.04, "stall_at_chunk": 1, "chunk_frames": [2, 6, 8]},
