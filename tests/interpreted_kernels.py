@@ -207,7 +207,7 @@ def check_ops():
         p_ = torch.tensor([1.0, 0.9, 0.8, 0.5, 0.95, 1.0])
         k = torch.tensor([0, 30, 30, 5, 0, 1])
         seed = torch.tensor([1, 2**40 + 3, 5, 7, 11, 13])
-        for st in range(4):
+        for st in range(4 if V < 128 else 2):  # (the interpreter's sort of 512 keys is slow: two draws at 300)
             step = torch.full((B,), st)
             a = sample(lg, t, p_, k, seed, step, 3 + st, kernel=False)
             b = sample(lg, t, p_, k, seed, step, 3 + st, kernel=True)
@@ -503,6 +503,9 @@ def check_codec(ckpt):
         for mode in ("off", "channels_first", "channels_last"):
             use_triton_kernels(codec, mode != "off", channels_last=mode == "channels_last")
             for B in (1, 2):  # one stream: its size-1 dimensions give reshapes views of other strides
+                if mode == "channels_first" and B == 1:  # channels-first decoding is only bench_codec's baseline
+                    got[mode, B] = (None, None, codec.encode(wav[:B]))  # (a reference clip: one stream)
+                    continue
                 st, parts = codec.new_stream_state(B), []
                 for sl in (slice(0, 2), slice(2, 3), slice(3, 6)):
                     audio, st = codec.decode_stream(codes[:B, :, sl], st)
@@ -513,10 +516,11 @@ def check_codec(ckpt):
     use_triton_kernels(codec, False)
     assert codec.new_stream_state(1).tensors["decoder.model.0"].shape[1:] == (cfg.latent_dim, 6)  # [B, C, ctx] again
     for B in (1, 2):
-        for mode in ("channels_first", "channels_last"):
+        for mode in ("channels_first", "channels_last") if B == 2 else ("channels_last",):
             off, on = got["off", B], got[mode, B]
             assert rel(on[0], off[0]) < 1e-5 and rel(on[1], off[1]) < 1e-5, (mode, B)
             assert rel(on[0], on[1]) < 1e-5  # chunks join without seams
+    for B in (1, 2):  # the encoder, with the kernels
         assert torch.equal(got["channels_first", B][2], got["off", B][2])
 
     # the served path channels-last, as dac_decoder runs it: fp16 streams in the slot pool; a chunk that overflows

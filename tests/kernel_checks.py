@@ -1,7 +1,7 @@
 """Starting the interpreted kernel checks (tests/interpreted_kernels.py) for tests/test_kernels.py: in two
 processes that run at once (the interpreter runs a kernel's programs one after another in Python, on one core), about
 the same work in each. conftest.py starts them niced when the whole suite begins, so that they use the CPU time the
-server tests leave idle (about 335 s of one core on a 2-core machine); run alone, the test starts them itself.
+server tests leave idle (about 305 s of one core on a 2-core machine); run alone, the test starts them itself.
 
 Each check writes its output and then its exit status into files of one folder (`Checks`), so that the test that
 collects them may run in another process than the one that started them (pytest-xdist's workers: the controller
@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 # two processes of about the same CPU time, so that neither runs on alone at the suite's end while a core idles
-# (one by one on the 2-core machine: ops 69 s, codec 92, fp8 30, engine 60, invariant 84; the groups were 191 / 144)
-GROUPS = (("ops", "codec"), ("fp8", "engine", "invariant"))
+# (one by one on the 2-core machine: ops 53 s, codec 79, fp8 30, engine 60, invariant 84)
+GROUPS = (("ops", "codec", "fp8"), ("engine", "invariant"))
 BACKGROUND = pytest.StashKey["Checks"]()  # config.stash: the checks conftest.py started in this process
 ENV = "S2TTS_KERNEL_CHECKS"  # the folder of checks started for the whole run (by pytest-xdist's controller)
 
