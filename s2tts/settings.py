@@ -286,15 +286,14 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
                       sizes[-1])
     if not sizes:
         out["kv_cache_tokens"] = default_kv_tokens(out)
-    if given.get("chunk_frames") in (None, ""):  # later chunks: the default's frames for each engine s2pro relays for
-        from .layout import Layout
+    from .layout import Layout
 
-        out["chunk_frames"] = min(out["max_chunk_frames"], out["chunk_frames"] * Layout.from_values(out).replicas)
+    layout = Layout.from_values(out)  # raises on a bad device list
+    if given.get("chunk_frames") in (None, ""):  # later chunks: the default's frames for each engine s2pro relays for
+        out["chunk_frames"] = min(out["max_chunk_frames"], out["chunk_frames"] * layout.replicas)
     check_rules(out)
     if out["codec_in_engine"] is None:  # decided here, so that slow_ar and dac_decoder agree
-        from .layout import Layout
-
-        out["codec_in_engine"] = Layout.from_values(out).codec_beside_engines()
+        out["codec_in_engine"] = layout.codec_beside_engines()
     return out
 
 
