@@ -266,17 +266,26 @@ class S2ProClient:
         self.client.close()
 
 
-def read_metrics(url: str, prefix: str = "s2tts_") -> dict[str, float]:
+def read_metrics(url: str, prefix: str = "s2tts_", instances: bool = False) -> dict[str, float]:
     """The server's metrics whose names start with `prefix`, from its Prometheus endpoint (e.g.
-    http://127.0.0.1:8002/metrics), keyed 'name{labels}'."""
+    http://127.0.0.1:8002/metrics), keyed 'name{labels}'. The series of a model's several instances (label
+    `instance`: s2pro with `s2pro_instances` > 1) are folded into the model's, unless `instances`: summed, but for
+    `s2tts_model_healthy`, the least (a model is healthy when all its instances are)."""
     import re
     import urllib.request
 
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
-    out = {}
+    out: dict[str, float] = {}
     for line in text.splitlines():
         m = re.match(rf"^({re.escape(prefix)}[a-z_]+)(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
         if m:
-            out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+            labels = m.group(2) or ""
+            if not instances and "instance=" in labels:
+                labels = re.sub(r'instance="[^"]*",?', "", labels).replace(",}", "}").replace("{}", "")
+            key, value = m.group(1) + labels, float(m.group(3))
+            if key not in out:
+                out[key] = value
+            else:
+                out[key] = min(out[key], value) if m.group(1) == "s2tts_model_healthy" else out[key] + value
     return out

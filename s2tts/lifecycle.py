@@ -56,6 +56,7 @@ class Tracked:
     _pending_final: tuple | None = field(default=None, repr=False)  # (final response,) waiting for those sends
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _table: "RequestTable | None" = field(default=None, repr=False)
+    _slot: int | None = field(default=None, repr=False)  # its slot of the table's shared `slots`
 
     @property
     def closed(self) -> bool:
@@ -154,16 +155,19 @@ class RequestTable:
     """The requests in flight in one model instance, keyed by internal id.
 
     `limit`: the most requests in flight; `open` refuses more with `unavailable` at once (never queues).
+    `slots`: instead of `limit`, slots shared with other processes (`frontend.instances.SharedSlots`: several s2pro
+    instances under one `max_concurrent_requests`); a request holds one from `open` until it ends.
     `make_error(S2Error) -> response`: how the adapter answers an error (a Triton error response).
     """
 
     ENDED_KEPT = 4096  # client ids of ended requests remembered (`ended_recently`)
 
     def __init__(self, name: str, make_error: Callable[[S2Error], Any], limit: int | None = None,
-                 health: Health | None = None, retry_after_s: float = 1.0):
+                 health: Health | None = None, retry_after_s: float = 1.0, slots=None):
         self.name = name
         self.make_error = make_error
         self.limit = limit
+        self.slots = slots
         self.health = health or Health(name)
         self.retry_after_s = retry_after_s
         self._ids = itertools.count(1)
@@ -190,10 +194,16 @@ class RequestTable:
                 self.counts["refused"] += 1
                 raise unavailable(f"{self.name} is busy: {len(self._live)} requests in flight, the limit is "
                                   f"{self.limit}; retry in {self.retry_after_s:g} s")
+            slot = None
+            if self.slots is not None and (slot := self.slots.take()) is None:
+                self.counts["refused"] += 1
+                raise unavailable(f"{self.name} is busy: {self.slots.limit} requests in flight in its instances "
+                                  f"together (max_concurrent_requests); retry in {self.retry_after_s:g} s")
             now = time.monotonic()
             rec = Tracked(next(self._ids), client_id or "", responder,
                           deadline=None if not timeout_s else now + timeout_s, state=state, label=label)
             rec._table = self
+            rec._slot = slot
             self._live[rec.iid] = rec
             if client_id and unique:
                 self._by_client[client_id] = rec.iid
@@ -211,6 +221,8 @@ class RequestTable:
         with self._lock:
             if self._live.pop(rec.iid, None) is not None:
                 self.counts["finished"] += 1
+                if rec._slot is not None:
+                    self.slots.give(rec._slot)
                 self._outcomes[rec.outcome] = self._outcomes.get(rec.outcome, 0) + 1
             if self._by_client.get(rec.client_id) == rec.iid:
                 del self._by_client[rec.client_id]

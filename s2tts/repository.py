@@ -61,6 +61,8 @@ def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REP
         cfg = dst / name / "config.pbtxt"
         own = {**values, **placed.get(name, {})}
         text = _PLACEHOLDER.sub(lambda m: own[m.group(1)], cfg.read_text(encoding="utf-8"))
+        if template == "s2pro":  # a structural field too: how many s2pro processes
+            text = re.sub(r"instance_group \[ \{ count: \d+", f"instance_group [ {{ count: {own['s2pro_instances']}", text)
         if template == DECODER:  # a structural field: the template keeps a number (it parses), rendering sets it
             text = re.sub(r"max_queue_delay_microseconds: \d+", f"max_queue_delay_microseconds: {own['codec_queue_delay_us']}", text)
         if name != template:  # a replica: the same model under its own name

@@ -204,8 +204,15 @@ SETTINGS: tuple[Setting, ...] = (
             "that makes the engine unhealthy unloads s2pro (restart the server or load s2pro again) instead of "
             "s2pro reloading slow_ar. Off by default: on one H100 at c=64 it served 12% fewer audio-s/s (145 against "
             "164-171: s2pro's per-request Python shares the engine thread's GIL; c=1 unchanged; perf/RESULTS.md)"),
-    Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once; more are refused at "
-            "once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
+    Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once (all its instances "
+            "together); more are refused at once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
+    Setting("s2pro_instances", int, None, ("s2pro",), "s2pro processes (Triton instances of the model; each request "
+            "goes to one): unset: one per engine `device` lists (1 with `engine_in_s2pro`). Every chunk crosses s2pro, "
+            "whose Python shares one interpreter lock: on 2x H200 at c=128 two instances served 507.4 audio-s/s "
+            "(three runs) against 485.7 with one, first-audio p99 300-334 ms against 411-482; on one H200 at c=64 two "
+            "served 257.0 against 260.3 (perf/RESULTS.md). The instances share `max_concurrent_requests` and the text "
+            "sessions (text for a session another instance holds is relayed to it over a Unix socket)",
+            min=1, max=64),
     Setting("first_chunk_frames", int, 2, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk (1 frame = 2048 "
             "samples = 46 ms): 2 against 4 took one H200's c=1 time to first audio from 37 to 23.5 ms, with no "
             "stall and the same throughput at c=1 and c=64 (perf/RESULTS.md)", min=1),
@@ -291,6 +298,8 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
     layout = Layout.from_values(out)  # raises on a bad device list
     if given.get("chunk_frames") in (None, ""):  # later chunks: the default's frames for each engine s2pro relays for
         out["chunk_frames"] = min(out["max_chunk_frames"], out["chunk_frames"] * layout.replicas)
+    if out["s2pro_instances"] is None:  # one s2pro process for each engine's chunks
+        out["s2pro_instances"] = 1 if out["engine_in_s2pro"] else layout.replicas
     check_rules(out)
     if out["codec_in_engine"] is None:  # decided here, so that slow_ar and dac_decoder agree
         out["codec_in_engine"] = layout.codec_beside_engines()
@@ -326,6 +335,9 @@ def check_rules(v: dict[str, Any]) -> None:
          f"engine_in_s2pro=true holds one engine in s2pro's process with its fast AR: it needs one device (device="
          f"{v['device']}) and fast_ar=inprocess (fast_ar={v['fast_ar']}); leave engine_in_s2pro unset or false",
          "engine_in_s2pro")
+    need(not v["engine_in_s2pro"] or v["s2pro_instances"] in (None, 1),
+         f"engine_in_s2pro=true holds the engine in s2pro's process: one instance of it (s2pro_instances="
+         f"{v['s2pro_instances']}); leave s2pro_instances unset or 1", "s2pro_instances")
     need(v["first_chunk_frames"] <= v["max_chunk_frames"] and v["chunk_frames"] <= v["max_chunk_frames"],
          f"first_chunk_frames={v['first_chunk_frames']} and chunk_frames={v['chunk_frames']} must be at most "
          f"max_chunk_frames={v['max_chunk_frames']}", "chunk_frames")

@@ -363,6 +363,8 @@ METRICS = {  # name -> (kind, help[, histogram buckets])
     "s2tts_engine_streams_open": ("gauge", "slow_ar streams whose reader has not taken the last chunk yet"),
     "s2tts_engine_step_seconds": ("gauge", "slow_ar's moving average of a decode step (one frame for every live "
                                   "stream); above the audio of one frame, streams fall behind real time"),
+    "s2tts_session_text_relayed_total": ("counter", "s2pro: text for a session held by another s2pro instance, passed "
+                                         "to it (s2pro_instances > 1)"),
     "s2tts_stream_pace": ("gauge", "s2pro's moving average of the seconds between a stream's audio chunks per second "
                           "of their audio; at 1 or more, streams play slower than real time"),
     "s2tts_codec_streams_open": ("gauge", "dac_decoder (or slow_ar, codec_in_engine) streams whose decoder state is held"),
@@ -379,10 +381,12 @@ class Metrics:
     histograms); a no-op where it is missing. Observations for histograms are buffered (`observe`, from any
     thread) and sent by `flush`, from the model's reporting thread: a request never waits on the metrics IPC."""
 
-    def __init__(self, model: str, families_of: "Metrics | None" = None):
+    def __init__(self, model: str, families_of: "Metrics | None" = None, labels: dict | None = None):
         """`families_of`: another `Metrics` of this process whose families these series join (a family is made once
-        per process: s2pro holding the engine reports it under the engine's model name)."""
+        per process: s2pro holding the engine reports it under the engine's model name). `labels`: on every series
+        besides `model` (several instances of one model: `instance`, or their gauges would overwrite each other's)."""
         self.model = model
+        self.labels = {"model": model, **(labels or {})}
         self._families: dict = {}
         self._metrics: dict = {}
         self._last: dict = {}
@@ -412,7 +416,7 @@ class Metrics:
         if m is None and name in self._families:
             spec = METRICS[name]
             kw = {"buckets": [float(b) for b in spec[2]]} if spec[0] == "histogram" else {}
-            m = self._metrics[key] = self._families[name].Metric(labels={"model": self.model, **labels}, **kw)
+            m = self._metrics[key] = self._families[name].Metric(labels={**self.labels, **labels}, **kw)
         return m
 
     def declare(self, *names: str) -> None:

@@ -54,13 +54,14 @@ def s2_log(caplog):
 
 @pytest.fixture(scope="session")
 def triton_server(tiny_ckpt, tmp_path_factory):
-    """A real tritonserver process serving the model repository on the tiny checkpoint (CPU)."""
+    """A real tritonserver process serving the model repository on the tiny checkpoint (CPU), with two s2pro instances
+    (`s2pro_instances`, the default for two engines): every test here runs through both, whichever gets a request."""
     from servers import tiny_server
 
     # a short stop: the gateway's and the browser's cancels can race a request's end, which keeps s2pro from
     # unloading on Triton 24.10 until the grace ends (perf/RESULTS.md, fourteenth session); nothing is checked after
     with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("triton"), stop_timeout=3, max_batch=8, max_seq_len=4096,
-                     max_new_tokens_limit=3000, chunk_frames=8) as server:
+                     max_new_tokens_limit=3000, chunk_frames=8, s2pro_instances=2) as server:
         yield server
 
 

@@ -159,6 +159,8 @@ class FakeTriton:
             models = [m for m in ("s2pro", "slow_ar", "dac_encoder", "dac_decoder") if (self.repo / m).is_dir()]
             models += sorted(p.name for p in self.repo.iterdir() if p.is_dir() and role_of(p.name) != p.name)
         self.models: dict[str, object] = {}
+        self.instances: dict[str, list] = {}  # every instance of a model (`instance_group` count); models: the first
+        self.turn: dict[str, int] = {}  # the instance the next request goes to (in turn, or `request(instance=k)`)
         self.decoupled: dict[str, bool] = {}
         self.calls: list[tuple[str, str]] = []  # (model, what) for load/unload
         self.dead: set[str] = set()  # models whose "process" is gone: BLS calls fail as in Triton
@@ -206,41 +208,53 @@ class FakeTriton:
         spec = importlib.util.spec_from_file_location(f"fake_triton_{name}_{len(self.calls)}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        model = module.TritonPythonModel()
-        model.initialize({"model_config": json.dumps(cfg), "model_name": name, "model_instance_kind": "CPU"})
-        self.models[name] = model
+        count = int((cfg.get("instance_group") or [{}])[0].get("count", 1))
+        instances = []
+        for k in range(count):  # as Triton: each instance its own model object (there, its own process)
+            model = module.TritonPythonModel()
+            model.initialize({"model_config": json.dumps(cfg), "model_name": name, "model_instance_kind": "CPU",
+                              "model_repository": str(self.repo / name), "model_instance_name": f"{name}_{k}"})
+            instances.append(model)
+        self.models[name] = instances[0]
+        self.instances[name] = instances
+        self.turn[name] = 0
         self.decoupled[name] = bool(cfg.get("model_transaction_policy", {}).get("decoupled"))
         self.dead.discard(name)
         self.hang.discard(name)
 
     def unload(self, name: str):
         self.calls.append((name, "unload"))
-        model = self.models.pop(name, None)
-        if model is not None and name not in self.dead:
-            threading.Thread(target=getattr(model, "finalize", lambda: None), daemon=True).start()
+        self.models.pop(name, None)
+        for model in self.instances.pop(name, []):
+            if name not in self.dead:
+                threading.Thread(target=getattr(model, "finalize", lambda: None), daemon=True).start()
         self.dead.discard(name)
 
     def kill(self, name: str):
         """As a killed stub process: the model never answers again; new calls fail at once."""
         self.dead.add(name)
         self.hang.add(name)
-        model = self.models[name]
-        self.killed.add(id(model))
-        for attr in ("service",):  # stop its threads without any final response (a dead process sends nothing)
-            svc = getattr(model, attr, None)
-            if svc is not None:
-                svc.stop.set()
+        for model in self.instances[name]:
+            self.killed.add(id(model))
+            for attr in ("service",):  # stop its threads without any final response (a dead process sends nothing)
+                svc = getattr(model, attr, None)
+                if svc is not None:
+                    svc.stop.set()
 
     # ---- calls -------------------------------------------------------------------------------
-    def request(self, model: str, inputs: dict, request_id: str = "") -> Request:
-        """A client request to `model` (as over gRPC): returns the Request, whose sender records the answers."""
+    def request(self, model: str, inputs: dict, request_id: str = "", instance: int | None = None) -> Request:
+        """A client request to `model` (as over gRPC): returns the Request, whose sender records the answers. A
+        model of several instances gets requests in turn, or on `instance`."""
         req = Request(inputs, request_id)
         if model in self.dead or model not in self.models:
             msg = f"Stub process '{model}_0_0' is not healthy." if model in self.dead else \
                 f"Request for unknown model: '{model}' is not found"
             req.sender.send(InferenceResponse(error=TritonError(msg, TritonError.INTERNAL)), FINAL)
             return req
-        inst = self.models[model]
+        group = self.instances[model]
+        if instance is None:
+            instance, self.turn[model] = self.turn[model] % len(group), self.turn[model] + 1
+        inst = group[instance]
         req.sender.muted = lambda: id(inst) in self.killed  # a killed process answers nothing, not even what it had
         out = inst.execute([req])
         if out is not None:  # a non-decoupled model answers from execute
@@ -257,9 +271,10 @@ class FakeTriton:
 
     def shutdown(self):
         for name in list(self.models):
-            model = self.models.pop(name)
-            if name not in self.dead:
-                getattr(model, "finalize", lambda: None)()
+            self.models.pop(name)
+            for model in self.instances.pop(name, []):
+                if name not in self.dead:
+                    getattr(model, "finalize", lambda: None)()
 
 
 # ---- helpers for tests that run the repository on the fake --------------------------------------

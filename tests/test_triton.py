@@ -51,8 +51,8 @@ def test_each_model_process_starts_once(triton_server):
     included) only to ask for a completed config (what made a tiny server's start ~11 s instead of ~4 s)."""
     log = triton_server.log_path.read_text(errors="replace")
     assert '"auto-complete-config":"false"' in log.replace(" ", ""), log[-3000:]
-    for name in ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder"):
-        assert log.count(f"TRITONBACKEND_ModelInstanceInitialize: {name}_0_0") == 1, name
+    for name in ("s2pro_0_0", "s2pro_0_1", "slow_ar_0_0", "fast_ar_0_0", "dac_encoder_0_0", "dac_decoder_0_0"):
+        assert log.count(f"TRITONBACKEND_ModelInstanceInitialize: {name}") == 1, name  # s2pro: two instances
 
 
 def test_stream_equals_offline_cli(triton_server, tiny_ckpt, tmp_path):
@@ -353,7 +353,10 @@ def test_dialogue_streams_segment_after_segment_seamlessly(triton_server, tiny_c
 
 def test_a_text_session_over_grpc(triton_server):
     """A text session through tritonclient: one request opens it and streams its audio, others send the text word by
-    word (each answered at once): the same codes and audio as the same segments sent as one text (seeded)."""
+    word (each answered at once): the same codes and audio as the same segments sent as one text (seeded). The
+    server has two s2pro processes: the text that reaches the one not holding the session is relayed to it."""
+    relayed = "s2tts_session_text_relayed_total{model=\"s2pro\"}"
+    before = read_metrics(triton_server.metrics_url).get(relayed, 0)
     text = "First sentence here. Second one follows."  # two segments at chunk_length=24, whole or in pieces
     sid, out = f"grpc-session-{time.monotonic_ns()}", {}
     common = dict(seed=9, max_new_tokens=6, ignore_eos=True, chunk_length=24)
@@ -375,6 +378,8 @@ def test_a_text_session_over_grpc(triton_server):
                 assert e.code == "not_found" and time.time() < deadline, e
                 time.sleep(0.05)
         assert ack.audio.size == 0 and ack.stats["session_id"] == sid
+        for _ in range(24):  # no text: answered as text is (Triton hands these to either process)
+            assert c.synthesize(TTSInput(text="", session_id=sid, text_event="text")).stats["session_id"] == sid
         for i, w in enumerate(words[1:], 1):
             last = i == len(words) - 1
             c.synthesize(TTSInput(text=w if last else w + " ", session_id=sid, text_event="end" if last else "text"))
@@ -385,6 +390,10 @@ def test_a_text_session_over_grpc(triton_server):
     assert live.stats["frames"] == 12 and live.audio.size == 12 * FRAME
     np.testing.assert_array_equal(live.codes, whole.codes)  # the same segments in the same context
     np.testing.assert_allclose(live.audio, whole.audio, rtol=0, atol=1 / 32768)  # chunk boundaries: last bits
+    deadline = time.time() + 10  # (counted from s2pro's next tick)
+    while read_metrics(triton_server.metrics_url).get(relayed, 0) == before and time.time() < deadline:
+        time.sleep(0.2)
+    assert read_metrics(triton_server.metrics_url).get(relayed, 0) > before
     # every chunk says where it is: its segment and text, its frames' place in the audio (contiguous)
     for res in (live, whole):
         where = [c.segment for c in res.chunks]

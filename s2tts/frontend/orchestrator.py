@@ -40,6 +40,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
@@ -49,6 +50,7 @@ from ..chunking import PaceMeter
 from ..errors import S2Error
 from ..layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from ..lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
+from .instances import ReloadGate, SessionRelay, SharedLoad, SharedSlots
 from .request import Stats, TTSRequest
 from .segment import batches, clean_text, overall_finish_reason
 from .session import SessionEnded, TextSession
@@ -126,19 +128,35 @@ class TTSService:
                  make_chunk: Callable[[np.ndarray, np.ndarray, int, dict], Any],
                  make_final: Callable[[Stats, int], Any], make_error: Callable[[S2Error], Any],
                  name: str = "s2pro", supervise_s: float = 0.2, on_tick: Callable[["TTSService"], None] | None = None,
-                 spare_workers: int = 16, on_unhealthy: Callable[[str], None] | None = None):
+                 spare_workers: int = 16, on_unhealthy: Callable[[str], None] | None = None,
+                 shared_dir: str | None = None):
+        """`shared_dir`: the run directory of several instances of this service in one server
+        (`instances.run_dir`): `max_concurrent_requests` then counts all of their requests, and text for a session
+        another instance holds is relayed to it (`instances.SessionRelay`)."""
         self.down = downstream
         self.prompts = prompts
         self.s2 = s2
         self.v = values
         self.name = name
         self.make_chunk, self.make_final = make_chunk, make_final
-        self.table = RequestTable(name, make_error, limit=values["max_concurrent_requests"])
+        self.reload_backoff_s = 30.0
+        self.slots = self.relay = self.reload_gate = self.shared_load = None
+        if shared_dir is not None:
+            self.slots = SharedSlots(Path(shared_dir) / "slots", values["max_concurrent_requests"])
+            self.relay = SessionRelay(shared_dir, self._append_here, name)
+            # another instance's reload that ended up to 10 s before this one noticed the fault answers it too
+            self.reload_gate = ReloadGate(shared_dir, within_s=10.0)
+        self.table = RequestTable(name, make_error, limit=None if self.slots else values["max_concurrent_requests"],
+                                  slots=self.slots)
         # the names this service gives its requests downstream (slow_ar request ids, codec streams):
         # "<name>~<random>/<internal id>", never a client's id, and new with each start of this process (slow_ar and
         # the codec outlive a reload of s2pro); log lines name a request "<client id>#<internal id>"
         self.prefix = f"{name}~{secrets.token_hex(3)}"
         self.layout = Layout.from_values(values)
+        self._models = sorted({ENCODER} | {f(i) for i in range(self.layout.replicas)
+                                           for f in (self.layout.engine, self.layout.decoder)})
+        if shared_dir is not None and self.layout.replicas > 1:  # placement by every instance's requests
+            self.shared_load = SharedLoad(shared_dir, self.layout.replicas)
         # A pool, as the previous main had: fewer Python threads made and destroyed under load (see perf/RESULTS.md,
         # the soak); room above the admission limit for workers left waiting on a model that died, and a worker
         # still waiting `give_up_s` after its request was ended elsewhere is replaced (`WorkerPool.give_up`).
@@ -153,7 +171,6 @@ class TTSService:
         self.on_tick = on_tick  # called every supervisor pass (metrics)
         self.recovering: dict[str, float] = {}  # model -> when its reload started
         self.last_reload: dict[str, float] = {}
-        self.reload_backoff_s = 30.0
         self.pace_meter = PaceMeter()  # the pipeline's pace (see the module's doc)
         self.pace_report_s = 1.0
         self._pace_reported = (0.0, 0)  # (when, samples then)
@@ -176,8 +193,10 @@ class TTSService:
 
     # ---- admission ------------------------------------------------------------------------
     def submit(self, client_id: str, responder: Responder, req: TTSRequest) -> Tracked | None:
+        elsewhere = set() if self.reload_gate is None else {m for m in self._models  # reloaded by another instance
+                                                             if self.reload_gate.busy(m)}
         with self._lock:
-            recovering = sorted(self.recovering)
+            recovering = sorted(set(self.recovering) | elsewhere)
             up = [i for i in range(self.layout.replicas)
                   if self.layout.engine(i) not in recovering and self.layout.decoder(i) not in recovering]
         if not up or (ENCODER in recovering and req.reference_audio is not None):
@@ -195,7 +214,8 @@ class TTSService:
         w.rid = w.sid = f"{self.prefix}/{rec.iid}"  # never the client's id: no client can name another's stream
         if req.session_id:
             with self._lock:
-                taken = req.session_id in self.sessions
+                taken = req.session_id in self.sessions or (self.relay is not None
+                                                             and not self.relay.claim(req.session_id))
                 if not taken:
                     w.session = TextSession(req.chunk_length)
                     w.session.push(req.text)
@@ -211,7 +231,17 @@ class TTSService:
 
     def append(self, session_id: str, event: str, text: str) -> dict:
         """Text for an open session (`event`: text | flush | end) -> {"session_id", "pending_chars"}; S2Error
-        `not_found` for a session that is not open here, `failed_precondition` after its end."""
+        `not_found` for a session that is not open (here, or in another instance sharing `shared_dir`),
+        `invalid_argument` for text after its end."""
+        with self._lock:
+            here = session_id in self.sessions
+        if not here and self.relay is not None:
+            out = self.relay.relay(session_id, event, text)
+            if out is not None:
+                return out
+        return self._append_here(session_id, event, text)
+
+    def _append_here(self, session_id: str, event: str, text: str) -> dict:
         with self._lock:
             rec = self.sessions.get(session_id)
         if rec is None or rec.closed:
@@ -224,7 +254,7 @@ class TTSService:
         try:
             pending = rec.state.session.push(text, event)
         except SessionEnded as e:
-            raise S2Error("failed_precondition", f"text session {session_id!r}: {e}", "session_id") from None
+            raise S2Error("invalid_argument", f"text session {session_id!r}: {e}", "session_id") from None
         return {"session_id": session_id, "pending_chars": pending}
 
     def load(self, but: Tracked | None = None) -> list[int]:
@@ -236,16 +266,26 @@ class TTSService:
         return load
 
     def _place(self, req: TTSRequest, up: list[int], rec: Tracked) -> int:
-        """The replica with the fewest requests in flight; among equals, the one this voice usually goes to (its
-        voice prefix is in that engine's prefix cache), then the next ones in order."""
+        """The replica with the fewest requests in flight (this instance's and, with several, the others' as they
+        last published them); among equals, the one this voice usually goes to (its voice prefix is in that engine's
+        prefix cache), then the next ones in order."""
         if len(up) == 1:
             return up[0]
         first, n = self.layout.preferred(req.reference_text or ""), self.layout.replicas
         with self._lock:  # one placement at a time, so that simultaneous arrivals see each other
             load = self.load(but=rec)
+            if self.shared_load is not None:
+                load = [a + b for a, b in zip(load, self.shared_load.others())]
             i = min(up, key=lambda i: (load[i], (i - first) % n))
             rec.state.replica = i
+            self._publish_load()
         return i
+
+    def _publish_load(self) -> None:
+        """This instance's requests on each engine, for the other instances' placements (at each placement, each
+        request's end and each supervisor pass)."""
+        if self.shared_load is not None:
+            self.shared_load.publish(self.load())
 
     # ---- one request, on its worker thread --------------------------------------------------
     def _serve(self, rec: Tracked) -> None:
@@ -308,11 +348,14 @@ class TTSService:
         finally:
             self._free_downstream(w)
             w.worker = None
+            self._publish_load()
             if w.session is not None:
                 w.session.end()
                 with self._lock:
                     if self.sessions.get(req.session_id) is rec:
                         del self.sessions[req.session_id]
+                        if self.relay is not None:
+                            self.relay.release(req.session_id)
 
     def _segments(self, rec: Tracked):
         """(segment, last) in order: a text's batches (`segment.batches`: long text, dialogue), or a session's as its
@@ -504,6 +547,7 @@ class TTSService:
         self.stop.wait(self.supervise_s)
         if self.on_tick is not None:
             self.on_tick(self)
+        self._publish_load()
         self._report_pace()
         now = time.monotonic()
         self._give_up_stuck_workers(now)
@@ -664,9 +708,13 @@ class TTSService:
         threading.Thread(target=self._reload, args=(model,), name=f"s2tts-reload-{model}", daemon=True).start()
 
     def _reload(self, model: str) -> None:
-        t0 = time.monotonic()
+        t0, noticed = time.monotonic(), time.time()
         try:
-            self.down.reload(model)
+            if self.reload_gate is None:
+                self.down.reload(model)
+            elif not self.reload_gate.run(model, lambda: self.down.reload(model), noticed):
+                log.warning("%s: %s was reloaded by another %s instance", self.name, model, self.name)
+                return
             log.warning("%s: %s reloaded in %.1f s", self.name, model, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001
             log.error("%s: reloading %s failed (%s): it stays unavailable; restart the server", self.name, model, e)
@@ -685,6 +733,10 @@ class TTSService:
                 n += 1
             self._end_generation(rec.state)
         self.pool.shutdown()
+        if self.relay is not None:
+            self.relay.close()
+        if self.shared_load is not None:
+            self.shared_load.close()
         return n
 
     def status(self) -> dict:

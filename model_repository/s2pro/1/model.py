@@ -29,6 +29,7 @@ from s2tts import errors, settings
 from s2tts import triton_utils as tu
 from s2tts.config import S2Config
 from s2tts.engine.service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, serve_engine
+from s2tts.frontend.instances import run_dir
 from s2tts.frontend.local_engine import LocalEngines, local_error, local_response
 from s2tts.frontend.orchestrator import TTSService
 from s2tts.frontend.prompt import PromptBuilder
@@ -153,7 +154,10 @@ class TritonPythonModel:
         self.log = tu.setup_logging("s2pro")
         self.s2 = S2Config.from_dir(v.checkpoint)
         self.limits = Limits.from_settings(v)
-        self.metrics = tu.Metrics("s2pro")
+        # several s2pro processes (s2pro_instances): they share the admission limit and the text sessions through a
+        # directory of this server's, and their series carry the instance's name
+        shared = run_dir(args.get("model_repository") or v.checkpoint) if (v.s2pro_instances or 1) > 1 else None
+        self.metrics = tu.Metrics("s2pro", labels={"instance": args.get("model_instance_name", "")} if shared else None)
         self.metrics.declare("s2tts_time_to_first_audio_seconds", "s2tts_request_duration_seconds")
         self._sent = (0, 0)  # audio samples and frames sent to clients
         self._sent_lock = threading.Lock()
@@ -173,7 +177,7 @@ class TritonPythonModel:
         self.downstream = downstream
         self.service = TTSService(downstream, PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
                                   self._chunk_response, self._final_response, tu.s2_error_response,
-                                  on_tick=self._report, on_unhealthy=self._unhealthy)
+                                  on_tick=self._report, on_unhealthy=self._unhealthy, shared_dir=shared)
 
     def _unhealthy(self, reason):
         tu.unload_self("s2pro", self.log)
@@ -184,6 +188,8 @@ class TritonPythonModel:
             samples, frames = self._sent
         self.metrics.count_to("s2tts_audio_seconds_total", round(samples / self.s2.sample_rate, 3))
         self.metrics.count_to("s2tts_frames_total", frames)
+        if svc.relay is not None:
+            self.metrics.count_to("s2tts_session_text_relayed_total", svc.relay.relayed)
         self.metrics.flush()
         if svc.pace is not None:
             self.metrics.set("s2tts_stream_pace", round(svc.pace, 3))
