@@ -130,11 +130,13 @@ class ReloadGate:
         self.within_s = within_s
 
     def busy(self, model: str) -> bool:
-        """Whether an instance is reloading `model` now (its lock is held: a process that died holds none)."""
+        """Whether an instance is reloading `model` now (it holds the lock exclusively; a process that died holds
+        none). The check takes the lock shared: checks never see each other (an exclusive one would, and refuse a
+        request for a reload that is not happening)."""
         try:
             with open(self.dir / f"reload-{model}.lock", "a+") as f:
                 try:
-                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except OSError:
                     return True
                 return False
