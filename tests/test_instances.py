@@ -15,28 +15,36 @@ import pytest
 from fake_triton import one_final, quiet, tts_inputs, wait_final
 from s2tts import errors, settings
 from s2tts.errors import S2Error
-from s2tts.frontend.instances import ReloadGate, SessionRelay, SharedSlots, run_dir
+from s2tts.frontend.instances import ReloadGate, SessionRelay, SharedLoad, SharedSlots, run_dir
 from s2tts.repository import render_repository
 
 
-def test_slots_are_shared_between_processes_and_freed_when_one_dies(tmp_path):
+def test_slots_and_loads_are_shared_between_processes_and_dropped_when_one_dies(tmp_path):
     path = tmp_path / "slots"
     child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys, time
-        from s2tts.frontend.instances import SharedSlots
+        from s2tts.frontend.instances import SharedLoad, SharedSlots
         s = SharedSlots({str(path)!r}, 3)
+        load = SharedLoad({str(tmp_path)!r}, 2)
+        load.publish([2, 0])
         print(s.take(), s.take(), flush=True)
         time.sleep(600)
     """)], stdout=subprocess.PIPE, text=True)
     try:
         assert sorted(map(int, child.stdout.readline().split())) == [0, 1]
+        load = SharedLoad(tmp_path, 2)
+        load.publish([0, 1])
+        assert load.others() == [2, 0]  # the other process's requests on each engine, not this one's
         mine = SharedSlots(path, 3)
         a = mine.take()
         assert a == 2 and mine.take() is None  # the other process holds two of the three
         mine.give(a)
         assert mine.take() == 2  # given back: free again
-        child.kill()  # the kernel drops a dead process's locks: its two slots are free
+        child.kill()  # the kernel drops a dead process's locks: its two slots are free; its loads no longer count
         child.wait(10)
+        assert load.others() == [0, 0]
+        again = SharedLoad(tmp_path, 2)  # its row is free for the next instance, which starts at zero
+        assert again.row != load.row and load.others() == [0, 0]
         assert sorted([mine.take(), mine.take()]) == [0, 1] and mine.take() is None and mine.held() == 3
         mine.close()
     finally:

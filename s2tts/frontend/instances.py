@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from ..errors import S2Error
 
 log = logging.getLogger("s2tts")
@@ -83,8 +85,6 @@ class SharedLoad:
     ROWS = 64  # instances at most (the setting's maximum)
 
     def __init__(self, directory: str | Path, replicas: int):
-        import numpy as np
-
         self.replicas = replicas
         path = Path(directory) / f"load-{replicas}"
         self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -104,14 +104,12 @@ class SharedLoad:
 
     def others(self) -> list[int]:
         """The other live instances' requests in flight on each engine, summed."""
-        rows = self._table.copy()
-        out = [0] * self.replicas
-        for k in range(self.ROWS):
-            pid = int(rows[k, 0])
-            if k != self.row and pid and _alive(pid):
-                for i in range(self.replicas):
-                    out[i] += int(rows[k, 1 + i])
-        return out
+        rows = np.array(self._table)  # a copy: the other instances write meanwhile
+        out = np.zeros(self.replicas, np.int64)
+        for k in np.flatnonzero(rows[:, 0]):
+            if k != self.row and _alive(int(rows[k, 0])):
+                out += rows[k, 1:]
+        return out.tolist()
 
     def close(self) -> None:
         self._table[self.row, 1:] = 0
