@@ -217,10 +217,10 @@ SETTINGS: tuple[Setting, ...] = (
             "samples = 46 ms): 2 against 4 took one H200's c=1 time to first audio from 37 to 23.5 ms, with no "
             "stall and the same throughput at c=1 and c=64 (perf/RESULTS.md)", min=1),
     Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder", "slow_ar"), "default frames in later chunks (the largest, with "
-            "`adaptive_chunks`); unset: 16 for each engine `device` lists (at most `max_chunk_frames`): one s2pro "
+            "`adaptive_chunks`); unset: 16 for each engine `device` lists (at most `max_chunk_frames`): s2pro "
             "relays every engine's chunks, a fixed cost a response, so with more engines its chunks grow (2x H200, "
-            "c=128: 32 frames 482.5 audio-s/s against 464.6 with 16, s2pro 0.70 cores against 0.91; one H200, c=64: "
-            "16 frames 263.5-263.8 against 259.6-262.6 with 32; perf/RESULTS.md)", min=1),
+            "c=128: 32 frames 482.5 audio-s/s against 464.6 with 16 with one s2pro process; with two, 491.8-500.9 "
+            "against 458.6; one H200, c=64: 16 frames 263.5-263.8 against 259.6-262.6 with 32; perf/RESULTS.md)", min=1),
     Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
     Setting("max_text_chars", int, 100000, ("s2pro",), "longest text accepted (characters); a long text is spoken "
             "segment after segment (`chunk_length`)", min=1, max=10000000),
