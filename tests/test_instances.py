@@ -236,3 +236,35 @@ def test_a_model_is_busy_only_while_an_instance_reloads_it(tmp_path):
     t.join(10)
     assert not gates[1].busy("slow_ar")
     assert not gates[1].run("slow_ar", lambda: pytest.fail("reloaded twice"), time.time())  # just done: no second
+
+
+def test_placements_in_two_instances_take_turns(tmp_path):
+    """Two requests arriving together in two instances: the second placement waits for the first, then sees it (else
+    both would read empty engines and pick the same one)."""
+    import threading
+
+    a, b = SharedLoad(tmp_path, 2), SharedLoad(tmp_path, 2)
+    order, inside, go = [], threading.Event(), threading.Event()
+
+    def first():
+        with a.placing():
+            inside.set()
+            order.append("a placing")
+            assert go.wait(10)
+            a.publish([1, 0])
+
+    def second():
+        with b.placing():
+            order.append(("b sees", b.others()))
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert inside.wait(10)
+    u = threading.Thread(target=second)
+    u.start()
+    time.sleep(0.2)
+    assert order == ["a placing"]  # b waits for a's placement to end
+    go.set()
+    t.join(10)
+    u.join(10)
+    assert order == ["a placing", ("b sees", [1, 0])]

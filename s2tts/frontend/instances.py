@@ -20,6 +20,7 @@ server share it, two servers on one host do not, and the directories of servers 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -97,6 +98,16 @@ class SharedLoad:
         self._table = np.memmap(path, dtype=np.int64, mode="r+", shape=(self.ROWS, 1 + replicas))
         self._table[self.row, 1:] = 0
         self._table[self.row, 0] = os.getpid()
+
+    @contextlib.contextmanager
+    def placing(self):
+        """One placement at a time over the instances (read the others' counts, choose, publish): two requests that
+        arrive together in two instances see each other."""
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def publish(self, counts: list[int]) -> None:
         """This instance's requests in flight on each engine."""
@@ -230,6 +241,7 @@ class SessionRelay:
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(self.socket_path)
         self._server.listen(64)
+        self._server.settimeout(0.5)  # its accept wakes to see `close`
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="s2tts-session-relay", daemon=True)
         self._thread.start()
@@ -315,7 +327,6 @@ class SessionRelay:
         return out["ok"]
 
     def _serve(self) -> None:
-        self._server.settimeout(0.5)
         while not self._stop.is_set():
             try:
                 conn, _ = self._server.accept()

@@ -35,6 +35,7 @@ recovering takes no new requests while the others go on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 import threading
@@ -272,7 +273,8 @@ class TTSService:
         if len(up) == 1:
             return up[0]
         first, n = self.layout.preferred(req.reference_text or ""), self.layout.replicas
-        with self._lock:  # one placement at a time, so that simultaneous arrivals see each other
+        # one placement at a time (in all the instances), so that simultaneous arrivals see each other
+        with self._lock, (self.shared_load.placing() if self.shared_load is not None else contextlib.nullcontext()):
             load = self.load(but=rec)
             if self.shared_load is not None:
                 load = [a + b for a, b in zip(load, self.shared_load.others())]
