@@ -350,15 +350,21 @@ def check_invariant(ckpt):
             if step % 2 == 0 and step // 2 < len(ids):
                 i = ids[step // 2]
                 eng.submit(str(i), prompts[i], SamplingParams(seed=7 + i, max_new_tokens=4, ignore_end=True))
-            for o in eng.step():
+            made = eng.step()
+            for o in made:
                 out[int(o.request_id)].append(o.codes)
+            # a frame of the first while the second's prompt is still being filled: prompt rows beside decode rows
+            beside.append(len(ids) > 1 and bool(out[ids[0]]) and any(o.request_id == str(ids[0]) for o in made)
+                          and step >= 2 and not out[ids[1]])
             step += 1
         return {i: np.concatenate(v) for i, v in out.items()}
 
     joined, rope_attend, min_rows = [], kernels.rope_attend_short, kernels.ROPE_ATTEND_MIN_ROWS
     kernels.rope_attend_short = lambda *a, **k: joined.append(a[0].shape[0]) or rope_attend(*a, **k)
     kernels.ROPE_ATTEND_MIN_ROWS = 1
+    beside = []
     together = run([0, 1])  # the second arrives while the first decodes: its prompt rows beside the decode rows
+    assert any(beside), beside
     kernels.rope_attend_short, kernels.ROPE_ATTEND_MIN_ROWS = rope_attend, min_rows
     assert not joined, joined
     for i in range(2):
