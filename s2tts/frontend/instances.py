@@ -1,7 +1,7 @@
 """What the instances of s2pro in one server share (`s2pro_instances` > 1).
 
-Triton runs each instance of a Python-backend model in its own process and hands each request to any of them. Two
-things must still hold for the whole server, not for each process:
+Triton runs each instance of a Python-backend model in its own process and hands each request to any of them. These
+must still hold for the whole server, not for each process:
 
 - `SharedSlots`: `max_concurrent_requests` counts the requests of every instance together. Slot k is a lock on byte
   k of one file in the server's run directory, owned by that instance's open file (Linux's open file description
@@ -13,6 +13,9 @@ things must still hold for the whole server, not for each process:
   session id is open once in the whole server. The sockets are abstract (no path, so no length limit from the
   temporary directory's); an owner answers only messages carrying its key, which is in those files (mode 0600, in a
   directory of mode 0700).
+- `SharedLoad`: placement on the engine with the fewest requests counts every instance's requests.
+- `ReloadGate`: a model that failed is reloaded once, not once per instance that saw it fail, and the instances that
+  did not see it keep new requests off it while it reloads.
 
 The run directory (`run_dir`) is keyed by the Triton server process and the model's directory: the instances of one
 server share it, two servers on one host do not, and the directories of servers that are gone are removed.
