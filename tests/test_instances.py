@@ -268,3 +268,21 @@ def test_placements_in_two_instances_take_turns(tmp_path):
     t.join(10)
     u.join(10)
     assert order == ["a placing", ("b sees", [1, 0])]
+
+
+def test_the_engine_follows_the_slowest_instance_pace(harness_factory):
+    """Each s2pro process reports the pipeline's pace of its own streams: slow_ar keeps each reporter's and follows
+    the slowest recent one (not whichever reported last); one gone quiet stops counting."""
+    h = harness_factory()
+    slow = h.models["slow_ar"].service
+    slow.control("pace=0.2", "s2pro~aaa")
+    slow.control("pace=0.5", "s2pro~bbb")
+    slow.control("pace=0.3", "s2pro~aaa")
+    assert slow.downstream_pace[0] == 0.5 and slow.pace() >= 0.5
+    slow.downstream_pace_ttl_s = 0.05
+    time.sleep(0.1)
+    slow.control("pace=0.3", "s2pro~aaa")
+    assert slow.downstream_pace[0] == 0.3 and set(slow.downstream_paces) == {"s2pro~aaa"}
+    s2 = h.models["s2pro"].service  # and s2pro reports under its own name
+    s2._send_pace(0.25)
+    assert slow.downstream_paces[s2.prefix][0] == 0.25

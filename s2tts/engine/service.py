@@ -298,7 +298,7 @@ class EngineService:
         self.loop = LoopStats()
         self.frame_seconds = frame_seconds
         self.step_s: float | None = None  # moving average of a decoding pass's wall time (step, and codec if here)
-        self.downstream_pace: tuple[float, float] | None = None  # (pace, when) reported by the caller (s2pro)
+        self.downstream_paces: dict[str, tuple[float, float]] = {}  # (pace, when) by reporter: each s2pro process's
         self.downstream_pace_ttl_s = 5.0
         self.name = name
         self.make_response = make_response
@@ -411,9 +411,17 @@ class EngineService:
         that name none ("own/<internal id>"), whatever name a caller picks."""
         return f"caller/{sid}"
 
+    @property
+    def downstream_pace(self) -> tuple[float, float] | None:
+        """(pace, when): the slowest pipeline pace a caller reported in the last `downstream_pace_ttl_s` (several s2pro
+        processes each report the pace of their own streams)."""
+        now = time.monotonic()
+        fresh = [p for p in list(self.downstream_paces.values()) if now - p[1] < self.downstream_pace_ttl_s]
+        return max(fresh) if fresh else None
+
     def pace(self) -> float:
         """The pace chunks follow: seconds to make a second of a stream's audio, the slower of the engine's own
-        (its step time) and the pipeline's as the caller last reported it (`set_downstream_pace`, if recent)."""
+        (its step time) and the pipeline's as the callers last reported it (`set_downstream_pace`, if recent)."""
         own = 1.0 if self.step_s is None or not self.frame_seconds else self.step_s / self.frame_seconds
         d = self.downstream_pace
         if d is not None and time.monotonic() - d[1] < self.downstream_pace_ttl_s:
@@ -472,15 +480,18 @@ class EngineService:
                 r = float(what[5:])
             except ValueError:
                 raise errors.invalid(f"control={what!r}: pace=R needs a number", "control") from None
-            self.set_downstream_pace(r)
+            self.set_downstream_pace(r, client_id or "")
             return r
         raise errors.invalid(f"control={what!r}: use next, cancel, status, pace=R or close_codec (or leave it out to "
                              "generate)", "control")
 
-    def set_downstream_pace(self, r: float) -> None:
+    def set_downstream_pace(self, r: float, reporter: str = "") -> None:
+        """The pipeline's pace as `reporter` (an s2pro process: its request-id prefix) measures it."""
         if not (0.0 < r < 1e3):
             raise errors.invalid(f"pace={r} is out of range: seconds per second of audio, > 0", "control")
-        self.downstream_pace = (r, time.monotonic())
+        now = time.monotonic()
+        kept = {k: p for k, p in self.downstream_paces.items() if now - p[1] < self.downstream_pace_ttl_s}
+        self.downstream_paces = {**kept, reporter: (r, now)}  # swapped whole: readers never see it change
 
     def status(self, client_id: str | None = None) -> dict:
         out = {"healthy": self.health.ok, "reason": self.health.reason, **self.engine.counts(),

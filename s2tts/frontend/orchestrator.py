@@ -479,7 +479,7 @@ class TTSService:
         try:
             for i in range(self.layout.replicas):
                 try:
-                    self.down.control(self.layout.engine(i), "", f"pace={r:.4f}")
+                    self.down.control(self.layout.engine(i), self.prefix, f"pace={r:.4f}")  # this process's
                 except Exception as e:  # noqa: BLE001 - chunks then follow slow_ar's own pace
                     log.info("%s: pace not reported to %s (%s)", self.name, self.layout.engine(i), e)
         finally:
