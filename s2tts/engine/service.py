@@ -416,17 +416,15 @@ class EngineService:
         """(pace, when): the slowest pipeline pace a caller reported in the last `downstream_pace_ttl_s` (several s2pro
         processes each report the pace of their own streams)."""
         now = time.monotonic()
-        fresh = [p for p in list(self.downstream_paces.values()) if now - p[1] < self.downstream_pace_ttl_s]
+        fresh = [p for p in self.downstream_paces.values() if now - p[1] < self.downstream_pace_ttl_s]
         return max(fresh) if fresh else None
 
     def pace(self) -> float:
         """The pace chunks follow: seconds to make a second of a stream's audio, the slower of the engine's own
         (its step time) and the pipeline's as the callers last reported it (`set_downstream_pace`, if recent)."""
         own = 1.0 if self.step_s is None or not self.frame_seconds else self.step_s / self.frame_seconds
-        d = self.downstream_pace
-        if d is not None and time.monotonic() - d[1] < self.downstream_pace_ttl_s:
-            return max(own, d[0])
-        return own
+        d = self.downstream_pace  # recent ones only
+        return own if d is None else max(own, d[0])
 
     def under_load(self) -> bool:
         """Whether the service is under load (with a measured pace: `frame_seconds`): from the moment the pace

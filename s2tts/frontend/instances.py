@@ -43,6 +43,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import errors
 from ..errors import S2Error
 
 log = logging.getLogger("s2tts")
@@ -255,11 +256,7 @@ class SessionRelay:
 
     def _owner(self, session_id: str) -> tuple[int, str, str] | None:
         """(pid, socket, key) of the instance holding the session open, as its file says."""
-        try:
-            pid, path, key = self._file(session_id).read_text().split("\n")
-            return int(pid), path, key
-        except (OSError, ValueError):
-            return None
+        return _read_owner(self._file(session_id))
 
     def _owner_alive(self, owner: tuple[int, str, str]) -> bool:
         if not _alive(owner[0]):
@@ -324,9 +321,8 @@ class SessionRelay:
                           f"did not answer ({e}); retry") from None
         self.relayed += 1
         out = json.loads(reply)
-        if "error" in out:
-            err = out["error"]
-            raise S2Error(err["code"], err["message"], err.get("param"))
+        if "error" in out:  # the owner's error in its wire form
+            raise errors.parse(out["error"])
         return out["ok"]
 
     def _serve(self) -> None:
@@ -351,7 +347,7 @@ class SessionRelay:
                     try:
                         out = {"ok": self.answer(req["session_id"], req["event"], req["text"])}
                     except S2Error as e:
-                        out = {"error": {"code": e.code, "message": e.message, "param": e.param}}
+                        out = {"error": e.wire()}
                     self.served += 1
                     conn.sendall(json.dumps(out).encode() + b"\n")
                 except (OSError, ValueError, KeyError) as e:  # a broken sender: its own call fails, this goes on
@@ -365,11 +361,18 @@ class SessionRelay:
         finally:
             self._thread.join(timeout=2)
             for f in (self.dir / "sessions").glob("*"):
-                try:
-                    if f.read_text().split("\n")[1] == self.socket_path:
-                        f.unlink()
-                except (OSError, IndexError):
-                    pass
+                owner = _read_owner(f)
+                if owner is not None and owner[1] == self.socket_path:
+                    f.unlink(missing_ok=True)
+
+
+def _read_owner(f: Path) -> tuple[int, str, str] | None:
+    """A session file's (pid, socket, key); None when it is missing or unreadable."""
+    try:
+        pid, path, key = f.read_text().split("\n")
+        return int(pid), path, key
+    except (OSError, ValueError):
+        return None
 
 
 def _read_line(s: socket.socket) -> bytes:
