@@ -74,7 +74,7 @@ def _stall_points(clients) -> dict:
 
 def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, batch_steps, admit_every, buckets,
         prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load="", launch_ahead=None,
-        codec_overlap=None, light_ahead=None, codec_concurrent=None, finals_early=None):
+        codec_overlap=None, light_ahead=None, codec_concurrent=None, final_steps=None):
     from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService
@@ -99,8 +99,8 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
         svc.codec_overlap = codec_overlap
     if light_ahead is not None:
         svc.light_ahead = light_ahead
-    if finals_early is not None:
-        svc.finals_early_passes = finals_early
+    if final_steps is not None:
+        svc.codec_final_steps = final_steps
     if uniform is not None:
         svc.chunk_options["uniform_from"] = uniform
     clients: list[_Client] = []
@@ -168,7 +168,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     finished = [c for c in clients if c.done.is_set() and c.error is None and c.arrivals]
     errors = [c.error for c in clients if c.error is not None and "shutting down" not in c.error]  # not in flight at the end
     out = {"launch_ahead": svc.launch_ahead, "codec_overlap": svc.codec_overlap, "light_ahead": svc.light_ahead,
-           "finals_early": svc.finals_early_passes,
+           "final_steps": svc.codec_final_steps,
            "codec_concurrent": bool(svc._streams),
            "batch_steps": batch_steps, "chunk_lag": svc.chunk_lag, "admit_every": admit_every,
            "prefill_tokens": prefill_tokens, "chunk_options": svc.chunk_options or "default",
@@ -189,7 +189,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "prompt_wait_ms": round(1e3 * (L.firsts_wait_s - B.firsts_wait_s) / max(1, L.firsts - B.firsts), 2),
            "prompt_behind_codec": round((L.firsts_early - B.firsts_early) / max(1, L.firsts - B.firsts), 3),
            "tail_ms_p50": round(1e3 * float(np.median(tails)), 1) if tails else None,
-           # codec passes from a request's final item to its final response (`EngineService.finals_early_passes`)
+           # codec passes from a request's final item to its final response (the setting codec_final_steps)
            "final_wait_passes_p50": float(np.median(final_waits)) if final_waits else None,
            "off_cpu_ms": round(1e3 * (L.off_cpu_s - B.off_cpu_s) / steps, 2), "gpu_busy_pct": gpu_busy,
            "codec_calls_per_step": round((L.codec_calls - B.codec_calls) / steps, 3),
@@ -256,9 +256,10 @@ def main() -> int:
     ap.add_argument("--codec-concurrent", default="", help="comma-separated 1/0: the codec's calls by a thread of "
                     "their own, on a GPU on a CUDA stream of their own beside the engine's (the setting "
                     "codec_concurrent; default on a GPU), each tried with the first of the others")
-    ap.add_argument("--finals-early", default="", help="comma-separated passes: under load a finished request's last "
-                    "frames decoded in a call of their own once it has waited this many passes for a held one "
-                    "(EngineService.finals_early_passes; 0: off, the default), each tried with the first of the others")
+    ap.add_argument("--final-steps", default="", help="comma-separated steps: under load a finished request's last "
+                    "frames decoded in a call of their own once they have waited this many steps for a held one "
+                    "(the setting codec_final_steps; >= --batch-steps: always the held call), each tried with the "
+                    "first of the others")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -297,8 +298,8 @@ def main() -> int:
         go(first, resubmit_ms=d)
     for g in [x for x in args.gil_load.split(",") if x]:
         go(first, gil_load=g)
-    for n in [int(x) for x in args.finals_early.split(",") if x]:
-        go(first, finals_early=n)
+    for n in [int(x) for x in args.final_steps.split(",") if x]:
+        go(first, final_steps=n)
     # the service's on / off choices
     for switch in ("launch_ahead", "codec_overlap", "light_ahead", "codec_concurrent"):
         for on in [x for x in getattr(args, switch).split(",") if x]:

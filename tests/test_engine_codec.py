@@ -294,18 +294,19 @@ def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_c
             assert set(_boundaries(calls, sid)) <= chunk_ends[n]  # each slice ended where a chunk did
 
 
-def test_a_finished_request_waits_at_most_finals_early_passes_for_its_last_audio(model, prompts, tiny_ckpt, codec):
+def test_a_finished_request_waits_at_most_codec_final_steps_for_its_last_audio(model, prompts, tiny_ckpt, codec):
     """Under load with held calls (codec_batch_steps=8), a finished request's final item waits for the next held
-    call: up to 8 passes. With `finals_early_passes=1` its last frames go in a call of the finished requests alone
-    the pass after: every final is handed out within a pass, in calls that carry only final jobs besides the held
-    ones, and each request's audio is still one seamless decode of its codes."""
+    call: up to 8 passes (`codec_final_steps=8`). With 1 its last frames go in a call of the finished requests alone
+    the pass after, with 0 in the pass it ended: every final is handed out within that many passes, in calls that
+    carry only final jobs besides the held ones, and each request's audio is still one seamless decode of its
+    codes."""
 
     def run(early):
         decoder = StreamDecoder(codec, pool_size=8)
         calls = _recording(decoder)
         svc = _service(model, tiny_ckpt, decoder, max_batch=8, codec_batch_steps=8,
                        frame_seconds=codec_frame_seconds(tiny_ckpt))
-        svc.finals_early_passes = early
+        svc.codec_final_steps = early
         svc.pace = lambda: 0.45
         lengths = [19, 26, 33, 37]
         rs = _serve_all(svc, prompts, lengths, 70, "Finish early", first_chunk_frames=2, chunk_frames=4)
@@ -318,11 +319,12 @@ def test_a_finished_request_waits_at_most_finals_early_passes_for_its_last_audio
         assert len(svc.loop.final_waits) == len(lengths) and decoder.states == {}
         return svc.loop.final_waits, calls
 
-    held, _ = run(0)
-    early, calls = run(1)
-    assert max(early) <= 1 < max(held), (early, held)  # lengths not on the 8-step cadence: some waited for a held call
-    # the early calls: every job in them a final one (a held call has every live stream's slice)
-    assert any(all(final for *_, final in call) for call in calls), calls
+    held, _ = run(8)
+    for early in (1, 0):
+        waits, calls = run(early)
+        assert max(waits) <= early < max(held), (early, waits, held)  # lengths off the 8-step cadence: some waited
+        # the early calls: every job in them a final one (a held call has every live stream's slice)
+        assert any(all(final for *_, final in call) for call in calls), calls
 
 
 def test_a_short_first_chunk_is_followed_at_once_when_load_comes(model, prompts, tiny_ckpt, codec):

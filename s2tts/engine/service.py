@@ -15,7 +15,8 @@ decodes is a stream's frames, not its chunks: a chunk leaves once all of its fra
 - Under load (a pace of at least `chunking.LOAD_PACE`, or `chunking.LOAD_SLOTS` of the slots held) with
   `codec_batch_steps=K` > 1: every K steps the frames every stream made since, in slices of K (a stream's last
   frames padded to a prepared length), so that one call of one length (one CUDA graph) decodes all streams; between
-  those steps nothing. A call's cost on a GPU is mostly per length it decodes, not per frame (perf/RESULTS.md). A
+  those steps only the last frames of requests that ended `codec_final_steps` steps before (a client's next
+  request waits for its last audio, and a slot for that request). A call's cost on a GPU is mostly per length it decodes, not per frame (perf/RESULTS.md). A
   stream's chunks that become ready together leave as one response.
 
 Requests are tracked by `lifecycle.RequestTable` under internal ids (the engine sees
@@ -240,6 +241,7 @@ class EngineService:
                  max_step_faults: int = 3, on_tick: Callable[["EngineService"], None] | None = None,
                  frame_seconds: float | None = None, codec=None,
                  codec_batch_steps: int = SCHEMA["codec_batch_steps"].default,
+                 codec_final_steps: int = SCHEMA["codec_final_steps"].default,
                  load_chunk_frames: int = SCHEMA["load_chunk_frames"].default, direct_send: bool = False,
                  launch_ahead: bool | None = SCHEMA["launch_ahead"].default,
                  codec_concurrent: bool | None = SCHEMA["codec_concurrent"].default):
@@ -265,11 +267,10 @@ class EngineService:
         # (a first chunk's decode would wait behind a launched step; c=1 loop alone on an H200: 7.2 -> 7.6 audio-s/s,
         # perf/RESULTS.md)
         self.light_ahead = True
-        # with held codec calls (under load), a request's final item waits for the next held call (up to
-        # codec_batch_steps passes; its client's next request waits for it): with N > 0, its last frames are decoded
-        # in a call of the finished requests alone once it has waited N passes. 0: off (perf/RESULTS.md, 31st session:
-        # a served slot's ~95 ms turnaround costs ~7%; not yet measured on a GPU)
-        self.finals_early_passes = 0
+        # with held codec calls (under load), a request's final item waits at most this many passes for the next
+        # held call, then its last frames are decoded in a call of the finished requests alone (its client's next
+        # request, and so its slot's next occupant, waits for them; >= codec_batch_steps: always the held call)
+        self.codec_final_steps = codec_final_steps
         # the codec's calls by a thread of their own, on a GPU on a CUDA stream of their own beside the engine's
         # (which has the higher priority): a codec call's kernels fill what the step leaves of the device instead of
         # waiting behind it (the streams are made by the engine thread's first pass: `_device_streams`)
@@ -676,8 +677,8 @@ class EngineService:
                 if plan:
                     plans.append((rec, plan))
             self._run_codec(plans)
-        elif self.finals_early_passes:  # finished requests that have waited long enough: their last frames alone
-            N = self.finals_early_passes
+        elif self.codec_final_steps < K:  # finished requests that have waited long enough: their last frames alone
+            N = self.codec_final_steps
             due = [rec for rec in self._decoding.values() if not rec.closed and rec.state.final_pass is not None
                    and self.loop.passes - rec.state.final_pass >= N]
             self._run_codec([(rec, plan) for rec in due if (plan := self._plan(rec.state, K))])
@@ -959,7 +960,8 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     service = EngineService(engine, make_response, make_error, name=name, limit=v.max_batch + v.max_queued_requests,
                             on_unhealthy=on_unhealthy, on_tick=on_tick,
                             frame_seconds=codec_frame_seconds(v.checkpoint) if v.adaptive_chunks else None,
-                            codec=codec, codec_batch_steps=v.codec_batch_steps, load_chunk_frames=v.load_chunk_frames,
+                            codec=codec, codec_batch_steps=v.codec_batch_steps, codec_final_steps=v.codec_final_steps,
+                            load_chunk_frames=v.load_chunk_frames,
                             direct_send=direct_send, launch_ahead=v.launch_ahead,
                             codec_concurrent=v.codec_concurrent)
     log.info("%s ready in %.1f s (weights %.1f s, codec %.1f s, engine and its CUDA graphs %.1f s; the GPU kernels' "
