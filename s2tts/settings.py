@@ -180,12 +180,12 @@ SETTINGS: tuple[Setting, ...] = (
             "steps, in slices of this many frames: one codec call of one length for all streams, a chunk leaving once "
             "its frames are decoded (up to about twice this many steps later); best equal to `load_chunk_frames`. At a lighter "
             "load, and with 1, each chunk is decoded as soon as it is complete", min=1, max=64),
-    Setting("codec_final_steps", int, 1, ("slow_ar", "s2pro"), "with codec_in_engine, while calls are held "
+    Setting("codec_final_steps", int, 0, ("slow_ar", "s2pro"), "with codec_in_engine, while calls are held "
             "(`codec_batch_steps`): a finished request's last frames wait at most this many engine steps for the next "
             "held call, then go in a call of the finished requests alone (its client's next request waits for that "
             "audio, and its slot for that request); 0: in the step its request ends; `codec_batch_steps` or more: "
-            "always the held call. On an H200 at c=64: 264.8 audio-s/s waiting for the held call, 272.9 with 2, "
-            "276.9 with 1 (perf/RESULTS.md)", min=0, max=64),
+            "always the held call. c=64 on an H200: 277.5 audio-s/s with 0, 271.1 with 1, 264.8 with the held call; "
+            "c=128 on two: 550.4, 537.6, 510.6 (perf/RESULTS.md)", min=0, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar", "s2pro"), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
     Setting("launch_ahead", bool, None, ("slow_ar", "s2pro"), "the engine keeps two steps in flight on the GPU: "

@@ -351,13 +351,15 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
     """codec_batch_steps=4 under load against 1: fewer codec calls, the same audio; and the same again with the
     engine launching each step before the loop routes the last one's frames (`launch_ahead`, a GPU's default),
     which it does under load with held slices, and with exactly one final response a request; with it, the next
-    step launched while a held codec call is queued (`codec_overlap`) or not."""
+    step launched while a held codec call is queued (`codec_overlap`) or not. The count compares held calls only
+    (`codec_final_steps=4`: a request's last frames wait for the held call too); the other runs decode them in the
+    step their request ends (the default, 0)."""
     from injection import fail_on_call
 
-    def run(steps, ahead=None, overlap=True, fail_launch=False):
+    def run(steps, ahead=None, overlap=True, fail_launch=False, final_steps=0):
         decoder = StreamDecoder(codec, pool_size=8)
         svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps, frame_seconds=codec_frame_seconds(tiny_ckpt),
-                       launch_ahead=ahead)
+                       launch_ahead=ahead, codec_final_steps=final_steps)
         svc.codec_overlap = overlap
         svc.pace = lambda: 0.45
         launched, early = [], []
@@ -378,7 +380,7 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
         return [np.concatenate([a for *_, a in r.sent]) for r in rs], svc.loop.codec_calls, decoder
 
     every, calls_every, _ = run(1)
-    batched, calls_batched, decoder = run(4)
+    batched, calls_batched, decoder = run(4, final_steps=4)
     ahead, _, decoder_ahead = run(4, ahead=True)
     apart, _, decoder_apart = run(4, ahead=True, overlap=False)
     failed, _, _ = run(4, ahead=True, fail_launch=True)
