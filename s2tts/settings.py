@@ -184,8 +184,8 @@ SETTINGS: tuple[Setting, ...] = (
             "(`codec_batch_steps`): a finished request's last frames wait at most this many engine steps for the next "
             "held call, then go in a call of the finished requests alone (its client's next request waits for that "
             "audio, and its slot for that request); 0: in the step its request ends; `codec_batch_steps` or more: "
-            "always the held call. c=64 on an H200: 277.5 audio-s/s with 0, 271.1 with 1, 264.8 with the held call; "
-            "c=128 on two: 550.4, 537.6, 510.6 (perf/RESULTS.md)", min=0, max=64),
+            "always the held call (more, smaller codec calls against slots left idle: measured in perf/RESULTS.md, "
+            "34th session)", min=0, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar", "s2pro"), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
     Setting("launch_ahead", bool, None, ("slow_ar", "s2pro"), "the engine keeps two steps in flight on the GPU: "
