@@ -16,8 +16,8 @@ decodes is a stream's frames, not its chunks: a chunk leaves once all of its fra
   `codec_batch_steps=K` > 1: every K steps the frames every stream made since, in slices of K (a stream's last
   frames padded to a prepared length), so that one call of one length (one CUDA graph) decodes all streams; between
   those steps only the last frames of requests that ended `codec_final_steps` steps before (a client's next
-  request waits for its last audio, and a slot for that request). A call's cost on a GPU is mostly per length it decodes, not per frame (perf/RESULTS.md). A
-  stream's chunks that become ready together leave as one response.
+  request waits for its last audio, and a slot for that request). A call's cost on a GPU is mostly per length it
+  decodes, not per frame (perf/RESULTS.md). A stream's chunks that become ready together leave as one response.
 
 Requests are tracked by `lifecycle.RequestTable` under internal ids (the engine sees
 only those); the caller's id serves for cancellation, status and log lines. Every
