@@ -46,7 +46,7 @@ def loop_row(r: dict) -> str:
     rs, jitter = r.get("resubmit_ms") or 0, r.get("resubmit_jitter_ms") or 0
     what = "loop" + (f", resubmit {rs:g}" + (f" +- {jitter:g}" if jitter else "") + " ms" if rs or jitter else "") + \
         (f", Python beside {r['gil_load']}" if r.get("gil_load") else "") + (", launch ahead" if r.get("launch_ahead") else "") + \
-        (f", final steps {r['final_steps']}" if r.get("final_steps") is not None else "")
+        (f", final steps {r['final_steps']}" if r.get("final_steps") else "")  # named unless 0, the default
     p = r["prompt_steps"]
 
     def others(mean: float, prompt_mean: float) -> float:  # the steps not ending a prompt, from the mean of all
