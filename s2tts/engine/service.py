@@ -140,6 +140,7 @@ class LoopStats:
     codec_s: float = 0.0
     codec_calls: int = 0
     codec_streams: int = 0
+    codec_wait_s: float = 0.0  # the engine thread's wall time in the codec's calls (`_codec_call`), part of codec_s
     frames: int = 0  # frames the steps made: a step's average is how many of the slots decoded
     loaded: int = 0  # steps taken under load (`EngineService.under_load`)
     live: int = 0  # slots held in the steps (decoding or prefilling), summed over the steps
@@ -184,13 +185,14 @@ class LoopStats:
         if now - self.since >= self.every_s and self.codec_calls:
             tail = f"{1e3 * float(np.percentile(self.tails, 50)):.1f} ms p50" if self.tails else "-"
             log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
-                     "decoding audio (%d codec calls, %.1f streams a call); under load %.0f%% of the steps; slots held "
+                     "decoding audio (%d codec calls, %.1f streams a call, %.1f ms a step in them); under load %.0f%% of the steps; slots held "
                      "%.1f, requests waiting %.1f a step; %.0f%% of the steps with prompt rows ending (%.1f ms, the "
                      "others %.1f; launching %.1f and waiting %.1f ms of it, the others %.1f and %.1f; %.0f%% of them "
                      "launched behind a codec call); last frame to final response %s (%d requests); the engine thread "
                      "off its CPU %.2f ms a step (waiting for the GIL, or blocked: a GPU wait spins)", name,
                      now - self.since, self.steps, 1e3 * self.step_s / self.steps, self.frames / self.steps,
                      1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_streams / self.codec_calls,
+                     1e3 * self.codec_wait_s / self.steps,
                      100 * self.loaded / self.steps, self.live / self.steps, self.waiting / self.steps,
                      100 * self.firsts / self.steps, 1e3 * self.firsts_s / max(1, self.firsts),
                      1e3 * (self.step_s - self.firsts_s) / max(1, self.steps - self.firsts),
@@ -200,6 +202,7 @@ class LoopStats:
                      100 * self.firsts_early / max(1, self.firsts), tail, len(self.tails),
                      1e3 * self.off_cpu_s / self.steps)
             self.steps, self.step_s, self.codec_s, self.codec_calls, self.codec_streams, self.frames = 0, 0.0, 0.0, 0, 0, 0
+            self.codec_wait_s = 0.0
             self.loaded, self.live, self.waiting, self.firsts, self.firsts_s, self.tails = 0, 0, 0, 0, 0.0, []
             self.final_waits = []
             self.off_cpu_s = self.launch_s = self.wait_s = self.firsts_launch_s = self.firsts_wait_s = 0.0
@@ -746,11 +749,13 @@ class EngineService:
             self.loop.codec_calls += 1
             self.loop.codec_streams += len(now)
             jobs = [(k, rec.state.codec.sid, codes, start, final) for k, (rec, (codes, start, final)) in enumerate(now)]
+            t0 = time.monotonic()
             try:
                 audio = self._codec_call(jobs)
             except Exception as e:  # noqa: BLE001 - the codec failed as a whole: these requests end, the service goes on
                 err = errors.from_exception(e, self.name)
                 audio = {k: err for k in range(len(now))}
+            self.loop.codec_wait_s += time.monotonic() - t0
             for k, (rec, (codes, _, _)) in enumerate(now):
                 a, st = audio.get(k), rec.state
                 if isinstance(a, np.ndarray):
