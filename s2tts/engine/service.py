@@ -140,7 +140,9 @@ class LoopStats:
     codec_s: float = 0.0
     codec_calls: int = 0
     codec_streams: int = 0
-    codec_wait_s: float = 0.0  # the engine thread's wall time in the codec's calls (`_codec_call`), part of codec_s
+    # the engine thread's wall time in the codec's calls (`_codec_call`: with steps launched ahead, the next step's
+    # launch behind a call included), part of codec_s
+    codec_wait_s: float = 0.0
     frames: int = 0  # frames the steps made: a step's average is how many of the slots decoded
     loaded: int = 0  # steps taken under load (`EngineService.under_load`)
     live: int = 0  # slots held in the steps (decoding or prefilling), summed over the steps
