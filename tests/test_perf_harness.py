@@ -462,3 +462,18 @@ def test_gap_table_reads_slow_ars_loop_line(tmp_path):
     assert rows[2] == ("| served | 171.5 | 15.00 (11.0 + 4.0) | 58.0 | 59.0 | 100% (11.0 / 0.0) | "
                        "2.0 + 8.0 / 0.0 + 0.0 (100%) | 80.0 | 0.58 |"), rows
     assert rows[3] == "| pinned | - | (no loop line over 10 s) | | | | | | |"
+
+
+def test_send_probe_on_the_cpu(tmp_path):
+    """perf/send_probe.py against the real tritonserver: every mode's responses arrive with what was sent (the script
+    checks each one's content), each mode reports its sends, the switch interval the model ran with (the default, and
+    the one asked for), and the busy thread's pace where there is one."""
+    out = tmp_path / "probe.json"
+    p = _run([sys.executable, "perf/send_probe.py", "--sends", "20", "--samples", "2048", "--interval-ms", "0.25",
+              "--json", str(out)], timeout=180)
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["alone", "busy thread beside", "busy thread, short switch interval"]
+    assert all(r["sends"] == 20 and r["samples"] == 2048 and r["send_ms"] > 0 for r in rows), rows
+    assert rows[0]["interval_ms"] == rows[1]["interval_ms"] == 5.0 and rows[2]["interval_ms"] == 0.25, rows
+    assert rows[0]["busy_pace"] is None and all(r["busy_pace"] > 0 for r in rows[1:]), rows
+    assert sum(line.startswith("| ") for line in p.stdout.splitlines()) == 4  # the table: its header and three modes
