@@ -19,12 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -109,33 +105,16 @@ def probe(sends: int, samples: int, interval_ms: float, timeout: float = 120.0) 
     """Serve the toy model and run each mode once (after the busy thread's pace alone); returns a row a mode."""
     import tritonclient.grpc as grpcclient
 
-    from s2tts.server import backend_dir, find_server, free_port
+    from s2tts.server import TritonServer
 
-    work = Path(tempfile.mkdtemp(prefix="s2tts-send-probe-"))
-    (work / "repo" / "send_probe" / "1").mkdir(parents=True)
-    (work / "repo" / "send_probe" / "config.pbtxt").write_text(CONFIG)
-    (work / "repo" / "send_probe" / "1" / "model.py").write_text(MODEL)
-    binary, _, libs = find_server()
-    ports = [free_port() for _ in range(3)]
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    if libs is not None:
-        env["LD_LIBRARY_PATH"] = f"{libs}{os.pathsep}{env.get('LD_LIBRARY_PATH', '')}"
-    log = open(work / "tritonserver.log", "w")
-    server = subprocess.Popen([str(binary), f"--model-repository={work / 'repo'}", f"--backend-directory={backend_dir(work)}",
-                               f"--grpc-port={ports[0]}", f"--http-port={ports[1]}", f"--metrics-port={ports[2]}"],
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = TritonServer(None)  # in a temporary folder of its own, removed when it stops
+    model = server.workdir / "repo" / "send_probe"
+    (model / "1").mkdir(parents=True)
+    (model / "config.pbtxt").write_text(CONFIG)
+    (model / "1" / "model.py").write_text(MODEL)
     try:
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports[0]}")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if client.is_model_ready("send_probe"):
-                    break
-            except Exception:  # noqa: BLE001 - not listening yet
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"tritonserver did not serve the probe model: see {work / 'tritonserver.log'}")
-            time.sleep(0.2)
+        server.start(timeout, repository=model.parent)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
         answers: queue.Queue = queue.Queue()
         client.start_stream(callback=lambda result, error: answers.put((result, error)))
 
@@ -167,9 +146,7 @@ def probe(sends: int, samples: int, interval_ms: float, timeout: float = 120.0) 
         client.stop_stream()
         return rows
     finally:
-        server.kill()
-        server.wait(30)
-        log.close()
+        server.stop(timeout=10)
 
 
 def main(argv=None) -> int:

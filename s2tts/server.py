@@ -123,10 +123,11 @@ class Cancelled(Exception):
 class TritonServer:
     """A running tritonserver process on a rendered copy of the model repository."""
 
-    def __init__(self, checkpoint: str | Path, settings: dict[str, str] | None = None, http_port: int | None = None,
+    def __init__(self, checkpoint: str | Path | None, settings: dict[str, str] | None = None, http_port: int | None = None,
                  grpc_port: int | None = None, metrics_port: int | None = None, workdir: str | Path | None = None,
                  log_path: str | Path | None = None, models=MODELS, verbose: bool = False):
-        self.settings = {"checkpoint": str(Path(checkpoint).resolve()), **(settings or {})}
+        """`checkpoint` None: only for `start(repository=...)`, a model repository of one's own."""
+        self.settings = {**({"checkpoint": str(Path(checkpoint).resolve())} if checkpoint else {}), **(settings or {})}
         # where the HTTP, gRPC and metrics ports listen: this machine only unless the `address` setting says otherwise
         self.address = str(self.settings.get("address") or SCHEMA["address"].default)
         self.http_port = http_port or free_port()
@@ -156,12 +157,18 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.host}:{self.metrics_port}/metrics"
 
-    def start(self, timeout: float = 300.0, cancelled: Callable[[], bool] | None = None) -> "TritonServer":
+    def start(self, timeout: float = 300.0, cancelled: Callable[[], bool] | None = None,
+              repository: str | Path | None = None) -> "TritonServer":
         """Render the repository, start tritonserver and wait until it is ready (at most `timeout` s). `cancelled`
-        (polled while waiting): True stops the server and raises `Cancelled` (a SIGTERM while the models load)."""
-        # the `backend` switch: python | tensorrt | onnxruntime (tensorrt only on a server that has it)
-        repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models,
-                                       has_tensorrt=server_has_tensorrt)
+        (polled while waiting): True stops the server and raises `Cancelled` (a SIGTERM while the models load).
+        `repository`: serve that model repository as it is instead (a probe's own models: perf/send_probe.py)."""
+        if repository is not None:
+            repo = Path(repository)
+        elif "checkpoint" not in self.settings:
+            raise ValueError("TritonServer needs a checkpoint to render the model repository from (or a repository)")
+        else:  # the `backend` switch: python | tensorrt | onnxruntime (tensorrt only on a server that has it)
+            repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models,
+                                           has_tensorrt=server_has_tensorrt)
         binary, _, libs = find_server()
         cmd = self.command(binary, repo)
         env = dict(os.environ)
