@@ -187,11 +187,12 @@ class LoopStats:
         if now - self.since >= self.every_s and self.codec_calls:
             tail = f"{1e3 * float(np.percentile(self.tails, 50)):.1f} ms p50" if self.tails else "-"
             log.info("%s: last %.0f s: %d steps of %.1f ms making %.1f frames each, then %.1f ms a step routing and "
-                     "decoding audio (%d codec calls, %.1f streams a call, %.1f ms a step in them); under load %.0f%% of the steps; slots held "
-                     "%.1f, requests waiting %.1f a step; %.0f%% of the steps with prompt rows ending (%.1f ms, the "
-                     "others %.1f; launching %.1f and waiting %.1f ms of it, the others %.1f and %.1f; %.0f%% of them "
-                     "launched behind a codec call); last frame to final response %s (%d requests); the engine thread "
-                     "off its CPU %.2f ms a step (waiting for the GIL, or blocked: a GPU wait spins)", name,
+                     "decoding audio (%d codec calls, %.1f streams a call, %.1f ms a step in them); under load %.0f%% "
+                     "of the steps; slots held %.1f, requests waiting %.1f a step; %.0f%% of the steps with prompt rows "
+                     "ending (%.1f ms, the others %.1f; launching %.1f and waiting %.1f ms of it, the others %.1f and "
+                     "%.1f; %.0f%% of them launched behind a codec call); last frame to final response %s (%d "
+                     "requests); the engine thread off its CPU %.2f ms a step (waiting for the GIL, or blocked: a GPU "
+                     "wait spins)", name,
                      now - self.since, self.steps, 1e3 * self.step_s / self.steps, self.frames / self.steps,
                      1e3 * self.codec_s / self.steps, self.codec_calls, self.codec_streams / self.codec_calls,
                      1e3 * self.codec_wait_s / self.steps,
