@@ -7,6 +7,13 @@ FP8 (`kernels.quantize_fp8`: e4m3, a scale per output row; `fp8_rel_err` is agai
 and cuBLAS's FP8 x FP8 product (`w8a8_cublas`: the activations in FP8 as well).
 
     python perf/bench_gemv.py --rows 1,2,4,8,16
+    python perf/bench_gemv.py --rows 64,32,16 --partials
+
+`--partials`: for the weights whose products end in a residual sum and its norm (wo, w2) and for wqkv, the kernel's
+split-K pass alone, each split's float32 partial sums written and not added (what a product costs when the next
+kernel, the norm, adds the partials itself instead of a separate sum kernel), over a sweep of tilings (columns a
+program, K a step, splits), against cuBLAS: the best four per shape, with the partials' size that the next kernel
+would then read.
 
 Prints a markdown table: microseconds a call, weight-streaming bandwidth (weight bytes / time), the kernel's
 largest relative difference from F.linear, and whether a row's result is the same alone and beside 15 others.
@@ -42,8 +49,16 @@ def main():
     ap.add_argument("--config", action="append", default=[],
                     help="kernels.GEMV_CONFIG (and GEMV_FP8_CONFIG) overrides, e.g. 'block_n=32,num_warps=8' (repeat: one table row set each)")
     ap.add_argument("--json")
+    ap.add_argument("--partials", action="store_true", help="the split-K pass alone (partial sums not added) against "
+                    "cuBLAS, over tilings: see the module's doc")
     args = ap.parse_args()
     from s2tts import kernels
+
+    if args.partials:
+        rows = partials(kernels, [int(r) for r in args.rows.split(",")])
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
 
     torch.manual_seed(0)
     rows = []
@@ -114,6 +129,51 @@ def bench(kernels, args, cfg: str) -> list[dict]:
                          "fp8_rel_err": f"{err8:.1e}", "w8a8_cublas_us": t_w8a8, "w8a8_rel_err": err_w8a8})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def partials(kernels, row_counts: list[int]) -> list[dict]:
+    """See the module's doc (`--partials`): one line per weight and row count, and a dict each."""
+    import itertools
+
+    out = []
+    for name in ("wo", "w2", "wqkv"):
+        N, K = SHAPES[name]
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5 for _ in range(4)]
+        i = [0]
+
+        def nxt():
+            i[0] = (i[0] + 1) % len(ws)
+            return ws[i[0]]
+
+        for M in row_counts:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = torch.nn.functional.linear(x.float(), ws[0].float())
+            t_cublas = timed_us(lambda: torch.nn.functional.linear(x, nxt()))
+            bm = max(16, 1 << (M - 1).bit_length())
+            tried = []
+            for bn, bk, split in itertools.product((32, 64), (64, 128), (2, 4, 8)):
+                k_per = -(-K // (split * bk)) * bk
+                if k_per * (split - 1) >= K:  # a split with nothing to add
+                    continue
+                y = torch.empty(M, N, dtype=x.dtype, device="cuda")
+                p = torch.empty(split, M, N, dtype=torch.float32, device="cuda")
+
+                def call(w=None):
+                    kernels._gemv_kernel[(-(-M // bm), -(-N // bn), split)](
+                        x, nxt() if w is None else w, y, y, p, M, N, K, k_per, x.stride(0), K, N, BLOCK_M=bm,
+                        BLOCK_N=bn, BLOCK_K=bk, SPLIT=split, IEEE=False, SCALED=False, SWAP=False, num_warps=4,
+                        num_stages=4, PDL=False)
+
+                t = timed_us(call)
+                call(ws[0])
+                tried.append({"us": round(t, 1), "block_n": bn, "block_k": bk, "split": split,
+                              "rel_err": f"{rel(p.sum(0), ref):.0e}", "partials_mb": round(split * M * N * 4 / 1e6, 2)})
+            tried.sort(key=lambda r: r["us"])
+            out.append({"weight": name, "rows": M, "cublas_us": round(t_cublas, 1), "best": tried[:4]})
+            print(f"{name} {M} rows: cuBLAS {t_cublas:.1f} us; partials alone, best: " + "; ".join(
+                f"{r['us']} us (block_n {r['block_n']}, block_k {r['block_k']}, split {r['split']}: "
+                f"{r['partials_mb']} MB of partials, error {r['rel_err']})" for r in tried[:4]), flush=True)
+    return out
 
 
 def rel(got, ref) -> float:
