@@ -179,7 +179,9 @@ SETTINGS: tuple[Setting, ...] = (
             "`load_chunk_frames`) the codec decodes every stream's new frames together once every this many engine "
             "steps, in slices of this many frames: one codec call of one length for all streams, a chunk leaving once "
             "its frames are decoded (up to about twice this many steps later); best equal to `load_chunk_frames`. At a lighter "
-            "load, and with 1, each chunk is decoded as soon as it is complete", min=1, max=64),
+            "load, and with 1, each chunk is decoded as soon as it is complete. At c=64 on an H200 4, 12 and 16 (with "
+            "`load_chunk_frames` alike) made less audio than 8, or made the first audio later (perf/RESULTS.md, 34th and "
+            "35th sessions)", min=1, max=64),
     Setting("codec_final_steps", int, 0, ("slow_ar", "s2pro"), "with codec_in_engine, while calls are held "
             "(`codec_batch_steps`): a finished request's last frames wait at most this many engine steps for the next "
             "held call, then go in a call of the finished requests alone (its client's next request waits for that "
