@@ -477,3 +477,141 @@ def test_send_probe_on_the_cpu(tmp_path):
     assert rows[0]["interval_ms"] == rows[1]["interval_ms"] == 5.0 and rows[2]["interval_ms"] == 0.25, rows
     assert rows[0]["busy_pace"] is None and all(r["busy_pace"] > 0 for r in rows[1:]), rows
     assert sum(line.startswith("| ") for line in p.stdout.splitlines()) == 4  # the table: its header and three modes
+
+
+def _loop_lines(frames_per_window) -> list[str]:
+    """slow_ar's 10-s loop lines as its LoopStats writes them, one window for each frames-a-step figure."""
+    import logging
+
+    from s2tts.engine.service import LoopStats
+
+    lines = []
+    keep = logging.Handler()
+    keep.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("s2tts")
+    level = log.level
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        for frames in frames_per_window:
+            stats = LoopStats(every_s=0.0, codec_calls=1, codec_streams=50, tails=[0.07])
+            stats.add(0.0075, 0.0025, "slow_ar", frames, True, frames + 1, 0, False, off_cpu_s=0.004)
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    return [m for m in lines if "frames each" in m]
+
+
+def _issue26_tree(tree: Path, *, c1, c64, first_use_ms, ready_s, windows, step_1, step_64, fp8_step_1, codec_ms,
+                  two_gpu, fp8_served_rtf=None):
+    """One tree's folder as perf/issue26_gpu.sh's parts leave it (the files' forms are the tools' own)."""
+    def level(c, **kw):
+        return {"concurrency": c, "requests": 24, "ok": 24, "errors": 0, "stall_fraction": 0.0,
+                "gpu_mem_peak_mib": 20000.0, **kw}
+
+    serve = tree / "serve"
+    serve.mkdir(parents=True)
+    (serve / "loadgen.json").write_text(json.dumps({"levels": [level(1, **c1), level(64, requests=1280, ok=1280, **c64)]}))
+    (serve / "loadgen_clone_first.json").write_text(json.dumps({"levels": [level(1, ttfa_ms_p50=first_use_ms)]}))
+    (serve / "run.log").write_text(f"[12:00:01] tritonserver ready in {ready_s} s: gRPC 127.0.0.1:8001\n")
+    (serve / "summary.md").write_text("## slow_ar's loop, from its log\n\n" +
+                                      "".join(f"- {m}\n" for m in _loop_lines(windows)))
+    fps = 44100 / 2048
+    (tree / "engine.json").write_text(json.dumps(
+        [{"variant": "default", "weights": "dtype", "batch": 1, "graphs": True, "full_step_ms": step_1,
+          "stream_rtf": round(step_1 * fps / 1e3, 4)},
+         {"variant": "default", "weights": "dtype", "batch": 64, "graphs": True, "full_step_ms": step_64},
+         {"variant": "default", "weights": "fp8", "batch": 1, "graphs": True, "full_step_ms": fp8_step_1,
+          "stream_rtf": round(fp8_step_1 * fps / 1e3, 4)}]))
+    (tree / "codec.json").write_text(json.dumps([{"path": "served", "warm_s": 9.0, "graphs": 21},
+                                                 {"path": "served", "batch": 64, "chunk_frames": 8, "wall_ms": codec_ms}]))
+    if two_gpu is not None:
+        (tree / "scale").mkdir()
+        (tree / "scale" / "scale.json").write_text(json.dumps([{"engines": 2, "concurrency": 128,
+                                                                "audio_s_per_s": two_gpu}]))
+    if fp8_served_rtf is not None:
+        (tree / "serve_fp8").mkdir()
+        (tree / "serve_fp8" / "loadgen.json").write_text(json.dumps({"levels": [level(1, rtf_mean=fp8_served_rtf)]}))
+
+
+def test_issue26_table_reads_both_trees(tmp_path):
+    """perf/issue26.py: each of issue 26's targets from the files perf/issue26_gpu.sh's parts leave, the starting
+    code beside this one, each row's status by this code's number; a part not run reads "-" / "not run"."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    from issue26 import main, markdown
+
+    _issue26_tree(tmp_path / "base", c1={"ttfa_ms_p50": 44.7, "rtf_mean": 0.19, "ttfa_ms_p99": 50.0},
+                  c64={"audio_s_per_s": 148.6, "ttfa_ms_p50": 372.0, "ttfa_ms_p99": 498.0, "stall_fraction": 0.0,
+                       "gpu_mem_peak_mib": 43400.0},
+                  first_use_ms=156.0, ready_s=68.6, windows=[20, 29.7], step_1=8.3, step_64=11.0, fp8_step_1=7.9,
+                  codec_ms=35.0, two_gpu=None)
+    _issue26_tree(tmp_path / "final", c1={"ttfa_ms_p50": 21.7, "rtf_mean": 0.1195, "ttfa_ms_p99": 25.0},
+                  c64={"audio_s_per_s": 279.9, "ttfa_ms_p50": 200.1, "ttfa_ms_p99": 311.2, "stall_fraction": 1 / 1280,
+                       "gpu_mem_peak_mib": 27000.0},
+                  first_use_ms=115.0, ready_s=41.0, windows=[48, 61.4, 55], step_1=5.31, step_64=7.53,
+                  fp8_step_1=4.75, codec_ms=16.7, two_gpu=550.4)
+    rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in markdown(tmp_path / "final", tmp_path / "base",
+                                                                         "79c0cdb").splitlines()[2:]}
+    assert rows["c=1 decode step <= 5.5 ms at one row"] == ["8.30 ms", "5.31 ms", "met |"]
+    assert rows["c=1 RTF <= 0.12 (served, mean)"] == ["0.1900", "0.1195", "met |"]
+    assert rows["c=1 TTFA p50 <= 30 ms"] == ["44.7 ms", "21.7 ms", "met |"]
+    assert rows["c=64 >= 300 audio-s/s (100-frame requests)"] == ["148.6 (1280/1280 requests)",
+                                                                  "279.9 (1280/1280 requests)", "NOT met |"]
+    assert rows["c=64 frames a step >= 58 (slow_ar's busiest 10 s)"] == ["29.7", "61.4", "met |"]
+    assert rows["c=64 TTFA p99 <= 400 ms"] == ["498.0 ms", "311.2 ms", "met |"]
+    assert rows["no underrun at any level"] == ["0 of 1304 ran dry", "1 of 1304 ran dry", "NOT met |"]
+    assert rows["step at 64 rows <= 7.5 ms"] == ["11.00 ms", "7.53 ms", "NOT met |"]
+    assert rows["codec's share of a 64-frame step <= 2.4 ms (64 x 8 frames a call / 8)"] == ["4.38 ms", "2.09 ms",
+                                                                                             "met |"]
+    assert rows["`ar_weights=fp8`: c=1 RTF <= 0.08 (the engine's step alone)"] == [
+        "0.1701 (step 7.90 ms)", "0.1023 (step 4.75 ms)", "NOT met |"]
+    assert rows["two GPUs of one host >= 500 audio-s/s at c=128"] == ["-", "550.4 at c=128", "met |"]
+    assert rows["c=64 peak GPU memory <= 30 GB (all models, default KV pool)"] == ["45.5 GB", "28.3 GB", "met |"]
+    assert rows["ready <= 45 s"] == ["68.6 s", "41.0 s", "met |"]
+    assert rows["voice clone first use <= 120 ms at c=1 (10 s reference)"] == ["156.0 ms", "115.0 ms", "met |"]
+    # a served fp8 run, where there is one, is the row's measure; parts not run read "-" and "not run"
+    _issue26_tree(tmp_path / "only", c1={"ttfa_ms_p50": 21.0, "rtf_mean": 0.12}, c64={"audio_s_per_s": 300.5},
+                  first_use_ms=119.0, ready_s=45.0, windows=[], step_1=5.0, step_64=7.5, fp8_step_1=3.6,
+                  codec_ms=19.2, two_gpu=None, fp8_served_rtf=0.079)
+    (tmp_path / "only" / "engine.json").unlink()
+    rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in markdown(tmp_path / "only", None).splitlines()[2:]}
+    assert rows["`ar_weights=fp8`: c=1 RTF <= 0.08"] == ["-", "0.0790", "met |"]
+    assert rows["step at 64 rows <= 7.5 ms"] == ["-", "-", "not run |"]
+    assert rows["c=64 frames a step >= 58 (slow_ar's busiest 10 s)"] == ["-", "-", "not run |"]
+    assert rows["c=64 >= 300 audio-s/s (100-frame requests)"][2] == "met |"
+    assert rows["ready <= 45 s"] == ["-", "45.0 s", "met |"]
+    assert main([str(tmp_path / "nothing")]) == 2  # no final/ there: a message, not a table
+
+
+def test_issue26_gpu_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/issue26_gpu.sh's serve part on the CPU (this tree only, c=1, one request, run_gpu.sh's DEVICE=cpu): the
+    folder it leaves is what perf/issue26.py reads, whose rows carry the run's own numbers."""
+    from servers import free_port
+
+    sys.path.insert(0, str(ROOT / "perf"))
+    from issue26 import markdown
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "TREES": "final", "LEVELS": "1", "REQUESTS": "1:1", "FRAMES": "4",
+           "DEVICE": "cpu", "CKPT": str(tiny_ckpt), "CKPT_SIZE": "tiny", "PYTHON": sys.executable, "USE_CARRIED": "0",
+           "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"), "GRPC_PORT": str(free_port()),
+           "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port())}
+    p = _run(["bash", "perf/issue26_gpu.sh", "serve"], timeout=600, env=env)
+    assert "== final serve rc=0" in p.stdout, p.stdout + (out / "final" / "serve.log").read_text()[-3000:]
+    serve = out / "final" / "serve"
+    c1 = json.loads((serve / "loadgen.json").read_text())["levels"][0]
+    first = json.loads((serve / "loadgen_clone_first.json").read_text())["levels"][0]
+    assert c1["concurrency"] == 1 and c1["ok"] == 1 and first["ok"] == 1, (c1, first)
+    ready = float(re.findall(r"tritonserver ready in ([\d.]+) s", (serve / "run.log").read_text())[-1])
+    rows = {r.split(" | ")[0][2:]: r.split(" | ")[2] for r in markdown(out / "final", None).splitlines()[2:]}
+    assert rows["c=1 TTFA p50 <= 30 ms"] == f"{c1['ttfa_ms_p50']:.1f} ms"
+    assert rows["c=1 RTF <= 0.12 (served, mean)"] == f"{c1['rtf_mean']:.4f}"
+    assert rows["voice clone first use <= 120 ms at c=1 (10 s reference)"] == f"{first['ttfa_ms_p50']:.1f} ms"
+    assert rows["ready <= 45 s"] == f"{ready:.1f} s"
+    assert rows["c=64 >= 300 audio-s/s (100-frame requests)"] == "-"  # no level 64 in this run
+    bad = subprocess.run(["bash", "perf/issue26_gpu.sh", "nothing"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage: bash perf/issue26_gpu.sh serve|kernels|fp8|scale" in bad.stderr
+    if not (ROOT / "baseline" / "perf").is_dir():  # (a developer's checkout may hold one)
+        none = subprocess.run(["bash", "perf/issue26_gpu.sh", "serve"], cwd=ROOT, capture_output=True, text=True,
+                              env={**env, "TREES": "final base"})
+        assert none.returncode == 2 and "no baseline/" in none.stderr, none.stderr
