@@ -4,6 +4,7 @@ loadgen: a two-level sweep with plain and voice-clone requests, checked for comp
 make_pa_inputs + run_perf_analyzer.sh: brief real perf_analyzer runs against fast_ar and dac_decoder.
 """
 
+import contextlib
 import csv
 import json
 import os
@@ -426,15 +427,10 @@ def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
         assert r["prompt_behind_codec"] == 0 or r["launch_ahead"], r  # only launch ahead launches behind a call
 
 
-def test_gap_table_reads_slow_ars_loop_line(tmp_path):
-    """perf/gap_table.py reads a served run's steady state from the loop lines slow_ar writes (made here by its own
-    LoopStats, as run_gpu.sh copies them into summary.md): of two 10 s windows, the one with more frames a step."""
+@contextlib.contextmanager
+def _logged():
+    """The s2tts logger's messages (INFO and up) while the block runs, as a list."""
     import logging
-
-    sys.path.insert(0, str(ROOT / "perf"))
-    from gap_table import table
-
-    from s2tts.engine.service import LoopStats
 
     lines = []
     keep = logging.Handler()
@@ -444,13 +440,25 @@ def test_gap_table_reads_slow_ars_loop_line(tmp_path):
     log.addHandler(keep)
     log.setLevel(logging.INFO)
     try:
+        yield lines
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+
+
+def test_gap_table_reads_slow_ars_loop_line(tmp_path):
+    """perf/gap_table.py reads a served run's steady state from the loop lines slow_ar writes (made here by its own
+    LoopStats, as run_gpu.sh copies them into summary.md): of two 10 s windows, the one with more frames a step."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    from gap_table import table
+
+    from s2tts.engine.service import LoopStats
+
+    with _logged() as lines:
         for frames, step_s in ((30, 0.012), (58, 0.011)):  # a ramp's window, then the steady state
             stats = LoopStats(every_s=0.0, codec_calls=1, codec_streams=50, tails=[0.07, 0.08, 0.09])
             stats.add(step_s, 0.004, "slow_ar", frames, True, frames + 1, 2, True, off_cpu_s=frames / 1e5,
                       launch_s=0.002, wait_s=step_s - 0.003, early=True)
-    finally:
-        log.removeHandler(keep)
-        log.setLevel(level)
     # a step ending a prompt: its engine call's launch and wait, and that it ran behind a codec call
     assert "(11.0 ms, the others 0.0; launching 2.0 and waiting 8.0 ms of it, the others 0.0 and 0.0; 100% of them " \
            "launched behind a codec call)" in lines[-1], lines[-1]
@@ -481,24 +489,12 @@ def test_send_probe_on_the_cpu(tmp_path):
 
 def _loop_lines(frames_per_window) -> list[str]:
     """slow_ar's 10-s loop lines as its LoopStats writes them, one window for each frames-a-step figure."""
-    import logging
-
     from s2tts.engine.service import LoopStats
 
-    lines = []
-    keep = logging.Handler()
-    keep.emit = lambda record: lines.append(record.getMessage())
-    log = logging.getLogger("s2tts")
-    level = log.level
-    log.addHandler(keep)
-    log.setLevel(logging.INFO)
-    try:
+    with _logged() as lines:
         for frames in frames_per_window:
             stats = LoopStats(every_s=0.0, codec_calls=1, codec_streams=50, tails=[0.07])
             stats.add(0.0075, 0.0025, "slow_ar", frames, True, frames + 1, 0, False, off_cpu_s=0.004)
-    finally:
-        log.removeHandler(keep)
-        log.setLevel(level)
     return [m for m in lines if "frames each" in m]
 
 
