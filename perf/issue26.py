@@ -145,6 +145,10 @@ def markdown(final: Path, base: Path | None, base_name: str = "main at the issue
     table = rows(measures(final), measures(base) if base is not None and base.is_dir() else None)
     lines = [f"| target | {base_name} | this code | status |", "|---|---|---|---|"]
     lines += [f"| {t} | {b} | {f} | {s} |" for t, b, f, s in table]
+    for name, tree in (("this code", final), (base_name, base)):  # what each ran (perf/issue26_gpu.sh's tree.txt)
+        said = tree / "tree.txt" if tree is not None else None
+        if said is not None and said.is_file():
+            lines.append(f"\n{name}: {said.read_text().strip()}")
     return "\n".join(lines)
 
 

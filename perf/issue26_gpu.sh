@@ -15,6 +15,8 @@
 #   TREES   ("final base")   which trees: final = this one, base = baseline/ (a `git archive` of the issue's start;
 #                            carried beside .whl and .gpu, 1.6 MB)
 #   CKPT    (/tmp/s2-full)   the full-size random checkpoint both use (run_gpu.sh writes it if missing)
+#   BASE_REV (79c0cdb)       what baseline/ was archived from: its name in $OUT/base/tree.txt (each tree's folder
+#                            says what ran in tree.txt)
 #   OUT     (perf/out)       results: $OUT/<tree>/<part>, and each part's log as $OUT/<tree>/<part>.log
 #   LEVELS  (1,64)           serve's loadgen levels, and REQUESTS (1:24,64:1280) its requests a level (the issue's
 #                            c=64 rows read the level 64; a CPU smoke test runs smaller ones, with run_gpu.sh's
@@ -40,9 +42,18 @@ here="$PWD"
 for tree in ${TREES:-final base}; do
   dir=.; [ "$tree" = base ] && dir=baseline
   res="$OUT/$tree"; mkdir -p "$res"
+  if [ "$tree" = base ]; then  # (baseline/ is no checkout: git must not answer for it with this one's commit)
+    echo "baseline/ = git archive ${BASE_REV:-79c0cdb}" > "$res/tree.txt"
+  elif git rev-parse -q --verify HEAD > /dev/null 2>&1; then
+    { git log -1 --format='commit %h %s'; git diff --quiet HEAD || echo " + uncommitted changes"; } | tr -d '\n' \
+      > "$res/tree.txt"
+  else
+    echo "this tree (not a git checkout)" > "$res/tree.txt"
+  fi
   t=$(date +%s)
   (
     cd "$dir" || exit 1
+    [ "$tree" = base ] && export GIT_CEILING_DIRECTORIES="$here"
     case "$part" in
       serve)
         OUT="$res/serve" CONCURRENCY="${LEVELS:-1,64}" CLONE_CONCURRENCY= CLONE_FIRST_CONCURRENCY=1 \

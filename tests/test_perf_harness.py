@@ -530,6 +530,11 @@ def _issue26_tree(tree: Path, *, c1, c64, first_use_ms, ready_s, windows, step_1
         (tree / "serve_fp8" / "loadgen.json").write_text(json.dumps({"levels": [level(1, rtf_mean=fp8_served_rtf)]}))
 
 
+def _issue26_rows(md: str) -> dict[str, list[str]]:
+    """perf/issue26.py's table -> {target: [the base's cell, this code's, "status |"]} (its body rows only)."""
+    return {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in md.splitlines()[2:] if r.startswith("| ")}
+
+
 def test_issue26_table_reads_both_trees(tmp_path):
     """perf/issue26.py: each of issue 26's targets from the files perf/issue26_gpu.sh's parts leave, the starting
     code beside this one, each row's status by this code's number; a part not run reads "-" / "not run"."""
@@ -546,8 +551,7 @@ def test_issue26_table_reads_both_trees(tmp_path):
                        "gpu_mem_peak_mib": 27000.0},
                   first_use_ms=115.0, ready_s=41.0, windows=[48, 61.4, 55], step_1=5.31, step_64=7.53,
                   fp8_step_1=4.75, codec_ms=16.7, two_gpu=550.4)
-    rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in markdown(tmp_path / "final", tmp_path / "base",
-                                                                         "79c0cdb").splitlines()[2:]}
+    rows = _issue26_rows(markdown(tmp_path / "final", tmp_path / "base", "79c0cdb"))
     assert rows["c=1 decode step <= 5.5 ms at one row"] == ["8.30 ms", "5.31 ms", "met |"]
     assert rows["c=1 RTF <= 0.12 (served, mean)"] == ["0.1900", "0.1195", "met |"]
     assert rows["c=1 TTFA p50 <= 30 ms"] == ["44.7 ms", "21.7 ms", "met |"]
@@ -570,7 +574,7 @@ def test_issue26_table_reads_both_trees(tmp_path):
                   first_use_ms=119.0, ready_s=45.0, windows=[], step_1=5.0, step_64=7.5, fp8_step_1=3.6,
                   codec_ms=19.2, two_gpu=None, fp8_served_rtf=0.079)
     (tmp_path / "only" / "engine.json").unlink()
-    rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in markdown(tmp_path / "only", None).splitlines()[2:]}
+    rows = _issue26_rows(markdown(tmp_path / "only", None))
     assert rows["`ar_weights=fp8`: c=1 RTF <= 0.08"] == ["-", "0.0790", "met |"]
     assert rows["step at 64 rows <= 7.5 ms"] == ["-", "-", "not run |"]
     assert rows["c=64 frames a step >= 58 (slow_ar's busiest 10 s)"] == ["-", "-", "not run |"]
@@ -599,12 +603,14 @@ def test_issue26_gpu_script_on_the_cpu(tiny_ckpt, tmp_path):
     first = json.loads((serve / "loadgen_clone_first.json").read_text())["levels"][0]
     assert c1["concurrency"] == 1 and c1["ok"] == 1 and first["ok"] == 1, (c1, first)
     ready = float(re.findall(r"tritonserver ready in ([\d.]+) s", (serve / "run.log").read_text())[-1])
-    rows = {r.split(" | ")[0][2:]: r.split(" | ")[2] for r in markdown(out / "final", None).splitlines()[2:]}
+    rows = {target: cells[1] for target, cells in _issue26_rows(markdown(out / "final", None)).items()}
     assert rows["c=1 TTFA p50 <= 30 ms"] == f"{c1['ttfa_ms_p50']:.1f} ms"
     assert rows["c=1 RTF <= 0.12 (served, mean)"] == f"{c1['rtf_mean']:.4f}"
     assert rows["voice clone first use <= 120 ms at c=1 (10 s reference)"] == f"{first['ttfa_ms_p50']:.1f} ms"
     assert rows["ready <= 45 s"] == f"{ready:.1f} s"
     assert rows["c=64 >= 300 audio-s/s (100-frame requests)"] == "-"  # no level 64 in this run
+    head = subprocess.run(["git", "log", "-1", "--format=commit %h %s"], cwd=ROOT, capture_output=True, text=True)
+    assert f"\nthis code: {head.stdout.strip()}" in markdown(out / "final", None)  # what ran, under the table
     bad = subprocess.run(["bash", "perf/issue26_gpu.sh", "nothing"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "usage: bash perf/issue26_gpu.sh serve|kernels|fp8|scale" in bad.stderr
     if not (ROOT / "baseline" / "perf").is_dir():  # (a developer's checkout may hold one)
