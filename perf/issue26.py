@@ -27,9 +27,10 @@ import re
 import sys
 from pathlib import Path
 
-MIB_GB = 1.048576 / 1000  # MiB -> GB (10^9 bytes), as the targets are stated
 FRAMES = re.compile(r"last [\d.]+ s: (\d+) steps of [\d.]+ ms making ([\d.]+) frames each")
-READY = re.compile(r"tritonserver ready in ([\d.]+) s")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from targets import MIB_GB, levels, ready_s  # noqa: E402 - a run_gpu.sh folder's levels and ready time, read alike
 
 
 def _json(path: Path):
@@ -39,16 +40,9 @@ def _json(path: Path):
         return None
 
 
-def _level(path: Path, c: int) -> dict | None:
-    data = _json(path)
-    levels = data.get("levels", []) if isinstance(data, dict) else []
-    return next((lv for lv in levels if lv.get("concurrency") == c), None)
-
-
-def _engine(path: Path, weights: str, batch: int) -> dict | None:
-    """bench_engine's row for these weights (its `weights` starts with "dtype" or "fp8") and rows a step: the default
-    variant, with CUDA graphs."""
-    rows = _json(path)
+def _engine(rows, weights: str, batch: int) -> dict | None:
+    """Of bench_engine's rows, the one for these weights (its `weights` starts with "dtype" or "fp8") and rows a
+    step: the default variant, with CUDA graphs."""
     if not isinstance(rows, list):
         return None
     return next((r for r in rows if str(r.get("weights", "")).split(" ")[0] == weights and r.get("batch") == batch
@@ -58,9 +52,10 @@ def _engine(path: Path, weights: str, batch: int) -> dict | None:
 def measures(tree: Path) -> dict[str, float | None]:
     """The numbers of one tree's folder (see the module's doc), None where its part is missing."""
     serve = tree / "serve"
-    c1, c64 = _level(serve / "loadgen.json", 1), _level(serve / "loadgen.json", 64)
-    first = _level(serve / "loadgen_clone_first.json", 1)
-    fp8 = _level(tree / "serve_fp8" / "loadgen.json", 1)
+    plain = levels(serve / "loadgen.json")
+    c1, c64 = plain.get(1), plain.get(64)
+    first = levels(serve / "loadgen_clone_first.json").get(1)
+    fp8 = levels(tree / "serve_fp8" / "loadgen.json").get(1)
     out: dict[str, float | None] = {
         "c1_ttfa_p50": c1 and c1.get("ttfa_ms_p50"), "c1_rtf": c1 and c1.get("rtf_mean"),
         "c64_audio": c64 and c64.get("audio_s_per_s"), "c64_ttfa_p99": c64 and c64.get("ttfa_ms_p99"),
@@ -69,20 +64,18 @@ def measures(tree: Path) -> dict[str, float | None]:
         "clone_first_ttfa_p50": first and first.get("ttfa_ms_p50"),
         "fp8_rtf_served": fp8 and fp8.get("rtf_mean"),
     }
-    levels = [lv for lv in (c1, c64) if lv]
-    out["dry"] = None if c64 is None else sum(round((lv.get("stall_fraction") or 0) * lv["ok"]) for lv in levels)
-    out["dry_of"] = None if c64 is None else sum(lv["ok"] for lv in levels)
+    served = [lv for lv in (c1, c64) if lv]
+    out["dry"] = None if c64 is None else sum(round((lv.get("stall_fraction") or 0) * lv["ok"]) for lv in served)
+    out["dry_of"] = None if c64 is None else sum(lv["ok"] for lv in served)
     peak = c64 and c64.get("gpu_mem_peak_mib")
     out["c64_mem_gb"] = peak * MIB_GB if isinstance(peak, (int, float)) else None
     summary = serve / "summary.md"
     windows = [float(m.group(2)) for m in FRAMES.finditer(summary.read_text(errors="replace"))] \
         if summary.is_file() else []
     out["frames_a_step"] = max(windows) if windows and c64 else None
-    log = serve / "run.log"
-    ready = READY.findall(log.read_text(errors="replace")) if log.is_file() else []
-    out["ready_s"] = float(ready[-1]) if ready else None
-    step1, step64 = _engine(tree / "engine.json", "dtype", 1), _engine(tree / "engine.json", "dtype", 64)
-    fp8_1 = _engine(tree / "engine.json", "fp8", 1)
+    out["ready_s"] = ready_s(serve / "run.log")
+    engine = _json(tree / "engine.json")
+    step1, step64, fp8_1 = _engine(engine, "dtype", 1), _engine(engine, "dtype", 64), _engine(engine, "fp8", 1)
     out["step_1"] = step1 and step1.get("full_step_ms")
     out["step_64"] = step64 and step64.get("full_step_ms")
     out["fp8_step_1"] = fp8_1 and fp8_1.get("full_step_ms")

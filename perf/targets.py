@@ -22,7 +22,7 @@ from pathlib import Path
 MIB_GB = 1.048576 / 1000  # MiB -> GB (10^9 bytes), as the targets are stated
 
 
-def _levels(path: Path) -> dict[int, dict]:
+def levels(path: Path) -> dict[int, dict]:
     if not path.is_file():
         return {}
     return {lv["concurrency"]: lv for lv in json.loads(path.read_text()).get("levels", [])}
@@ -32,7 +32,7 @@ def _status(ok: bool | None) -> str:
     return "not run" if ok is None else "met" if ok else "NOT met"
 
 
-def _ready_s(run_log: Path) -> float | None:
+def ready_s(run_log: Path) -> float | None:
     if not run_log.is_file():
         return None
     m = re.findall(r"tritonserver ready in ([\d.]+) s", run_log.read_text(errors="replace"))
@@ -52,8 +52,8 @@ def _determinism(path: Path) -> dict[str, dict]:
 
 
 def rows(res: Path) -> list[tuple[str, str, str]]:
-    plain, clone = _levels(res / "loadgen.json"), _levels(res / "loadgen_clone.json")
-    first_use = _levels(res / "loadgen_clone_first.json")  # every reference new to the server (see the doc)
+    plain, clone = levels(res / "loadgen.json"), levels(res / "loadgen_clone.json")
+    first_use = levels(res / "loadgen_clone_first.json")  # every reference new to the server (see the doc)
     out = []
 
     def level_row(target, c, text, ok, levels=plain):
@@ -86,7 +86,7 @@ def rows(res: Path) -> list[tuple[str, str, str]]:
               lambda lv: lv["rtf_mean"] is not None and lv["rtf_mean"] <= 0.15)
     level_row("voice clone c=1, voice seen: TTFA p50 <= 50 ms", 1, p50, ttfa_p50(50), clone)
     level_row("voice clone c=1, first use of a 10 s reference: TTFA p50 <= 150 ms", 1, p50, ttfa_p50(150), first_use)
-    ready = _ready_s(res / "run.log")
+    ready = ready_s(res / "run.log")
     out.append(("server ready <= 60 s", "-" if ready is None else f"{ready:g} s", _status(None if ready is None
                                                                                          else ready <= 60)))
     level_row("first wave of 16: no stream waits on a first use (c=16 first traffic after c=1)", 16,
