@@ -10,9 +10,9 @@ client take CPU from it too). The client checks every response's content.
 
     python perf/send_probe.py [--sends 200] [--samples 16384] [--interval-ms 0.5] [--json out.json]
 
-On the 2-core development machine (perf/RESULTS.md, 34th session) a send took 0.14 ms alone and 5.6 ms with a busy
-thread beside it (the default 5 ms switch interval: the send gives up the interpreter and waits that long to get it
-back), 1.0 ms with a 0.5 ms interval.
+On the 2-core development machine (perf/RESULTS.md, 34th session) a send took 0.21-0.24 ms alone and 5.6-5.7 ms with
+a busy thread beside it (the default 5 ms switch interval: the send gives up the interpreter and waits that long to get it
+back), 0.9-1.0 ms with a 0.5 ms interval.
 """
 
 from __future__ import annotations
