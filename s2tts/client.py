@@ -177,7 +177,7 @@ class S2ProClient:
         self.client = g.InferenceServerClient(url)
         self._q: queue.Queue = queue.Queue()
         self._open = False
-        self._in_flight = False  # a request was sent on the stream and its last response has not come
+        self._in_flight = False  # a request was sent on the stream and has not ended (no final stats or flag yet)
         self._lock = threading.Lock()
 
     def _callback(self, result, error):
@@ -193,49 +193,61 @@ class S2ProClient:
         """Yield AudioChunk events, then one Final. Raises TTSError for an error response.
 
         `cancel_after_chunks`: close the stream (cancelling the request) after that many chunks (0: at once).
+        The generator closed before the request's end cancels the request too (a `for` loop over `stream(...)` left
+        by `break` or an exception does that, as does `close()`): the server stops generating it, and closing the
+        client does not wait for its end. Closed after the Final event, it sends no cancel.
         `request_id`: the id the server logs the request under (default: a new one); `timeout`: the longest wait for
         the next response (the request is cancelled then).
         """
         with self._lock:
-            inputs = req.to_inputs(self.check_inputs)
-            self._ensure_stream()
-            rid = request_id or uuid.uuid4().hex
-            t0 = time.perf_counter()
-            self.client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
-            self._in_flight = True
-            if cancel_after_chunks == 0:
-                self.close(cancel=True)
-                return
-            n = 0
-            while True:
-                try:
-                    arrived, result, error = self._q.get(timeout=timeout)
-                except queue.Empty:
-                    self.close(cancel=True)  # the request is abandoned: cancel it on the server
-                    raise TTSError(f"no response within {timeout} s", "deadline_exceeded") from None
-                t = time.perf_counter() - t0
-                if error is not None:  # tritonclient reports an error response without its final flag: it ends the request
-                    self._in_flight = False
-                    msg = error.message() if hasattr(error, "message") else str(error)
-                    raise TTSError.from_message(msg)
-                resp = result.get_response()
-                final = resp.parameters.get("triton_final_response")
-                is_final = bool(final and final.bool_param)
-                audio = result.as_numpy("audio")
-                stats = json_output(result, "stats")
-                if audio is not None and audio.size:
-                    sr = int(result.as_numpy("sample_rate").reshape(-1)[0])
-                    yield AudioChunk(int(result.as_numpy("sequence").reshape(-1)[0]), audio.astype(np.float32), sr, t,
-                                     result.as_numpy("codes"), json_output(result, "segment"), arrived - t0)
-                    n += 1
-                    if cancel_after_chunks is not None and n >= cancel_after_chunks:
-                        self.close(cancel=True)
-                        return
-                if stats is not None:
-                    yield Final(stats, t)
-                if is_final:
-                    self._in_flight = False
+            try:
+                yield from self._stream(req, timeout, cancel_after_chunks, request_id)
+            except GeneratorExit:  # the caller left before the final response
+                if self._in_flight:
+                    self.close(cancel=True)
+                raise
+
+    def _stream(self, req: TTSInput, timeout: float, cancel_after_chunks: int | None, request_id: str | None):
+        inputs = req.to_inputs(self.check_inputs)
+        self._ensure_stream()
+        rid = request_id or uuid.uuid4().hex
+        t0 = time.perf_counter()
+        self.client.async_stream_infer(self.model, inputs, request_id=rid, enable_empty_final_response=True)
+        self._in_flight = True
+        if cancel_after_chunks == 0:
+            self.close(cancel=True)
+            return
+        n = 0
+        while True:
+            try:
+                arrived, result, error = self._q.get(timeout=timeout)
+            except queue.Empty:
+                self.close(cancel=True)  # the request is abandoned: cancel it on the server
+                raise TTSError(f"no response within {timeout} s", "deadline_exceeded") from None
+            t = time.perf_counter() - t0
+            if error is not None:  # tritonclient reports an error response without its final flag: it ends the request
+                self._in_flight = False
+                msg = error.message() if hasattr(error, "message") else str(error)
+                raise TTSError.from_message(msg)
+            resp = result.get_response()
+            final = resp.parameters.get("triton_final_response")
+            is_final = bool(final and final.bool_param)
+            audio = result.as_numpy("audio")
+            stats = json_output(result, "stats")
+            if audio is not None and audio.size:
+                sr = int(result.as_numpy("sample_rate").reshape(-1)[0])
+                yield AudioChunk(int(result.as_numpy("sequence").reshape(-1)[0]), audio.astype(np.float32), sr, t,
+                                 result.as_numpy("codes"), json_output(result, "segment"), arrived - t0)
+                n += 1
+                if cancel_after_chunks is not None and n >= cancel_after_chunks:
+                    self.close(cancel=True)
                     return
+            if stats is not None:  # the request has ended: at most its final flag follows, which no cancel may race
+                self._in_flight = False
+                yield Final(stats, t)
+            if is_final:
+                self._in_flight = False
+                return
 
     def synthesize(self, req: TTSInput, timeout: float = 300.0, request_id: str | None = None) -> Result:
         chunks, stats, sr, t_end = [], {}, 0, 0.0

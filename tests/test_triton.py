@@ -208,6 +208,35 @@ def test_close_with_cancel_cancels_only_a_request_in_flight(triton_server, monke
     assert "cancelled by the client (closed-in-flight" in triton_server.log_tail(400)
 
 
+
+def test_leaving_a_stream_early_cancels_its_request(triton_server, monkeypatch):
+    """A caller that leaves `S2ProClient.stream()`'s loop before the end (`break`) cancels the request: the server
+    ends it, and closing the client does not wait for its 3000 frames (it did: a stop without a cancel waits for
+    the stream's end). Leaving at the Final event sends no cancel (the request has ended: a cancel would race it)."""
+    import tritonclient.grpc as grpcclient
+
+    asked = []
+    stop = grpcclient.InferenceServerClient.stop_stream
+    monkeypatch.setattr(grpcclient.InferenceServerClient, "stop_stream",
+                        lambda self, cancel_requests=False: (asked.append(cancel_requests), stop(self, cancel_requests))[1])
+    with S2ProClient(triton_server.grpc_url) as c:
+        for n, ev in enumerate(c.stream(TTSInput(text="Leave me early.", seed=5, max_new_tokens=3000, ignore_eos=True,
+                                                 first_chunk_frames=2, chunk_frames=2), request_id="left-early")):
+            assert isinstance(ev, AudioChunk)
+            if n == 1:
+                break
+        assert asked == [True]  # the loop's end closed the stream with a cancel
+        res = c.synthesize(TTSInput(text="The same client goes on.", seed=6, max_new_tokens=6, ignore_eos=True))
+        assert res.stats["frames"] == 6 and res.audio.size == 6 * FRAME
+        for ev in c.stream(TTSInput(text="Left at its end.", seed=7, max_new_tokens=4, ignore_eos=True)):
+            if isinstance(ev, Final):
+                break
+        assert asked == [True]  # left at the Final: no cancel (the stream closes with the client, uncancelled)
+    deadline = time.time() + 30
+    while time.time() < deadline and "cancelled by the client (left-early" not in triton_server.log_tail(400):
+        time.sleep(0.2)
+    assert "cancelled by the client (left-early" in triton_server.log_tail(400)
+
 BAD = [  # (inputs, the input the error names, words of its message)
     (dict(text=""), "text", "text is empty"),
     (dict(text="x" * 100001), "text", "over the limit of 100000"),
