@@ -286,6 +286,40 @@ def read_waveform(request, max_seconds: float) -> tuple[np.ndarray, int]:
     return wav, sr
 
 
+def read_fast_rows(request, dim: int, num_semantic: int, max_rows: int) -> dict[str, np.ndarray]:
+    """A fast_ar request's inputs, checked (S2Error says what to change): `hidden` [B, dim], and one value a row of
+    `code0` (a semantic code, in [0, num_semantic)), `temperature`, `top_p`, `top_k`, `seed` (each in its request
+    field's range, `settings.REQUEST_FIELDS`) and `step` (>= 0). A code outside the embedding table would be a
+    device-side assert on a GPU, which ends the model's process for every caller."""
+    from .errors import invalid
+    from .settings import check_field
+
+    hidden = optional_input(request, "hidden")
+    if hidden is None or hidden.ndim != 2 or hidden.shape[1] != dim or hidden.shape[0] == 0:
+        raise invalid(f"hidden must be [rows, {dim}] with at least one row, got "
+                      f"{None if hidden is None else list(hidden.shape)}", "hidden")
+    B = hidden.shape[0]
+    if B > max_rows:
+        raise invalid(f"at most {max_rows} rows per request (got {B}): raise the setting fast_ar_max_batch", "hidden")
+    out = {"hidden": hidden}
+    for name in ("code0", "temperature", "top_p", "top_k", "seed", "step"):
+        a = optional_input(request, name)
+        if a is None or a.size != B:
+            raise invalid(f"{name} must hold one value a row ({B}), got {0 if a is None else a.size}", name)
+        out[name] = a = a.reshape(-1)
+        if a.dtype.kind == "f" and not np.all(np.isfinite(a)):
+            raise invalid(f"{name} must be finite numbers", name)
+    if out["code0"].min() < 0 or out["code0"].max() >= num_semantic:
+        raise invalid(f"code0 must be semantic codes in [0, {num_semantic})", "code0")
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        a = out[name]
+        for v in (a.min(), a.max()):
+            check_field(name, v.item())
+    if out["step"].min() < 0:
+        raise invalid("step must be >= 0 (the frame's index in its request)", "step")
+    return out
+
+
 def decode_chunk_requests(decoder, requests, now: float, name: str = "dac_decoder") -> list:
     """dac_decoder's execute over a StreamDecoder: one chunk per request (`codes` [1, frames, C], `stream_id`,
     `start`, `final`), decoded together; a bad request or a failed decode gets an error response (with its class),

@@ -264,6 +264,72 @@ def test_bad_input_gets_clear_error(triton_server, kw, param, msg):
     assert triton_server.is_ready()
 
 
+def _fast_inputs(dim, **bad):
+    import tritonclient.grpc as g
+
+    arrays = {"hidden": np.zeros((1, dim), np.float32), "code0": np.array([5], np.int32),
+              "temperature": np.array([0.7], np.float32), "top_p": np.array([0.9], np.float32),
+              "top_k": np.array([30], np.int32), "seed": np.array([1], np.int64), "step": np.array([0], np.int64)}
+    arrays.update(bad)
+    out = []
+    for name, a in arrays.items():
+        x = g.InferInput(name, list(a.shape), {np.float32: "FP32", np.int32: "INT32", np.int64: "INT64"}[a.dtype.type])
+        x.set_data_from_numpy(a)
+        out.append(x)
+    return out
+
+
+FAST_BAD = [  # (the inputs changed, the input the error names, words of its message)
+    (dict(code0=np.array([10**9], np.int32)), "code0", "semantic codes in [0, "),
+    (dict(code0=np.array([-3], np.int32)), "code0", "semantic codes in [0, "),
+    (dict(hidden=np.zeros((1, 7), np.float32)), "hidden", "hidden must be [rows, "),
+    (dict(hidden=np.zeros((0, 7), np.float32)), "hidden", "at least one row"),
+    (dict(hidden=np.zeros((2, 0), np.float32)), "hidden", "hidden must be [rows, "),
+    (dict(temperature=np.array([np.nan], np.float32)), "temperature", "finite"),
+    (dict(top_p=np.array([2.0], np.float32)), "top_p", "top_p=2.0 is out of range"),
+    (dict(top_k=np.array([-4], np.int32)), "top_k", "top_k=-4 is out of range"),
+    (dict(seed=np.array([-1], np.int64)), "seed", "seed=-1 is out of range"),
+    (dict(step=np.array([-7], np.int64)), "step", "step must be >= 0"),
+    (dict(seed=np.array([1, 2], np.int64)), "seed", "one value a row (1), got 2"),
+]
+
+
+def test_direct_calls_to_the_inner_models_get_clear_errors(triton_server, tiny_ckpt):
+    """Triton serves slow_ar and fast_ar to any client, not only to s2pro. A token id or a code outside its table
+    would be a device-side assert on a GPU (an error here on the CPU), which ends the model's process and every
+    stream in it: such inputs, and other malformed ones, are refused as invalid_argument naming the input, and the
+    server serves on."""
+    import queue
+
+    import tritonclient.grpc as g
+
+    from s2tts import errors
+    from s2tts.config import S2Config
+
+    s2 = S2Config.from_dir(tiny_ckpt)
+    with g.InferenceServerClient(triton_server.grpc_url) as cl:
+        ok = cl.infer("fast_ar", _fast_inputs(s2.text.dim)).as_numpy("codes")
+        assert ok.shape == (1, s2.num_codebooks - 1) and ok.min() >= 0
+        for bad, param, words in FAST_BAD:
+            with pytest.raises(Exception) as ei:
+                cl.infer("fast_ar", _fast_inputs(s2.text.dim, **bad))
+            err = errors.parse(ei.value.message())
+            assert (err.code, err.param) == ("invalid_argument", param) and words in err.message, (bad, err.wire())
+
+        answers: queue.Queue = queue.Queue()
+        cl.start_stream(callback=lambda result, error: answers.put(error))
+        for ids in ([1, s2.text.vocab_size], [-1, 2]):
+            x = g.InferInput("input_ids", [2], "INT32")
+            x.set_data_from_numpy(np.array(ids, np.int32))
+            cl.async_stream_infer("slow_ar", [x])
+            err = errors.parse(answers.get(timeout=60).message())
+            assert (err.code, err.param) == ("invalid_argument", "input_ids"), err.wire()
+            assert f"token ids in [0, {s2.text.vocab_size})" in err.message
+        cl.stop_stream()
+    res = synth(triton_server, text="The server serves on.", seed=3, max_new_tokens=5, ignore_eos=True)
+    assert res.stats["frames"] == 5 and res.audio.size == 5 * FRAME
+
+
 def test_client_refuses_bad_seeds_before_sending(triton_server):
     for seed in (-5, 2**63, 2**64 + 3):
         with S2ProClient(triton_server.grpc_url) as c, pytest.raises(TTSError, match="seed=") as ei:

@@ -48,17 +48,13 @@ class TritonPythonModel:
         out = []
         for request in requests:
             try:
-                get = lambda n: pb_utils.get_input_tensor_by_name(request, n).as_numpy()  # noqa: E731
-                hidden = get("hidden")
-                B = hidden.shape[0]
-                if B > self.max_rows:
-                    raise errors.invalid(f"at most {self.max_rows} rows per request (got {B}): raise the setting "
-                                         "fast_ar_max_batch", "hidden")
+                s2 = self.run.model.s2
+                x = tu.read_fast_rows(request, s2.text.dim, s2.num_semantic, self.max_rows)
                 t = lambda a, dt: torch.as_tensor(np.ascontiguousarray(a), device=self.device).to(dt)  # noqa: E731
                 with torch.inference_mode():
-                    codes = self.run(t(hidden, self.dtype), t(get("code0"), torch.int64), t(get("temperature"), torch.float32),
-                                     t(get("top_p"), torch.float32), t(get("top_k"), torch.int64), t(get("seed"), torch.int64),
-                                     t(get("step"), torch.int64))
+                    codes = self.run(t(x["hidden"], self.dtype), t(x["code0"], torch.int64),
+                                     t(x["temperature"], torch.float32), t(x["top_p"], torch.float32),
+                                     t(x["top_k"], torch.int64), t(x["seed"], torch.int64), t(x["step"], torch.int64))
                 out.append(pb_utils.InferenceResponse(output_tensors=[tu.tensor("codes", codes.to(torch.int32).cpu().numpy())]))
             except Exception as e:  # noqa: BLE001 - one bad request never fails the others
                 out.append(tu.s2_error_response(errors.from_exception(e, "fast_ar")))

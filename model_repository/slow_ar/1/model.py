@@ -115,6 +115,10 @@ class TritonPythonModel:
         if ids is None or ids.size == 0:
             raise errors.invalid("input_ids is empty", "input_ids")
         ids = ids.reshape(-1).astype(np.int64)
+        vocab = self.service.engine.s2.text.vocab_size
+        if ids.min() < 0 or ids.max() >= vocab:  # an id outside the table: a device-side assert on a GPU
+            raise errors.invalid(f"input_ids must be token ids in [0, {vocab}) (this checkpoint's tokenizer), got "
+                                 f"{int(ids.min())}..{int(ids.max())}", "input_ids")
         T = ids.shape[0]
         if codes is None:
             codes = np.zeros((T, self.C), dtype=np.int64)
