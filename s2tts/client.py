@@ -89,7 +89,11 @@ class TTSInput:
             dtype = wire_type(f)
             np_t = triton_to_np_dtype(dtype)
             if dtype == "BYTES":
-                arr = np.array([v.encode("utf-8")], dtype=object)
+                try:
+                    arr = np.array([v.encode("utf-8")], dtype=object)
+                except UnicodeEncodeError:  # half of a UTF-16 pair ("\ud800"): no character
+                    raise TTSError(f"{f.name} holds a lone UTF-16 surrogate, which is no character: send valid "
+                                   "Unicode text", "invalid_argument", f.name) from None
             elif f.dims == "[ 1 ]":
                 arr = np.array([v], np_t)
             else:

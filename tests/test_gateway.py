@@ -639,6 +639,21 @@ def test_bad_request(client, kw, param, msg):
     assert_error(ei, 400, param=param, contains=msg)
 
 
+def test_half_a_surrogate_pair_is_400(gw):
+    """JSON may escape half of a UTF-16 pair ("\\ud800"), which is no character (the openai SDK cannot even send
+    one; other clients can): a 400 naming the field, not a 500 from encoding it for the server. A whole pair is
+    the character it makes."""
+    for raw, status in ((b'{"input": "\\ud800 alone", "max_new_tokens": 2, "response_format": "pcm"}', 400),
+                        (b'{"input": "\\ud83d\\ude00 hi", "max_new_tokens": 2, "response_format": "pcm"}', 200)):
+        r = httpx.post(f"{gw.url}/v1/audio/speech", content=raw, timeout=120,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == status, r.text
+    r = httpx.post(f"{gw.url}/v1/audio/speech", content=b'{"input": "\\udc00"}', timeout=60,
+                   headers={"Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "input" and "lone UTF-16 surrogate" in err["message"], err
+
+
 def test_request_id_end_to_end(gw, triton):
     """The caller's X-Request-Id names the request in the gateway's log and in every model's log lines."""
     rid = "trace-e2e-42"

@@ -336,6 +336,11 @@ def test_client_refuses_bad_seeds_before_sending(triton_server):
             c.synthesize(TTSInput(text="hi", seed=seed))
         assert ei.value.code == "invalid_argument" and ei.value.param == "seed"
     assert synth(triton_server, text="Top seed is fine.", seed=2**63 - 1, max_new_tokens=3).stats["seed"] == 2**63 - 1
+    for param, kw in (("text", dict(text="\ud800 alone")),
+                      ("reference_text", dict(text="hi", reference_text="\udfff", reference_codes=np.zeros((10, 2), np.int32)))):
+        with S2ProClient(triton_server.grpc_url) as c, pytest.raises(TTSError, match="lone UTF-16 surrogate") as ei:
+            c.synthesize(TTSInput(**kw))  # half of a UTF-16 pair: no character, no UTF-8 for the wire
+        assert ei.value.code == "invalid_argument" and ei.value.param == param
 
 
 def test_voice_clone_with_reference_audio_and_codes(triton_server, tiny_ckpt):

@@ -35,7 +35,7 @@ from .errors import APIError, bad_request
 from .fish import FISH_PATHS, FishError, FishTTS, decode_body, fish_voice, fish_voice_id, parse_fish_tts
 from .fish import page as fish_page
 from .metrics import HTTPMetrics, MetricsMiddleware
-from .protocol import DEFAULT_LIMITS, SpeechParams, parse_speech
+from .protocol import DEFAULT_LIMITS, SpeechParams, load_json, parse_speech
 from .live import LiveConnection
 from .triton import SynthesisRequest, TritonBackend
 from .voices import VoiceStore, open_store, validate_name
@@ -452,11 +452,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         if ctype != "application/json" and not ctype.endswith("+json"):
             raise APIError(415, f"the request body must be JSON, sent with Content-Type: application/json (got "
                                 f"{ctype or 'no Content-Type'})", code="unsupported_media")
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise bad_request("the request body is not valid JSON", None, code="invalid_json") from None
+        body = load_json(await request.body())
         limits = await _served_limits()
         p = parse_speech(body, cfg, limits)
         req = _synthesis(p.input, _request_id(request), p.fields)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from fastapi.responses import JSONResponse
 from ..settings import REQUEST_FIELDS
 from .config import GatewayConfig
 from .errors import APIError, bad_request
-from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, MAX_VOICES, _field
+from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, MAX_VOICES, _field, load_json
 
 FISH_PATHS = ("/v1/tts", "/model")  # the routes that answer errors in Fish's shape
 FISH_FORMATS = ("wav", "pcm", "mp3", "opus")
@@ -97,10 +96,7 @@ def decode_body(raw: bytes, content_type: str) -> dict:
         except (ormsgpack.MsgpackDecodeError, ValueError, TypeError):
             raise bad_request("the request body is not valid msgpack", None, code="invalid_body") from None
     elif ctype == "application/json" or ctype.endswith("+json"):
-        try:
-            body = json.loads(raw)
-        except ValueError:
-            raise bad_request("the request body is not valid JSON", None, code="invalid_json") from None
+        body = load_json(raw)
     else:
         raise APIError(415, f"send the request body as msgpack (Content-Type: application/msgpack) or JSON "
                             f"(application/json); got {ctype or 'no Content-Type'}", code="unsupported_media")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from ..errors import S2Error
@@ -136,6 +138,35 @@ def _field(body, name: str, limits: dict):
         return check_field(name, v, limits, http=True)
     except S2Error as e:
         raise bad_request(e.message, f.http) from None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _encodable(value) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def load_json(raw: bytes):
+    """A JSON request body -> its value (400 invalid_json when it is not JSON). JSON may escape a lone UTF-16
+    surrogate ("\\ud800"), which is no character and cannot be encoded as UTF-8 for the server: refused here,
+    naming the top-level field that holds one."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise bad_request("the request body is not valid JSON", None, code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(raw) and not _encodable(body):
+        key = next((k for k, v in body.items() if not (_encodable(k) and _encodable(v))), None) \
+            if isinstance(body, dict) else None
+        key = key if key is not None and _encodable(key) else None
+        raise bad_request(f"{key or 'the request body'} holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+                          "without its pair), which is no character: send valid Unicode text", key,
+                          code="invalid_value")
+    return body
 
 
 def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> SpeechParams:
