@@ -330,7 +330,7 @@ def test_direct_calls_to_the_inner_models_get_clear_errors(triton_server, tiny_c
     assert res.stats["frames"] == 5 and res.audio.size == 5 * FRAME
 
 
-def test_client_refuses_bad_seeds_before_sending(triton_server):
+def test_client_refuses_bad_seeds_and_text_before_sending(triton_server):
     for seed in (-5, 2**63, 2**64 + 3):
         with S2ProClient(triton_server.grpc_url) as c, pytest.raises(TTSError, match="seed=") as ei:
             c.synthesize(TTSInput(text="hi", seed=seed))
