@@ -185,6 +185,9 @@ def test_voices_through_the_sdk_are_the_gateways_voices(gw, sdk, reference_wav):
     with pytest.raises(APIError) as ei:  # no transcript: this server cannot transcribe the clip
         sdk.voices.create(title="Silent", voices=[reference_wav])
     assert ei.value.status == 400 and "texts" in str(ei.value)
+    with pytest.raises(APIError) as ei:  # a transcript longer than any request may be (max_text_chars)
+        sdk.voices.create(title="Long", voices=[reference_wav], texts=["x" * 100001])
+    assert ei.value.status == 400 and "texts has 100001 characters" in str(ei.value)
     with pytest.raises(APIError) as ei:  # not audio
         sdk.voices.create(title="Noise", voices=[b"not an audio file"], texts=["Words."])
     assert ei.value.status == 415

@@ -560,6 +560,9 @@ def test_voice_names_validated(gw, reference_wav, name):
 def test_voice_upload_errors(gw, reference_wav, tmp_path):
     r = _upload(gw, "notext", reference_wav, ref_text="")
     assert r.status_code == 400 and r.json()["error"]["param"] == "ref_text"
+    r = _upload(gw, "longtext", reference_wav, ref_text="x" * 100001)  # s2pro's max_text_chars: no request could use it
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ref_text", r.text
+    assert "100001 characters; the limit is 100000" in r.json()["error"]["message"]
     bogus = tmp_path / "bogus.wav"
     bogus.write_bytes(b"not audio at all" * 100)
     r = _upload(gw, "bogus", bogus)

@@ -240,6 +240,8 @@ def test_leaving_a_stream_early_cancels_its_request(triton_server, monkeypatch):
 BAD = [  # (inputs, the input the error names, words of its message)
     (dict(text=""), "text", "text is empty"),
     (dict(text="x" * 100001), "text", "over the limit of 100000"),
+    (dict(text="hi", reference_text="x" * 100001, reference_codes=np.zeros((10, 4), np.int32)), "reference_text",
+     "reference_text is 100001 characters, over the limit of 100000"),
     (dict(text="hi", temperature=5.0), "temperature", "temperature=5.0 is out of range"),
     (dict(text="hi", top_p=0.0), "top_p", "top_p=0.0 is out of range"),
     (dict(text="hi", max_new_tokens=0), "max_new_tokens", "max_new_tokens=0 is out of range"),

@@ -96,6 +96,10 @@ class TTSRequest:
         if has_audio or has_codes:
             if not self.reference_text or not self.reference_text.strip():
                 raise invalid("a voice reference needs its transcript: give reference_text", "reference_text")
+            if len(self.reference_text) > limits.max_text_chars:  # refused before its tokens are counted (seconds of CPU)
+                raise invalid(f"reference_text is {len(self.reference_text)} characters, over the limit of "
+                              f"{limits.max_text_chars} (max_text_chars): send the transcript of the reference clip "
+                              "alone", "reference_text")
         elif self.reference_text:
             raise invalid("reference_text was given without reference_audio or reference_codes", "reference_text")
         if has_audio:

@@ -577,10 +577,15 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
                            code="voice_exists")
         return (await _register(name, ref_text, data, mime, consent, "audio_sample")).public()
 
-    async def _register(name: str, ref_text: str, data: bytes, mime: str, consent: str | None, param: str):
+    async def _register(name: str, ref_text: str, data: bytes, mime: str, consent: str | None, param: str,
+                        text_param: str = "ref_text"):
         """A clip and its transcript encoded once (dac_encoder) and stored as the voice `name`."""
+        limits = await backend.served_limits(cfg.limits_ttl_s)
+        if len(ref_text) > limits["max_text_chars"]:  # s2pro would refuse every request that uses the voice
+            raise bad_request(f"{text_param} has {len(ref_text)} characters; the limit is {limits['max_text_chars']}: "
+                              "send the transcript of the clip alone", text_param, code="invalid_value")
         x, sr = await anyio.to_thread.run_sync(decode_audio, data, param)
-        _check_reference_length(x, sr, cfg, param, await backend.served_limits(cfg.limits_ttl_s))
+        _check_reference_length(x, sr, cfg, param, limits)
         codes = await backend.encode_reference(x, sr)
         voice = await anyio.to_thread.run_sync(
             lambda: store.add(name, ref_text.strip(), data, mime, sr, len(x), codes, consent))
@@ -672,7 +677,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             raise APIError(413, f"the clip is {len(data) / 2**20:.1f} MiB; audio files are limited to "
                                 f"{cfg.max_upload_bytes / 2**20:.1f} MiB", param="voices", code="payload_too_large")
         name = await anyio.to_thread.run_sync(lambda: fish_voice_id(title, lambda n: store.get(n, False) is not None))
-        return fish_voice(await _register(name, texts[0], data, mime, None, "voices"))
+        return fish_voice(await _register(name, texts[0], data, mime, None, "voices", "texts"))
 
     @app.get("/model")
     async def fish_list_voices(request: Request):
