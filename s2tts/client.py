@@ -2,7 +2,7 @@
 
     with S2ProClient("localhost:8001") as c:
         for event in c.stream(TTSInput(text="Hello.", seed=1)):
-            ...   # AudioChunk(seq, audio) ... then Final(stats)
+            ...   # AudioChunk(seq, audio) ... then Final(stats); leaving the loop early cancels the request
 """
 
 from __future__ import annotations
