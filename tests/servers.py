@@ -105,6 +105,19 @@ class Gateway:
         self._log.close()
 
 
+def infer_inputs(arrays: dict) -> list:
+    """tritonclient gRPC inputs from {name: numpy array}, each typed by its array's dtype."""
+    import tritonclient.grpc as g
+    from tritonclient.utils import np_to_triton_dtype
+
+    out = []
+    for name, a in arrays.items():
+        t = g.InferInput(name, list(a.shape), np_to_triton_dtype(a.dtype))
+        t.set_data_from_numpy(a)
+        out.append(t)
+    return out
+
+
 def pipeline_calls(metrics: dict, call: str) -> tuple[float, float]:
     """(count, sum of seconds) of s2pro's histogram of its calls out of its process (`s2tts_pipeline_call_seconds`)
     for one kind of call, from `s2tts.client.read_metrics`."""

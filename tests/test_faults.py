@@ -14,7 +14,7 @@ import pytest
 
 from s2tts.client import S2ProClient, TTSError, TTSInput, read_metrics
 
-from servers import UPSTREAM_ABORT
+from servers import UPSTREAM_ABORT, infer_inputs
 
 
 def metrics(server) -> dict[str, float]:
@@ -142,32 +142,23 @@ def test_duplicate_request_ids(triton_server):
     prompts = PromptBuilder.from_dir(triton_server.settings["checkpoint"])
     p = prompts.build("Both of us use the same id.")
 
-    def tensors(arrs):
-        out = []
-        for name, a in arrs.items():
-            dt = "BYTES" if a.dtype == object else {np.int32: "INT32", np.int64: "INT64", np.bool_: "BOOL"}[a.dtype.type]
-            t = g.InferInput(name, list(a.shape), dt)
-            t.set_data_from_numpy(a)
-            out.append(t)
-        return out
-
     rid = np.array([b"dup-id"], object)
     start = {"request_id": rid, "input_ids": p.tokens.numpy().astype(np.int32),
              "input_codes": p.codes.numpy().astype(np.int32), "semantic_mask": p.semantic.numpy(),
              "max_new_tokens": np.array([40], np.int32), "ignore_eos": np.array([True]),
              "seed": np.array([1], np.int64), "chunk_frames": np.array([4], np.int32)}
     with g.InferenceServerClient(triton_server.grpc_url) as a, g.InferenceServerClient(triton_server.grpc_url) as b:
-        first = a.infer("slow_ar", tensors(start), client_timeout=60)
+        first = a.infer("slow_ar", infer_inputs(start), client_timeout=60)
         with pytest.raises(g.InferenceServerException, match=r"\[s2tts:already_exists:request_id\]"):
-            b.infer("slow_ar", tensors(start), client_timeout=60)
+            b.infer("slow_ar", infer_inputs(start), client_timeout=60)
         chunks, r = [first.as_numpy("codes")], first
         while not r.as_numpy("finish_reason")[0]:
-            r = a.infer("slow_ar", tensors({"request_id": rid, "control": np.array([b"next"], object)}), client_timeout=60)
+            r = a.infer("slow_ar", infer_inputs({"request_id": rid, "control": np.array([b"next"], object)}), client_timeout=60)
             chunks.append(r.as_numpy("codes"))
         assert sum(c.shape[0] for c in chunks) == 40 and r.as_numpy("finish_reason")[0] == 2  # length
         assert r.as_numpy("stats")[0] == 40  # frames
         with pytest.raises(g.InferenceServerException, match=r"\[s2tts:not_found:request_id\]"):
-            a.infer("slow_ar", tensors({"request_id": rid, "control": np.array([b"next"], object)}), client_timeout=60)
+            a.infer("slow_ar", infer_inputs({"request_id": rid, "control": np.array([b"next"], object)}), client_timeout=60)
 
     out = [None, None]
 

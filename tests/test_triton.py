@@ -12,6 +12,7 @@ import pytest
 import soundfile as sf
 
 from s2tts.client import AudioChunk, Final, S2ProClient, TTSError, TTSInput, read_metrics
+from servers import infer_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAME = 2048
@@ -267,18 +268,10 @@ def test_bad_input_gets_clear_error(triton_server, kw, param, msg):
 
 
 def _fast_inputs(dim, **bad):
-    import tritonclient.grpc as g
-
     arrays = {"hidden": np.zeros((1, dim), np.float32), "code0": np.array([5], np.int32),
               "temperature": np.array([0.7], np.float32), "top_p": np.array([0.9], np.float32),
               "top_k": np.array([30], np.int32), "seed": np.array([1], np.int64), "step": np.array([0], np.int64)}
-    arrays.update(bad)
-    out = []
-    for name, a in arrays.items():
-        x = g.InferInput(name, list(a.shape), {np.float32: "FP32", np.int32: "INT32", np.int64: "INT64"}[a.dtype.type])
-        x.set_data_from_numpy(a)
-        out.append(x)
-    return out
+    return infer_inputs({**arrays, **bad})
 
 
 FAST_BAD = [  # (the inputs changed, the input the error names, words of its message)
@@ -321,9 +314,7 @@ def test_direct_calls_to_the_inner_models_get_clear_errors(triton_server, tiny_c
         answers: queue.Queue = queue.Queue()
         cl.start_stream(callback=lambda result, error: answers.put(error))
         for ids in ([1, s2.text.vocab_size], [-1, 2]):
-            x = g.InferInput("input_ids", [2], "INT32")
-            x.set_data_from_numpy(np.array(ids, np.int32))
-            cl.async_stream_infer("slow_ar", [x])
+            cl.async_stream_infer("slow_ar", infer_inputs({"input_ids": np.array(ids, np.int32)}))
             err = errors.parse(answers.get(timeout=60).message())
             assert (err.code, err.param) == ("invalid_argument", "input_ids"), err.wire()
             assert f"token ids in [0, {s2.text.vocab_size})" in err.message
