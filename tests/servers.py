@@ -105,6 +105,15 @@ class Gateway:
         self._log.close()
 
 
+def log_showing(proc, text: str, timeout: float = 30.0, lines: int = 400) -> str:
+    """The last `lines` of `proc`'s log (a server's or a gateway's `log_tail`) once they hold `text`, or as they are
+    after `timeout` seconds."""
+    deadline = time.time() + timeout
+    while text not in (tail := proc.log_tail(lines)) and time.time() < deadline:
+        time.sleep(0.2)
+    return tail
+
+
 def infer_inputs(arrays: dict) -> list:
     """tritonclient gRPC inputs from {name: numpy array}, each typed by its array's dtype."""
     import tritonclient.grpc as g
@@ -177,10 +186,7 @@ def assert_killed_client_is_cancelled(server, rid: str) -> None:
     finally:
         p.kill()
         p.wait()
-    deadline = time.time() + 30
-    while time.time() < deadline and f"cancelled by the client ({rid}" not in server.log_tail(400):
-        time.sleep(0.2)
-    log = server.log_tail(400)
+    log = log_showing(server, f"cancelled by the client ({rid}")
     line = next((x for x in log.splitlines() if f"cancelled by the client ({rid}" in x), "")
     frames = int(line.split("after ")[1].split(" frames")[0]) if line else None
     assert frames is not None and frames < 400, log[-3000:]

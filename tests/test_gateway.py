@@ -16,7 +16,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from servers import Gateway, free_port
+from servers import Gateway, free_port, log_showing
 
 av = pytest.importorskip("av")
 
@@ -664,16 +664,10 @@ def test_request_id_end_to_end(gw, triton):
                    json={"model": MODEL, "input": TEXT, "voice": "default", "response_format": "pcm", "seed": 4,
                          "max_new_tokens": 6})
     assert r.status_code == 200 and r.headers["x-request-id"] == rid
-    deadline = time.time() + 10
-    while time.time() < deadline and f"s2pro: request {rid}#" not in triton.log_tail(2000):
-        time.sleep(0.2)
-    lines = [ln for ln in triton.log_tail(2000).splitlines() if rid in ln]
+    lines = [ln for ln in log_showing(triton, f"s2pro: request {rid}#", 10, 2000).splitlines() if rid in ln]
     assert any("[s2tts:s2pro]" in ln and "done" in ln for ln in lines), lines
     assert any("[s2tts:slow_ar]" in ln and "admitted" in ln for ln in lines), lines
-    deadline = time.time() + 10  # the gateway logs a request after its last byte is sent
-    while time.time() < deadline and rid not in gw.log_tail(400):
-        time.sleep(0.2)
-    assert rid in gw.log_tail(400)
+    assert rid in log_showing(gw, rid, 10)  # the gateway logs a request after its last byte is sent
     bad = httpx.post(f"{gw.url}/v1/audio/speech", headers={"X-Request-Id": "no spaces allowed"}, timeout=120,
                      json={"model": MODEL, "input": TEXT, "voice": "default", "response_format": "pcm", "seed": 4,
                            "max_new_tokens": 2})

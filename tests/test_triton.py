@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 from s2tts.client import AudioChunk, Final, S2ProClient, TTSError, TTSInput, read_metrics
-from servers import infer_inputs
+from servers import infer_inputs, log_showing
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAME = 2048
@@ -162,10 +162,7 @@ def test_cancel_mid_stream(triton_server):
         got = list(c.stream(TTSInput(text="Cancel me part way through.", seed=3, max_new_tokens=400, temperature=0.0,
                                      first_chunk_frames=2, chunk_frames=2), cancel_after_chunks=2))
     assert len(got) == 2
-    deadline = time.time() + 30
-    while time.time() < deadline and "finish reason cancelled" not in triton_server.log_tail(400):
-        time.sleep(0.2)
-    log = triton_server.log_tail(400)
+    log = log_showing(triton_server, "finish reason cancelled")
     assert "s2pro: request cancelled by the client" in log
     assert "slow_ar: request" in log and "finish reason cancelled" in log
     res = synth(triton_server, text="A following request completes.", seed=4, max_new_tokens=10)
@@ -181,62 +178,58 @@ def test_a_client_killed_mid_stream_frees_its_request(triton_server):
     assert_killed_client_is_cancelled(triton_server, "killed-client-7")
 
 
-def test_close_with_cancel_cancels_only_a_request_in_flight(triton_server, monkeypatch):
+@pytest.fixture
+def stop_stream_calls(monkeypatch) -> list[bool]:
+    """Every `stop_stream` of a tritonclient gRPC client in this test, as its `cancel_requests` (the call goes on)."""
+    import tritonclient.grpc as grpcclient
+
+    calls: list[bool] = []
+    stop = grpcclient.InferenceServerClient.stop_stream
+    monkeypatch.setattr(grpcclient.InferenceServerClient, "stop_stream",
+                        lambda self, cancel_requests=False: (calls.append(cancel_requests), stop(self, cancel_requests))[1])
+    return calls
+
+
+def test_close_with_cancel_cancels_only_a_request_in_flight(triton_server, stop_stream_calls):
     """`S2ProClient.close(cancel=True)` (perf/soak.py after every request, the tests' clients) sends a cancel only
     for a request still in flight. A cancel for a stream whose request had already ended races Triton 24.10's gRPC
     frontend and keeps s2pro from unloading: 30 such streams from a worker thread, then a stop, waited the stop's
     whole grace and never ran s2pro's `finalize` (perf/RESULTS.md, fourteenth session)."""
-    import tritonclient.grpc as grpcclient
-
-    asked = []
-    stop = grpcclient.InferenceServerClient.stop_stream
-    monkeypatch.setattr(grpcclient.InferenceServerClient, "stop_stream",
-                        lambda self, cancel_requests=False: (asked.append(cancel_requests), stop(self, cancel_requests))[1])
     ended = S2ProClient(triton_server.grpc_url)
     events = list(ended.stream(TTSInput(text="hello there friend", seed=1, max_new_tokens=8, ignore_eos=True)))
     assert isinstance(events[-1], Final) and events[-1].stats["frames"] == 8
     ended.close(cancel=True)  # ended: nothing to cancel
-    assert asked == [False]
+    assert stop_stream_calls == [False]
     live = S2ProClient(triton_server.grpc_url)
     stream = live.stream(TTSInput(text="hello there friend", seed=2, max_new_tokens=400, ignore_eos=True,
                                   first_chunk_frames=2, chunk_frames=2), request_id="closed-in-flight")
     assert isinstance(next(stream), AudioChunk)
     live.close(cancel=True)  # in flight: cancelled
-    assert asked == [False, True]
-    deadline = time.time() + 30
-    while time.time() < deadline and "cancelled by the client (closed-in-flight" not in triton_server.log_tail(400):
-        time.sleep(0.2)
-    assert "cancelled by the client (closed-in-flight" in triton_server.log_tail(400)
+    assert stop_stream_calls == [False, True]
+    cancelled = "cancelled by the client (closed-in-flight"
+    assert cancelled in log_showing(triton_server, cancelled)
 
 
-
-def test_leaving_a_stream_early_cancels_its_request(triton_server, monkeypatch):
+def test_leaving_a_stream_early_cancels_its_request(triton_server, stop_stream_calls):
     """A caller that leaves `S2ProClient.stream()`'s loop before the end (`break`) cancels the request: the server
     ends it, and closing the client does not wait for its 3000 frames (it did: a stop without a cancel waits for
     the stream's end). Leaving at the Final event sends no cancel (the request has ended: a cancel would race it)."""
-    import tritonclient.grpc as grpcclient
-
-    asked = []
-    stop = grpcclient.InferenceServerClient.stop_stream
-    monkeypatch.setattr(grpcclient.InferenceServerClient, "stop_stream",
-                        lambda self, cancel_requests=False: (asked.append(cancel_requests), stop(self, cancel_requests))[1])
     with S2ProClient(triton_server.grpc_url) as c:
         for n, ev in enumerate(c.stream(TTSInput(text="Leave me early.", seed=5, max_new_tokens=3000, ignore_eos=True,
                                                  first_chunk_frames=2, chunk_frames=2), request_id="left-early")):
             assert isinstance(ev, AudioChunk)
             if n == 1:
                 break
-        assert asked == [True]  # the loop's end closed the stream with a cancel
+        assert stop_stream_calls == [True]  # the loop's end closed the stream with a cancel
         res = c.synthesize(TTSInput(text="The same client goes on.", seed=6, max_new_tokens=6, ignore_eos=True))
         assert res.stats["frames"] == 6 and res.audio.size == 6 * FRAME
         for ev in c.stream(TTSInput(text="Left at its end.", seed=7, max_new_tokens=4, ignore_eos=True)):
             if isinstance(ev, Final):
                 break
-        assert asked == [True]  # left at the Final: no cancel (the stream closes with the client, uncancelled)
-    deadline = time.time() + 30
-    while time.time() < deadline and "cancelled by the client (left-early" not in triton_server.log_tail(400):
-        time.sleep(0.2)
-    assert "cancelled by the client (left-early" in triton_server.log_tail(400)
+        assert stop_stream_calls == [True]  # left at the Final: no cancel (the stream closes with the client)
+    cancelled = "cancelled by the client (left-early"
+    assert cancelled in log_showing(triton_server, cancelled)
+
 
 BAD = [  # (inputs, the input the error names, words of its message)
     (dict(text=""), "text", "text is empty"),
