@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from s2tts.export.checks import check_exports, tensorrt_lint  # noqa: E402
 from s2tts.export.driver import Profiles, export_all  # noqa: E402
-from s2tts.export.graphs import GRAPHS  # noqa: E402
+from s2tts.export.onnx_graphs import GRAPHS  # noqa: E402
 
 
 def _triple(text: str) -> tuple[int, int, int]:

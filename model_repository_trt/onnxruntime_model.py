@@ -10,18 +10,20 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from s2tts import triton_utils as tu
+from s2tts.serving import triton_io as tio
+
+from s2tts.serving.process import setup_logging
 from s2tts.export.runtime import ort_session
 
 
 class TritonPythonModel:
     def initialize(self, args):
         cfg = json.loads(args["model_config"])
-        tu.setup_logging(cfg["name"])
-        path = tu.get_param(cfg, "onnx")
+        setup_logging(cfg["name"])
+        path = tio.get_param(cfg, "onnx")
         if not path:
             raise ValueError(f"{cfg['name']}: set the `onnx` parameter (the exported graph)")
-        self.session = ort_session(path, threads=tu.get_param(cfg, "threads", int, None))
+        self.session = ort_session(path, threads=tio.get_param(cfg, "threads", int, None))
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.name = cfg["name"]
@@ -34,5 +36,5 @@ class TritonPythonModel:
                 result = self.session.run(self.outputs, feed)
                 out.append(pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, r) for n, r in zip(self.outputs, result)]))
             except Exception as e:
-                out.append(tu.error_response(f"{self.name}: {e}"))
+                out.append(tio.error_response(f"{self.name}: {e}"))
         return out

@@ -15,7 +15,7 @@
 #                                              missing: once, before the first run)
 #   FLIP   ("")                                "FILE:SED": a name starting with "flip" runs a copy of this tree with
 #                                              sed -i SED applied to FILE (one default switched, e.g.
-#                                              FLIP='s2tts/chunking.py:s/^LOAD_SLOTS = 0.75/LOAD_SLOTS = 1.0/')
+#                                              FLIP='s2tts/engine/chunking.py:s/^LOAD_SLOTS = 0.75/LOAD_SLOTS = 1.0/')
 # Each run's summary.md goes to $OUT/<run>/ (the device tool brings $OUT back) and its level rows are printed.
 [ -d baseline ] && { ln -sfn "$PWD/.whl" baseline/.whl; ln -sfn "$PWD/.gpu" baseline/.gpu; }
 if [ -n "${FLIP:-}" ]; then  # this tree, one file changed by sed

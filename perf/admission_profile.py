@@ -48,7 +48,7 @@ def _kernel_table(fn, steps: int, path: Path) -> dict:
 
 def run(args, model, residual, prompts) -> list[dict]:
     from s2tts.engine import Engine
-    from s2tts.sampling import SamplingParams
+    from s2tts.ar.sampling import SamplingParams
 
     cuda = next(model.parameters()).device.type == "cuda"
     eng = Engine(model, residual, max_batch=args.streams, max_seq_len=args.max_seq_len,
@@ -125,8 +125,9 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from s2tts.checkpoint import codec_codebook_sizes, load_model
-    from s2tts.config import S2Config
+    from s2tts.codec.loading import codec_codebook_sizes
+    from s2tts.ar.loading import load_model
+    from s2tts.checkpoint_config import S2Config
     from s2tts.frontend.prompt import PromptBuilder
 
     ck = checkpoint_dir(args)

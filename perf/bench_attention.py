@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The decode-attention kernel alone (`s2tts.kernels.decode_attention`), on the slow AR's heads (from the
+"""The decode-attention kernel alone (`s2tts.ar.kernels.decode_attention`), on the slow AR's heads (from the
 checkpoint's config): `--rows` rows of `--keys` keys each, in a paged cache of `--block`-token blocks scattered
 through the pool, the keys split as the engine splits them (`ModelRunner.split_rule`), once per tiling in
 `--config` (overrides of `kernels.DECODE_ATTENTION_CONFIG`; `NAME=engine`: the engine's own). `--ar fast`: the
@@ -65,13 +65,14 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from s2tts import kernels
-    from s2tts.config import S2Config
+    from s2tts.ar import kernels
+    from s2tts.gpu import jit
+    from s2tts.checkpoint_config import S2Config
     from s2tts.engine.runner import ModelRunner
-    from s2tts.model import Attention, KVCache
+    from s2tts.ar.model import Attention, KVCache
     from s2tts.settings import SCHEMA
 
-    if not kernels.available():
+    if not jit.available():
         raise SystemExit("bench_attention needs the triton package (on a CPU with TRITON_INTERPRET=1)")
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

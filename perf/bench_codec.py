@@ -28,7 +28,7 @@ import torch  # noqa: E402
 def timed(fn, iters=10, warmup=2, queued=False):
     """Median milliseconds of `iters` calls after `warmup`. `queued`: each call queued behind a GPU sleep first, so
     that the time is the GPU's alone (as in a CUDA graph), not that of launching it."""
-    from s2tts.codec.dac import gpu_time_ms
+    from s2tts.gpu.timing import gpu_time_ms
 
     for _ in range(warmup):
         fn()
@@ -59,14 +59,14 @@ def main():
                     help="run every dilated convolution as one (never as its phases, `codec.conv1d_phases`)")
     args = ap.parse_args()
     if args.no_phases:
-        from s2tts.codec import dac as codec_module
+        from s2tts.codec import model as codec_module
 
         codec_module._phases_pay = lambda *a: False
     if args.served_only:
         return bench_served(args)
     from s2tts.codec import kernels
-    from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec.dac import use_triton_kernels
+    from s2tts.codec.loading import load_codec_from_dir
+    from s2tts.codec.model import use_triton_kernels
     from s2tts.codec.stream import StreamDecoder
 
     torch.backends.cudnn.benchmark = True
@@ -125,8 +125,8 @@ def bench_served(args):
     import numpy as np
 
     from s2tts.codec import kernels
-    from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec.dac import use_triton_kernels
+    from s2tts.codec.loading import load_codec_from_dir
+    from s2tts.codec.model import use_triton_kernels
     from s2tts.codec.stream import StreamDecoder, open_stream_decoder
 
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
@@ -160,7 +160,7 @@ def bench_served(args):
             dec = StreamDecoder(codec, fallback=fallback, pool_size=pool, graphs=graphs)
             made = dec.pool.warm([4, 8, n], max_batch=max_batch) if pool else 0
         if pool:
-            from s2tts.codec import dac as codec_module
+            from s2tts.codec import model as codec_module
 
             rows.append({"path": label, "warm_s": round(time.perf_counter() - t0, 2), "graphs": made,
                          "pool_mib": round(dec.pool.bytes / 2**20),
@@ -201,7 +201,7 @@ def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
     serving), PyTorch ops then the codec's Triton kernels."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    from s2tts.codec.dac import use_triton_kernels
+    from s2tts.codec.model import use_triton_kernels
 
     out.mkdir(parents=True, exist_ok=True)
     codes = torch.cat([torch.randint(0, cfg.semantic_codebook_size, (batch, 1, n)),

@@ -81,7 +81,7 @@ def record_convs(codec, codes) -> list[tuple]:
             return real[kind](x, w, b, *rest)
         return call
 
-    from s2tts.codec import dac as codec_module
+    from s2tts.codec import model as codec_module
 
     plan, codec_module._phases_pay = codec_module._phases_pay, lambda *a: False  # the codec's own form of each
     F.conv1d, F.conv_transpose1d = spy("conv1d"), spy("conv_transpose1d")
@@ -118,14 +118,14 @@ def main():
                          "(repeat: each shape keeps its fastest; default: the config as it is)")
     args = ap.parse_args()
     configs = args.nwc_config or [""]
-    from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec.dac import use_triton_kernels
+    from s2tts.codec.loading import load_codec_from_dir
+    from s2tts.codec.model import use_triton_kernels
 
     codec = load_codec_from_dir(args.checkpoint, "cuda", "fp16")
     codec.drop_encoding()
     use_triton_kernels(codec, channels_last=False)  # its convolutions as PyTorch calls, to be recorded
     convs = record_convs(codec, random_chunk(codec.config, args.streams, args.chunk, "cuda"))
-    from s2tts.codec.dac import conv1d_phases
+    from s2tts.codec.model import conv1d_phases
 
     rows, totals = {}, [0.0, 0.0, 0]
     last = {"calls": 0, "ncw": 0.0, "nhwc": 0.0, "tri": 0.0}  # over the convolutions the channels-last forms take

@@ -83,8 +83,8 @@ def main():
     from bench_engine import config_overrides
 
     from s2tts.codec import kernels
-    from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec.dac import use_triton_kernels
+    from s2tts.codec.loading import load_codec_from_dir
+    from s2tts.codec.model import use_triton_kernels
 
     cuda = args.device.startswith("cuda")
     if cuda:

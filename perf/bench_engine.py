@@ -60,7 +60,7 @@ def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, promp
     """`splits`: the decode-attention kernel's programs a row (a power of two; None: the engine's choice); see
     `attention_split` for the rest of that split."""
     from s2tts.engine import Engine
-    from s2tts.sampling import SamplingParams
+    from s2tts.ar.sampling import SamplingParams
 
     t0 = time.perf_counter()
     eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs,
@@ -132,8 +132,8 @@ def profile(eng, batch):
 def check_parity(ck, prompts, steps=6):
     """Teacher-forced logits of prefill + `steps` decode steps, against a float32 reference:
     bf16 plain PyTorch and bf16 with the fused Triton kernels (relative error, argmax agreement)."""
-    from s2tts.checkpoint import load_model
-    from s2tts.model import use_triton_kernels
+    from s2tts.ar.loading import load_model
+    from s2tts.ar.model import use_triton_kernels
 
     p = prompts[0]
     s2 = None
@@ -232,13 +232,14 @@ def main():
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from s2tts import kernels
-    from s2tts.checkpoint import codec_codebook_sizes, load_model
+    from s2tts.ar import kernels
+    from s2tts.codec.loading import codec_codebook_sizes
+    from s2tts.ar.loading import load_model
     from s2tts.frontend.prompt import PromptBuilder
 
     ck = Path(args.checkpoint)
     if args.make_full and not (ck / "config.json").is_file():
-        from s2tts.tiny import write_checkpoint
+        from s2tts.random_checkpoint import write_checkpoint
 
         t = time.perf_counter()
         write_checkpoint(ck, "full", seed=0, device="cuda")

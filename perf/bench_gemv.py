@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The decode step's matrix products at a few rows: cuBLAS (F.linear) against `s2tts.kernels.linear` (the GEMV
+"""The decode step's matrix products at a few rows: cuBLAS (F.linear) against `s2tts.ar.kernels.linear` (the GEMV
 kernel), and up to `GEMV_SMALL_ROWS` rows `kernels.gemv_small` (the decode step's products at one or two streams;
 timed without dependent launch: alone it has no predecessor to overlap), on S2 Pro's weight shapes, bf16, each timed
 as a CUDA graph of 20 calls; and the kernel with the weight in
@@ -52,7 +52,7 @@ def main():
     ap.add_argument("--partials", action="store_true", help="the split-K pass alone (partial sums not added) against "
                     "cuBLAS, over tilings: see the module's doc")
     args = ap.parse_args()
-    from s2tts import kernels
+    from s2tts.ar import kernels
 
     if args.partials:
         rows = partials(kernels, [int(r) for r in args.rows.split(",")])
@@ -184,7 +184,7 @@ def scaled_mm(x, M, w8s, ref) -> tuple[float | str, str]:
     """cuBLAS's FP8 product (`torch._scaled_mm`, activations quantized too, a scale per row of each; at least 16
     rows) -> (microseconds a call, relative error against the bf16 weight's exact product); the activations'
     quantization is not timed."""
-    from s2tts.kernels import FP8_MAX
+    from s2tts.ar.kernels import FP8_MAX
 
     m = max(M, 16)
     xs = x[:m].float().abs().amax(1, keepdim=True).clamp(min=1e-12) / FP8_MAX

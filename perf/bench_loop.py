@@ -78,7 +78,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
     from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService
-    from s2tts.sampling import SamplingParams
+    from s2tts.ar.sampling import SamplingParams
     from s2tts.settings import SCHEMA
 
     cuda = model.s2 is not None and next(model.parameters()).device.type == "cuda"
@@ -265,8 +265,8 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds
-    from s2tts.config import S2Config
+    from s2tts.codec.loading import codec_codebook_sizes, codec_frame_seconds
+    from s2tts.checkpoint_config import S2Config
     from s2tts.frontend.prompt import PromptBuilder
 
     ck = checkpoint_dir(args)

@@ -39,11 +39,12 @@ def main() -> None:
     ap.add_argument("--alone", type=int, default=None, help="check only the first N requests alone (default all)")
     args = ap.parse_args()
 
-    from s2tts.checkpoint import codec_codebook_sizes, load_model
+    from s2tts.codec.loading import codec_codebook_sizes
+    from s2tts.ar.loading import load_model
     from s2tts.engine import Engine
     from s2tts.frontend.prompt import PromptBuilder
-    from s2tts.sampling import SamplingParams
-    from s2tts.tiny import write_checkpoint
+    from s2tts.ar.sampling import SamplingParams
+    from s2tts.random_checkpoint import write_checkpoint
 
     if args.checkpoint is None:
         ck = write_checkpoint(Path(tempfile.mkdtemp()) / "tiny", "tiny", seed=0)

@@ -39,7 +39,7 @@ TEXTS = ["The quick brown fox jumps over the lazy dog.",
 
 def sampled(engine, prompt, seed: int, frames: int) -> np.ndarray:
     """The engine's codes [C, frames] for one request (end token never sampled)."""
-    from s2tts.sampling import SamplingParams
+    from s2tts.ar.sampling import SamplingParams
 
     codes, _ = engine.generate(prompt, SamplingParams(seed=seed, max_new_tokens=frames, ignore_end=True),
                                request_id=f"fp8-effect-{seed}")
@@ -92,7 +92,8 @@ def main() -> int:
     ap.add_argument("--json")
     args = ap.parse_args()
 
-    from s2tts.checkpoint import codec_codebook_sizes, load_model
+    from s2tts.codec.loading import codec_codebook_sizes
+    from s2tts.ar.loading import load_model
     from s2tts.engine import Engine
     from s2tts.frontend.prompt import PromptBuilder
 

@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     import torch
 
     from s2tts import settings
-    from s2tts.checkpoint import codec_codebook_sizes, load_model
+    from s2tts.codec.loading import codec_codebook_sizes
+    from s2tts.ar.loading import load_model
     from s2tts.codec.stream import open_stream_decoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService

@@ -91,10 +91,12 @@ def main():
         torch.cuda.mem_get_info = lambda *a, **k: (0, 0)
         torch.cuda.get_device_name = lambda *a, **k: "cpu"
 
-    from s2tts.checkpoint import codec_codebook_sizes, load_model
+    from s2tts.codec.loading import codec_codebook_sizes
+    from s2tts.ar.loading import load_model
     from s2tts.engine import Engine
-    from s2tts.frontend.prompt import Prompt, PromptBuilder
-    from s2tts.sampling import SamplingParams
+    from s2tts.engine.prompt import Prompt
+    from s2tts.frontend.prompt import PromptBuilder
+    from s2tts.ar.sampling import SamplingParams
 
     ck = checkpoint_dir(args)
     model = load_model(ck, args.device, "bf16" if cuda else "fp32")

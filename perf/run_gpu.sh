@@ -39,7 +39,7 @@
 #                                                    phase: CPU cores taken by tritonserver, each model's stub and
 #                                                    the load generator (a table in summary.md)
 #   PROFILE                 0                        1: every model process samples its threads' stacks
-#                                                    (S2TTS_PROFILE_DIR, s2tts/sampler.py): summaries in summary.md,
+#                                                    (S2TTS_PROFILE_DIR, s2tts/serving/profiler.py): summaries in summary.md,
 #                                                    flame-graph input in details.tar.gz (details/profile/)
 #   PA                      1                        0 skips perf_analyzer
 #   PA_CONCURRENCY          "1 16"                   perf_analyzer levels

@@ -46,11 +46,11 @@ class _Collect:
 
 
 def serve(model, ckpt, codec, fallback, prompts, args, on: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-    from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds
+    from s2tts.codec.loading import codec_codebook_sizes, codec_frame_seconds
     from s2tts.codec.stream import StreamDecoder
     from s2tts.engine import Engine
     from s2tts.engine.service import EngineService
-    from s2tts.sampling import SamplingParams
+    from s2tts.ar.sampling import SamplingParams
 
     eng = Engine(model, codec_codebook_sizes(ckpt)[1], max_batch=args.requests, max_seq_len=1024,
                  prefix_cache_bytes=0, batch_invariant=args.batch_invariant)
@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--wait-s", type=float, default=120.0, help="for each request (then the threads' stacks are printed)")
     args = ap.parse_args()
 
-    from s2tts.config import S2Config
+    from s2tts.checkpoint_config import S2Config
     from s2tts.frontend.prompt import PromptBuilder
 
     ck = checkpoint_dir(args)

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     import soundfile as sf
 
     from .pipeline import S2Pipeline
-    from .sampling import SamplingParams
+    from .ar.sampling import SamplingParams
 
     if bool(args.reference_audio) != bool(args.reference_text):
         print("error: --reference-audio and --reference-text go together (the clip and its transcript)", file=sys.stderr)

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
 
     ckpt = Path(args.checkpoint) if args.checkpoint else DEFAULT_TINY
     if not args.checkpoint and not (ckpt / "config.json").is_file():
-        from .tiny import write_checkpoint
+        from .random_checkpoint import write_checkpoint
 
         print(f"no --checkpoint given: writing a tiny random S2-shaped checkpoint to {ckpt}", flush=True)
         write_checkpoint(ckpt, "tiny", seed=0)

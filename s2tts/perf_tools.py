@@ -47,7 +47,8 @@ def served_model_and_codec(ck: Path, device: str, tune: bool = True):
     """The AR model and the codec as slow_ar runs them, for a script's loop -> (model, codec, fallback): on a GPU
     bf16 weights and an fp16 codec with its fp32 redo, on a CPU fp32 and no redo; `tune`: the codec's kernels tiled
     for the device (`codec.stream.tune_for_device`, as the servers do)."""
-    from .checkpoint import load_codec_from_dir, load_model
+    from .codec.loading import load_codec_from_dir
+    from .ar.loading import load_model
     from .codec.stream import tune_for_device
 
     cuda = device.startswith("cuda")
@@ -64,7 +65,7 @@ def checkpoint_dir(args) -> Path:
     none is there."""
     ck = Path(args.checkpoint)
     if args.make_full and not (ck / "config.json").is_file():
-        from .tiny import write_checkpoint
+        from .random_checkpoint import write_checkpoint
 
         write_checkpoint(ck, "full", seed=0, device=args.device)
     return ck

@@ -8,11 +8,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import load_codec_from_dir, load_model, resolve_device
+from .codec.loading import load_codec_from_dir
+from .ar.loading import load_model
+from .gpu.device import resolve_device
 from .engine import Engine
-from .frontend.prompt import PromptBuilder, clean_text
+from .frontend.prompt import PromptBuilder
+from .frontend.segment import clean_text
 from .frontend.segment import DEFAULT_CHUNK_LENGTH, batches, overall_finish_reason
-from .sampling import SamplingParams
+from .ar.sampling import SamplingParams
 
 
 @dataclass
@@ -29,7 +32,7 @@ class S2Pipeline:
         self.device = resolve_device(device)
         self.model = load_model(checkpoint, self.device, dtype)
         self.s2 = self.model.s2
-        from .triton_utils import codec_precision
+        from .codec.model import codec_precision
 
         codec_precision(codec_dtype, tf32=False)  # offline: the exact result
         self.codec = load_codec_from_dir(checkpoint, self.device, codec_dtype)
@@ -47,7 +50,7 @@ class S2Pipeline:
     @torch.inference_mode()
     def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
         """Reference waveform ([T], [T, C] or [C, T]) at any rate -> codes [num_codebooks, frames]."""
-        from .codec.dac import prepare_audio
+        from .codec.audio import prepare_audio
 
         wav = prepare_audio(audio, sample_rate, self.codec.config.sample_rate).to(self.device)
         return self.codec.encode(wav)[0].cpu().numpy().astype(np.int32)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
+from . import settings as schema
 from .settings import MODELS  # the repository's models, named once
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +37,6 @@ def render_repository(dst: Path, settings: dict[str, str], src: Path = MODEL_REP
     """Copy the model repository to `dst`, filling every `${key}` from the settings schema (`s2tts.settings`):
     the given values checked (type, range, the rules between models), the rest their defaults. Unknown keys,
     bad values and broken rules raise an error that names what to change."""
-    from . import settings as schema
-
     for k, v in settings.items():
         if v is not None and any(c in str(v) for c in '"\n\\'):
             raise schema.invalid(f"setting {k}={v!r} must be a plain value", k)
@@ -99,8 +98,8 @@ def _io_block(kind: str, tensors: list[dict], batched: bool) -> str:
 
 def check_manifest_matches(manifest: dict, checkpoint: str | Path) -> None:
     """The exported graphs must belong to this checkpoint's shapes (codebooks, dims, codebook sizes)."""
-    from .checkpoint import codec_codebook_sizes
-    from .config import S2Config
+    from .codec.loading import codec_codebook_sizes
+    from .checkpoint_config import S2Config
 
     s2 = S2Config.from_dir(checkpoint)
     want = {"num_codebooks": s2.num_codebooks, "dim": s2.audio.dim, "residual_size": codec_codebook_sizes(checkpoint)[1]}
@@ -219,8 +218,6 @@ def render_model_repository(dst: str | Path, settings: dict, models=None, base=N
                              "need backend=python")
     repo = Path(base(Path(dst), repo_settings, models=models or MODELS))
     if backend != "python":
-        from . import settings as schema
-
         resolved = {k: v for k, v in schema.render_values(repo_settings).items() if v != ""}
         render_trt_variants(repo, resolved, backend, engine_dir, require_engines=require_engines)
     return repo
@@ -367,3 +364,32 @@ def _validate_ensemble(name, cfg, configs) -> list[str]:
         elif tensors[t.name][0] != t.data_type or not _dims_compatible(tensors[t.name][1], _full_dims(cfg, t)):
             problems.append(f"{name}: output {t.name!r} type/shape differs from the step producing it")
     return problems
+
+
+PBTXT_BLOCK = re.compile(r"(  # request-fields:begin[^\n]*\n)(.*?)(\n  # request-fields:end)", re.S)
+
+
+def write_pbtxt_inputs(repository) -> list[str]:
+    """Rewrite the request-fields block of each model's config.pbtxt under `repository` from `pbtxt_inputs` ->
+    the models whose file changed."""
+    changed = []
+    for stage in sorted({st for f in schema.REQUEST_FIELDS.values() for st in f.stages}):
+        path = Path(repository) / stage / "config.pbtxt"
+        text = path.read_text(encoding="utf-8")
+        new = PBTXT_BLOCK.sub(lambda m: m.group(1) + schema.pbtxt_inputs(stage) + m.group(3), text)
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+            changed.append(stage)
+    return changed
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["--write-pbtxt"]:
+        print("rewritten:", write_pbtxt_inputs(MODEL_REPOSITORY) or "none (up to date)")
+    elif sys.argv[1:2] == ["--pbtxt"] and len(sys.argv) == 3:
+        print(schema.pbtxt_inputs(sys.argv[2]))
+    else:
+        sys.exit("usage: python -m s2tts.repository --write-pbtxt | --pbtxt <model>")
+

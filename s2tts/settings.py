@@ -6,14 +6,13 @@ Everything else reads from here:
 - the README's settings table (`markdown_table`, checked by a test),
 - the gateway's limits (it reads the served values from s2pro's config, with these as fallback),
 - request validation in the models and the gateway (`REQUEST_FIELDS`, `check_field`), and the request inputs of
-  s2pro's and slow_ar's config.pbtxt (`pbtxt_inputs`: `python -m s2tts.settings --write-pbtxt` rewrites them,
+  s2pro's and slow_ar's config.pbtxt (`pbtxt_inputs`: `python -m s2tts.repository --write-pbtxt` rewrites them,
   a test checks them).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +21,12 @@ from .errors import S2Error, invalid
 MODELS = ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
+
+
+def parse_bool(text: str) -> bool | None:
+    """The one reader of a boolean word (true/false, yes/no, on/off, 1/0, any case); None when `text` is none."""
+    low = text.strip().lower()
+    return True if low in _TRUE else False if low in _FALSE else None
 
 
 @dataclass(frozen=True)
@@ -45,10 +50,9 @@ class Setting:
             if self.auto and text.lower() == "auto":
                 return None
             if self.type is bool:
-                low = text.lower()
-                if low not in _TRUE | _FALSE:
+                value = parse_bool(text)
+                if value is None:
                     raise invalid(f"setting {self.key}={raw!r}: use true or false", self.key)
-                value = low in _TRUE
             elif self.type is str:
                 value = text
             else:
@@ -529,36 +533,3 @@ def check_field(name: str, value, limits: dict | None = None, http: bool = False
                           f"{fmt(f.min)}", label)
         raise invalid(f"{label}={value} is out of range: use {kind} in {lo_s}, {hi_s}", label)
     return value
-
-
-PBTXT_BLOCK = re.compile(r"(  # request-fields:begin[^\n]*\n)(.*?)(\n  # request-fields:end)", re.S)
-
-
-def write_pbtxt_inputs(repository) -> list[str]:
-    """Rewrite the request-fields block of each model's config.pbtxt under `repository` from `pbtxt_inputs` ->
-    the models whose file changed."""
-    from pathlib import Path
-
-    changed = []
-    for stage in sorted({st for f in REQUEST_FIELDS.values() for st in f.stages}):
-        path = Path(repository) / stage / "config.pbtxt"
-        text = path.read_text(encoding="utf-8")
-        new = PBTXT_BLOCK.sub(lambda m: m.group(1) + pbtxt_inputs(stage) + m.group(3), text)
-        if new != text:
-            path.write_text(new, encoding="utf-8")
-            changed.append(stage)
-    return changed
-
-
-if __name__ == "__main__":
-    import sys
-
-    if sys.argv[1:] == ["--write-pbtxt"]:
-        from .repository import MODEL_REPOSITORY
-
-        print("rewritten:", write_pbtxt_inputs(MODEL_REPOSITORY) or "none (up to date)")
-    elif sys.argv[1:2] == ["--pbtxt"] and len(sys.argv) == 3:
-        print(pbtxt_inputs(sys.argv[2]))
-    else:
-        sys.exit("usage: python -m s2tts.settings --write-pbtxt | --pbtxt <model>")
-

@@ -26,7 +26,7 @@ if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
     """A tiny S2-shaped checkpoint directory (official layout), written once per test session."""
-    from s2tts.tiny import write_checkpoint
+    from s2tts.random_checkpoint import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
 
@@ -34,7 +34,7 @@ def tiny_ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def model(tiny_ckpt):
     """The tiny model in fp32 on the CPU (one per test module: engines made over it take its caches)."""
-    from s2tts.checkpoint import load_model
+    from s2tts.ar.loading import load_model
 
     return load_model(tiny_ckpt, "cpu", "fp32")
 

@@ -8,12 +8,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from s2tts import kernels  # noqa: E402
+from s2tts.ar import kernels  # noqa: E402
 from s2tts.codec import kernels as codec_kernels  # noqa: E402
-from s2tts.checkpoint import load_model  # noqa: E402
+from s2tts.ar.loading import load_model  # noqa: E402
 from s2tts.engine import Engine  # noqa: E402
 from s2tts.frontend.prompt import PromptBuilder  # noqa: E402
-from s2tts.sampling import SamplingParams  # noqa: E402
+from s2tts.ar.sampling import SamplingParams  # noqa: E402
 
 
 def fixed_order_dot() -> None:
@@ -58,7 +58,7 @@ def check_ops():
     torch.manual_seed(0)
     # decode attention over a paged cache vs plain softmax attention, ragged lengths, GQA 4:1, blocks of 8
     # scattered through the pool (and one block size that is not a power of two)
-    from s2tts.model import KVCache
+    from s2tts.ar.model import KVCache
 
     B, H, KV, D, S = 3, 8, 2, 16, 5
     q = torch.randn(B, H, D)
@@ -100,7 +100,7 @@ def check_ops():
         assert rel(got, want) < 1e-6, rows
     # q/k norm + RoPE + cache write + attention in one kernel (the fast AR's later calls): the outputs and cache
     # writes of the two kernels it replaces, with and without the q/k norm, at 1 and 3 rows (both tilings)
-    from s2tts.model import rope_table
+    from s2tts.ar.model import rope_table
 
     rope = rope_table(16, D, 10000.0)
     qkv = torch.randn(B, (H + 2 * KV) * D)
@@ -121,7 +121,7 @@ def check_ops():
             assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), (norm, rows)
             assert rel(got, want) < 1e-6, ("rope_attend_short", norm, rows, rel(got, want))
     # rms norm (+ residual add) and silu*mul against the module code
-    from s2tts.model import RMSNorm
+    from s2tts.ar.model import RMSNorm
 
     x, y, w = torch.randn(4, 64), torch.randn(4, 64), torch.randn(64)
     m = RMSNorm(64, 1e-6)
@@ -154,7 +154,7 @@ def check_ops():
         assert "even" in str(e)
     from types import SimpleNamespace
 
-    from s2tts.model import FeedForward, KernelLinear, _kernel_linears
+    from s2tts.ar.model import FeedForward, KernelLinear, _kernel_linears
 
     ff = FeedForward(SimpleNamespace(dim=300, intermediate_size=40))
     ff.w1.weight.data, ff.w3.weight.data = wg[:40].clone(), wg[40:].clone()
@@ -180,7 +180,7 @@ def check_ops():
     except ValueError as e:
         assert "rows" in str(e)
     # sampling: the kernel draws the same ranks as the PyTorch code (same hash, same masks)
-    from s2tts.sampling import _choose
+    from s2tts.ar.sampling import _choose
 
     for V in (65, 1024, 4097):
         B = 6
@@ -197,7 +197,7 @@ def check_ops():
             same += int((a == b).sum())
         assert same >= 20 * B - 1, (V, same)  # a float near-tie may flip at most once
     # rows the kernel sorts itself (the fast AR's): the index the sort + kernel + gather path gives, exact ties too
-    from s2tts.sampling import sample
+    from s2tts.ar.sampling import sample
 
     for V in (65, 300):
         B = 6
@@ -223,7 +223,7 @@ def check_ops():
     # the slow AR's code-0 draw with the end token masked inside `sample_semantic` (the runner's call): what the
     # masked logits give, the RAS draw taken where the first is among the recent codes; fp32 logits and bf16-valued
     # ones. Distinct values: the CPU's sort breaks ties in no fixed order
-    from s2tts.sampling import sample_semantic
+    from s2tts.ar.sampling import sample_semantic
 
     V, end = 200, 199
     allow = torch.tensor([True, False, True, False, True, True])
@@ -386,8 +386,8 @@ def check_codec(ckpt):
     without."""
     import torch.nn.functional as F
 
-    from s2tts.checkpoint import load_codec_from_dir
-    from s2tts.codec.dac import use_triton_kernels
+    from s2tts.codec.loading import load_codec_from_dir
+    from s2tts.codec.model import use_triton_kernels
 
     def snake_ref(v, alpha):  # the Snake of v, alpha broadcast along v's channels
         return v + torch.sin(alpha * v).pow(2) / (alpha + 1e-9)
@@ -481,7 +481,7 @@ def check_codec(ckpt):
                                        codec_kernels.conv_transpose_weight_nwc(w, stride), bias=b)
         assert rel(got.reshape(2, 9 * stride, c_out).transpose(1, 2), ref) < 1e-6
 
-    from s2tts.codec.dac import apply_rope, rope_cos_sin
+    from s2tts.codec.model import apply_rope, rope_cos_sin
 
     qkv = torch.randn(2, 5, 3, 4, 16)  # [B, T, q|k|v, H, D]: q and k are strided views, as the codec's are
     rope = rope_cos_sin(torch.arange(7, 12)[None].expand(2, 5), 16, 10000.0)
@@ -565,7 +565,7 @@ def check_codec(ckpt):
 def check_fp8(ckpt):
     """FP8 weights (`ar_weights=fp8`): the engine with the kernels (every layer matrix through `kernels.linear`, the
     weight widened in registers) gives the logits and codes of the PyTorch path (the weight widened in memory)."""
-    from s2tts.model import Fp8Linear
+    from s2tts.ar.model import Fp8Linear
 
     prompt = PromptBuilder.from_dir(ckpt).build("Eight bits a weight.")
     results = []

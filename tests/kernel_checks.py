@@ -48,7 +48,7 @@ class Checks:
     def start(cls, nice: int = 0) -> "Checks":
         """Write a tiny checkpoint of their own into a new temporary folder and start the groups' processes; `nice`
         > 0: at that lower scheduling priority (`_lower_priority`)."""
-        from s2tts.tiny import write_checkpoint
+        from s2tts.random_checkpoint import write_checkpoint
 
         folder = Path(tempfile.mkdtemp(prefix="s2tts-kernel-checks-"))
         ckpt = write_checkpoint(folder / "tiny", "tiny", seed=0)

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.codec.dac import (DAC, CodecConfig, StreamState, codec_state_dict, full_codec_config, load_codec, make_codec, prepare_audio, resample, tiny_codec_config)
+from s2tts.codec.model import DAC, CodecConfig, StreamState, full_codec_config, make_codec, tiny_codec_config
+from s2tts.codec.loading import codec_state_dict, config_from_state_dict, load_codec
+from s2tts.codec.audio import prepare_audio, resample
 
 SR = 44100
 
@@ -156,7 +158,7 @@ def test_parity_full_decode_and_stream(reference_full):
 
 @pytest.mark.parametrize("batch,channels,length,dilation", [(2, 5, 60, 9), (3, 4, 37, 3), (1, 6, 55, 9), (2, 3, 20, 2)])
 def test_conv1d_phases_is_the_dilated_convolution(batch, channels, length, dilation):
-    from s2tts.codec.dac import conv1d_phases
+    from s2tts.codec.model import conv1d_phases
 
     g = torch.Generator().manual_seed(length)
     x = torch.randn(batch, channels, length, generator=g)
@@ -171,7 +173,7 @@ def test_gpu_formulations_match_reference(reference_tiny, monkeypatch):
     """What `use_triton_kernels` changes on a GPU besides the kernels: the codebooks decoded as one lookup in a table
     of their projections, and dilated convolutions as their phases (there only for shapes where that is faster; all
     of them here) still give the reference codec's audio, whole and streamed."""
-    import s2tts.codec.dac as codec_module
+    import s2tts.codec.model as codec_module
 
     ref, ours = reference_tiny
     codes = _random_codes(ours.config, 9, seed=4)
@@ -362,8 +364,8 @@ def test_loader_missing_weight_norm_pair_named(tiny):
 
 def test_config_from_raw_state_dict(tiny):
     wrapped = {"state_dict": {f"generator.{k}": v for k, v in codec_state_dict(tiny).items()}}
-    assert CodecConfig.from_state_dict(wrapped) == tiny.config
-    assert CodecConfig.from_state_dict(codec_state_dict(tiny), quantizer_window=8).quantizer_window == 8
+    assert config_from_state_dict(wrapped) == tiny.config
+    assert config_from_state_dict(codec_state_dict(tiny), quantizer_window=8).quantizer_window == 8
 
 
 def test_loader_rejects_non_dict(tmp_path):

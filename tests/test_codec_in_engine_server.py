@@ -79,7 +79,7 @@ def test_audio_comes_from_slow_ar_and_equals_the_offline_cli(server, tiny_ckpt, 
 
 
 def test_dialogue_segments_continue_one_codec_stream(server, tiny_ckpt):
-    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec.loading import load_codec_from_dir
     from s2tts.codec.stream import StreamDecoder
     from s2tts.frontend.segment import batches
 
@@ -136,7 +136,7 @@ def test_dac_decoder_loads_its_codec_on_the_first_direct_request(server, tiny_ck
     does offline, and the next one continues the stream."""
     import tritonclient.grpc as grpcclient
 
-    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec.loading import load_codec_from_dir
 
     log = server.log_path.read_text(errors="replace")
     assert "direct callers only (codec_in_engine); the codec loads on the first request" in log

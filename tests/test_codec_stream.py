@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.checkpoint import load_codec_from_dir
+from s2tts.codec.loading import load_codec_from_dir
 from s2tts.codec.stream import StreamDecoder
 from s2tts.errors import S2Error
 
@@ -159,7 +159,7 @@ def test_pool_slots_are_reused_from_a_fresh_state(tiny_ckpt):
 def test_codec_dtype_auto():
     from unittest import mock
 
-    from s2tts.checkpoint import codec_dtype_for
+    from s2tts.codec.loading import codec_dtype_for
 
     assert codec_dtype_for("auto", "cpu", "decoder") == "fp32"
     assert codec_dtype_for("fp16", "cpu", "decoder") == "fp16"

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from s2tts.triton_utils import METRICS
+from s2tts.serving.metrics import METRICS
 
 from servers import Gateway, free_port
 

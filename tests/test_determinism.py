@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.checkpoint import load_model
+from s2tts.ar.loading import load_model
 from s2tts.client import S2ProClient, TTSInput
 from s2tts.engine import Engine
 from s2tts.frontend.prompt import PromptBuilder
-from s2tts.sampling import SamplingParams
+from s2tts.ar.sampling import SamplingParams
 
 from servers import tiny_server
 

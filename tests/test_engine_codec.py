@@ -9,11 +9,11 @@ import time
 import numpy as np
 import pytest
 
-from s2tts.checkpoint import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir
+from s2tts.codec.loading import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir
 from s2tts.codec.stream import StreamDecoder
 from s2tts.engine import Engine
 from s2tts.engine.service import CodecStream, EngineService
-from s2tts.sampling import SamplingParams
+from s2tts.ar.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -552,7 +552,7 @@ def test_graph_owners_get_streams_no_other_owner_has(monkeypatch):
     owner is gone goes to the next one."""
     import gc
 
-    from s2tts import graphs
+    from s2tts.gpu import cuda_graphs as graphs
 
     monkeypatch.setattr(graphs, "_taken", {})
     monkeypatch.setattr(graphs.torch.cuda, "Stream", _PoolStream)

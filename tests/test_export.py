@@ -19,14 +19,15 @@ pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from s2tts import repository as rp  # noqa: E402
-from s2tts.checkpoint import load_codec_from_dir, load_model  # noqa: E402
-from s2tts.codec.dac import make_codec, tiny_codec_config  # noqa: E402
+from s2tts.codec.loading import load_codec_from_dir  # noqa: E402
+from s2tts.ar.loading import load_model  # noqa: E402
+from s2tts.codec.model import make_codec, tiny_codec_config  # noqa: E402
 from s2tts.export import checks as xc  # noqa: E402
 from s2tts.export import driver as xd  # noqa: E402
-from s2tts.export import graphs as xg  # noqa: E402
+from s2tts.export import onnx_graphs as xg  # noqa: E402
 from s2tts.export import runtime as xr  # noqa: E402
 from s2tts.repository import MODEL_REPOSITORY, render_repository  # noqa: E402
-from s2tts.sampling import sample  # noqa: E402
+from s2tts.ar.sampling import sample  # noqa: E402
 from s2tts.server import server_has_tensorrt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,7 +355,7 @@ def test_variant_served_by_tritonserver_matches_offline(tiny_ckpt, onnx_dir, man
     from s2tts import server
     from s2tts.client import S2ProClient, TTSInput
     from s2tts.pipeline import S2Pipeline
-    from s2tts.sampling import SamplingParams
+    from s2tts.ar.sampling import SamplingParams
 
     try:
         server.find_server()

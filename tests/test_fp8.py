@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.checkpoint import load_model
+from s2tts.ar.loading import load_model
 from s2tts.frontend.prompt import PromptBuilder
-from s2tts.model import Fp8Linear
+from s2tts.ar.model import Fp8Linear
 
 from servers import assert_together_as_alone
 
@@ -46,7 +46,7 @@ def test_fp8_many_rows_take_the_widened_weight_where_cublas_has_no_fp8(tiny_ckpt
     product on a GPU that has one, else the weight widened (here, on the CPU; the kernel is never reached, so no
     Triton is needed). batch_invariant raises `kernel_rows` so that every pass stays on the kernel, in one tiling
     (`wide_rows` None: no wide tiling above WIDE_ROWS rows)."""
-    from s2tts.model import use_invariant_linears
+    from s2tts.ar.model import use_invariant_linears
 
     torch.manual_seed(0)
     w = torch.randn(48, 32)

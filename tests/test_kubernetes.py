@@ -13,7 +13,7 @@ from s2tts import settings as S
 from s2tts.gateway.__main__ import build_parser as gateway_parser
 from s2tts.server import build_parser as server_parser
 from s2tts.server import parse_settings
-from s2tts.triton_utils import METRICS
+from s2tts.serving.metrics import METRICS
 
 from servers import Gateway
 

@@ -8,7 +8,7 @@ import torch
 
 from s2tts.engine import Engine
 from s2tts.engine.service import EngineService
-from s2tts.sampling import SamplingParams
+from s2tts.ar.sampling import SamplingParams
 
 RESIDUAL = 32
 
@@ -246,7 +246,7 @@ def test_a_launch_never_waits_for_the_device(tiny_ckpt, prompts, device):
     no Python number goes through a tensor index (the CPU's check of what on a GPU is a copy that waits for the step
     in flight: a prompt's first step was launched ~7 ms late on an H200), and on a GPU nothing in a launch
     synchronizes with the device at all (`torch.cuda.set_sync_debug_mode("error")`)."""
-    from s2tts.checkpoint import load_model
+    from s2tts.ar.loading import load_model
 
     model = load_model(tiny_ckpt, device, "fp32")
     eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)

@@ -168,7 +168,7 @@ def _released(h, timeout=30):
 
 
 def test_requests_spread_and_each_stays_on_its_replica(two_engines, tiny_ckpt):
-    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec.loading import load_codec_from_dir
     from s2tts.codec.stream import StreamDecoder
 
     h = two_engines

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from s2tts import errors
-from s2tts.checkpoint import codec_codebook_sizes, load_model
+from s2tts.codec.loading import codec_codebook_sizes
+from s2tts.ar.loading import load_model
 from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
 from s2tts.frontend.prompt import PromptBuilder
-from s2tts.lifecycle import RequestTable
-from s2tts.sampling import SamplingParams
+from s2tts.serving.lifecycle import RequestTable
+from s2tts.ar.sampling import SamplingParams
 
 from fake_triton import one_final as _one_final
 from fake_triton import slow_ar_inputs
@@ -118,7 +119,7 @@ def test_error_tags_round_trip():
     assert errors.parse("Stub process 'slow_ar_0_0' is not healthy.").code == "unavailable"
     assert errors.parse("Stream removed (Socket closed)").code == "unavailable"  # the connection broke: retry
     assert errors.model_is_dead("Stub process 'slow_ar_0_0' is not healthy.")
-    from s2tts.lifecycle import Health
+    from s2tts.serving.lifecycle import Health
 
     gone = Health("slow_ar")
     gone.fail("unrecoverable device error")
@@ -181,7 +182,7 @@ def test_a_final_response_frees_the_slot_before_the_client_hears_it():
 
 
 def test_worker_pool_queues_past_its_limit_and_never_holds_the_exit():
-    from s2tts.lifecycle import WorkerPool
+    from s2tts.serving.threads import WorkerPool
 
     pool, done, release = WorkerPool(2, "t-worker"), [], threading.Event()
     for i in range(6):  # 2 workers: the other 4 wait in the queue, none is lost
@@ -213,7 +214,7 @@ def test_worker_pool_queues_past_its_limit_and_never_holds_the_exit():
 def test_worker_pool_shutdown_waits_for_idle_workers_not_for_given_up_ones():
     """A model's unload (`finalize`) shuts its pool down: idle workers are joined, a worker given up in a call that
     never returns is not (it once held every unload after a dead model for the whole 5 s of the join)."""
-    from s2tts.lifecycle import WorkerPool
+    from s2tts.serving.threads import WorkerPool
 
     pool, started, stuck, worker = WorkerPool(2, "t-worker"), threading.Event(), threading.Event(), []
     pool.submit(lambda: (worker.append(threading.current_thread()), started.set(), stuck.wait(120)))
@@ -600,7 +601,7 @@ class _Reader:
 
 
 def test_pull_stream_order_waiting_read_and_abandonment():
-    from s2tts.lifecycle import PullStreams
+    from s2tts.serving.pull import PullStreams
 
     hub = PullStreams("slow_ar", make_error=lambda e: ("error", e.code), idle_timeout_s=0.2)
     first = _Reader()
@@ -691,7 +692,7 @@ def test_fast_ar_loads_its_weights_on_a_direct_request_and_a_failed_load_is_trie
     import shutil
 
     from fake_triton import FakeTriton, render
-    from s2tts.config import S2Config
+    from s2tts.checkpoint_config import S2Config
 
     ck = tmp_path / "ckpt"
     shutil.copytree(tiny_ckpt, ck)

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from s2tts.checkpoint import INDEX_FILE, load_model
-from s2tts.config import CheckpointError, S2Config
+from s2tts.ar.loading import INDEX_FILE, load_model
+from s2tts.checkpoint_config import CheckpointError, S2Config
 from s2tts.engine import Engine
-from s2tts.sampling import SamplingParams, sample, uniform
+from s2tts.ar.sampling import SamplingParams, sample, uniform
 
 RESIDUAL = 32  # the tiny codec's residual codebook size
 
@@ -97,14 +97,14 @@ def test_loaded_weights_match_file(tiny_ckpt, model):
 
 def test_loading_builds_on_meta_without_initializers_or_dynamo(tiny_ckpt):
     """The loaders build their modules on the meta device with torch.nn.init's functions skipped and restored after
-    (`s2tts.meta.on_meta`): in a fresh interpreter, loading both ARs and the codec imports no torch._dynamo (which
+    (`s2tts.gpu.meta.on_meta`): in a fresh interpreter, loading both ARs and the codec imports no torch._dynamo (which
     PyTorch's meta initializers and meta arange would import: ~2 s of CPU in every model process), and the rope
     tables are the real ones."""
     code = f"""
 import sys, torch
 init = {{n: getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_", "zeros_")}}
 from s2tts.checkpoint import load_codec_from_dir, load_model
-from s2tts.model import rope_table
+from s2tts.ar.model import rope_table
 m = load_model({str(tiny_ckpt)!r}, "cpu", "fp32")
 load_codec_from_dir({str(tiny_ckpt)!r}, "cpu", "fp32")
 assert all(getattr(torch.nn.init, n) is f for n, f in init.items())
@@ -211,7 +211,7 @@ def test_each_slot_holds_its_requests_sampling_settings(model, prompts):
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_host_to_device_copies_keep_values(device):
     """`transfer.upload` / `copy_in` (page-locked and queued on a GPU): the same values and dtype on the device."""
-    from s2tts.transfer import copy_in, upload
+    from s2tts.gpu.transfer import copy_in, upload
 
     src = torch.tensor([[3, -1, 2**40], [7, 0, 5]], dtype=torch.int64)
     up = upload(src, device)
@@ -413,7 +413,7 @@ def test_padded_row_buckets_match_exact_shapes(model, prompts):
 def test_dependent_launch_only_where_supported(tiny_ckpt):
     """`dependent_launch` (programmatic dependent launch of the decode step's Triton kernels) asks; the device
     decides: a CPU engine asked for it runs without it, and the kernels launch as usual (`kernels.PDL` off)."""
-    from s2tts import kernels
+    from s2tts.ar import kernels
 
     model = load_model(tiny_ckpt, "cpu", "fp32")
     for asked in (None, True, False):

@@ -8,7 +8,7 @@ import torch
 
 from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
 from s2tts.engine.paged import BlockPool
-from s2tts.sampling import SamplingParams
+from s2tts.ar.sampling import SamplingParams
 
 RESIDUAL = 32
 

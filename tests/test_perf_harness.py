@@ -221,7 +221,7 @@ def test_live_load_script(triton_server, tmp_path):
 
 
 def test_make_pa_inputs_and_perf_analyzer(triton_server, tiny_ckpt, tmp_path):
-    from s2tts.config import S2Config
+    from s2tts.checkpoint_config import S2Config
 
     inputs, out = tmp_path / "pa_inputs", tmp_path / "pa"
     _run([sys.executable, "perf/make_pa_inputs.py", "--checkpoint", str(tiny_ckpt), "--out", str(inputs),

@@ -5,10 +5,10 @@ import re
 import numpy as np
 import pytest
 
-from s2tts.chunking import Chunker, PaceMeter
+from s2tts.engine.chunking import Chunker, PaceMeter
 from s2tts.frontend.request import Limits, TTSRequest
-from s2tts.sampling import SamplingParams
-from s2tts.timing import CallTimes
+from s2tts.ar.sampling import SamplingParams
+from s2tts.serving.call_times import CallTimes
 
 
 def frames(n, start=0):
@@ -103,7 +103,7 @@ def test_call_times_log_each_name_once_a_period(monkeypatch):
     """s2pro's account of its calls out of the process: one line a period, each name with its count and p50 / p99 /
     max in ms, from whichever thread's call ends the period; then a fresh period. Every call also goes to `observe`
     (s2pro's histogram)."""
-    import s2tts.timing as sv
+    import s2tts.serving.call_times as sv
 
     clock, lines, seen = [50.0], [], []
     monkeypatch.setattr(sv.time, "monotonic", lambda: clock[0])

@@ -11,7 +11,8 @@ import numpy as np
 
 from s2tts import errors
 from s2tts.engine.service import FINISH_CODES
-from s2tts.lifecycle import RequestTable, WorkerPool
+from s2tts.serving.lifecycle import RequestTable
+from s2tts.serving.threads import WorkerPool
 
 from fake_triton import Request, one_final, quiet, slow_ar_inputs, tts_inputs, wait_final
 

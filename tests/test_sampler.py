@@ -1,4 +1,4 @@
-"""The in-process stack sampler (`s2tts.sampler`, what `S2TTS_PROFILE_DIR` turns on in every model process): it
+"""The in-process stack sampler (`s2tts.serving.profiler`, what `S2TTS_PROFILE_DIR` turns on in every model process): it
 finds where a busy thread spends its time, counts how late its own samples come while a thread holds the GIL,
 writes flame-graph input and a summary, and starts from the environment once per process."""
 
@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from s2tts import sampler
+from s2tts.serving import profiler as sampler
 
 
 def _spin(stop):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from s2tts.engine import FINISH_CANCELLED, FINISH_END, FINISH_LENGTH, Scheduler, StepResult
-from s2tts.frontend.prompt import Prompt
-from s2tts.sampling import SamplingParams
+from s2tts.engine.prompt import Prompt
+from s2tts.ar.sampling import SamplingParams
 
 C = 3  # codebooks
 SEM = 100  # semantic_start_id

@@ -8,7 +8,7 @@ import pytest
 
 from s2tts import settings as S
 from s2tts.errors import S2Error
-from s2tts.repository import MODEL_REPOSITORY, TRT_REPOSITORY, parse_model_config, render_repository
+from s2tts.repository import MODEL_REPOSITORY, PBTXT_BLOCK, TRT_REPOSITORY, parse_model_config, render_repository
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAM = re.compile(r'key: "([a-z_0-9]+)" value \{ string_value: "\$\{([a-z_0-9]+)\}" \}')
@@ -124,11 +124,11 @@ def test_no_bls_call_reads_a_decoupled_stream():
 @pytest.mark.parametrize("model", ["s2pro", "slow_ar"])
 def test_request_inputs_of_each_model_are_the_schema(model):
     """The request fields' entries of s2pro's and slow_ar's inputs are generated from REQUEST_FIELDS (`python -m
-    s2tts.settings --write-pbtxt`), and Triton reads them as declared."""
+    s2tts.repository --write-pbtxt`), and Triton reads them as declared."""
     text = (MODEL_REPOSITORY / model / "config.pbtxt").read_text()
-    m = S.PBTXT_BLOCK.search(text)
+    m = PBTXT_BLOCK.search(text)
     assert m, f"{model}/config.pbtxt lacks the request-fields markers"
-    assert m.group(2) == S.pbtxt_inputs(model), f"{model}'s request inputs are stale: python -m s2tts.settings --write-pbtxt"
+    assert m.group(2) == S.pbtxt_inputs(model), f"{model}'s request inputs are stale: python -m s2tts.repository --write-pbtxt"
     from tritonclient.grpc import model_config_pb2
 
     inputs = {i.name: i for i in parse_model_config(MODEL_REPOSITORY / model / "config.pbtxt").input}
@@ -162,7 +162,7 @@ def test_each_model_parses_its_request_fields_from_the_schema(harness_factory):
     has one (`default_setting`), else the field's own. Given fields reach the request as sent."""
     from fake_triton import Request
 
-    from s2tts import triton_utils as tu
+    from s2tts.serving import triton_io as tio
 
     h = harness_factory(first_chunk_frames=3, chunk_frames=5, chunk_length=77, default_max_new_tokens=9)
     s2pro = h.models["s2pro"]
@@ -190,9 +190,9 @@ def test_each_model_parses_its_request_fields_from_the_schema(harness_factory):
         ("Bonjour.", 5, 0.5, 7, 11)
     assert (r.first_chunk_frames, r.chunk_frames, r.chunk_length, r.params.ignore_end, r.reference_text) == \
         (2, 6, 40, True, "Ref.")
-    fields = tu.read_fields(Request(given), "slow_ar", h.models["slow_ar"].values)
+    fields = tio.read_fields(Request(given), "slow_ar", h.models["slow_ar"].values)
     assert set(fields) == {f.name for f in S.stage_fields("slow_ar")} and fields["chunk_frames"] == 6
-    assert tu.read_fields(Request({}), "slow_ar", h.models["slow_ar"].values)["first_chunk_frames"] == 3
+    assert tio.read_fields(Request({}), "slow_ar", h.models["slow_ar"].values)["first_chunk_frames"] == 3
     with pytest.raises(S2Error) as ei:
         s2pro._parse(Request({**given, "chunk_frames": np.array([0], np.int32)}))
     assert ei.value.param == "chunk_frames"

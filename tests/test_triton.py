@@ -292,7 +292,7 @@ def test_direct_calls_to_the_inner_models_get_clear_errors(triton_server, tiny_c
     import tritonclient.grpc as g
 
     from s2tts import errors
-    from s2tts.config import S2Config
+    from s2tts.checkpoint_config import S2Config
 
     s2 = S2Config.from_dir(tiny_ckpt)
     with g.InferenceServerClient(triton_server.grpc_url) as cl:
@@ -448,7 +448,7 @@ def test_dialogue_streams_segment_after_segment_seamlessly(triton_server, tiny_c
     """A two-speaker dialogue over chunk_length: s2pro speaks it batch after batch (upstream's turn batching), each
     with the earlier ones in context, through one codec stream: the streamed audio is one whole decode of all
     its codes."""
-    from s2tts.checkpoint import load_codec_from_dir
+    from s2tts.codec.loading import load_codec_from_dir
     from s2tts.codec.stream import StreamDecoder
     from s2tts.frontend.segment import batches
 

@@ -1,8 +1,8 @@
-"""The codec's Triton kernels (s2tts/codec/dac.py's `use_triton_kernels`): the Snake activation with a causal
+"""The codec's Triton kernels (`codec.model.use_triton_kernels`): the Snake activation with a causal
 convolution's left context and the previous convolution's bias, a biased residual sum, the convolution to one
 channel, the quantizer transformers' RoPE, and the decoder in channels-last layout (`conv1d_nwc`, each call tiled by
 its shape; `res_unit_nwc`, a residual unit in one kernel). The engine's kernels (attention, norms, sampling,
-products) are s2tts/kernels.py's; this module takes its `triton` import and row helpers from there.
+products) are s2tts/ar/kernels.py's; both take Triton and its helpers from `s2tts.gpu.jit`.
 
 Runs on CPU only under Triton's interpreter (TRITON_INTERPRET=1), which the tests use.
 """
@@ -13,11 +13,9 @@ import functools
 
 import torch
 
-from .. import kernels as _engine
-from ..kernels import _ptx, _unit_rows, triton
-
-# the engine's kernels the codec's transformers use too, and whether Triton is there (the codec's code asks here)
-available, rms_norm, silu_mul = _engine.available, _engine.rms_norm, _engine.silu_mul
+# the AR's fused norm and SwiGLU serve the codec's transformers as they are
+from ..ar.kernels import rms_norm, silu_mul  # noqa: F401 - re-exported for the codec's modules
+from ..gpu.jit import ptx, triton, unit_rows
 
 if triton is not None:
     import triton.language as tl
@@ -115,7 +113,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, prefix: torch.Tensor | None = No
     already activated) the result is [B, C, ctx + T]: the prefix, then snake(x), written together so the
     convolution needs no concatenation."""
     B, C, T = x.shape
-    x = _unit_rows(x)
+    x = unit_rows(x)
     ctx = 0 if prefix is None else prefix.shape[-1]
     out = torch.empty(B, C, ctx + T, dtype=x.dtype, device=x.device)
     p = x if prefix is None else prefix.contiguous()
@@ -129,7 +127,7 @@ def snake(x: torch.Tensor, alpha: torch.Tensor, prefix: torch.Tensor | None = No
 def add_bias(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """x + y + bias[c] for x, y [B, C, T] in one pass (a residual joined with a convolution run without its bias)."""
     B, C, T = x.shape
-    x, y = _unit_rows(x), _unit_rows(y)
+    x, y = unit_rows(x), unit_rows(y)
     out = torch.empty(B, C, T, dtype=y.dtype, device=y.device)
     block, warps = _tile(T)
     _add_bias_kernel[(B * C, triton.cdiv(T, block))](x, y, bias, out, C, T, x.stride(0), x.stride(1), y.stride(0),
@@ -402,7 +400,7 @@ def conv1d_nwc(x: torch.Tensor, weight: torch.Tensor, dilation: int = 1, bias: t
                              BLOCK_CO=block_co, BLOCK_CI=block_ci, MASK_CI=C_in % block_ci != 0,
                              HAS_BIAS=bias is not None, HAS_RES=res is not None, RAW=out is not None and out is not S,
                              SNAKE=alpha is not None, PREC=_conv_precision(x),
-                             FAST_SIN=x.dtype != torch.float32 and _ptx(x),
+                             FAST_SIN=x.dtype != torch.float32 and ptx(x),
                              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -464,7 +462,7 @@ def res_unit_nwc(h: torch.Tensor, w7: torch.Tensor, dilation: int, b7: torch.Ten
         h, w7, b7, a2.reshape(-1), w1, b1, res, a3.reshape(-1), h if out is None else out, snake_out, M, T_in, T_out,
         C, triton.cdiv(C, block_ci) * block_ci, snake_out.stride(0), KS=taps, DIL=dilation, CP=cp, BLOCK_T=block_t,
         BLOCK_CI=block_ci, MASK_CI=C % block_ci != 0, BLOCK_N=min(cfg["block_n"], cp), RAW=raw,
-        PREC=_conv_precision(h), FAST_SIN=h.dtype != torch.float32 and _ptx(h), num_warps=cfg["num_warps"],
+        PREC=_conv_precision(h), FAST_SIN=h.dtype != torch.float32 and ptx(h), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
 

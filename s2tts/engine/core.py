@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from ..errors import is_fatal_device_error
-from ..frontend.prompt import Prompt
-from ..model import S2Model
-from ..sampling import SamplingParams
+from .prompt import Prompt
+from ..ar.model import S2Model
+from ..ar.sampling import SamplingParams
 from ..settings import SCHEMA
 from .runner import Launched, ModelRunner
 from .scheduler import Output, Request, Scheduler, StepPlan

@@ -17,7 +17,7 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from ..frontend.prompt import Prompt
+from .prompt import Prompt
 
 
 @dataclass

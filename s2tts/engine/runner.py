@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..graphs import capture as capture_graph, own_stream
-from ..model import S2Model
-from ..sampling import RAS_WINDOW, sample, sample_semantic
-from ..transfer import copy_in, upload
+from ..ar.model import S2Model
+from ..ar.sampling import RAS_WINDOW, sample, sample_semantic
+from ..gpu import jit
+from ..gpu.cuda_graphs import capture as capture_graph
+from ..gpu.cuda_graphs import own_stream
+from ..gpu.transfer import copy_in, upload
 from .paged import BlockPool
 from .scheduler import PrefillChunk, Request, StepPlan, StepResult
 
@@ -123,9 +125,9 @@ class ModelRunner:
         model.fast.setup_caches(max_batch + 1, self.dtype, self.device)
         self.fast_ar = fast_ar or InProcessFastAR(model, residual_size)
         if decode_kernel is None:
-            from .. import kernels
+            from ..ar import kernels
 
-            decode_kernel = on_cuda and kernels.available()
+            decode_kernel = on_cuda and jit.available()
         if decode_splits is None:
             decode_splits = self.default_splits(max_seq_len)
         if decode_splits < 1 or decode_splits & (decode_splits - 1):
@@ -139,11 +141,11 @@ class ModelRunner:
                 layer.attention.rows_invariant = batch_invariant
         if fused_kernels is None:
             fused_kernels = decode_kernel
-        from ..model import use_invariant_linears, use_triton_kernels
+        from ..ar.model import use_invariant_linears, use_triton_kernels
 
         use_triton_kernels(model, bool(fused_kernels))
         if on_cuda and fused_kernels:
-            from .. import kernels
+            from ..ar import kernels
 
             self.dependent_launch = dependent_launch is not False and kernels.pdl_supported(self.device)
         else:
@@ -434,7 +436,7 @@ class ModelRunner:
         """Dependent launch for the kernels of a pass of `rows` rows (captured with it): only up to
         `kernels.GEMV_SMALL_ROWS`, where the products are Triton kernels that take part. Among cuBLAS's products (more
         rows) it saved nothing and the step's pieces took 1-2% longer (perf/RESULTS.md)."""
-        from .. import kernels
+        from ..ar import kernels
 
         return kernels.dependent_launch(self.dependent_launch and rows <= kernels.GEMV_SMALL_ROWS)
 

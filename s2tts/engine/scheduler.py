@@ -32,8 +32,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..frontend.prompt import Prompt
-from ..sampling import SamplingParams
+from .prompt import Prompt
+from ..ar.sampling import SamplingParams
 from .paged import BlockPool
 from .prefix_cache import PrefixCache
 

@@ -45,12 +45,13 @@ import numpy as np
 import torch
 
 from .. import errors
-from ..chunking import LOAD_PACE, LOAD_SLOTS, Chunker
+from .chunking import LOAD_PACE, LOAD_SLOTS, Chunker
 from ..errors import S2Error
-from ..frontend.prompt import Prompt
-from ..graphs import own_stream
-from ..lifecycle import RecentIds, RequestTable, Responder, Tracked, guarded
-from ..sampling import SamplingParams
+from .prompt import Prompt
+from ..gpu.cuda_graphs import own_stream
+from ..serving.lifecycle import RecentIds, RequestTable, Responder, Tracked
+from ..serving.threads import guarded
+from ..ar.sampling import SamplingParams
 from ..settings import SCHEMA, default_kv_tokens
 from . import FINISH_END, FINISH_ERROR, FINISH_LENGTH, Engine, Output
 
@@ -263,7 +264,7 @@ class EngineService:
         `codec_concurrent` (None: on a GPU): the codec's calls made by a thread of their own (`_codec_call`), on a
         GPU on a CUDA stream of their own beside the engine's (`_device_streams`): served on an H200, c=1 RTF 0.1205
         -> 0.1190, c=64 243 -> 253 audio-s/s (perf/RESULTS.md, 29th session). Every graph it replays was captured
-        on a stream of its owner's own (`s2tts.graphs`: with one capture stream for all, c=64 hung)."""
+        on a stream of its owner's own (`s2tts.gpu.cuda_graphs`: with one capture stream for all, c=64 hung)."""
         self.engine = engine
         self.launch_ahead = engine.device.type == "cuda" if launch_ahead is None else launch_ahead
         # with steps launched ahead, the next one also launched during a held codec call, behind it on the device
@@ -938,7 +939,8 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     makes and the slices held calls decode), then the `Engine` with its KV pool (sized by `kv_cache_tokens`,
     `kv_cache_memory_gb` or `gpu_memory_utilization`: `kv_pool_gib`) and CUDA graphs. `fast_ar`: a `HostFastAR`
     replacing the in-process fast AR (slow_ar's fast_ar=bls)."""
-    from ..checkpoint import codec_codebook_sizes, codec_frame_seconds, load_model
+    from ..codec.loading import codec_codebook_sizes, codec_frame_seconds
+    from ..ar.loading import load_model
 
     t0 = time.perf_counter()
     model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)

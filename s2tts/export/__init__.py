@@ -23,7 +23,7 @@ at build time). B batch, C codebooks (10), V residual codebook size, F frames, T
 | dac_encoder.onnx        | waveform FP32 [B, 1, T], T a multiple of 2048                           | codes INT32 [B, C, T/2048]     |
 
 The fast-AR graph runs all C-1 codebooks with their sampling in one graph. Its random
-numbers are those of `s2tts.sampling.uniform(seed, step, 1 + k, V)` for codebook k: either
+numbers are those of `s2tts.ar.sampling.uniform(seed, step, 1 + k, V)` for codebook k: either
 given as `uniforms` (fast_ar.onnx; TensorRT has no integer XOR, so the counter hash is
 computed beside it) or hashed in the graph (fast_ar_seeded.onnx; onnxruntime only).
 Same inputs give the same codes as `InProcessFastAR`.

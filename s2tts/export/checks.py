@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from .driver import load_manifest
-from .graphs import fast_ar_uniforms
+from .onnx_graphs import fast_ar_uniforms
 from .runtime import GraphStreamCodec, ort_runner
 
 def relative_error(a, b) -> float:
@@ -154,7 +154,8 @@ def check_encoder(onnx_dir, codec, batch: int = 2, frames: int = 24, seed: int =
 
 def check_exports(onnx_dir, checkpoint=None, model=None, codec=None, graphs=None) -> list[Check]:
     """Every exported graph in `onnx_dir` run by onnxruntime (CPU) against the PyTorch modules."""
-    from ..checkpoint import load_codec_from_dir, load_model
+    from ..codec.loading import load_codec_from_dir
+    from ..ar.loading import load_model
 
     manifest = load_manifest(onnx_dir)
     checkpoint = checkpoint or manifest["checkpoint"]

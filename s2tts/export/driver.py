@@ -13,8 +13,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .graphs import (GRAPHS, OPSET, CodecDecoderGraph, CodecEncoderGraph, FastARFrame, export_graph, fast_ar_uniforms,
-                     state_tensor_name)
+from .onnx_graphs import (
+    GRAPHS,
+    OPSET,
+    CodecDecoderGraph,
+    CodecEncoderGraph,
+    FastARFrame,
+    export_graph,
+    fast_ar_uniforms,
+    state_tensor_name,
+)
 
 log = logging.getLogger("s2tts")
 
@@ -86,7 +94,8 @@ def export_all(checkpoint: str | Path, out: str | Path, graphs=GRAPHS, profiles:
 
     `model` (an S2Model with at least the fast AR) and `codec` may be given to skip loading them.
     """
-    from ..checkpoint import codec_codebook_sizes, load_codec_from_dir, load_model
+    from ..codec.loading import codec_codebook_sizes, load_codec_from_dir
+    from ..ar.loading import load_model
 
     checkpoint, out = Path(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)

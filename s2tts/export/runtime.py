@@ -71,7 +71,7 @@ class GraphStreamCodec:
         return self.config.frame_length
 
     def new_stream_state(self, batch: int = 1):
-        from ..codec.dac import StreamState
+        from ..codec.model import StreamState
 
         out = {}
         for s in self.state:
@@ -83,7 +83,7 @@ class GraphStreamCodec:
 
     @staticmethod
     def stack_states(states):
-        from ..codec.dac import StreamState
+        from ..codec.model import StreamState
 
         return StreamState.stack(states)
 
@@ -106,7 +106,7 @@ class GraphStreamCodec:
 
     def decode_stream(self, codes: torch.Tensor, state):
         """codes [B, C, f] -> (audio [B, 1, f*frame_length] float32, next state), as `DAC.decode_stream`."""
-        from ..codec.dac import StreamState
+        from ..codec.model import StreamState
 
         codes = torch.as_tensor(codes, device=self.device)
         if codes.ndim == 2:

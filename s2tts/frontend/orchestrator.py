@@ -47,10 +47,11 @@ from typing import Any, Callable, Iterator, Protocol
 import numpy as np
 
 from .. import errors
-from ..chunking import PaceMeter
+from ..engine.chunking import PaceMeter
 from ..errors import S2Error
 from ..layout import DECODER, ENCODER, ENGINE, Layout, role_of
-from ..lifecycle import RequestTable, Responder, Tracked, WorkerPool, guarded
+from ..serving.lifecycle import RequestTable, Responder, Tracked
+from ..serving.threads import WorkerPool, guarded
 from .instances import ReloadGate, SessionRelay, SharedLoad, SharedSlots
 from .request import Stats, TTSRequest
 from .segment import batches, clean_text, overall_finish_reason

@@ -11,31 +11,18 @@ never cross part boundaries.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..config import IM_END, IM_START, VOICE, S2Config
+from ..checkpoint_config import IM_END, IM_START, VOICE, S2Config
+from ..engine.prompt import Prompt
 from .segment import SPEAKER_TAG as _SPEAKER
-from .segment import clean_text, combine_voices  # noqa: F401 - re-exported: prompts and their text go together
+from .segment import clean_text
 
 SYSTEM_TTS = "convert the provided text to speech"
 SYSTEM_CLONE = "convert the provided text to speech reference to the following:\n\nText:\n"
 CLONE_SPEECH = "\n\nSpeech:\n"
-
-
-
-@dataclass
-class Prompt:
-    tokens: torch.Tensor  # [T] int64
-    codes: torch.Tensor  # [T, C] int64, meaningful where `semantic`
-    semantic: torch.Tensor  # [T] bool
-    prefix_len: int = 0  # tokens of the system turn (with the voice reference): shared by requests of one voice
-    history_dropped: int = 0  # earlier turns left out so that the prompt fits (`build`'s max_tokens)
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
 
 
 class PromptBuilder:

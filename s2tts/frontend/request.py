@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import invalid
-from ..sampling import SamplingParams
+from ..ar.sampling import SamplingParams
 from ..settings import SAMPLING_FIELDS, SCHEMA, TEXT_EVENTS, check_field
 from .segment import clean_text
 

@@ -10,8 +10,11 @@ import json
 import time
 
 from s2tts import settings
-from s2tts import triton_utils as tu
-from s2tts.chunking import Chunker
+from s2tts.serving import triton_io as tio
+from s2tts.serving.metrics import Metrics
+from s2tts.serving.process import load_on_first_request, setup_logging
+from s2tts.codec.model import codec_precision
+from s2tts.engine.chunking import Chunker
 from s2tts.codec.stream import making_line, open_stream_decoder
 
 
@@ -20,10 +23,10 @@ class TritonPythonModel:
         cfg = json.loads(args["model_config"])
         v = settings.model_values(cfg, "dac_decoder")
         self.name = args.get("model_name", "dac_decoder")  # dac_decoder_i: a replica (s2tts/layout.py)
-        self.log = tu.setup_logging(self.name)
-        tu.codec_precision("fp32", v.codec_tf32)  # the fp32 codec, or the fallback of an fp16 one
+        self.log = setup_logging(self.name)
+        codec_precision("fp32", v.codec_tf32)  # the fp32 codec, or the fallback of an fp16 one
         self.v, self.max_batch = v, cfg.get("max_batch_size", 1)
-        self.metrics = tu.Metrics(self.name)
+        self.metrics = Metrics(self.name)
         self.metrics.declare("s2tts_codec_batch_size")
         self.decoder = None
         if v.codec_in_engine:
@@ -49,11 +52,11 @@ class TritonPythonModel:
 
     def execute(self, requests):
         if self.decoder is None:
-            failed = tu.load_on_first_request(lambda: self._open("loaded its codec for a direct request"), requests,
+            failed = load_on_first_request(lambda: self._open("loaded its codec for a direct request"), requests,
                                               self.name, self.log, "the codec")
             if failed is not None:
                 return failed
-        out = tu.decode_chunk_requests(self.decoder, requests, now=time.monotonic(), name=self.name)
+        out = tio.decode_chunk_requests(self.decoder, requests, now=time.monotonic(), name=self.name)
         self.metrics.report_codec(self.decoder)
         self.metrics.flush()
         return out

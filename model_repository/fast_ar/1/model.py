@@ -9,8 +9,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from s2tts import errors, settings
-from s2tts import triton_utils as tu
-from s2tts.checkpoint import codec_codebook_sizes, load_model
+from s2tts.serving import triton_io as tio
+from s2tts.serving.process import load_on_first_request, setup_logging
+from s2tts.codec.loading import codec_codebook_sizes
+from s2tts.ar.loading import load_model
 from s2tts.engine import InProcessFastAR
 
 
@@ -19,7 +21,7 @@ class TritonPythonModel:
         import torch
 
         self.v = v = settings.model_values(json.loads(args["model_config"]), "fast_ar")
-        self.log = tu.setup_logging("fast_ar")
+        self.log = setup_logging("fast_ar")
         self.max_rows, self.torch, self.run = v.fast_ar_max_batch, torch, None
         if v.fast_ar == "bls":
             self._load("ready")
@@ -40,7 +42,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         if self.run is None:
-            failed = tu.load_on_first_request(lambda: self._load("loaded its weights for a direct request"), requests,
+            failed = load_on_first_request(lambda: self._load("loaded its weights for a direct request"), requests,
                                               "fast_ar", self.log, "the weights")
             if failed is not None:
                 return failed
@@ -49,13 +51,13 @@ class TritonPythonModel:
         for request in requests:
             try:
                 s2 = self.run.model.s2
-                x = tu.read_fast_rows(request, s2.text.dim, s2.num_semantic, self.max_rows)
+                x = tio.read_fast_rows(request, s2.text.dim, s2.num_semantic, self.max_rows)
                 t = lambda a, dt: torch.as_tensor(np.ascontiguousarray(a), device=self.device).to(dt)  # noqa: E731
                 with torch.inference_mode():
                     codes = self.run(t(x["hidden"], self.dtype), t(x["code0"], torch.int64),
                                      t(x["temperature"], torch.float32), t(x["top_p"], torch.float32),
                                      t(x["top_k"], torch.int64), t(x["seed"], torch.int64), t(x["step"], torch.int64))
-                out.append(pb_utils.InferenceResponse(output_tensors=[tu.tensor("codes", codes.to(torch.int32).cpu().numpy())]))
+                out.append(pb_utils.InferenceResponse(output_tensors=[tio.tensor("codes", codes.to(torch.int32).cpu().numpy())]))
             except Exception as e:  # noqa: BLE001 - one bad request never fails the others
-                out.append(tu.s2_error_response(errors.from_exception(e, "fast_ar")))
+                out.append(tio.s2_error_response(errors.from_exception(e, "fast_ar")))
         return out

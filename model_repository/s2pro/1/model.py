@@ -26,8 +26,10 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from s2tts import errors, settings
-from s2tts import triton_utils as tu
-from s2tts.config import S2Config
+from s2tts.serving import triton_io as tio
+from s2tts.serving.metrics import Metrics
+from s2tts.serving.process import reload_model, setup_logging, unload_self
+from s2tts.checkpoint_config import S2Config
 from s2tts.engine.service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, serve_engine
 from s2tts.frontend.instances import run_dir
 from s2tts.frontend.local_engine import LocalEngines, local_error, local_response
@@ -35,7 +37,7 @@ from s2tts.frontend.orchestrator import TTSService
 from s2tts.frontend.prompt import PromptBuilder
 from s2tts.frontend.request import Limits, TTSRequest
 from s2tts.layout import ENGINE
-from s2tts.timing import CallTimes
+from s2tts.serving.call_times import CallTimes
 
 
 def _raise_for(resp, model: str):
@@ -65,7 +67,7 @@ class BLSDownstream:
     def encode(self, audio, sample_rate, tag):
         req = pb_utils.InferenceRequest(
             model_name="dac_encoder", requested_output_names=["codes"], request_id=tag, timeout=self.timeout_us,
-            inputs=[tu.tensor("waveform", audio.astype(np.float32)), tu.tensor("sample_rate", np.array([sample_rate], np.int32))])
+            inputs=[tio.tensor("waveform", audio.astype(np.float32)), tio.tensor("sample_rate", np.array([sample_rate], np.int32))])
         with self.times.timed("dac_encoder"):
             resp = req.exec()
         if resp.has_error():
@@ -82,22 +84,22 @@ class BLSDownstream:
         (the client's), names it in slow_ar's log lines."""
         p = req.params
         inputs = [
-            tu.string_tensor("request_id", rid),
-            tu.tensor("input_ids", prompt.tokens.numpy().astype(np.int32)),
-            tu.tensor("input_codes", prompt.codes.numpy().astype(np.int32)),
-            tu.tensor("semantic_mask", prompt.semantic.numpy()),
-            tu.tensor("prefix_len", np.array([prompt.prefix_len], np.int32)),
-            tu.tensor("seed", np.array([p.seed], np.int64)),
-            tu.tensor("temperature", np.array([p.temperature], np.float32)),
-            tu.tensor("top_p", np.array([p.top_p], np.float32)),
-            tu.tensor("top_k", np.array([p.top_k], np.int32)),
-            tu.tensor("max_new_tokens", np.array([p.max_new_tokens], np.int32)),
-            tu.tensor("ignore_eos", np.array([p.ignore_end])),
-            tu.tensor("first_chunk_frames", np.array([req.first_chunk_frames], np.int32)),
-            tu.tensor("chunk_frames", np.array([req.chunk_frames], np.int32)),
-            tu.string_tensor("codec_stream", codec[0]),
-            tu.tensor("codec_start", np.array([codec[1]])),
-            tu.tensor("codec_final", np.array([codec[2]])),
+            tio.string_tensor("request_id", rid),
+            tio.tensor("input_ids", prompt.tokens.numpy().astype(np.int32)),
+            tio.tensor("input_codes", prompt.codes.numpy().astype(np.int32)),
+            tio.tensor("semantic_mask", prompt.semantic.numpy()),
+            tio.tensor("prefix_len", np.array([prompt.prefix_len], np.int32)),
+            tio.tensor("seed", np.array([p.seed], np.int64)),
+            tio.tensor("temperature", np.array([p.temperature], np.float32)),
+            tio.tensor("top_p", np.array([p.top_p], np.float32)),
+            tio.tensor("top_k", np.array([p.top_k], np.int32)),
+            tio.tensor("max_new_tokens", np.array([p.max_new_tokens], np.int32)),
+            tio.tensor("ignore_eos", np.array([p.ignore_end])),
+            tio.tensor("first_chunk_frames", np.array([req.first_chunk_frames], np.int32)),
+            tio.tensor("chunk_frames", np.array([req.chunk_frames], np.int32)),
+            tio.string_tensor("codec_stream", codec[0]),
+            tio.tensor("codec_start", np.array([codec[1]])),
+            tio.tensor("codec_final", np.array([codec[2]])),
         ]
         what = "slow_ar_first_chunk"
         while True:
@@ -112,11 +114,11 @@ class BLSDownstream:
             yield codes, audio if audio.size else None, reason, decode_fields(stats, STATS_FIELDS) if stats.size else None
             if reason:
                 return
-            inputs = [tu.string_tensor("request_id", rid), tu.string_tensor("control", "next")]
+            inputs = [tio.string_tensor("request_id", rid), tio.string_tensor("control", "next")]
 
     def control(self, engine, rid, what):
         with self.times.timed("slow_ar_" + what.split("=")[0]):
-            resp = self._slow_ar(engine, rid, [tu.string_tensor("request_id", rid), tu.string_tensor("control", what)])
+            resp = self._slow_ar(engine, rid, [tio.string_tensor("request_id", rid), tio.string_tensor("control", what)])
         _raise_for(resp, engine)
         if what != "status":
             return {}
@@ -129,10 +131,10 @@ class BLSDownstream:
     def decode(self, decoder, sid, frames, start, final, label=""):
         req = pb_utils.InferenceRequest(
             model_name=decoder, requested_output_names=["audio"], request_id=label or sid, timeout=self.timeout_us,
-            inputs=[tu.tensor("codes", frames[None].astype(np.int32)),
-                    tu.tensor("stream_id", np.array([[sid.encode()]], dtype=object)),
-                    tu.tensor("start", np.array([[start]], dtype=bool)),
-                    tu.tensor("final", np.array([[final]], dtype=bool))])
+            inputs=[tio.tensor("codes", frames[None].astype(np.int32)),
+                    tio.tensor("stream_id", np.array([[sid.encode()]], dtype=object)),
+                    tio.tensor("start", np.array([[start]], dtype=bool)),
+                    tio.tensor("final", np.array([[final]], dtype=bool))])
         with self.times.timed("dac_decoder"):
             resp = req.exec()
         _raise_for(resp, decoder)
@@ -145,19 +147,19 @@ class BLSDownstream:
             return False
 
     def reload(self, model):
-        tu.reload_model(model)
+        reload_model(model)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         v = self.values = settings.model_values(json.loads(args["model_config"]), "s2pro")
-        self.log = tu.setup_logging("s2pro")
+        self.log = setup_logging("s2pro")
         self.s2 = S2Config.from_dir(v.checkpoint)
         self.limits = Limits.from_settings(v)
         # several s2pro processes (s2pro_instances): they share the admission limit and the text sessions through a
         # directory of this server's, and their series carry the instance's name
         shared = run_dir(args.get("model_repository") or v.checkpoint) if (v.s2pro_instances or 1) > 1 else None
-        self.metrics = tu.Metrics("s2pro", labels={"instance": args.get("model_instance_name", "")} if shared else None)
+        self.metrics = Metrics("s2pro", labels={"instance": args.get("model_instance_name", "")} if shared else None)
         self.metrics.declare("s2tts_time_to_first_audio_seconds", "s2tts_request_duration_seconds")
         self._sent = (0, 0)  # audio samples and frames sent to clients
         self._sent_lock = threading.Lock()
@@ -168,7 +170,7 @@ class TritonPythonModel:
         downstream = BLSDownstream(self.s2.num_codebooks, self.times, v.request_timeout_s)
         self.engine_metrics = None
         if v.engine_in_s2pro:  # the engine in this process (rendering left slow_ar out): no BLS call per chunk
-            self.engine_metrics = tu.Metrics(ENGINE, families_of=self.metrics)
+            self.engine_metrics = Metrics(ENGINE, families_of=self.metrics)
             if v.codec_in_engine:
                 self.engine_metrics.declare("s2tts_codec_batch_size")
             engine = serve_engine(v, local_response, local_error, ENGINE, on_unhealthy=self._unhealthy,
@@ -176,11 +178,11 @@ class TritonPythonModel:
             downstream = LocalEngines({ENGINE: engine}, downstream)
         self.downstream = downstream
         self.service = TTSService(downstream, PromptBuilder.from_dir(v.checkpoint, self.s2), self.s2, v,
-                                  self._chunk_response, self._final_response, tu.s2_error_response,
+                                  self._chunk_response, self._final_response, tio.s2_error_response,
                                   on_tick=self._report, on_unhealthy=self._unhealthy, shared_dir=shared)
 
     def _unhealthy(self, reason):
-        tu.unload_self("s2pro", self.log)
+        unload_self("s2pro", self.log)
 
     def _report(self, svc):
         self.metrics.report_table(svc.table)
@@ -196,7 +198,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            responder = tu.TritonResponder(request, self.times)
+            responder = tio.TritonResponder(request, self.times)
             client_id = request.request_id() or ""
             try:
                 req = self._parse(request)
@@ -215,8 +217,8 @@ class TritonPythonModel:
     def _parse(self, request) -> TTSRequest:
         """The request's fields as the schema declares them (`settings.REQUEST_FIELDS`, defaults from this model's
         settings), checked (`TTSRequest.validate`)."""
-        f = tu.read_fields(request, "s2pro", self.values)
-        params = tu.sampling_params(f, check=False)  # checked with the rest of the request by TTSRequest.validate
+        f = tio.read_fields(request, "s2pro", self.values)
+        params = tio.sampling_params(f, check=False)  # checked with the rest of the request by TTSRequest.validate
         if params.seed is None:
             import random
 
@@ -241,23 +243,23 @@ class TritonPythonModel:
         with self._sent_lock:
             self._sent = (self._sent[0] + audio.size, self._sent[1] + frames.shape[0])
         return pb_utils.InferenceResponse(output_tensors=[
-            tu.tensor("audio", audio.astype(np.float32)),
-            tu.tensor("codes", frames.astype(np.int32)),
-            tu.tensor("sequence", np.array([seq], np.int64)),
-            tu.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
-            tu.string_tensor("stats", ""),
-            tu.string_tensor("segment", json.dumps(where, ensure_ascii=False)),
+            tio.tensor("audio", audio.astype(np.float32)),
+            tio.tensor("codes", frames.astype(np.int32)),
+            tio.tensor("sequence", np.array([seq], np.int64)),
+            tio.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
+            tio.string_tensor("stats", ""),
+            tio.string_tensor("segment", json.dumps(where, ensure_ascii=False)),
         ])
 
     def _answer(self, stats_json: str):
         """The one (final) response to text for a session: no audio, `stats` = what the session holds."""
         return pb_utils.InferenceResponse(output_tensors=[
-            tu.tensor("audio", np.zeros(0, np.float32)),
-            tu.tensor("codes", np.zeros((0, self.s2.num_codebooks), np.int32)),
-            tu.tensor("sequence", np.array([0], np.int64)),
-            tu.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
-            tu.string_tensor("stats", stats_json),
-            tu.string_tensor("segment", ""),
+            tio.tensor("audio", np.zeros(0, np.float32)),
+            tio.tensor("codes", np.zeros((0, self.s2.num_codebooks), np.int32)),
+            tio.tensor("sequence", np.array([0], np.int64)),
+            tio.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
+            tio.string_tensor("stats", stats_json),
+            tio.string_tensor("segment", ""),
         ])
 
     def _final_response(self, stats, seq):
@@ -266,12 +268,12 @@ class TritonPythonModel:
             self.metrics.observe("s2tts_time_to_first_audio_seconds", stats.first_audio - stats.started)
         self.metrics.observe("s2tts_request_duration_seconds", now - stats.started)
         return pb_utils.InferenceResponse(output_tensors=[
-            tu.tensor("audio", np.zeros(0, np.float32)),
-            tu.tensor("codes", np.zeros((0, self.s2.num_codebooks), np.int32)),
-            tu.tensor("sequence", np.array([seq], np.int64)),
-            tu.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
-            tu.string_tensor("stats", stats.to_json(self.s2.sample_rate)),
-            tu.string_tensor("segment", ""),
+            tio.tensor("audio", np.zeros(0, np.float32)),
+            tio.tensor("codes", np.zeros((0, self.s2.num_codebooks), np.int32)),
+            tio.tensor("sequence", np.array([seq], np.int64)),
+            tio.tensor("sample_rate", np.array([self.s2.sample_rate], np.int32)),
+            tio.string_tensor("stats", stats.to_json(self.s2.sample_rate)),
+            tio.string_tensor("segment", ""),
         ])
 
     def finalize(self):

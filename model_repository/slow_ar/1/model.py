@@ -23,11 +23,13 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from s2tts import errors, settings
-from s2tts import triton_utils as tu
+from s2tts.serving import triton_io as tio
+from s2tts.serving.metrics import Metrics
+from s2tts.serving.process import setup_logging, unload_self
 from s2tts.engine import HostFastAR
 from s2tts.engine.service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, encode_fields, serve_engine
-from s2tts.frontend.prompt import Prompt
-from s2tts.lifecycle import PullStreams
+from s2tts.engine.prompt import Prompt
+from s2tts.serving.pull import PullStreams
 
 
 class BLSFastAR(HostFastAR):
@@ -38,7 +40,7 @@ class BLSFastAR(HostFastAR):
 
         arrays = {"hidden": hidden.float(), "code0": code0.int(), "temperature": temperature, "top_p": top_p,
                   "top_k": top_k.int(), "seed": seed, "step": step}
-        inputs = [tu.tensor(k, v.cpu().numpy()) for k, v in arrays.items()]
+        inputs = [tio.tensor(k, v.cpu().numpy()) for k, v in arrays.items()]
         resp = pb_utils.InferenceRequest(model_name="fast_ar", inputs=inputs, requested_output_names=["codes"]).exec()
         if resp.has_error():
             raise errors.parse(resp.error().message())
@@ -49,12 +51,12 @@ class TritonPythonModel:
     def initialize(self, args):
         cfg = json.loads(args["model_config"])
         self.name = args.get("model_name", "slow_ar")
-        self.log = tu.setup_logging(self.name)
+        self.log = setup_logging(self.name)
         v = self.values = settings.model_values(cfg, "slow_ar")  # (a request's defaults among them)
-        self.streams = PullStreams(self.name, tu.s2_error_response, idle_timeout_s=v.stream_idle_timeout_s)
+        self.streams = PullStreams(self.name, tio.s2_error_response, idle_timeout_s=v.stream_idle_timeout_s)
         self._anonymous = itertools.count(1)
-        self.metrics = tu.Metrics(self.name)
-        self.service = serve_engine(v, self._response, tu.s2_error_response, self.name, on_unhealthy=self._unload,
+        self.metrics = Metrics(self.name)
+        self.service = serve_engine(v, self._response, tio.s2_error_response, self.name, on_unhealthy=self._unload,
                                     on_tick=self._report, fast_ar=BLSFastAR() if v.fast_ar == "bls" else None)
         self.C = self.service.C
         if self.service.codec is not None:
@@ -62,11 +64,11 @@ class TritonPythonModel:
 
     def execute(self, requests):
         for request in requests:
-            sender = tu.TritonResponder(request)
+            sender = tio.TritonResponder(request)
             label = rid = request.request_id() or ""  # Triton's request id names the request in log lines
             try:
-                rid = tu.scalar(request, "request_id", str, "") or rid  # ... and this one keys its stream
-                control = tu.scalar(request, "control", str, "")
+                rid = tio.scalar(request, "request_id", str, "") or rid  # ... and this one keys its stream
+                control = tio.scalar(request, "control", str, "")
                 if control:
                     self._control(control, rid, sender)
                     continue
@@ -109,9 +111,9 @@ class TritonPythonModel:
     def _parse(self, request):
         import torch
 
-        ids = tu.optional_input(request, "input_ids")
-        codes = tu.optional_input(request, "input_codes")
-        mask = tu.optional_input(request, "semantic_mask")
+        ids = tio.optional_input(request, "input_ids")
+        codes = tio.optional_input(request, "input_codes")
+        mask = tio.optional_input(request, "semantic_mask")
         if ids is None or ids.size == 0:
             raise errors.invalid("input_ids is empty", "input_ids")
         ids = ids.reshape(-1).astype(np.int64)
@@ -127,20 +129,20 @@ class TritonPythonModel:
         if codes.shape != (T, self.C) or mask.reshape(-1).shape != (T,):
             raise errors.invalid(f"input_codes must be [{T}, {self.C}] (frames, codebooks) and semantic_mask [{T}]",
                                  "input_codes")
-        prefix_len = tu.scalar(request, "prefix_len", int, 0)
+        prefix_len = tio.scalar(request, "prefix_len", int, 0)
         if not (0 <= prefix_len <= T):
             raise errors.invalid(f"prefix_len must be between 0 and {T}", "prefix_len")
         prompt = Prompt(torch.from_numpy(ids), torch.from_numpy(codes.astype(np.int64)),
                         torch.from_numpy(mask.reshape(-1).astype(bool)), prefix_len)
-        f = tu.read_fields(request, "slow_ar", self.values)  # as the schema declares them, defaults from its settings
+        f = tio.read_fields(request, "slow_ar", self.values)  # as the schema declares them, defaults from its settings
         unbounded = {"max_new_tokens_limit": None, "max_chunk_frames": None}  # s2pro's limits, not the engine's
-        params = tu.sampling_params(f, unbounded)
+        params = tio.sampling_params(f, unbounded)
         first, size = f["first_chunk_frames"], f["chunk_frames"]
         for name in ("first_chunk_frames", "chunk_frames"):
             settings.check_field(name, f[name], unbounded)
-        sid = tu.scalar(request, "codec_stream", str, "")
-        codec_stream = CodecStream(sid, tu.scalar(request, "codec_start", bool, True),
-                                   tu.scalar(request, "codec_final", bool, True)) if sid else None
+        sid = tio.scalar(request, "codec_stream", str, "")
+        codec_stream = CodecStream(sid, tio.scalar(request, "codec_start", bool, True),
+                                   tio.scalar(request, "codec_final", bool, True)) if sid else None
         return prompt, params, first, size, codec_stream
 
     def _response(self, codes, reason, stats, audio=None, raw_stats=None):
@@ -149,16 +151,16 @@ class TritonPythonModel:
         if raw_stats is None:
             raw_stats = encode_fields(stats, STATS_FIELDS) if stats is not None else np.zeros(0, np.float32)
         return pb_utils.InferenceResponse(output_tensors=[
-            tu.tensor("codes", np.ascontiguousarray(codes, dtype=np.int32)),
-            tu.tensor("finish_reason", np.array([FINISH_CODES[reason]], np.int32)),
-            tu.tensor("stats", raw_stats),
-            tu.tensor("audio", np.zeros(0, np.float32) if audio is None else np.ascontiguousarray(audio, np.float32))])
+            tio.tensor("codes", np.ascontiguousarray(codes, dtype=np.int32)),
+            tio.tensor("finish_reason", np.array([FINISH_CODES[reason]], np.int32)),
+            tio.tensor("stats", raw_stats),
+            tio.tensor("audio", np.zeros(0, np.float32) if audio is None else np.ascontiguousarray(audio, np.float32))])
 
     def _report(self, service):
         self.metrics.report_engine(service, streams_open=self.streams.sweep())
 
     def _unload(self, reason):
-        tu.unload_self(self.name, self.log)
+        unload_self(self.name, self.log)
 
     def finalize(self):
         n = self.service.shutdown()

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import CODEC_FILE, INDEX_FILE, expected_tensors
-from .config import IM_END, IM_START, S2Config, SEMANTIC_TEMPLATE, VOICE, _special_token_ids
+from .codec.loading import CODEC_FILE
+from .ar.loading import INDEX_FILE, expected_tensors
+from .checkpoint_config import IM_END, IM_START, S2Config, SEMANTIC_TEMPLATE, VOICE, _special_token_ids
 
 # Special tokens in the order of the Qwen3 / S2 vocabulary (after the BPE vocabulary).
 _HEAD_SPECIALS = ["<|endoftext|>", IM_START, IM_END]
@@ -100,7 +101,8 @@ def write_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, device:
     """Write the checkpoint directory `out`; returns its path."""
     from safetensors.torch import save_file
 
-    from .codec.dac import codec_state_dict, full_codec_config, make_codec, tiny_codec_config
+    from .codec.loading import codec_state_dict
+    from .codec.model import full_codec_config, make_codec, tiny_codec_config
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}")

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from .config import CheckpointError, S2Config
-from .meta import on_meta
+from ..checkpoint_config import CheckpointError, S2Config
+from ..gpu.device import parse_dtype, resolve_device
+from ..gpu.meta import on_meta
 from .model import S2Model
 
 log = logging.getLogger("s2tts")
 
 INDEX_FILE = "model.safetensors.index.json"
-CODEC_FILE = "codec.pth"
 _PREFIX = {"slow": "text_model.model.", "fast": "audio_decoder."}
 
 
@@ -39,34 +39,6 @@ def expected_tensors(s2: S2Config) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> shape, for every tensor S2 Pro inference needs."""
     model = on_meta(lambda: S2Model(s2))
     return {checkpoint_name(n): tuple(p.shape) for n, p in model.named_parameters()}
-
-
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    table = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-             "fp32": torch.float32, "float32": torch.float32}
-    if name not in table:
-        raise ValueError(f"unknown dtype {name!r}: use one of {sorted(table)}")
-    return table[name]
-
-
-def resolve_device(name: str | torch.device | None) -> torch.device:
-    """'auto' (or None) picks cuda when available; anything else is passed to torch.device."""
-    if name in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but torch sees no CUDA device: use device=cpu (or auto)")
-    return dev
-
-
-def codec_dtype_for(setting: str, device, part: str) -> str:
-    """The codec precision a `codec_dtype` setting means for `part` ("decoder" | "encoder") on `device`: `auto` is
-    fp16 for the decoder on a GPU (`StreamDecoder` decodes a chunk that overflows again in fp32), fp32 otherwise."""
-    if setting != "auto":
-        return setting
-    return "fp16" if part == "decoder" and resolve_device(device).type == "cuda" else "fp32"
 
 
 def _shard_map(path: Path) -> dict[str, str]:
@@ -153,43 +125,3 @@ def _materialize_buffers(model: S2Model, device) -> None:
         if isinstance(m, Stack):
             m.rope = m.rope.to(device)
 
-
-def _codec_file(path: str | Path) -> Path:
-    f = Path(path) / CODEC_FILE
-    if not f.is_file():
-        raise CheckpointError(f"{f} not found: the checkpoint directory needs the DAC codec weights {CODEC_FILE}")
-    return f
-
-
-def load_codec_from_dir(path: str | Path, device="cpu", dtype: str | torch.dtype = "fp32"):
-    from .codec.dac import load_codec
-
-    f = _codec_file(path)
-    return load_codec(str(f), device=resolve_device(device), dtype=parse_dtype(dtype))
-
-
-def codec_frame_seconds(path: str | Path) -> float:
-    """Seconds of audio per codec frame (2048 / 44100 for S2 Pro), from codec.pth's tensor shapes without
-    building the codec (the file is memory-mapped)."""
-    from .codec.dac import _infer_config, _normalise
-
-    f = _codec_file(path)
-    config = _infer_config(_normalise(torch.load(str(f), map_location="cpu", mmap=True, weights_only=True),
-                                      fold=False)[0], {})
-    return config.frame_length / config.sample_rate
-
-
-def codec_codebook_sizes(path: str | Path) -> tuple[int, int]:
-    """(semantic, residual) codebook sizes of the checkpoint's codec.pth, read from tensor shapes
-    without building the codec (the file is memory-mapped)."""
-    f = _codec_file(path)
-    sd = torch.load(str(f), map_location="cpu", mmap=True, weights_only=True)
-    if isinstance(sd, dict) and isinstance(sd.get("state_dict"), dict):
-        sd = sd["state_dict"]
-    sizes = []
-    for suffix in ("quantizer.semantic_quantizer.quantizers.0.codebook.weight", "quantizer.quantizer.quantizers.0.codebook.weight"):
-        hits = [v for k, v in sd.items() if k.endswith(suffix)]
-        if not hits:
-            raise CheckpointError(f"{f}: tensor {suffix} is missing")
-        sizes.append(int(hits[0].shape[0]))
-    return sizes[0], sizes[1]

@@ -19,29 +19,10 @@ after one that does not take part waits as usual.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs without the triton package
-    triton = None
-
-
-def available() -> bool:
-    return triton is not None
-
-
-def _interpreted() -> bool:
-    """Whether Triton runs kernels in its interpreter (TRITON_INTERPRET=1: no inline PTX there)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _ptx(x: torch.Tensor) -> bool:
-    """Whether a kernel on x's device compiles inline PTX: an NVIDIA GPU (not ROCm's), outside the interpreter."""
-    return x.is_cuda and torch.version.hip is None and not _interpreted()
+from ..gpu.jit import tl, triton, unit_rows
 
 
 PDL = False  # the decode step's kernels launched with programmatic dependent launch (set by `dependent_launch`)
@@ -266,7 +247,7 @@ def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch
 
 
 # ---- fused elementwise kernels of the decode step -------------------------------------------
-# Each reproduces the rounding of the plain PyTorch code it replaces (s2tts/model.py): norms in
+# Each reproduces the rounding of the plain PyTorch code it replaces (s2tts/ar/model.py): norms in
 # float32, cast to the activation dtype, then multiplied by the weight in that dtype.
 
 if triton is not None:
@@ -370,20 +351,14 @@ if triton is not None:
             tl.store(VC + dst + d, v)
 
 
-def _unit_rows(x2: torch.Tensor) -> torch.Tensor:
-    """An operand of a row kernel with unit stride along its last dimension (a copy only if it has not; reshape may
-    return a view that has not: a [1, T, C] transpose of [1, C, T] reshapes to [T, C] with strides (1, T))."""
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """rms_norm(x) (or, with `residual`, h = residual + x and rms_norm(h), returning (h, normed)). x: [..., N]."""
     shape = x.shape
-    x2 = _unit_rows(x.reshape(-1, shape[-1]))
+    x2 = unit_rows(x.reshape(-1, shape[-1]))
     N = shape[-1]
     out = torch.empty_like(x2)
     if residual is not None:
-        r2 = _unit_rows(residual.reshape(-1, N))
+        r2 = unit_rows(residual.reshape(-1, N))
         h = torch.empty_like(x2)
         _rms_norm_kernel[(x2.shape[0],)](r2, x2, h, weight, out, h, r2.stride(0), x2.stride(0), out.stride(0), h.stride(0),
                                          eps, N=N, BLOCK=triton.next_power_of_2(N), ADD=True, num_warps=8,
@@ -399,7 +374,7 @@ def silu_mul(gate_up: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """[..., 2I] (gate | up; with `interleaved`, gate i at 2i and up i at 2i+1) -> silu(gate) * up, [..., I]."""
     shape = gate_up.shape
     I = shape[-1] // 2
-    g2 = _unit_rows(gate_up.reshape(-1, 2 * I))
+    g2 = unit_rows(gate_up.reshape(-1, 2 * I))
     out = torch.empty(g2.shape[0], I, dtype=gate_up.dtype, device=gate_up.device)
     BLOCK = 1024
     _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, BLOCK))](g2, out, g2.stride(0), out.stride(0), I=I,
@@ -536,7 +511,7 @@ def rope_attend_short(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv:
 
 
 # ---- sampling -----------------------------------------------------------------------------
-# The same function as s2tts.sampling._choose (top-p from the un-tempered softmax, rank >= top_k
+# The same function as s2tts.ar.sampling._choose (top-p from the un-tempered softmax, rank >= top_k
 # masked, rank 0 kept, tempered softmax, exponential race with counter-based noise), one program
 # per row instead of ~40 small kernels. The integer hash is the same, so are the random numbers.
 
@@ -573,7 +548,7 @@ if triton is not None:
 
     @triton.jit
     def _draw(x, r, V, t, top_p, top_k, seed, step, stream):
-        """The rank drawn from descending-sorted logits x [BLOCK] (`s2tts.sampling._choose`): top-p from the
+        """The rank drawn from descending-sorted logits x [BLOCK] (`s2tts.ar.sampling._choose`): top-p from the
         un-tempered softmax, rank >= top_k masked, rank 0 kept, tempered softmax, exponential race with the
         counter-based noise of (seed, step, stream, rank)."""
         valid = r < V
@@ -627,7 +602,7 @@ def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: boo
     B, V = logits.shape
     if sort and V > SORT_IN_KERNEL:
         raise ValueError(f"choose(sort=True) takes rows of at most {SORT_IN_KERNEL} logits, not {V}")
-    sl = _unit_rows(logits)
+    sl = unit_rows(logits)
     out = torch.empty(B, dtype=torch.int64, device=sl.device)
     _choose_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
                          seed.contiguous(), step.contiguous(), out, sl.stride(0), V, stream,
@@ -776,7 +751,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
         raise RuntimeError("FP8 weights are multiplied by a Triton kernel: install the `triton` package")
     if M == 0:
         return x.new_empty(*x.shape[:-1], N)
-    x2 = _unit_rows(x2)
+    x2 = unit_rows(x2)
     cfg = GEMV_CONFIG if scale is None else \
         GEMV_FP8_WIDE_CONFIG if wide_rows is not None and M > wide_rows else GEMV_FP8_CONFIG
     bn, bk, split, k_per = gemv_plan(N, K, cfg)
@@ -860,7 +835,7 @@ def gemv_small(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None
     if triton is None:
         raise RuntimeError("gemv_small needs the `triton` package")
     K = x.shape[-1]
-    x2 = _unit_rows(x.reshape(-1, K))
+    x2 = unit_rows(x.reshape(-1, K))
     M, N = x2.shape[0], weight.shape[0]
     if not 0 < M <= GEMV_SMALL_ROWS:
         raise ValueError(f"gemv_small takes 1 to {GEMV_SMALL_ROWS} rows, not {M}")

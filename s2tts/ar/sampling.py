@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .settings import REQUEST_FIELDS as _F, SCHEMA as _S
+from ..settings import REQUEST_FIELDS as _F, SCHEMA as _S
 
 # Streams of random numbers per step: 0 = slow AR sample, 1 = slow AR RAS resample,
 # 1 + k = fast AR codebook k.
@@ -111,7 +111,7 @@ class SamplingParams:
 
     def validate(self, max_new_tokens_limit: int | None = None) -> "SamplingParams":
         """Each field against its range in `s2tts.settings.REQUEST_FIELDS` (S2Error invalid_argument, a ValueError)."""
-        from .settings import check_field
+        from ..settings import check_field
 
         limits = {"max_new_tokens_limit": max_new_tokens_limit}
         for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed"):

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import logging
 import math
-import re
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, Iterable, Optional
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
@@ -35,8 +33,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..gpu import jit
+from ..gpu.timing import gpu_time_ms
 from . import kernels
-from ..meta import on_meta
 
 log = logging.getLogger("s2tts")
 
@@ -52,7 +51,7 @@ class CodecConfig:
     """Hyper-parameters of the modded DAC. Defaults are the official `modded_dac_vq.yaml`.
 
     Everything but sample_rate, head_dim, windows, rope_base and norm_eps can be read from
-    a state dict (`CodecConfig.from_state_dict`).
+    a state dict (`codec.loading.config_from_state_dict`).
     """
 
     sample_rate: int = 44100
@@ -112,12 +111,6 @@ class CodecConfig:
 
     def decoder_block_dims(self, i: int) -> tuple[int, int]:
         return self.decoder_dim // 2**i, self.decoder_dim // 2 ** (i + 1)
-
-    @classmethod
-    def from_state_dict(cls, state_dict: dict[str, Tensor], **overrides) -> "CodecConfig":
-        """Infer the config from tensor shapes (any key style `load_codec` accepts);
-        `overrides` set the fields shapes cannot tell."""
-        return _infer_config(_normalise(state_dict, fold=False)[0], overrides)
 
 
 def full_codec_config() -> CodecConfig:
@@ -236,22 +229,6 @@ def conv1d_phases(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: i
     phases = x.reshape(B, C, m, d).permute(0, 3, 1, 2).reshape(B * d, C, m)
     y = F.conv1d(phases, weight, bias)  # [B * d, O, m - k + 1]
     return y.reshape(B, d, y.shape[1], y.shape[2]).permute(0, 2, 3, 1).reshape(B, y.shape[1], -1)[..., :n_out]
-
-
-def gpu_time_ms(fn, calls: int = 1, queued: bool = True) -> float:
-    """Milliseconds between CUDA events around `calls` calls of fn. `queued`: the calls are queued behind a GPU sleep
-    first, so that the time is the GPU's alone (as in a CUDA graph), not that of launching them (without torch's
-    private `torch.cuda._sleep` the launch time is counted too); otherwise launches count, as an eager caller sees."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    sleep = getattr(torch.cuda, "_sleep", None) if queued else None
-    if sleep is not None:
-        sleep(10_000_000)  # ~5 ms: the calls below are queued before the GPU reaches them
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
 
 
 _PHASE_PLAN: dict[tuple, bool] = {}  # (input shape, weight shape, dilation, dtype, device) -> run as phases
@@ -977,7 +954,7 @@ def use_triton_kernels(codec: nn.Module, on: bool = True, channels_last: bool = 
     call costs. `channels_last` (with `on`): the decoder runs over [B, T, C] (`Decoder.set_channels_last`: one
     Triton convolution per convolution, the Snake, bias and residual sums in their epilogues; its stream states change
     layout: make them after this)."""
-    if on and not kernels.available():
+    if on and not jit.available():
         raise RuntimeError("the codec's Triton kernels need the `triton` package: install it, or run without them")
     for m in codec.modules():
         if isinstance(m, (Snake, RMSNorm, Attention)):
@@ -993,231 +970,6 @@ def use_triton_kernels(codec: nn.Module, on: bool = True, channels_last: bool = 
             m.set_channels_last(on and channels_last)
 
 
-# --------------------------------------------------------------------------- state dicts
-
-
-def _weight_norm_keys(model: DAC) -> dict[str, str]:
-    """Plain weight key -> how the reference stores it ("parametrizations" or "weight_g")."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, (CausalConv1d, CausalConvTranspose1d)) and m.weight_norm:
-            out[f"{name}.conv.weight"] = "parametrizations"
-        elif isinstance(m, VectorQuantize):
-            out[f"{name}.in_proj.weight"] = "weight_g"
-            out[f"{name}.out_proj.weight"] = "weight_g"
-    return out
-
-
-def _norm_except_dim0(v: Tensor) -> Tensor:
-    return v.norm(dim=tuple(range(1, v.ndim)), keepdim=True)
-
-
-def codec_state_dict(model: DAC, style: str = "reference") -> dict[str, Tensor]:
-    """The model's weights with official key names.
-
-    style "reference": as fish-speech 0.1.0's own `state_dict()` (causal convs as
-    `conv.parametrizations.weight.original0/1`, VQ projections as `weight_g/weight_v`);
-    "weight_g" or "parametrizations": every weight-normed tensor in that style;
-    "plain": folded weights. Persistent RoPE/mask buffers are not written (loaders ignore them).
-    """
-    if style not in ("reference", "weight_g", "parametrizations", "plain"):
-        raise ValueError(f"unknown weight-norm style {style!r}")
-    wn = _weight_norm_keys(model)
-    out: dict[str, Tensor] = {}
-    for key, t in model.state_dict().items():
-        t = t.detach().clone()
-        kind = wn.get(key) if style == "reference" else (style if key in wn else None)
-        if kind in (None, "plain"):
-            out[key] = t
-            continue
-        base = key[: -len(".weight")]
-        g = _norm_except_dim0(t.float()).to(t.dtype)
-        if kind == "weight_g":
-            out[f"{base}.weight_g"], out[f"{base}.weight_v"] = g, t
-        else:
-            out[f"{base}.parametrizations.weight.original0"] = g
-            out[f"{base}.parametrizations.weight.original1"] = t
-    return out
-
-
-_WN_SUFFIXES = {
-    ".weight_g": (".weight_v", 0),
-    ".weight_v": (".weight_g", 1),
-    ".parametrizations.weight.original0": (".parametrizations.weight.original1", 0),
-    ".parametrizations.weight.original1": (".parametrizations.weight.original0", 1),
-}
-
-
-def _normalise(raw: dict[str, Any], fold: bool = True) -> tuple[dict[str, Tensor], dict[str, list[str]], list[str]]:
-    """Strip the `state_dict` wrapper and `generator.` prefix; turn weight-norm pairs into `.weight`.
-
-    Returns (plain state dict, plain key -> keys as stored (g, v for a pair), unused keys).
-    With fold=False a weight-norm pair maps to its direction v (same shape, no arithmetic).
-    """
-    if isinstance(raw.get("state_dict"), dict):
-        raw = raw["state_dict"]
-    unused = [k for k, v in raw.items() if not isinstance(v, Tensor)]
-    raw = {k: v for k, v in raw.items() if isinstance(v, Tensor)}
-    if any(k.startswith("generator.") for k in raw):
-        unused += [k for k in raw if not k.startswith("generator.")]
-        raw = {k[len("generator.") :]: v for k, v in raw.items() if k.startswith("generator.")}
-
-    sd: dict[str, Tensor] = {}
-    source: dict[str, list[str]] = {}
-    for key, t in raw.items():
-        suffix = next((s for s in _WN_SUFFIXES if key.endswith(s)), None)
-        if suffix is None:
-            sd[key], source[key] = t, [key]
-            continue
-        partner_suffix, which = _WN_SUFFIXES[suffix]
-        base = key[: -len(suffix)]
-        partner = base + partner_suffix
-        if partner not in raw:
-            raise ValueError(f"codec checkpoint: tensor {partner!r} is missing (its weight-norm pair {key!r} is there)")
-        if which == 0:
-            continue  # g: handled with its v
-        g, v = raw[partner], t
-        if g.numel() != v.shape[0]:
-            raise ValueError(
-                f"codec checkpoint: tensor {partner!r} has shape {tuple(g.shape)}, expected [{v.shape[0]}, 1, 1]"
-            )
-        if fold:  # weight = g * v / |v|, the norm over every dim but 0 (also for transposed convs)
-            v32 = v.float()
-            v = v32 * (g.float().reshape(-1, *[1] * (v.ndim - 1)) / _norm_except_dim0(v32))
-        sd[base + ".weight"], source[base + ".weight"] = v, [partner, key]
-    return sd, source, unused
-
-
-def _missing(key: str, weight_norm: bool, why: str = "") -> ValueError:
-    also = ""
-    if weight_norm:
-        also = f", nor its weight-norm forms {key}_g/_v or {key[:-7]}.parametrizations.weight.original0/1"
-    return ValueError(f"codec checkpoint: tensor {key!r} is missing{why}{also}")
-
-
-def _shape(sd: dict[str, Tensor], key: str, ndim: int) -> tuple[int, ...]:
-    if key not in sd:
-        raise _missing(key, key.endswith("conv.weight"), " (needed to infer the codec config)")
-    if sd[key].ndim != ndim:
-        raise ValueError(f"codec checkpoint: tensor {key!r} has shape {tuple(sd[key].shape)}, expected {ndim} dims")
-    return tuple(sd[key].shape)
-
-
-def _count(sd: dict[str, Tensor], prefix: str) -> int:
-    """1 + the largest index i among keys `{prefix}{i}.*` (0 if none)."""
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    found = [int(m.group(1)) for k in sd if (m := pattern.match(k))]
-    return max(found) + 1 if found else 0
-
-
-def _heads(sd, key, head_dim) -> int:
-    rows = _shape(sd, key, 2)[0]
-    if rows % (3 * head_dim):
-        raise ValueError(f"codec checkpoint: tensor {key!r} has {rows} rows, not a multiple of 3 x head_dim {head_dim}")
-    return rows // (3 * head_dim)
-
-
-def _infer_config(sd: dict[str, Tensor], overrides: dict) -> CodecConfig:
-    base = replace(CodecConfig(), **overrides) if overrides else CodecConfig()
-    hd = base.head_dim
-
-    encoder_dim = _shape(sd, "encoder.block.0.conv.weight", 3)[0]
-    n_enc = _count(sd, "encoder.block.") - 3  # conv, blocks..., snake, conv
-    if n_enc < 1:
-        raise ValueError("codec checkpoint: no encoder blocks found under 'encoder.block.'")
-    enc_rates, enc_layers, ffn_mult = [], [], base.encoder_transformer_ffn_mult
-    for i in range(n_enc):
-        p = f"encoder.block.{i + 1}.block."
-        enc_rates.append(_shape(sd, p + "4.conv.weight", 3)[2] // 2)
-        n_layer = _count(sd, p + "5.layers.")
-        enc_layers.append(n_layer)
-        if n_layer:
-            dim = encoder_dim * 2 ** (i + 1)
-            wqkv = p + "5.layers.0.attention.wqkv.weight"
-            if _heads(sd, wqkv, hd) * hd != dim:
-                raise ValueError(f"codec checkpoint: tensor {wqkv!r} does not match the block's {dim} channels")
-            ffn_mult = _shape(sd, p + "5.layers.0.feed_forward.w1.weight", 2)[0] // dim
-    latent_dim = _shape(sd, f"encoder.block.{n_enc + 2}.conv.weight", 3)[0]
-
-    decoder_dim = _shape(sd, "decoder.model.0.conv.weight", 3)[0]
-    n_dec = _count(sd, "decoder.model.") - 3  # conv, blocks..., snake, conv
-    if n_dec < 1:
-        raise ValueError("codec checkpoint: no decoder blocks found under 'decoder.model.'")
-    dec_rates = [_shape(sd, f"decoder.model.{i + 1}.block.1.conv.weight", 3)[2] // 2 for i in range(n_dec)]
-
-    q = "quantizer."
-    semantic_size, codebook_dim = _shape(sd, q + "semantic_quantizer.quantizers.0.codebook.weight", 2)
-    n_codebooks = _count(sd, q + "quantizer.quantizers.")
-    codebook_size = _shape(sd, q + "quantizer.quantizers.0.codebook.weight", 2)[0]
-    n_down = _count(sd, q + "downsample.")
-    factors = [_shape(sd, f"{q}downsample.{i}.0.conv.weight", 3)[2] for i in range(n_down)]
-    convnext_hidden = _shape(sd, q + "downsample.0.1.pwconv1.weight", 2)[0]
-    convnext_kernel = _shape(sd, q + "downsample.0.1.dwconv.conv.weight", 3)[2]
-    pre_layers = _count(sd, q + "pre_module.layers.")
-    post_layers = _count(sd, q + "post_module.layers.")
-    for name in ("pre_module", "post_module"):
-        wqkv = f"{q}{name}.layers.0.attention.wqkv.weight"
-        if _heads(sd, wqkv, hd) * hd != latent_dim:
-            raise ValueError(f"codec checkpoint: tensor {wqkv!r} does not match latent_dim {latent_dim}")
-    intermediate = _shape(sd, q + "post_module.layers.0.feed_forward.w1.weight", 2)[0]
-
-    return replace(
-        base,
-        encoder_dim=encoder_dim,
-        encoder_rates=tuple(enc_rates),
-        encoder_transformer_layers=tuple(enc_layers),
-        encoder_transformer_ffn_mult=ffn_mult,
-        latent_dim=latent_dim,
-        decoder_dim=decoder_dim,
-        decoder_rates=tuple(dec_rates),
-        n_codebooks=n_codebooks,
-        codebook_size=codebook_size,
-        semantic_codebook_size=semantic_size,
-        codebook_dim=codebook_dim,
-        downsample_factor=tuple(factors),
-        convnext_mult=convnext_hidden // latent_dim,
-        convnext_kernel=convnext_kernel,
-        quantizer_pre_layers=pre_layers,
-        quantizer_post_layers=post_layers,
-        quantizer_intermediate_size=intermediate,
-    )
-
-
-def load_codec(path_or_state_dict, device="cpu", dtype=torch.float32, **config_overrides) -> DAC:
-    """Load an official `codec.pth` (or a state dict). The config is inferred from tensor shapes;
-    `config_overrides` set the fields that shapes cannot tell (sample_rate, head_dim, windows, ...)."""
-    if isinstance(path_or_state_dict, (str, Path)):
-        try:
-            raw = torch.load(path_or_state_dict, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError:  # legacy (non-zip) files cannot be memory-mapped
-            raw = torch.load(path_or_state_dict, map_location="cpu", weights_only=True)
-    else:
-        raw = path_or_state_dict
-    if not isinstance(raw, dict):
-        raise ValueError(f"codec checkpoint: expected a state dict, got {type(raw).__name__}")
-
-    sd, source, unused = _normalise(raw)
-    config = _infer_config(sd, config_overrides)
-    model = on_meta(lambda: DAC(config))
-
-    wanted = model.state_dict()
-    missing = [k for k in wanted if k not in sd]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise _missing(missing[0], missing[0] in _weight_norm_keys(model), more)
-    bad = [k for k, t in wanted.items() if sd[k].shape != t.shape]
-    if bad:
-        # a folded weight is reported under the key it is stored as (weight_v / original1)
-        msgs = [f"{source[k][-1]!r} has shape {tuple(sd[k].shape)}, expected {tuple(wanted[k].shape)}" for k in bad[:3]]
-        more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
-        raise ValueError("codec checkpoint: tensor " + "; tensor ".join(msgs) + more)
-    unused += [stored for k in sd if k not in wanted for stored in source[k]]
-    if unused:
-        log.info("codec: ignoring %d unused tensors: %s", len(unused), ", ".join(sorted(unused)))
-
-    model.load_state_dict({k: sd[k] for k in wanted}, assign=True)
-    model = model.to(device=device, dtype=dtype)
-    return model.eval().requires_grad_(False)
 
 
 # --------------------------------------------------------------------------- random init
@@ -1254,93 +1006,14 @@ def make_codec(config: CodecConfig, seed: int) -> DAC:
     return model.eval().requires_grad_(False)
 
 
-# --------------------------------------------------------------------------- audio helpers
 
 
-def _kaiser(u: Tensor, beta: float) -> Tensor:
-    """Kaiser window evaluated at u in [-1, 1] (0 outside)."""
-    inside = u.abs() < 1
-    arg = beta * torch.sqrt((1 - u.pow(2)).clamp(min=0))
-    return torch.where(inside, torch.special.i0(arg) / torch.special.i0(torch.tensor(beta, dtype=u.dtype)), 0)
+def codec_precision(dtype: str, tf32: bool) -> None:
+    """Process-wide matmul/convolution precision for a codec process running fp32: `tf32=False` gives
+    fp32-exact convolutions (~2e-5 from the CPU result on an H200), `tf32=True` lets cuDNN use TF32
+    (about 2x faster for the decoder at batch 32-64; see perf/RESULTS.md for its deviation)."""
+    if dtype in ("fp32", "float32"):
+        import torch
 
-
-def resample(
-    wav: Tensor,
-    orig_sr: int,
-    new_sr: int,
-    zero_crossings: int = 16,
-    rolloff: float = 0.945,
-    beta: float = 8.6,
-) -> Tensor:
-    """Band-limited resampling of wav [..., T] -> [..., ceil(T * new_sr / orig_sr)].
-
-    Kaiser-windowed sinc, cutoff `rolloff` x the lower Nyquist, `zero_crossings` lobes per side.
-    Output sample n sits at input time n * orig / new; its taps come from one of `new`
-    (gcd-reduced) phases, so the filter bank is computed once and gathered per block.
-    """
-    if orig_sr <= 0 or new_sr <= 0:
-        raise ValueError(f"sample rates must be positive, got {orig_sr} -> {new_sr}")
-    if not wav.is_floating_point():
-        wav = wav.float()
-    if orig_sr == new_sr:
-        return wav.clone()
-    g = math.gcd(orig_sr, new_sr)
-    orig, new = orig_sr // g, new_sr // g
-    *lead, T = wav.shape
-    x = wav.reshape(-1, T)
-    out_len = -(-T * new // orig)
-
-    cutoff = rolloff * min(1.0, new / orig)  # fraction of the input Nyquist
-    half = zero_crossings / cutoff  # filter half-width in input samples
-    taps = 2 * math.ceil(half)
-    # filter bank [new, taps]: phase p = output n mod new, fractional position (n*orig mod new)/new
-    frac = (torch.arange(new, dtype=torch.float64) * orig % new) / new
-    d = frac[:, None] + (taps // 2 - 1) - torch.arange(taps, dtype=torch.float64)  # t - tap position
-    bank = cutoff * torch.sinc(cutoff * d) * _kaiser(d / half, beta)
-    bank = bank.to(device=x.device, dtype=x.dtype)
-
-    pad = taps
-    xp = F.pad(x, (pad, pad))
-    offsets = torch.arange(taps, device=x.device)
-    out = []
-    block = max(1, 2**20 // taps)
-    for start in range(0, out_len, block):
-        n = torch.arange(start, min(out_len, start + block), device=x.device)
-        first = n * orig // new - (taps // 2 - 1) + pad  # index of the first tap in xp
-        frames = xp[:, first[:, None] + offsets]  # [N, n, taps]
-        out.append((frames * bank[n % new]).sum(-1))
-    return torch.cat(out, dim=-1).reshape(*lead, out_len)
-
-
-def prepare_audio(wav, sample_rate: int, target_sr: int) -> Tensor:
-    """Any waveform -> float32 mono [1, 1, T] at target_sr.
-
-    Accepts [T], [T, C] (soundfile layout) or [C, T] (the shorter axis is taken as channels),
-    numpy or torch, float or integer PCM (scaled to [-1, 1]).
-    """
-    if isinstance(wav, np.ndarray):
-        if wav.dtype.kind == "i":
-            scale = float(np.iinfo(wav.dtype).max) + 1
-            wav = wav.astype(np.float32) / scale
-        wav = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32))
-    elif isinstance(wav, Tensor):
-        if not wav.is_floating_point():
-            wav = wav.float() / (float(torch.iinfo(wav.dtype).max) + 1) if wav.dtype != torch.bool else wav.float()
-        wav = wav.float()
-    else:
-        raise ValueError(f"audio must be a numpy array or a torch tensor, got {type(wav).__name__}")
-    if wav.numel() == 0:
-        raise ValueError(f"audio is empty (shape {tuple(wav.shape)})")
-    while wav.ndim > 2 and wav.shape[0] == 1:
-        wav = wav[0]
-    if wav.ndim == 2:
-        channels_first = wav.shape[0] <= wav.shape[1]
-        wav = wav.mean(dim=0 if channels_first else 1)
-    if wav.ndim != 1:
-        raise ValueError(f"audio must be [samples], [samples, channels] or [channels, samples], got {tuple(wav.shape)}")
-    if not torch.isfinite(wav).all():
-        raise ValueError("audio contains NaN or infinite samples")
-    if int(sample_rate) <= 0:
-        raise ValueError(f"sample rate must be positive, got {sample_rate}")
-    wav = resample(wav, int(sample_rate), int(target_sr))
-    return wav.float()[None, None]
+        torch.backends.cudnn.allow_tf32 = tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -1,5 +1,5 @@
 """The exported graphs as PyTorch modules: the fast AR's whole frame with its sampling (`FastARFrame`; its random
-numbers as `s2tts.sampling`'s), the codec's streaming decoder and encoder with an export-friendly windowed
+numbers as `s2tts.ar.sampling`'s), the codec's streaming decoder and encoder with an export-friendly windowed
 transformer, and `export_graph` (one module -> one checked ONNX file). The graphs and their inputs are listed in
 `s2tts/export/__init__.py`."""
 
@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..codec.dac import _Step
+from ..codec.model import _Step
 
 OPSET = 18
-FAST_AR_STREAM0 = 1  # codebook k of the fast AR draws from random stream 1 + k (see s2tts.sampling)
+FAST_AR_STREAM0 = 1  # codebook k of the fast AR draws from random stream 1 + k (see s2tts.ar.sampling)
 GRAPHS = ("fast_ar", "fast_ar_seeded", "dac_decoder", "dac_decoder_stream", "dac_encoder")
 
 # --------------------------------------------------------------------------- fast AR
@@ -23,13 +23,13 @@ GRAPHS = ("fast_ar", "fast_ar_seeded", "dac_decoder", "dac_decoder_stream", "dac
 
 def fast_ar_uniforms(seed: torch.Tensor, step: torch.Tensor, n_codebooks: int, vocab: int) -> torch.Tensor:
     """[B, n_codebooks, vocab]: the random numbers the fast AR's codebooks 1..n draw (the `uniforms` input)."""
-    from ..sampling import uniform
+    from ..ar.sampling import uniform
 
     return torch.stack([uniform(seed, step, FAST_AR_STREAM0 + k, vocab) for k in range(1, n_codebooks + 1)], dim=1)
 
 
 def sample_from_uniforms(logits, temperature, top_p, top_k, u, vocab: int) -> torch.Tensor:
-    """`s2tts.sampling.sample` with its random numbers given (u [B, V]); the same arithmetic,
+    """`s2tts.ar.sampling.sample` with its random numbers given (u [B, V]); the same arithmetic,
     written for export (TopK with a constant k instead of sort, no in-place writes)."""
     sorted_logits, order = logits.topk(vocab, dim=-1)
     cum = sorted_logits.softmax(-1).cumsum(-1)
@@ -88,7 +88,7 @@ class FastARFrame(nn.Module):
         return ["hidden", "code0", "temperature", "top_p", "top_k", *tail]
 
     def forward(self, hidden, code0, temperature, top_p, top_k, *noise):
-        from ..sampling import uniform
+        from ..ar.sampling import uniform
 
         if self.seeded:
             seed, step = noise
@@ -134,7 +134,7 @@ class _GraphStep(_Step):
 
 def _rope_table(head_dim: int, base: float, positions: int) -> torch.Tensor:
     """[positions, D/2, 2], bit-identical to the codec's `rope_cos_sin` at those positions."""
-    from ..codec.dac import rope_cos_sin
+    from ..codec.model import rope_cos_sin
 
     return rope_cos_sin(torch.arange(positions)[None], head_dim, base)[0]
 
@@ -146,7 +146,7 @@ def window_transformer(wt, x: torch.Tensor, step: _GraphStep | None, rope: torch
     codec's loop), padded to n*L; chunk c attends to its window-1 predecessors and itself,
     gathered as one [B, H, n, window-1+L, D] batch. Positions index `rope` (clamped to its length).
     """
-    from ..codec.dac import apply_rope
+    from ..codec.model import apply_rope
 
     key, W, H, D = wt.state_key, wt.window, wt.n_head, wt.head_dim
     xt = x.transpose(1, 2)
@@ -251,7 +251,7 @@ class CodecEncoderGraph(nn.Module):
 
     def __init__(self, codec, max_positions: int = 16384):
         super().__init__()
-        from ..codec.dac import WindowTransformer
+        from ..codec.model import WindowTransformer
 
         self.codec = codec
         tables = {}
@@ -261,7 +261,7 @@ class CodecEncoderGraph(nn.Module):
         self.tables = tables  # plain dict: constants of the trace
 
     def forward(self, waveform):
-        from ..codec.dac import EncoderBlock, WindowTransformer
+        from ..codec.model import EncoderBlock, WindowTransformer
 
         q = self.codec.quantizer
         x = waveform.to(q.pre_module.norm.weight.dtype)

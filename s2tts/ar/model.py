@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ARConfig, S2Config
-from .transfer import upload
+from ..checkpoint_config import ARConfig, S2Config
+from ..gpu.transfer import upload
 
 
 class RMSNorm(nn.Module):
