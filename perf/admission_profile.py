@@ -47,12 +47,12 @@ def _kernel_table(fn, steps: int, path: Path) -> dict:
 
 
 def run(args, model, residual, prompts) -> list[dict]:
-    from s2tts.engine import Engine
+    from s2tts.engine import Engine, EngineConfig
     from s2tts.ar.sampling import SamplingParams
 
     cuda = next(model.parameters()).device.type == "cuda"
-    eng = Engine(model, residual, max_batch=args.streams, max_seq_len=args.max_seq_len,
-                 kv_cache_tokens=args.kv_cache_tokens, prefix_cache_bytes=0)
+    eng = Engine(model, residual, EngineConfig(max_batch=args.streams, max_seq_len=args.max_seq_len,
+                                               kv_cache_tokens=args.kv_cache_tokens, prefix_cache_mb=0))
     made, live = [0], []
     seen: list[tuple[int, int]] = []  # each launched plan's (prompt rows, prompts ending)
     launch = eng.runner.launch

@@ -59,12 +59,12 @@ def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, promp
                splits: int | None = None):
     """`splits`: the decode-attention kernel's programs a row (a power of two; None: the engine's choice); see
     `attention_split` for the rest of that split."""
-    from s2tts.engine import Engine
+    from s2tts.engine import Engine, EngineConfig
     from s2tts.ar.sampling import SamplingParams
 
     t0 = time.perf_counter()
-    eng = Engine(model, residual, max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs, decode_kernel=graphs,
-                 dependent_launch=dependent_launch, decode_splits=splits)
+    eng = Engine(model, residual, EngineConfig(max_batch=batch, max_seq_len=max_seq, cuda_graphs=graphs,
+                                               decode_kernel=graphs, dependent_launch=dependent_launch, decode_splits=splits))
     init_s = time.perf_counter() - t0
     for i in range(batch):
         eng.submit(f"r{i}", prompts[i % len(prompts)], SamplingParams(seed=i, max_new_tokens=frames, ignore_end=True))

@@ -76,23 +76,23 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
         prefill_tokens, uniform=None, load_frames=None, resubmit_ms=0.0, gil_load="", launch_ahead=None,
         codec_overlap=None, light_ahead=None, codec_concurrent=None, final_steps=None):
     from s2tts.codec.stream import StreamDecoder
-    from s2tts.engine import Engine
+    from s2tts.engine import Engine, EngineConfig
     from s2tts.engine.service import EngineService
     from s2tts.ar.sampling import SamplingParams
-    from s2tts.settings import SCHEMA
 
     cuda = model.s2 is not None and next(model.parameters()).device.type == "cuda"
-    eng = Engine(model, residual, max_batch=args.streams, max_seq_len=args.max_seq_len,
-                 kv_cache_tokens=args.kv_cache_tokens, prefix_cache_bytes=0, admit_every=admit_every,
-                 max_prefill_tokens=prefill_tokens)
+    load_frames = args.load if load_frames is None else load_frames
+    config = EngineConfig(max_batch=args.streams, max_seq_len=args.max_seq_len, kv_cache_tokens=args.kv_cache_tokens,
+                          prefix_cache_mb=0, admit_every_steps=admit_every, max_prefill_tokens=prefill_tokens,
+                          codec_batch_steps=batch_steps, launch_ahead=launch_ahead, codec_concurrent=codec_concurrent)
+    if load_frames is not None:
+        config = config.replace(load_chunk_frames=load_frames)
+    eng = Engine(model, residual, config)
     decoder = StreamDecoder(codec, fallback=fallback, pool_size=2 * args.streams, buckets=buckets)
     if cuda:
         decoder.pool.warm(EngineService.codec_lengths(args.first, args.chunk, batch_steps), max_batch=args.streams)
-    load_frames = args.load if load_frames is None else load_frames
     svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", audio), lambda e: ("error", e.wire()),
-                        frame_seconds=frame_s, codec=decoder, codec_batch_steps=batch_steps,
-                        load_chunk_frames=SCHEMA["load_chunk_frames"].default if load_frames is None else load_frames,
-                        launch_ahead=launch_ahead, codec_concurrent=codec_concurrent)
+                        frame_seconds=frame_s, codec=decoder)
     if args.chunk_lag >= 0:
         svc.chunk_lag = args.chunk_lag
     if codec_overlap is not None:

@@ -41,7 +41,7 @@ def main() -> None:
 
     from s2tts.codec.loading import codec_codebook_sizes
     from s2tts.ar.loading import load_model
-    from s2tts.engine import Engine
+    from s2tts.engine import Engine, EngineConfig
     from s2tts.frontend.prompt import PromptBuilder
     from s2tts.ar.sampling import SamplingParams
     from s2tts.random_checkpoint import write_checkpoint
@@ -66,8 +66,8 @@ def main() -> None:
 
     def new_engine(invariant: bool) -> Engine:
         # one live Engine per model: a new one takes over the model's KV cache (the last one's graphs read it)
-        return Engine(model, residual, max_batch=args.max_batch, max_seq_len=1024, prefix_cache_bytes=256 << 20,
-                      batch_invariant=invariant)
+        return Engine(model, residual, EngineConfig(max_batch=args.max_batch, max_seq_len=1024, prefix_cache_mb=256,
+                                                    batch_invariant=invariant))
 
     def run(invariant: bool, ids: list[int], every: int, eng=None):
         eng = eng or new_engine(invariant)

@@ -94,7 +94,7 @@ def main() -> int:
 
     from s2tts.codec.loading import codec_codebook_sizes
     from s2tts.ar.loading import load_model
-    from s2tts.engine import Engine
+    from s2tts.engine import Engine, EngineConfig
     from s2tts.frontend.prompt import PromptBuilder
 
     ck, dev = args.checkpoint, args.device
@@ -106,7 +106,7 @@ def main() -> int:
     models = {"ref": load_model(ck, dev, args.dtype), "fp8": load_model(ck, dev, args.dtype, weights="fp8")}
     codes = {}
     for name, model in models.items():  # 1. sampled, as served
-        engine = Engine(model, residual, max_batch=1, max_seq_len=args.max_seq_len, prefix_cache_bytes=0)
+        engine = Engine(model, residual, EngineConfig(max_batch=1, max_seq_len=args.max_seq_len, prefix_cache_mb=0))
         codes[name] = [sampled(engine, p, s, args.frames) for p, s in zip(prompts, seeds)]
         del engine
     records = []

@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-# slow_ar's loop line (s2tts.engine.service.LoopStats), the parts this table reads
+# slow_ar's loop line (s2tts.engine.stats.LoopStats), the parts this table reads
 LINE = re.compile(r"(\d+) steps of ([\d.]+) ms making ([\d.]+) frames each, then ([\d.]+) ms a step .*? slots held "
                   r"([\d.]+), requests waiting ([\d.]+) a step; (\d+)% of the steps with prompt rows ending \(([\d.]+) "
                   r"ms, the others ([\d.]+)(?:; launching ([\d.]+) and waiting ([\d.]+) ms of it, the others "

@@ -51,13 +51,13 @@ def main(argv=None) -> int:
     from s2tts.codec.loading import codec_codebook_sizes
     from s2tts.ar.loading import load_model
     from s2tts.codec.stream import open_stream_decoder
-    from s2tts.engine import Engine
+    from s2tts.engine import Engine, EngineConfig
     from s2tts.engine.service import EngineService
 
     cuda = a.device.startswith("cuda")
     model = load_model(a.checkpoint, a.device, "bf16" if cuda else "fp32")
-    eng = Engine(model, codec_codebook_sizes(a.checkpoint)[1], max_batch=a.rows, max_seq_len=1024,
-                 kv_cache_tokens=a.rows * 1024)
+    eng = Engine(model, codec_codebook_sizes(a.checkpoint)[1], EngineConfig(max_batch=a.rows, max_seq_len=1024,
+                                                                            kv_cache_tokens=a.rows * 1024))
     d = settings.SCHEMA
     lengths = EngineService.codec_lengths(d["first_chunk_frames"].default, d["chunk_frames"].default, a.frames)
     dec, _, _ = open_stream_decoder(a.checkpoint, a.device, "auto", 2 * a.streams, 600.0, lengths, a.streams,

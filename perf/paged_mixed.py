@@ -93,7 +93,7 @@ def main():
 
     from s2tts.codec.loading import codec_codebook_sizes
     from s2tts.ar.loading import load_model
-    from s2tts.engine import Engine
+    from s2tts.engine import Engine, EngineConfig
     from s2tts.engine.prompt import Prompt
     from s2tts.frontend.prompt import PromptBuilder
     from s2tts.ar.sampling import SamplingParams
@@ -124,8 +124,8 @@ def main():
     for name, block, splits in (("slot", 0, None), ("paged", args.block, None), ("paged_splits16", args.block, 16)):
         release(model)
         torch.cuda.reset_peak_memory_stats()
-        eng = Engine(model, residual, max_batch=args.short, max_seq_len=args.max_seq, max_prefill_tokens=args.prefill_tokens,
-                     kv_block_tokens=block, decode_splits=splits)
+        eng = Engine(model, residual, EngineConfig(max_batch=args.short, max_seq_len=args.max_seq,
+                                                   max_prefill_tokens=args.prefill_tokens, kv_block_tokens=block, decode_splits=splits))
         print(f"{name}: engine ready ({eng.kv_capacity_tokens} KV tokens)", flush=True)
         step_ms, n = steady_steps(eng, short_reqs, args.window)
         rows[f"{name}_step_ms"] = round(step_ms, 3)
@@ -147,9 +147,8 @@ def main():
         release(model)
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        eng = Engine(model, residual, max_batch=args.short + args.long, max_seq_len=max_seq,
-                     max_prefill_tokens=args.prefill_tokens, kv_block_tokens=args.block, kv_cache_tokens=max(pool, max_seq),
-                     decode_splits=None if splits == "auto" else int(splits))
+        eng = Engine(model, residual, EngineConfig(max_batch=args.short + args.long, max_seq_len=max_seq,
+                                                   max_prefill_tokens=args.prefill_tokens, kv_block_tokens=args.block, kv_cache_tokens=max(pool, max_seq), decode_splits=None if splits == "auto" else int(splits)))
         init_s = time.perf_counter() - t0
         print(f"mixed: engine ready ({eng.kv_capacity_tokens} KV tokens, {init_s:.1f} s)", flush=True)
         t0 = time.perf_counter()

@@ -48,18 +48,18 @@ class _Collect:
 def serve(model, ckpt, codec, fallback, prompts, args, on: bool) -> list[tuple[np.ndarray, np.ndarray]]:
     from s2tts.codec.loading import codec_codebook_sizes, codec_frame_seconds
     from s2tts.codec.stream import StreamDecoder
-    from s2tts.engine import Engine
+    from s2tts.engine import Engine, EngineConfig
     from s2tts.engine.service import EngineService
     from s2tts.ar.sampling import SamplingParams
 
-    eng = Engine(model, codec_codebook_sizes(ckpt)[1], max_batch=args.requests, max_seq_len=1024,
-                 prefix_cache_bytes=0, batch_invariant=args.batch_invariant)
+    config = EngineConfig(max_batch=args.requests, max_seq_len=1024, prefix_cache_mb=0,
+                          batch_invariant=args.batch_invariant, codec_concurrent=on)
+    eng = Engine(model, codec_codebook_sizes(ckpt)[1], config)
     decoder = StreamDecoder(codec, fallback=fallback, pool_size=2 * args.requests)
     if eng.device.type == "cuda":
         decoder.pool.warm(EngineService.codec_lengths(2, 16, 1), max_batch=args.requests)
     svc = EngineService(eng, lambda codes, reason, stats, audio: ("ok", codes, audio),
-                        lambda e: ("error", e.wire(), None), frame_seconds=codec_frame_seconds(ckpt), codec=decoder,
-                        codec_concurrent=on)
+                        lambda e: ("error", e.wire(), None), frame_seconds=codec_frame_seconds(ckpt), codec=decoder)
     clients = [_Collect() for _ in range(args.requests)]
     try:
         for i, c in enumerate(clients):

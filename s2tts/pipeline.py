@@ -11,7 +11,7 @@ import torch
 from .codec.loading import load_codec_from_dir
 from .ar.loading import load_model
 from .gpu.device import resolve_device
-from .engine import Engine
+from .engine import Engine, EngineConfig
 from .frontend.prompt import PromptBuilder
 from .frontend.segment import clean_text
 from .frontend.segment import DEFAULT_CHUNK_LENGTH, batches, overall_finish_reason
@@ -40,8 +40,8 @@ class S2Pipeline:
             raise ValueError(
                 f"codec.pth has {self.codec.config.semantic_codebook_size} semantic codes but config.json has {self.s2.num_semantic}")
         self.prompts = PromptBuilder.from_dir(checkpoint, self.s2)
-        self.engine = Engine(self.model, residual_size=self.codec.config.codebook_size,
-                             max_batch=max_batch, max_seq_len=max_seq_len)
+        self.engine = Engine(self.model, self.codec.config.codebook_size, EngineConfig(max_batch=max_batch,
+                                                                                       max_seq_len=max_seq_len))
 
     @property
     def sample_rate(self) -> int:

@@ -61,7 +61,7 @@ def import_reference():
     return fish_speech
 
 
-# Tiny widths for the reference, same topology as `s2tts.codec.dac.tiny_codec_config()` except a
+# Tiny widths for the reference, same topology as `s2tts.codec.model.tiny_codec_config()` except a
 # quantizer window of 8 frames, so short clips already span several attention windows.
 TINY_OVERRIDES = {
     "encoder_dim": 8,

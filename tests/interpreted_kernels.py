@@ -11,7 +11,7 @@ import torch  # noqa: E402
 from s2tts.ar import kernels  # noqa: E402
 from s2tts.codec import kernels as codec_kernels  # noqa: E402
 from s2tts.ar.loading import load_model  # noqa: E402
-from s2tts.engine import Engine  # noqa: E402
+from s2tts.engine import Engine, EngineConfig  # noqa: E402
 from s2tts.frontend.prompt import PromptBuilder  # noqa: E402
 from s2tts.ar.sampling import SamplingParams  # noqa: E402
 
@@ -252,9 +252,8 @@ def check_engine(ckpt):
     results = []
     for kern in (False, True):
         model = load_model(ckpt, "cpu", "fp32")
-        eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
-                     fused_kernels=kern, kv_block_tokens=8 if kern else 0, decode_splits=4 if kern else None,
-                     row_buckets=kern, max_prefill_tokens=16 if kern else 512)
+        eng = Engine(model, 32, EngineConfig(max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
+                                             fused_kernels=kern, kv_block_tokens=8 if kern else 0, decode_splits=4 if kern else None, row_buckets=kern, max_prefill_tokens=16 if kern else 512))
         ways = []
         if kern:  # rows' keys split by both rules: past 53 keys of the longest row (`decode_splits`, parts of at
             # least 16), and in passes of up to 16 rows (FEW_ROWS, parts of at least 8; its 20-row passes not split).
@@ -342,8 +341,8 @@ def check_invariant(ckpt):
     model = load_model(ckpt, "cpu", "fp32")
 
     def run(ids):
-        eng = Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True,
-                     fused_kernels=True, batch_invariant=True, max_prefill_tokens=16)
+        eng = Engine(model, 32, EngineConfig(max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True,
+                                             fused_kernels=True, batch_invariant=True, max_prefill_tokens=16))
         assert not eng.runner.apart and model.slow.layers[0].attention.wqkv.invariant_rows > 0
         out, step = {i: [] for i in ids}, 0
         while step < 2 * len(ids) or eng.has_work():
@@ -372,7 +371,7 @@ def check_invariant(ckpt):
     # the fast AR's attention in one tiling at any row count, never the joined kernel (its warps follow the rows)
     fa = model.fast.layers[0].attention
     assert fa.rows_invariant and fa._tiling(64) == fa._tiling(1) == {"block_n": 16}, fa._tiling(64)
-    Engine(model, residual_size=32, max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True)
+    Engine(model, 32, EngineConfig(max_batch=4, max_seq_len=128, cuda_graphs=False, decode_kernel=True))
     assert model.slow.layers[0].attention.wqkv.invariant_rows == 0  # an engine without it puts them back
     assert not fa.rows_invariant and fa._tiling(64)["num_warps"] == 1
     print("invariant ok")
@@ -571,8 +570,8 @@ def check_fp8(ckpt):
     results = []
     for kern in (False, True):
         model = load_model(ckpt, "cpu", "fp32", weights="fp8")
-        eng = Engine(model, residual_size=32, max_batch=2, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
-                     fused_kernels=kern, kv_block_tokens=8 if kern else 0)
+        eng = Engine(model, 32, EngineConfig(max_batch=2, max_seq_len=128, cuda_graphs=False, decode_kernel=kern,
+                                             fused_kernels=kern, kv_block_tokens=8 if kern else 0))
         assert model.fast.layers[0].feed_forward.w13.kernel == kern and isinstance(model.slow.layers[0].attention.wo, Fp8Linear)
         logits = []
         eng.logits_hook = lambda ids, lg: logits.append(lg[0].clone())

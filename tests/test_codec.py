@@ -1,4 +1,4 @@
-"""Tests for s2tts.codec.dac: reference parity, loader strictness, shapes, streaming, audio helpers."""
+"""Tests for the codec (s2tts.codec): reference parity, loader strictness, shapes, streaming, audio helpers."""
 
 from __future__ import annotations
 

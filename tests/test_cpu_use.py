@@ -21,7 +21,7 @@ def test_cpu_use_counts_a_perf_script_that_spins(tmp_path):
     spin.write_text(textwrap.dedent(f"""
         import multiprocessing as mp, os, sys, threading, time
         sys.path.insert(0, {str(ROOT)!r})
-        from s2tts.lifecycle import guarded
+        from s2tts.serving.threads import guarded
 
         def child(parent):  # a spawned worker, as loadgen's --procs makes: it lives while its parent does
             while os.getppid() == parent:

@@ -13,7 +13,7 @@ import torch
 
 from s2tts.ar.loading import load_model
 from s2tts.client import S2ProClient, TTSInput
-from s2tts.engine import Engine
+from s2tts.engine import Engine, EngineConfig
 from s2tts.frontend.prompt import PromptBuilder
 from s2tts.ar.sampling import SamplingParams
 
@@ -37,8 +37,8 @@ def _prompts(builder):
 
 def _run(model, prompts, ids, invariant, every=1):
     """Requests `ids`, one submitted every `every` steps (so they join a batch already running) -> codes per id."""
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=512, prefix_cache_bytes=64 << 20,
-                 batch_invariant=invariant)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=512, prefix_cache_mb=64,
+                                               batch_invariant=invariant))
     out, pending, done, k = {i: [] for i in ids}, list(ids), set(), 0
     while len(done) < len(ids):
         if pending and k % every == 0:

@@ -11,7 +11,8 @@ import pytest
 
 from s2tts.codec.loading import codec_codebook_sizes, codec_frame_seconds, load_codec_from_dir
 from s2tts.codec.stream import StreamDecoder
-from s2tts.engine import Engine
+from s2tts.engine import Engine, EngineConfig
+from s2tts.engine.chunking import LoadMeter
 from s2tts.engine.service import CodecStream, EngineService
 from s2tts.ar.sampling import SamplingParams
 
@@ -36,11 +37,11 @@ class _Responder:
         return self.cancelled
 
 
-def _service(model, tiny_ckpt, decoder, max_batch=4, **kw):
-    eng = Engine(model, residual_size=codec_codebook_sizes(tiny_ckpt)[1], max_batch=max_batch, max_seq_len=512,
-                 prefix_cache_bytes=0)
+def _service(model, tiny_ckpt, decoder, max_batch=4, frame_seconds=None, **config):
+    eng = Engine(model, codec_codebook_sizes(tiny_ckpt)[1],
+                 EngineConfig(max_batch=max_batch, max_seq_len=512, prefix_cache_mb=0, **config))
     return EngineService(eng, lambda codes, reason, stats, audio: ("ok", codes, reason, audio),
-                         lambda e: ("error", e), codec=decoder, **kw)
+                         lambda e: ("error", e), codec=decoder, frame_seconds=frame_seconds)
 
 
 def _whole(codec, codes: np.ndarray) -> np.ndarray:
@@ -103,7 +104,7 @@ def test_first_chunk_grows_under_load(model, prompts, tiny_ckpt, codec, load, fi
     seamless decode of the codes."""
     svc = _service(model, tiny_ckpt, StreamDecoder(codec, pool_size=4), frame_seconds=codec_frame_seconds(tiny_ckpt),
                    load_chunk_frames=load, codec_batch_steps=1)  # chunks decoded each step: no held calls' lag
-    svc.pace = lambda: 0.45  # the pace the chunker reads (measured from the steps otherwise)
+    svc.load.pace = lambda: 0.45  # the pace the chunker reads (measured from the steps otherwise)
     (r,) = _serve_all(svc, prompts, [30], 7, "load", first_chunk_frames=4, chunk_frames=16)
     sizes = [c.shape[0] for _, c, _, _ in r.sent]
     assert sizes[0] == first and sum(sizes) == 30 and max(sizes) > first, sizes
@@ -117,7 +118,7 @@ def test_a_full_batch_is_load_at_any_pace(model, prompts, tiny_ckpt, codec, stre
     grow to `load_chunk_frames` (8); two requests at the same pace are not (first_chunk_frames' 4)."""
     svc = _service(model, tiny_ckpt, StreamDecoder(codec, pool_size=4), frame_seconds=codec_frame_seconds(tiny_ckpt),
                    load_chunk_frames=8, codec_batch_steps=1)
-    svc.pace = lambda: 0.1
+    svc.load.pace = lambda: 0.1
     rs = _serve_all(svc, prompts, [20] * streams, 31, "Full", first_chunk_frames=4, chunk_frames=16)
     assert [r.sent[0][1].shape[0] for r in rs] == [first] * streams
     assert all(sum(c.shape[0] for _, c, _, _ in r.sent) == 20 for r in rs)
@@ -266,7 +267,7 @@ def test_under_load_all_streams_decode_together_in_slices(model, prompts, tiny_c
     calls = _recording(decoder)
     svc = _service(model, tiny_ckpt, decoder, max_batch=8, codec_batch_steps=4,
                    frame_seconds=codec_frame_seconds(tiny_ckpt))
-    svc.pace = lambda: pace
+    svc.load.pace = lambda: pace
     rs = _serve_all(svc, prompts, [17, 22, 26, 30], 80, "Slice me", first_chunk_frames=2, chunk_frames=3)
     sids = [f"own/{rec}" for rec in sorted({sid.split("/")[1] for call in calls for sid, *_ in call}, key=int)]
     for r, n in zip(rs, [17, 22, 26, 30]):
@@ -307,7 +308,7 @@ def test_a_finished_request_waits_at_most_codec_final_steps_for_its_last_audio(m
         svc = _service(model, tiny_ckpt, decoder, max_batch=8, codec_batch_steps=8,
                        frame_seconds=codec_frame_seconds(tiny_ckpt))
         svc.codec_final_steps = early
-        svc.pace = lambda: 0.45
+        svc.load.pace = lambda: 0.45
         lengths = [19, 26, 33, 37]
         rs = _serve_all(svc, prompts, lengths, 70, "Finish early", first_chunk_frames=2, chunk_frames=4)
         for r, n in zip(rs, lengths):
@@ -334,7 +335,7 @@ def test_a_short_first_chunk_is_followed_at_once_when_load_comes(model, prompts,
     decoder = StreamDecoder(codec, pool_size=4)
     calls = _recording(decoder)
     svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=4, frame_seconds=codec_frame_seconds(tiny_ckpt))
-    svc.pace = lambda: 0.45 if calls else 0.2  # light until the first chunk is decoded, then under load
+    svc.load.pace = lambda: 0.45 if calls else 0.2  # light until the first chunk is decoded, then under load
     (r,) = _serve_all(svc, prompts, [21], 90, "Load comes", first_chunk_frames=2, chunk_frames=4)
     sizes = [c.shape[0] for _, c, _, _ in r.sent]
     (sid,) = {s for call in calls for s, *_ in call}
@@ -361,7 +362,7 @@ def test_held_slices_decode_fewer_times_with_the_same_audio(model, prompts, tiny
         svc = _service(model, tiny_ckpt, decoder, codec_batch_steps=steps, frame_seconds=codec_frame_seconds(tiny_ckpt),
                        launch_ahead=ahead, codec_final_steps=final_steps)
         svc.codec_overlap = overlap
-        svc.pace = lambda: 0.45
+        svc.load.pace = lambda: 0.45
         launched, early = [], []
         step_ahead, launch_next = svc.engine.step_ahead, svc.engine.launch_next
         svc.engine.step_ahead = lambda: launched.append(1) or step_ahead()
@@ -404,7 +405,7 @@ def test_light_load_launches_ahead_once_every_request_sounds(model, prompts, tin
         svc = _service(model, tiny_ckpt, decoder, frame_seconds=codec_frame_seconds(tiny_ckpt), launch_ahead=True,
                        codec_concurrent=concurrent)
         svc.light_ahead = light
-        svc.pace = lambda: 0.1  # a GPU's pace at one stream (this CPU's would count as load)
+        svc.load.pace = lambda: 0.1  # a GPU's pace at one stream (this CPU's would count as load)
         ahead, step_ahead = [], svc.engine.step_ahead
 
         def checked():
@@ -484,55 +485,49 @@ def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, code
     assert sum(int(n) for *_, n in held) + len(svc.loop.tails) == len(rs)
 
 
-def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(model, tiny_ckpt, monkeypatch):
+def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(monkeypatch):
     """`under_load` (what grows first chunks and holds codec calls): on from the first pass at a pace of 0.35 (a
     wave of arrivals), kept while the pace averaged over about a second stays above 0.28 (a held call's own
     saving, single light steps), off once that average falls below it; and whenever three quarters of the batch's
     slots are wanted, whatever the pace, counted when asked. Without a measured pace: never."""
-    import s2tts.engine.service as es
+    import s2tts.engine.chunking as chunking
 
     clock = [100.0]
-    monkeypatch.setattr(es.time, "monotonic", lambda: clock[0])
-    svc = _service(model, tiny_ckpt, None, frame_seconds=codec_frame_seconds(tiny_ckpt))
-    try:
-        pace = [0.2]
-        svc.pace = lambda: pace[0]
+    monkeypatch.setattr(chunking.time, "monotonic", lambda: clock[0])
+    wanted = [0]
+    meter = LoadMeter(frame_seconds=2048 / 44100, max_batch=4, slots_wanted=lambda: wanted[0])
+    pace = [0.2]
+    meter.pace = lambda: pace[0]
 
-        def passes(r, seconds, every=0.01):
-            pace[0] = r
-            for _ in range(int(seconds / every)):
-                clock[0] += every
-                svc._note_load()
-            return svc.under_load()
+    def passes(r, seconds, every=0.01):
+        pace[0] = r
+        for _ in range(int(seconds / every)):
+            clock[0] += every
+            meter.observe(every)
+        return meter.under_load()
 
-        assert not passes(0.2, 1.0)
-        assert passes(0.36, 0.01)  # one pass at the load pace
-        assert passes(0.3, 3.0) and passes(0.2, 0.05)  # a light stretch shorter than the average's second
-        assert not passes(0.2, 2.0)
-        # three quarters of the batch's slots wanted (held or waiting): under load at any pace, at once; off again
-        # as soon as fewer are wanted and the pace is light
-        wanted = [2]
-        svc._slots_wanted = lambda: wanted[0]
-        assert svc.engine.max_batch == 4 and not passes(0.1, 1.0)
-        wanted[0] = 3
-        assert passes(0.1, 0.01) and passes(0.1, 3.0)
-        wanted[0] = 2
-        assert not passes(0.1, 0.01)
-        wanted[0] = 3  # counted when asked, not at the last pass: requests back after a wave of finals
-        assert svc.under_load()
-        wanted[0] = 2
-        assert not svc.under_load()
-        wanted[0] = 5  # more waiting than slots
-        assert passes(0.1, 0.01)
-    finally:
-        svc.shutdown()
-    fixed = _service(model, tiny_ckpt, None)
-    try:
-        fixed.pace = lambda: 0.9
-        fixed._note_load()
-        assert not fixed.under_load()
-    finally:
-        fixed.shutdown()
+    assert not passes(0.2, 1.0)
+    assert passes(0.36, 0.01)  # one pass at the load pace
+    assert passes(0.3, 3.0) and passes(0.2, 0.05)  # a light stretch shorter than the average's second
+    assert not passes(0.2, 2.0)
+    # three quarters of the batch's slots wanted (held or waiting): under load at any pace, at once; off again as
+    # soon as fewer are wanted and the pace is light
+    wanted[0] = 2
+    assert not passes(0.1, 1.0)
+    wanted[0] = 3
+    assert passes(0.1, 0.01) and passes(0.1, 3.0)
+    wanted[0] = 2
+    assert not passes(0.1, 0.01)
+    wanted[0] = 3  # counted when asked, not at the last pass: requests back after a wave of finals
+    assert meter.under_load()
+    wanted[0] = 2
+    assert not meter.under_load()
+    wanted[0] = 5  # more waiting than slots
+    assert passes(0.1, 0.01)
+    fixed = LoadMeter(frame_seconds=None, max_batch=4, slots_wanted=lambda: 0)
+    fixed.pace = lambda: 0.9
+    fixed.observe(0.5)
+    assert not fixed.under_load()
 
 
 class _PoolStream:

@@ -278,11 +278,11 @@ def test_the_engine_follows_the_slowest_instance_pace(harness_factory):
     slow.control("pace=0.2", "s2pro~aaa")
     slow.control("pace=0.5", "s2pro~bbb")
     slow.control("pace=0.3", "s2pro~aaa")
-    assert slow.downstream_pace[0] == 0.5 and slow.pace() >= 0.5
-    slow.downstream_pace_ttl_s = 0.05
+    assert slow.load.reported()[0] == 0.5 and slow.load.pace() >= 0.5
+    slow.load.report_ttl_s = 0.05
     time.sleep(0.1)
     slow.control("pace=0.3", "s2pro~aaa")
-    assert slow.downstream_pace[0] == 0.3 and set(slow.downstream_paces) == {"s2pro~aaa"}
+    assert slow.load.reported()[0] == 0.3 and set(slow.load.reports) == {"s2pro~aaa"}
     s2 = h.models["s2pro"].service  # and s2pro reports under its own name
     s2._send_pace(0.25)
-    assert slow.downstream_paces[s2.prefix][0] == 0.25
+    assert slow.load.reports[s2.prefix][0] == 0.25

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.engine import Engine
+from s2tts.engine import Engine, EngineConfig
 from s2tts.engine.service import EngineService
 from s2tts.ar.sampling import SamplingParams
 
@@ -20,7 +20,7 @@ def _run(model, prompts, ahead: bool):
     `step_ahead()`, call j launches step j + 1 and then finishes step j (call 1 launches steps 1 and 2): a request
     for step j comes before call j - 1; a cancel taken at call j's launch drops the request's row of step j, still
     in flight. -> {id: (codes [frames, C], finish reason)}, calls."""
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=256, prefix_cache_mb=0))
     later = {4: ("add", "d"), 6: ("cancel", "b"), 9: ("add", "e")}
     texts = {"a": "First of all.", "b": "Cancel me later.", "c": "A third voice.", "d": "Joining late.", "e": "Last."}
 
@@ -62,7 +62,7 @@ def test_steps_launched_ahead_give_the_same_frames_and_ends(model, prompts):
 
 
 def test_fail_all_with_a_step_in_flight_frees_everything(model, prompts):
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256, prefix_cache_bytes=0)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=2, max_seq_len=256, prefix_cache_mb=0))
     for rid in "xy":
         eng.submit(rid, prompts.build("In flight."), SamplingParams(seed=1, max_new_tokens=20, ignore_end=True))
     eng.step_ahead()
@@ -94,9 +94,8 @@ def test_engine_service_serves_the_same_codes_launching_ahead(model, prompts, ah
         def is_cancelled(self):
             return False
 
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
-    svc = EngineService(eng, lambda codes, reason, stats, audio: (codes, reason), lambda e: (None, e.wire()),
-                        launch_ahead=ahead)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=256, prefix_cache_mb=0, launch_ahead=ahead))
+    svc = EngineService(eng, lambda codes, reason, stats, audio: (codes, reason), lambda e: (None, e.wire()))
     assert svc.launch_ahead is bool(ahead)
     rs = [Responder() for _ in range(4)]
     try:
@@ -107,7 +106,7 @@ def test_engine_service_serves_the_same_codes_launching_ahead(model, prompts, ah
             assert r.done.wait(120), "no final response"
     finally:
         svc.shutdown()
-    alone = Engine(model, residual_size=RESIDUAL, max_batch=1, max_seq_len=256, prefix_cache_bytes=0)
+    alone = Engine(model, RESIDUAL, EngineConfig(max_batch=1, max_seq_len=256, prefix_cache_mb=0))
     for i, r in enumerate(rs):
         assert r.sent[-1][1] == "length"
         codes = np.concatenate([c for c, _ in r.sent])
@@ -120,8 +119,8 @@ def _many(model, prompts, ahead: bool, kv_cache_tokens: int):
     """24 requests sampled over the whole vocabulary (some meet their end token within 30 frames) through 6 slots,
     `batch_invariant` (a row's numbers do not depend on the rows beside it, so steps that carry a dropped row give
     the same frames) -> {id: (codes, finish reason)}, preemptions."""
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=6, max_seq_len=256, prefix_cache_bytes=0, kv_block_tokens=16,
-                 kv_cache_tokens=kv_cache_tokens, batch_invariant=True)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=6, max_seq_len=256, prefix_cache_mb=0, kv_block_tokens=16,
+                                               kv_cache_tokens=kv_cache_tokens, batch_invariant=True))
     for seed in range(24):
         eng.submit(f"s{seed}", prompts.build("Any."),
                    SamplingParams(seed=seed, max_new_tokens=30, temperature=1.0, top_p=1.0, top_k=4096))
@@ -168,7 +167,7 @@ def test_faults_at_a_launch_with_a_step_in_flight(model, prompts):
     pool is free at the end."""
     import torch
 
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=256, prefix_cache_mb=0))
     p = SamplingParams(seed=4, max_new_tokens=10, ignore_end=True)
     finals: dict[str, object] = {}
     frames: dict[str, int] = {}
@@ -249,7 +248,7 @@ def test_a_launch_never_waits_for_the_device(tiny_ckpt, prompts, device):
     from s2tts.ar.loading import load_model
 
     model = load_model(tiny_ckpt, device, "fp32")
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256, prefix_cache_bytes=0)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=256, prefix_cache_mb=0))
     check, launches = _NumbersThroughIndex(), []
     launch = eng._launch
 

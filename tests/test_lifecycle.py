@@ -20,7 +20,7 @@ import torch
 from s2tts import errors
 from s2tts.codec.loading import codec_codebook_sizes
 from s2tts.ar.loading import load_model
-from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
+from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine, EngineConfig
 from s2tts.frontend.prompt import PromptBuilder
 from s2tts.serving.lifecycle import RequestTable
 from s2tts.ar.sampling import SamplingParams
@@ -43,7 +43,7 @@ def engine_parts(tiny_ckpt):
 
 def _engine(parts, max_batch=4):
     model, residual, _ = parts
-    return Engine(model, residual, max_batch=max_batch, max_seq_len=512)
+    return Engine(model, residual, EngineConfig(max_batch=max_batch, max_seq_len=512))
 
 
 def _run(engine, n_steps=200):
@@ -204,7 +204,7 @@ def test_worker_pool_queues_past_its_limit_and_never_holds_the_exit():
         pool.submit(print)
 
     # a worker blocked forever (on a model that died) must not keep the process alive at exit
-    code = ("import threading; from s2tts.lifecycle import WorkerPool; p = WorkerPool(4, 'w'); "
+    code = ("import threading; from s2tts.serving.threads import WorkerPool; p = WorkerPool(4, 'w'); "
             "p.submit(threading.Event().wait); print('exiting', flush=True)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=Path(__file__).resolve().parents[1])
@@ -253,16 +253,16 @@ def test_pipeline_pace_reaches_slow_ar_chunker(harness_factory):
     s2, slow = h.models["s2pro"].service, h.models["slow_ar"].service
     assert s2.pace is not None and s2.pace > 0
     deadline = time.time() + 5  # reports come at most once a second; the last one carries the final average
-    while (slow.downstream_pace is None or slow.downstream_pace[0] != pytest.approx(s2.pace, abs=1e-3)) \
+    while (slow.load.reported() is None or slow.load.reported()[0] != pytest.approx(s2.pace, abs=1e-3)) \
             and time.time() < deadline:
         time.sleep(0.05)
-    assert slow.downstream_pace is not None, "s2pro never reported the pace"
-    reported = slow.downstream_pace[0]
+    assert slow.load.reported() is not None, "s2pro never reported the pace"
+    reported = slow.load.reported()[0]
     assert reported == pytest.approx(s2.pace, abs=1e-3)
-    own = slow.step_s / slow.frame_seconds
-    assert reported > own and slow.pace() == pytest.approx(reported)  # the codec, not the engine, is the slow stage
+    own = slow.load.step_s / slow.frame_seconds
+    assert reported > own and slow.load.pace() == pytest.approx(reported)  # the codec, not the engine, is the slow stage
     with pytest.raises(errors.S2Error, match="out of range"):
-        slow.set_downstream_pace(-1.0)
+        slow.control("pace=-1", "s2pro~aaa")
 
 
 def test_engine_step_fails_while_admitting(harness_factory):

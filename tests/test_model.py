@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from s2tts.ar.loading import INDEX_FILE, load_model
 from s2tts.checkpoint_config import CheckpointError, S2Config
-from s2tts.engine import Engine
+from s2tts.engine import Engine, EngineConfig
 from s2tts.ar.sampling import SamplingParams, sample, uniform
 
 RESIDUAL = 32  # the tiny codec's residual codebook size
@@ -103,7 +103,8 @@ def test_loading_builds_on_meta_without_initializers_or_dynamo(tiny_ckpt):
     code = f"""
 import sys, torch
 init = {{n: getattr(torch.nn.init, n) for n in ("normal_", "uniform_", "kaiming_uniform_", "zeros_")}}
-from s2tts.checkpoint import load_codec_from_dir, load_model
+from s2tts.ar.loading import load_model
+from s2tts.codec.loading import load_codec_from_dir
 from s2tts.ar.model import rope_table
 m = load_model({str(tiny_ckpt)!r}, "cpu", "fp32")
 load_codec_from_dir({str(tiny_ckpt)!r}, "cpu", "fp32")
@@ -144,7 +145,7 @@ def test_kv_cache_decode_matches_full_forward(model, prompts):
 
 def _run(model, reqs, params_for, record):
     """Run requests together in one engine; returns {id: codes [C, n]} and records logits per id."""
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=256))
     eng.logits_hook = lambda ids, lg: [record.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
     for rid, prompt in reqs:
         eng.submit(rid, prompt, params_for(rid))
@@ -177,7 +178,7 @@ def test_batch_matches_alone(model, prompts):
 
 def test_seed_reproducible_and_seeds_differ(model, prompts):
     p = prompts.build("Seeds make it reproducible.")
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=2, max_seq_len=256))
     a, _ = eng.generate(p, SamplingParams(seed=7, max_new_tokens=20))
     b, _ = eng.generate(p, SamplingParams(seed=7, max_new_tokens=20), request_id="again")
     c, _ = eng.generate(p, SamplingParams(seed=8, max_new_tokens=20), request_id="other")
@@ -190,7 +191,7 @@ def test_seed_reproducible_and_seeds_differ(model, prompts):
 def test_each_slot_holds_its_requests_sampling_settings(model, prompts):
     """Requests that start in one step with different settings: each one's slot holds its own temperature, top-p,
     top-k, seed and end rule (the runner uploads them together and scatters them by slot)."""
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=256))
     params = {"a": SamplingParams(seed=11, temperature=0.0, top_p=0.5, top_k=7, max_new_tokens=3),
               "b": SamplingParams(seed=2**40 + 5, temperature=1.3, top_p=0.9, top_k=0, max_new_tokens=3,
                                   ignore_end=True),
@@ -221,12 +222,12 @@ def test_host_to_device_copies_keep_values(device):
 
 
 def test_length_limit_and_end_token(model, prompts):
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=2, max_seq_len=256))
     codes, reason = eng.generate(prompts.build("Stop at five."), SamplingParams(seed=3, max_new_tokens=5))
     assert (codes.shape[1], reason) == (5, "length") or (codes.shape[1] < 5 and reason == "end")
     # 40 seeds sampled over the whole vocabulary, submitted together: some meet the end token within 30 frames,
     # some do not (each request's draws depend on its seed only, whatever runs beside it)
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=40, max_seq_len=256)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=40, max_seq_len=256))
     for seed in range(40):
         eng.submit(f"s{seed}", prompts.build("Any."),
                    SamplingParams(seed=seed, max_new_tokens=30, temperature=1.0, top_p=1.0, top_k=4096))
@@ -237,7 +238,7 @@ def test_length_limit_and_end_token(model, prompts):
 
 
 def test_cancel_leaves_others_running(model, prompts):
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=4, max_seq_len=256)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=256))
     eng.submit("x", prompts.build("Cancel me."), SamplingParams(seed=1, max_new_tokens=50, temperature=0))
     eng.submit("y", prompts.build("Keep me."), SamplingParams(seed=2, max_new_tokens=8))
     eng.step()
@@ -292,7 +293,7 @@ def test_prompt_format(prompts):
 
 def test_ras_window_starts_empty_at_the_first_decode_step(model, prompts):
     """As upstream: the code sampled at prefill never enters the RAS window; each decode step adds its own."""
-    eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256)
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=2, max_seq_len=256))
     eng.submit("a", prompts.build("Window check."), SamplingParams(seed=3, max_new_tokens=8, ignore_end=True))
     first = eng.step()  # prefill + the first frame
     slot = next(iter(eng.live))
@@ -367,7 +368,7 @@ def test_prefix_cache_reuses_voice_prefix(model, prompts):
     params = SamplingParams(seed=21, max_new_tokens=10)
 
     def run(cache_bytes):
-        eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=256, prefix_cache_bytes=cache_bytes)
+        eng = Engine(model, RESIDUAL, EngineConfig(max_batch=2, max_seq_len=256, prefix_cache_mb=cache_bytes >> 20))
         logits = {}
         eng.logits_hook = lambda ids, lg: [logits.setdefault(i, []).append(lg[j].clone()) for j, i in enumerate(ids)]
         eng.generate(first, params, request_id="a")
@@ -393,8 +394,8 @@ def test_padded_row_buckets_match_exact_shapes(model, prompts):
             ("v2", prompts.build("Voice two, longer.", ref, "Ref text."))]
     out = {}
     for padded in (False, True):
-        eng = Engine(model, residual_size=RESIDUAL, max_batch=3, max_seq_len=1024, prefix_cache_bytes=64 << 20,
-                     row_buckets=padded, max_prefill_tokens=40)
+        eng = Engine(model, RESIDUAL, EngineConfig(max_batch=3, max_seq_len=1024, prefix_cache_mb=64,
+                                                   row_buckets=padded, max_prefill_tokens=40))
         assert eng.runner.pad_rows == padded and eng.runner.sample_sizes == (1, 2, 3) and eng.runner.row_sizes[-1] == 43
         assert eng.runner._bucket(eng.runner.row_sizes, 5) == 8 and eng.runner._bucket(eng.runner.row_sizes, 33) == 43
         logits = {}
@@ -417,7 +418,7 @@ def test_dependent_launch_only_where_supported(tiny_ckpt):
 
     model = load_model(tiny_ckpt, "cpu", "fp32")
     for asked in (None, True, False):
-        eng = Engine(model, residual_size=RESIDUAL, max_batch=2, max_seq_len=64, dependent_launch=asked)
+        eng = Engine(model, RESIDUAL, EngineConfig(max_batch=2, max_seq_len=64, dependent_launch=asked))
         assert eng.runner.dependent_launch is False and kernels.PDL is False
     assert kernels.pdl_supported(torch.device("cpu")) is False
     with kernels.dependent_launch(True):  # a pass's kernels (the runner checks support first)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine
+from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine, EngineConfig
 from s2tts.engine.paged import BlockPool
 from s2tts.ar.sampling import SamplingParams
 
@@ -46,8 +46,8 @@ def _run(eng, reqs, stagger=True, on_step=None):
 def _engine(model, **kw):
     kw.setdefault("max_batch", 4)
     kw.setdefault("max_seq_len", 512)
-    kw.setdefault("prefix_cache_bytes", 64 << 20)
-    return Engine(model, residual_size=RESIDUAL, **kw)
+    kw.setdefault("prefix_cache_mb", 64)
+    return Engine(model, RESIDUAL, EngineConfig(**kw))
 
 
 def _assert_same(a, b):
@@ -118,7 +118,7 @@ def test_voice_prefix_blocks_are_shared_by_reference(model, requests, bs):
 
 
 def test_cancel_and_errors_give_every_block_back(model, requests):
-    eng = _engine(model, kv_block_tokens=8, prefix_cache_bytes=0)
+    eng = _engine(model, kv_block_tokens=8, prefix_cache_mb=0)
     for rid, p, sp in requests[:3]:
         eng.submit(rid, p, sp)
     for _ in range(4):
@@ -141,7 +141,7 @@ def test_a_request_waits_for_blocks_then_runs(model, requests):
     """A pool that holds one request at a time (admission counts blocks, not just slots)."""
     (_, p0, sp0), (_, p1, sp1) = requests[0], requests[1]
     need = max(len(p0) + sp0.max_new_tokens, len(p1) + sp1.max_new_tokens)
-    eng = _engine(model, kv_block_tokens=8, max_seq_len=need + 8, kv_cache_tokens=need + 8, prefix_cache_bytes=0)
+    eng = _engine(model, kv_block_tokens=8, max_seq_len=need + 8, kv_cache_tokens=need + 8, prefix_cache_mb=0)
     eng.submit("a", p0, sp0)
     eng.step()
     eng.submit("b", p1, sp1)
@@ -161,10 +161,10 @@ def test_preempted_requests_resume_with_the_same_codes(model, requests):
     """A pool too small for all four requests to grow: the request admitted last is preempted (its blocks
     freed), resumes later from its prompt plus the frames it had made, and every request ends with the codes
     of an unhurried run."""
-    big = _run(_engine(model, kv_block_tokens=8, prefix_cache_bytes=0), requests, stagger=False)
+    big = _run(_engine(model, kv_block_tokens=8, prefix_cache_mb=0), requests, stagger=False)
     longest = max(len(p) + sp.max_new_tokens for _, p, sp in requests)
     eng = _engine(model, kv_block_tokens=8, max_seq_len=longest + 8, kv_cache_tokens=longest + 80,
-                  prefix_cache_bytes=0)
+                  prefix_cache_mb=0)
     small = _run(eng, requests, stagger=False)
     assert eng.preemptions > 0
     for rid in big[0]:
@@ -269,7 +269,7 @@ def test_service_says_when_requests_were_paused(model, requests, s2_log):
     from s2tts.engine.service import EngineService
 
     longest = max(len(p) + sp.max_new_tokens for _, p, sp in requests)
-    eng = _engine(model, kv_block_tokens=8, max_seq_len=longest + 8, kv_cache_tokens=longest + 80, prefix_cache_bytes=0)
+    eng = _engine(model, kv_block_tokens=8, max_seq_len=longest + 8, kv_cache_tokens=longest + 80, prefix_cache_mb=0)
     svc = EngineService(eng, lambda codes, reason, stats, audio: (codes, reason), lambda e: ("error", e.code))
     try:
         responders = {}
@@ -290,10 +290,10 @@ def test_service_says_when_requests_were_paused(model, requests, s2_log):
 
 
 def test_admissions_grouped_every_n_steps_while_busy(model, requests):
-    """admit_every=3: while requests decode, arrivals join only every third step (prefilled together); an idle
+    """admit_every_steps=3: while requests decode, arrivals join only every third step (prefilled together); an idle
     engine admits at once; every request still gets the codes it gets when admitted at once."""
     plain = _run(_engine(model, kv_block_tokens=8), requests)
-    eng = _engine(model, kv_block_tokens=8, admit_every=3)
+    eng = _engine(model, kv_block_tokens=8, admit_every_steps=3)
     passes = _count_rows(eng)
     joined, step = {}, [0]
 
@@ -316,7 +316,7 @@ def test_pool_sized_by_a_share_of_the_gpu(model, tiny_ckpt):
     refuse it beside either other size, and leave kv_cache_tokens unset with it."""
     from s2tts import settings
     from s2tts.engine.runner import ModelRunner
-    from s2tts.engine.service import GRAPHS_AND_CONTEXT_GIB, kv_gib_for_utilization
+    from s2tts.engine.build import GRAPHS_AND_CONTEXT_GIB, kv_gib_for_utilization
     from s2tts.errors import S2Error
 
     cfg, G = model.s2.text, 1 << 30

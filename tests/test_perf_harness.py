@@ -452,7 +452,7 @@ def test_gap_table_reads_slow_ars_loop_line(tmp_path):
     sys.path.insert(0, str(ROOT / "perf"))
     from gap_table import table
 
-    from s2tts.engine.service import LoopStats
+    from s2tts.engine.stats import LoopStats
 
     with _logged() as lines:
         for frames, step_s in ((30, 0.012), (58, 0.011)):  # a ramp's window, then the steady state
@@ -489,7 +489,7 @@ def test_send_probe_on_the_cpu(tmp_path):
 
 def _loop_lines(frames_per_window) -> list[str]:
     """slow_ar's 10-s loop lines as its LoopStats writes them, one window for each frames-a-step figure."""
-    from s2tts.engine.service import LoopStats
+    from s2tts.engine.stats import LoopStats
 
     with _logged() as lines:
         for frames in frames_per_window:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 
 from s2tts import errors
-from s2tts.engine.service import FINISH_CODES
+from s2tts.serving.wire import FINISH_CODES
 from s2tts.serving.lifecycle import RequestTable
 from s2tts.serving.threads import WorkerPool
 
@@ -241,7 +241,7 @@ def test_a_callers_codec_stream_never_meets_slow_ars_own(harness_factory):
     assert slow.codec is not None
     inputs = slow_ar_inputs(h, max_new_tokens=np.array([12], np.int32))
     a = h.request("slow_ar", inputs, "a")
-    own = next(iter(slow._codec_states.values())).codec.sid  # the decoder's name for a's stream
+    own = next(iter(slow._states.values())).codec.sid  # the decoder's name for a's stream
     b = h.request("slow_ar", {**inputs, "codec_stream": np.array([own.encode()], object)}, "b")
     for req, rid in ((a, "a"), (b, "b")):
         chunks, reason = _pull_to_end(h, req, rid)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from s2tts.engine import FINISH_CANCELLED, FINISH_END, FINISH_LENGTH, Scheduler, StepResult
+from s2tts.engine import FINISH_CANCELLED, FINISH_END, FINISH_LENGTH, EngineConfig, Scheduler, StepResult
 from s2tts.engine.prompt import Prompt
 from s2tts.ar.sampling import SamplingParams
 
@@ -21,11 +21,12 @@ def prompt(n: int, prefix: int = 0, voice: int = 0) -> Prompt:
     return Prompt(tokens, torch.zeros(n, C, dtype=torch.int64), torch.zeros(n, dtype=torch.bool), prefix_len=prefix)
 
 
-def sched(**kw) -> Scheduler:
-    args = dict(max_batch=4, max_seq_len=64, num_codebooks=C, semantic_start_id=SEM, num_blocks=33, block_size=4,
-                block_bytes=1, max_prefill_tokens=16)
-    args.update(kw)
-    return Scheduler(**args)
+def sched(num_blocks=33, block_size=4, block_bytes=1, **config) -> Scheduler:
+    """A scheduler of 4 slots of 64 tokens, a pool of 33 blocks of 4 tokens, 16 prompt tokens a step, no prefix
+    cache (`config`: `EngineConfig` fields to change)."""
+    config = EngineConfig(**{"max_batch": 4, "max_seq_len": 64, "max_prefill_tokens": 16, "prefix_cache_mb": 0, **config})
+    return Scheduler(config, num_codebooks=C, semantic_start_id=SEM, num_blocks=num_blocks, block_size=block_size,
+                     block_bytes=block_bytes)
 
 
 def add(s: Scheduler, rid: str, n: int, frames: int = 50, **kw):
@@ -141,7 +142,7 @@ def test_preemption_frees_the_last_admitted_which_resumes_with_its_frames():
 
 
 def test_admit_every_batches_arrivals_while_others_decode():
-    s = sched(admit_every=3)
+    s = sched(admit_every_steps=3)
     add(s, "first", 4)
     plan = s.schedule()
     assert [c.request.id for c in plan.prefill] == ["first"]  # an idle engine admits at once
@@ -156,7 +157,7 @@ def test_admit_every_batches_arrivals_while_others_decode():
 
 
 def test_a_voice_prefix_enters_the_cache_and_the_next_request_of_the_voice_shares_its_blocks():
-    s = sched(block_size=4, prefix_cache_bytes=100, max_prefill_tokens=64)
+    s = sched(block_size=4, prefix_cache_mb=1, block_bytes=(1 << 20) // 100, max_prefill_tokens=64)  # 100 blocks
     s.prefix_cache.min_tokens = 8
     a = add(s, "a", 14, prefix=10)
     run(s, s.schedule())  # a's prompt in one chunk: its prefix (2 full blocks + 2 tokens) enters the cache

@@ -5,14 +5,17 @@
 - `scheduler.Scheduler`: plain Python, no device: queues, slots, the KV block pool (`paged.BlockPool`), the prefix
   cache (`prefix_cache.PrefixCache`), preemption and chunked prefill -> a typed `StepPlan` per step;
 - `runner.ModelRunner`: the device: KV pools, per-slot sampling state, passes over the slow AR, sampling and the
-  fast AR, CUDA graphs -> a `StepResult` per plan.
-
-The serving loop around it (codec batching, responses, the request table) is `s2tts.engine.service`.
+  fast AR, CUDA graphs -> a `StepResult` per plan;
+- `config.EngineConfig`: what an engine is told, built once from the settings (`EngineConfig.from_values`);
+- `service.EngineService`: the serving loop around it (responses, the request table, the codec in the loop with
+  `codec_plan.plan_codec` deciding what to decode), built from a model's settings by `build.serve_engine`.
 """
 
+from .config import EngineConfig
 from .core import Engine
 from .runner import HostFastAR, InProcessFastAR, ModelRunner
-from .scheduler import (FINISH_CANCELLED, FINISH_END, FINISH_ERROR, FINISH_LENGTH, Output, PrefillChunk, Request, Scheduler, StepPlan, StepResult)
+from .scheduler import (FINISH_CANCELLED, FINISH_END, FINISH_ERROR, FINISH_LENGTH, Output, PrefillChunk, Request,
+                        Scheduler, StepPlan, StepResult)
 
-__all__ = ["Engine", "ModelRunner", "Scheduler", "InProcessFastAR", "HostFastAR", "Output", "Request", "PrefillChunk",
-           "StepPlan", "StepResult", "FINISH_END", "FINISH_LENGTH", "FINISH_CANCELLED", "FINISH_ERROR"]
+__all__ = ["Engine", "EngineConfig", "ModelRunner", "Scheduler", "InProcessFastAR", "HostFastAR", "Output", "Request",
+           "PrefillChunk", "StepPlan", "StepResult", "FINISH_END", "FINISH_LENGTH", "FINISH_CANCELLED", "FINISH_ERROR"]

@@ -6,10 +6,10 @@ pace."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable
 
 import numpy as np
-
 
 # From this pace (seconds of work a second of audio: c=64 on one H100, not c=16) a server is "under load": first
 # chunks grow (`Chunker(load_frames=)`) and slow_ar's in-engine codec decodes all streams together every few steps
@@ -142,3 +142,69 @@ class PaceMeter:
     @property
     def pace(self) -> float | None:
         return self.wait_s / self.audio_s if self.samples and self.audio_s > 0 else None
+
+
+class LoadMeter:
+    """The pace a serving loop's chunks follow and whether it is under load.
+
+    `pace()`: seconds of work a second of a stream's audio, the slower of the loop's own (its decoding passes'
+    moving average, `observe`) and the pipeline's as its callers last reported it (`report`, each kept for
+    `report_ttl_s`: several s2pro processes each report the pace of their own streams). Without `frame_seconds` the
+    pace is 1.0 (no measured pace: fixed chunks) and the loop is never under load.
+
+    `under_load()`: from the moment the pace reaches `LOAD_PACE` (a wave of arrivals: its first chunks already
+    count) until the pace averaged over about a second falls below 0.8 of that (a held codec call itself lowers the
+    pace and makes single passes vary: hence the margin and the average); and whenever requests holding a slot or
+    waiting for one (`slots_wanted()`) fill `LOAD_SLOTS` of the `max_batch` slots, counted when asked (a wave of
+    requests coming back after a wave of finals is load from its first frames)."""
+
+    def __init__(self, frame_seconds: float | None, max_batch: int, slots_wanted: Callable[[], int],
+                 report_ttl_s: float = 5.0):
+        self.frame_seconds, self.max_batch, self.slots_wanted = frame_seconds, max_batch, slots_wanted
+        self.report_ttl_s = report_ttl_s
+        self.step_s: float | None = None  # moving average of a decoding pass's wall time
+        self.reports: dict[str, tuple[float, float]] = {}  # reporter -> (pace, when)
+        self._state: tuple[float, float, bool] | None = None  # (pace averaged over ~1 s, when, under load)
+
+    def observe(self, pass_s: float) -> None:
+        """A decoding pass took `pass_s` seconds (its step, and the codec's calls if the loop decodes)."""
+        self.step_s = pass_s if self.step_s is None else 0.8 * self.step_s + 0.2 * pass_s
+        if not self.frame_seconds:
+            return
+        now, r, full = time.monotonic(), self.pace(), self._full()
+        if self._state is None:
+            avg, loaded = r, r >= LOAD_PACE or full
+        else:
+            avg, at, loaded = self._state
+            a = min(1.0, (now - at) / 1.0)
+            avg = (1 - a) * avg + a * r
+            if loaded:
+                loaded = full or avg >= 0.8 * LOAD_PACE
+            elif r >= LOAD_PACE or full:
+                loaded, avg = True, max(avg, r)  # the average starts from the pace that turned it on
+        self._state = (avg, now, loaded)
+
+    def under_load(self) -> bool:
+        return self._state is not None and (self._state[2] or self._full())
+
+    def _full(self) -> bool:
+        return self.slots_wanted() >= LOAD_SLOTS * self.max_batch
+
+    def pace(self) -> float:
+        own = 1.0 if self.step_s is None or not self.frame_seconds else self.step_s / self.frame_seconds
+        d = self.reported()
+        return own if d is None else max(own, d[0])
+
+    def reported(self) -> tuple[float, float] | None:
+        """(pace, when): the slowest pace a caller reported within `report_ttl_s`."""
+        now = time.monotonic()
+        fresh = [p for p in self.reports.values() if now - p[1] < self.report_ttl_s]
+        return max(fresh) if fresh else None
+
+    def report(self, r: float, reporter: str = "") -> None:
+        """The pipeline's pace as `reporter` (an s2pro process) measures it. ValueError when out of range."""
+        if not (0.0 < r < 1e3):
+            raise ValueError(f"pace={r} is out of range: seconds per second of audio, > 0")
+        now = time.monotonic()
+        kept = {k: p for k, p in self.reports.items() if now - p[1] < self.report_ttl_s}
+        self.reports = {**kept, reporter: (r, now)}  # swapped whole: readers never see it change

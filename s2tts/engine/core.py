@@ -34,80 +34,43 @@ from collections import deque
 import numpy as np
 import torch
 
-from ..errors import is_fatal_device_error
-from .prompt import Prompt
 from ..ar.model import S2Model
 from ..ar.sampling import SamplingParams
-from ..settings import SCHEMA
+from ..errors import is_fatal_device_error
+from .config import EngineConfig
+from .prompt import Prompt
 from .runner import Launched, ModelRunner
 from .scheduler import Output, Request, Scheduler, StepPlan
 
 
-def _default(key: str):
-    """A setting's default from the one schema (`s2tts.settings`): the engine restates none."""
-    return SCHEMA[key].default
-
-
 class Engine:
-    def __init__(self, model: S2Model, residual_size: int, max_batch: int = _default("max_batch"),
-                 max_seq_len: int = _default("max_seq_len"), fast_ar=None,
-                 max_prefill_tokens: int = _default("max_prefill_tokens"), cuda_graphs: bool | None = None,
-                 decode_kernel: bool | None = None, fused_kernels: bool | None = None,
-                 prefix_cache_bytes: int = _default("prefix_cache_mb") << 20, row_buckets: bool | None = None,
-                 batch_invariant: bool = _default("batch_invariant"), kv_block_tokens: int = _default("kv_block_tokens"),
-                 kv_cache_tokens: int | None = _default("kv_cache_tokens"), decode_splits: int | None = None,
-                 admit_every: int = _default("admit_every_steps"), kv_cache_memory_gb: float | None = None,
-                 dependent_launch: bool | None = _default("dependent_launch")):
-        """Defaults: the settings of the same names in `s2tts.settings` (`prefix_cache_bytes`: `prefix_cache_mb`,
-        `admit_every`: `admit_every_steps`). `cuda_graphs`, `decode_kernel` (Triton attention over the cache), `fused_kernels` (Triton norm/RoPE/SwiGLU):
-        None = on when the model is on a CUDA device. `row_buckets` (default: with `cuda_graphs`): pad every pass and
-        sampling batch to a bucket of `ModelRunner.ROW_BUCKETS` (the shapes the graphs are captured at).
+    def __init__(self, model: S2Model, residual_size: int, config: EngineConfig = EngineConfig(), fast_ar=None):
+        """An engine over `model` as `config` says (`EngineConfig`: the settings of the same names; its docs say what
+        each does). `residual_size`: the codec's residual codebook size (the fast AR samples its codes below it).
+        `fast_ar`: a runner of the fast AR out of this process (`HostFastAR`) instead of the model's own.
 
-        `max_prefill_tokens`: prompt tokens a step adds to its pass (chunked prefill). It bounds how much arrivals
-        lengthen the step of the running streams, and sets the largest pass: `max_batch` + this many rows.
-
-        KV cache: a pool of `kv_cache_tokens` positions (default `max_batch` x `max_seq_len`: every slot can fill
-        its sequence) in blocks of `kv_block_tokens` (0: one block of `max_seq_len` per request, the slot layout);
-        `kv_cache_memory_gb` sizes it in GiB instead (`ModelRunner.kv_tokens_in`).
-        `decode_splits`: programs that share one row's keys in the attention kernel (a power of two;
-        default: 1 up to max_seq_len 2048, then one per 2048 tokens of max_seq_len, at most 16), so that a long
-        context is read by many programs at once. A pass uses them only while some row has more than
-        `ModelRunner.SPLIT_FROM` keys (their extra programs cost ~15% of a step of short requests); with
-        `batch_invariant`, always. Passes of up to `ModelRunner.FEW_ROWS` rows split short rows too (4 ways).
+        A step adds at most `max_prefill_tokens` prompt tokens to the running streams' rows (chunked prefill): it
+        bounds how much arrivals lengthen the step and sets the largest pass (`max_batch` + that many rows). While
+        requests are decoding, waiting ones join every `admit_every_steps` steps (arrivals spread over those steps
+        start their prefill together); an idle engine admits at once.
 
         `batch_invariant`: a request's numbers do not depend on the requests beside it. With the attention kernel
         (GPU), every matrix product of both ARs goes through the row-invariant kernel (`kernels.linear`: its tiling
         depends on the weight's shape, never on the rows) and the attention kernel splits every row's keys the same
-        way, so every operation computes a row the same whatever rows are beside it, and passes are scheduled as
-        usual. Without it (CPU), decode rows run in a pass of their own at one shape (`max_batch` rows; padding rows
-        use the scratch slot), each prompt chunk in a pass of its own, cut at points that depend on that request
-        alone (its voice prefix always by itself, so a prefix-cache hit leaves the same keys and values as a miss),
-        and sampling always at `max_batch` rows. Sampling is per request already (seed, step).
-
-        `dependent_launch` (None: on where supported): the decode step's Triton kernels launched with programmatic
-        dependent launch (`kernels.dependent_launch`, where `kernels.pdl_supported`: compute capability 9.0 or
-        newer) in passes of up to `kernels.GEMV_SMALL_ROWS` rows, each starting while the one before it ends (the
-        small products load their first weights meanwhile).
-
-        `admit_every`: while requests are decoding, waiting ones join only every this many steps, so that arrivals
-        spread over those steps start their prefill together (a request waits at most that many steps more). An
-        idle engine admits at once."""
+        way. Without it (CPU), decode rows run in a pass of their own at one shape (`max_batch` rows), each prompt
+        chunk in a pass of its own, cut at points that depend on that request alone (its voice prefix always by
+        itself, so a prefix-cache hit leaves the same keys and values as a miss), and sampling always at `max_batch`
+        rows. Sampling is per request already (seed, step)."""
         s2 = model.s2
-        self.model, self.s2, self.batch_invariant = model, s2, batch_invariant
-        self.max_batch, self.max_seq_len = max_batch, min(max_seq_len, s2.text.max_seq_len)
-        Scheduler.check_prefill_budget(max_prefill_tokens)  # before the runner takes the device's memory
-        self.runner = ModelRunner(model, residual_size, max_batch=max_batch, max_seq_len=self.max_seq_len,
-                                  max_prefill_tokens=max_prefill_tokens, fast_ar=fast_ar, cuda_graphs=cuda_graphs,
-                                  decode_kernel=decode_kernel, fused_kernels=fused_kernels, row_buckets=row_buckets,
-                                  batch_invariant=batch_invariant, kv_block_tokens=kv_block_tokens,
-                                  kv_cache_tokens=kv_cache_tokens, decode_splits=decode_splits,
-                                  kv_cache_memory_gb=kv_cache_memory_gb, dependent_launch=dependent_launch)
-        r = self.runner
-        self.scheduler = Scheduler(max_batch=max_batch, max_seq_len=self.max_seq_len, num_codebooks=s2.num_codebooks,
-                                   semantic_start_id=s2.semantic_start_id, num_blocks=r.num_blocks,
-                                   block_size=r.block_size, block_bytes=r.block_bytes,
-                                   max_prefill_tokens=max_prefill_tokens, prefix_cache_bytes=prefix_cache_bytes,
-                                   admit_every=admit_every, prefix_apart=r.apart)
+        self.model, self.s2, self.batch_invariant = model, s2, config.batch_invariant
+        # the checkpoint's own bound applies whatever the settings say
+        self.config = config = config.replace(max_seq_len=min(config.max_seq_len, s2.text.max_seq_len))
+        self.max_batch, self.max_seq_len = config.max_batch, config.max_seq_len
+        Scheduler.check_prefill_budget(config.max_prefill_tokens)  # before the runner takes the device's memory
+        self.runner = r = ModelRunner(model, residual_size, config, fast_ar=fast_ar)
+        self.scheduler = Scheduler(config, num_codebooks=s2.num_codebooks, semantic_start_id=s2.semantic_start_id,
+                                   num_blocks=r.num_blocks, block_size=r.block_size, block_bytes=r.block_bytes,
+                                   prefix_apart=r.apart)
         r.apply(self.scheduler.pool)
         model.engine_owner = self  # the caches (and graphs over them) are this engine's until another is made
         self.device, self.dtype = r.device, r.dtype
@@ -176,6 +139,15 @@ class Engine:
             c = self.scheduler.counts()
             c["waiting"] += sum(verb == "add" for verb, _ in self._commands)
             return c
+
+    def slots(self) -> tuple[int, int]:
+        """(requests holding a slot, requests waiting for one): the scheduler's counts as they stand (no lock: a
+        reading for statistics and load, not for decisions)."""
+        return len(self.scheduler.live), len(self.scheduler.waiting)
+
+    def slots_wanted(self) -> int:
+        """Requests holding a slot or waiting for one."""
+        return sum(self.slots())
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -29,6 +29,7 @@ from ..gpu import jit
 from ..gpu.cuda_graphs import capture as capture_graph
 from ..gpu.cuda_graphs import own_stream
 from ..gpu.transfer import copy_in, upload
+from .config import EngineConfig
 from .paged import BlockPool
 from .scheduler import PrefillChunk, Request, StepPlan, StepResult
 
@@ -92,13 +93,18 @@ class ModelRunner:
                              f"{max_seq_len * per / (1 << 30):.3g} or lower max_seq_len")
         return tokens
 
-    def __init__(self, model: S2Model, residual_size: int, *, max_batch: int, max_seq_len: int, max_prefill_tokens: int,
-                 fast_ar=None, cuda_graphs: bool | None = None, decode_kernel: bool | None = None,
-                 fused_kernels: bool | None = None, row_buckets: bool | None = None, batch_invariant: bool = False,
-                 kv_block_tokens: int = 32, kv_cache_tokens: int | None = None, decode_splits: int | None = None,
-                 kv_cache_memory_gb: float | None = None, dependent_launch: bool | None = None):
-        """See `Engine` for the settings. Allocates the KV pools (`num_blocks` of `block_size` tokens, one of them
-        the null block) and, with `cuda_graphs`, captures the graphs."""
+    def __init__(self, model: S2Model, residual_size: int, config: EngineConfig, fast_ar=None):
+        """The device side of an engine as `config` says (`EngineConfig`; `Engine` bounds its max_seq_len by the
+        checkpoint's). Allocates the KV pools (`num_blocks` of `block_size` tokens, one of them the null block) and,
+        with `cuda_graphs`, captures the graphs. `decode_splits` (default `default_splits`): programs that share one
+        row's keys in the attention kernel, used while some row has more than `SPLIT_FROM` keys (with
+        `batch_invariant`, always); passes of up to `FEW_ROWS` rows split short rows too. `dependent_launch`: the
+        decode step's kernels launched with programmatic dependent launch where the device supports it
+        (`kernels.pdl_supported`), in passes of up to `kernels.GEMV_SMALL_ROWS` rows."""
+        c = config
+        max_batch, max_seq_len, max_prefill_tokens = c.max_batch, c.max_seq_len, c.max_prefill_tokens
+        batch_invariant, cuda_graphs, decode_kernel = c.batch_invariant, c.cuda_graphs, c.decode_kernel
+        fused_kernels, row_buckets, decode_splits = c.fused_kernels, c.row_buckets, c.decode_splits
         s2 = model.s2
         self.model, self.s2 = model, s2
         self.max_batch, self.max_seq_len = max_batch, max_seq_len
@@ -109,10 +115,10 @@ class ModelRunner:
         if on_cuda:  # Triton kernels and CUDA graphs run on the thread's current device: make it this one
             torch.cuda.set_device(self.device)
         self.scratch = max_batch
-        self.block_size = kv_block_tokens or max_seq_len
-        kv_tokens = kv_cache_tokens or max_batch * max_seq_len
-        if kv_cache_memory_gb is not None:
-            kv_tokens = self.kv_tokens_in(kv_cache_memory_gb, model.slow.stack.cfg, self.dtype, self.block_size,
+        self.block_size = c.kv_block_tokens or max_seq_len
+        kv_tokens = c.kv_tokens
+        if kv_tokens is None:
+            kv_tokens = self.kv_tokens_in(c.kv_cache_memory_gb, model.slow.stack.cfg, self.dtype, self.block_size,
                                           max_seq_len)
         if kv_tokens < max_seq_len:
             raise ValueError(f"kv_cache_tokens={kv_tokens} cannot hold one request of max_seq_len={max_seq_len} "
@@ -125,8 +131,6 @@ class ModelRunner:
         model.fast.setup_caches(max_batch + 1, self.dtype, self.device)
         self.fast_ar = fast_ar or InProcessFastAR(model, residual_size)
         if decode_kernel is None:
-            from ..ar import kernels
-
             decode_kernel = on_cuda and jit.available()
         if decode_splits is None:
             decode_splits = self.default_splits(max_seq_len)
@@ -147,7 +151,7 @@ class ModelRunner:
         if on_cuda and fused_kernels:
             from ..ar import kernels
 
-            self.dependent_launch = dependent_launch is not False and kernels.pdl_supported(self.device)
+            self.dependent_launch = c.dependent_launch is not False and kernels.pdl_supported(self.device)
         else:
             self.dependent_launch = False
         self.sample_kernel = bool(fused_kernels)

@@ -32,10 +32,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .prompt import Prompt
 from ..ar.sampling import SamplingParams
+from .config import EngineConfig
 from .paged import BlockPool
 from .prefix_cache import PrefixCache
+from .prompt import Prompt
 
 FINISH_END, FINISH_LENGTH, FINISH_CANCELLED, FINISH_ERROR = "end", "length", "cancelled", "error"
 
@@ -125,20 +126,21 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, *, max_batch: int, max_seq_len: int, num_codebooks: int, semantic_start_id: int,
-                 num_blocks: int, block_size: int, block_bytes: int, max_prefill_tokens: int,
-                 prefix_cache_bytes: int = 0, admit_every: int = 1, prefix_apart: bool = False):
-        """`max_batch` slots (slot `max_batch` is the runner's scratch slot: never a request's); a pool of
-        `num_blocks` KV blocks of `block_size` tokens (`block_bytes` each, for the prefix cache's budget);
-        `prefix_apart`: a prompt chunk never spans the end of its voice prefix (so a prefix-cache hit leaves the
-        same keys and values as a miss when each chunk runs by itself: `batch_invariant` without the attention
-        kernel)."""
-        self.check_prefill_budget(max_prefill_tokens)
+    def __init__(self, config: EngineConfig, *, num_codebooks: int, semantic_start_id: int, num_blocks: int,
+                 block_size: int, block_bytes: int, prefix_apart: bool = False):
+        """`config.max_batch` slots (slot `max_batch` is the runner's scratch slot: never a request's); a pool of
+        `num_blocks` KV blocks of `block_size` tokens (`block_bytes` each, for the prefix cache's budget of
+        `config.prefix_cache_mb`); `prefix_apart`: a prompt chunk never spans the end of its voice prefix (so a
+        prefix-cache hit leaves the same keys and values as a miss when each chunk runs by itself: `batch_invariant`
+        without the attention kernel)."""
+        self.check_prefill_budget(config.max_prefill_tokens)
+        max_batch, max_seq_len = config.max_batch, config.max_seq_len
         self.max_batch, self.max_seq_len, self.C = max_batch, max_seq_len, num_codebooks
         self.semantic_start_id = semantic_start_id
-        self.max_prefill_tokens, self.admit_every, self.prefix_apart = max_prefill_tokens, max(1, admit_every), prefix_apart
+        self.max_prefill_tokens, self.prefix_apart = config.max_prefill_tokens, prefix_apart
+        self.admit_every = max(1, config.admit_every_steps)
         self.pool = BlockPool(num_blocks, block_size, max_batch + 1, max_seq_len)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, self.pool, block_bytes)
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes, self.pool, block_bytes)
         self.waiting: deque[Request] = deque()
         self.live: dict[int, Request] = {}  # slot -> request
         self._free = list(range(max_batch - 1, -1, -1))

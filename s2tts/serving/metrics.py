@@ -147,8 +147,8 @@ class Metrics:
         self.count_to("s2tts_engine_preemptions_total", counts["preemptions"])
         self.count_to("s2tts_engine_prefix_cache_hits_total", engine.prefix_cache.hits)
         self.count_to("s2tts_engine_prefix_cache_misses_total", engine.prefix_cache.misses)
-        if service.step_s is not None:
-            self.set("s2tts_engine_step_seconds", round(service.step_s, 4))
+        if service.load.step_s is not None:
+            self.set("s2tts_engine_step_seconds", round(service.load.step_s, 4))
         if service.codec is not None:  # codec_in_engine: the codec's metrics, under the engine's model name
             self.report_codec(service.codec)
             self.flush()

@@ -30,7 +30,8 @@ from s2tts.serving import triton_io as tio
 from s2tts.serving.metrics import Metrics
 from s2tts.serving.process import reload_model, setup_logging, unload_self
 from s2tts.checkpoint_config import S2Config
-from s2tts.engine.service import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, serve_engine
+from s2tts.serving.wire import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields
+from s2tts.engine.build import serve_engine
 from s2tts.frontend.instances import run_dir
 from s2tts.frontend.local_engine import LocalEngines, local_error, local_response
 from s2tts.frontend.orchestrator import TTSService

@@ -4,7 +4,7 @@ A thin adapter: tensors in, `s2tts.engine.service.EngineService` does the rest (
 engine thread, one sender thread, every request ending in exactly one final response).
 A generation request carries `request_id` (the caller's id: its stream, cancellation, status,
 log lines) and is answered with its first chunk; `control`="next" with that id answers the
-next chunk (`s2tts.lifecycle.PullStreams`), until the one with a finish reason. Without a
+next chunk (`s2tts.serving.pull.PullStreams`), until the one with a finish reason. Without a
 `request_id` the answer is the whole generation, in one response. `control`="cancel" cancels
 that request; `control`="status" answers with the engine's health and where that request is
 (waiting / live / unknown) in `stats`; `control`="pace=R" (from s2pro) tells the chunker the
@@ -27,7 +27,9 @@ from s2tts.serving import triton_io as tio
 from s2tts.serving.metrics import Metrics
 from s2tts.serving.process import setup_logging, unload_self
 from s2tts.engine import HostFastAR
-from s2tts.engine.service import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, CodecStream, encode_fields, serve_engine
+from s2tts.serving.wire import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, encode_fields
+from s2tts.engine.service import CodecStream
+from s2tts.engine.build import serve_engine
 from s2tts.engine.prompt import Prompt
 from s2tts.serving.pull import PullStreams
 

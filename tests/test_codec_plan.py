@@ -1,0 +1,74 @@
+"""The codec's plan in the engine's loop (`engine.codec_plan.plan_codec`), without a model or a codec: what each pass
+decodes of which stream, in which calls, light and under load."""
+
+from s2tts.engine.codec_plan import Slice, StreamView, Take, plan_codec
+
+
+def view(key, undecoded=0, need=0, released=0, ended=False, closes=True, open=True, ended_at=None):
+    return StreamView(key, undecoded, need, released, ended, closes, open, ended_at)
+
+
+def whole(n, final):
+    return [n]
+
+
+def plan(streams, passes=1, batch_steps=1, under_load=False, engine_idle=False, final_steps=0, slices=whole):
+    return plan_codec(streams, passes=passes, batch_steps=batch_steps, under_load=under_load, engine_idle=engine_idle,
+                      final_steps=final_steps, slices=slices)
+
+
+def test_light_load_decodes_what_the_waiting_chunks_need_all_streams_in_one_call():
+    p = plan([view(1, undecoded=3, need=2, open=False), view(2, undecoded=5, need=5), view(3, undecoded=4, need=0)])
+    assert p.takes == (Take(1, 2, opens=True, closes=False), Take(2, 5, opens=False, closes=False))
+    assert p.calls == ((Slice(1, 0, 2, start=True, final=False), Slice(2, 0, 5, start=False, final=False)),)
+    assert not p.held
+
+
+def test_under_load_whole_slices_every_k_passes_and_nothing_between():
+    streams = [view(1, undecoded=9, need=6, released=8), view(2, undecoded=3, need=3, released=8)]
+    assert not plan(streams, passes=5, batch_steps=4, under_load=True)  # between held calls
+    p = plan(streams, passes=8, batch_steps=4, under_load=True)
+    assert p.held and p.takes == (Take(1, 8, opens=False, closes=False),)  # 2 whole slices of 4; stream 2 has none
+    # the engine out of work: the held call comes at once
+    assert plan(streams, passes=5, batch_steps=4, under_load=True, engine_idle=True).takes[0].frames == 8
+
+
+def test_a_stream_short_of_audio_brings_the_held_call_forward_and_gets_what_it_needs():
+    """A stream that has sent fewer than K frames of audio with a chunk complete: the codec runs now, and that stream
+    gets at least what its chunks need (its client could run dry before the next held call)."""
+    streams = [view(1, undecoded=3, need=3, released=2), view(2, undecoded=9, need=0, released=12)]
+    p = plan(streams, passes=5, batch_steps=4, under_load=True)
+    assert p.takes == (Take(1, 3, opens=False, closes=False), Take(2, 8, opens=False, closes=False))
+    # no chunk complete yet: no call
+    assert not plan([view(1, undecoded=3, need=0, released=2)], passes=5, batch_steps=4, under_load=True)
+
+
+def test_an_ended_request_decodes_all_it_has_and_closes_its_stream_unless_a_later_request_continues_it():
+    p = plan([view(1, undecoded=5, need=3, ended=True), view(2, undecoded=2, need=2, ended=True, closes=False)])
+    assert p.takes == (Take(1, 5, opens=False, closes=True), Take(2, 2, opens=False, closes=False))
+    assert [s.final for s in p.calls[0]] == [True, False]
+    # nothing left to decode and its stream open: one empty slice closes it; a stream never opened needs nothing
+    p = plan([view(1, ended=True), view(2, ended=True, open=False)])
+    assert p.takes == (Take(1, 0, opens=False, closes=True),) and p.calls == ((Slice(1, 0, 0, False, True),),)
+
+
+def test_between_held_calls_only_requests_that_ended_final_steps_ago_are_decoded():
+    streams = [view(1, undecoded=5, need=5, released=8, ended=True, ended_at=9),
+               view(2, undecoded=3, need=2, released=8, ended=True, ended_at=10),
+               view(3, undecoded=6, need=6, released=8)]
+    p = plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=1)
+    assert [t.key for t in p.takes] == [1] and p.takes[0].frames == 5
+    assert [t.key for t in plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=0).takes] == [1, 2]
+    assert not plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=8)  # they wait for the held call
+
+
+def test_a_take_the_codec_cannot_decode_in_one_length_goes_in_several_calls_in_order():
+    def slices(n, final):
+        return [4] * (n // 4) + ([n % 4] if n % 4 else [])
+
+    p = plan([view(1, undecoded=10, need=10, open=False, ended=True), view(2, undecoded=4, need=4)], slices=slices)
+    assert p.calls == (
+        (Slice(1, 0, 4, start=True, final=False), Slice(2, 0, 4, start=False, final=False)),
+        (Slice(1, 4, 4, start=False, final=False),),
+        (Slice(1, 8, 2, start=False, final=True),),
+    )
