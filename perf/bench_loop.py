@@ -177,7 +177,7 @@ def run(args, model, residual, codec, fallback, prompts, sample_rate, frame_s, b
            "streams": args.streams, "resubmit_ms": resubmit_ms, "resubmit_jitter_ms": args.resubmit_jitter_ms,
            "gil_load": gil_load or None,
            "audio_s_per_s": round((audio - base[1]) / (t1 - base[0]), 1),
-           "step_ms": round(1e3 * (L.step_s - B.step_s) / steps, 2), "rest_ms": round(1e3 * (L.codec_s - B.codec_s) / steps, 2),
+           "step_ms": round(1e3 * (L.step_s - B.step_s) / steps, 2), "rest_ms": round(1e3 * (L.rest_s - B.rest_s) / steps, 2),
            # of it, the engine thread in the codec's calls (with codec_concurrent: waiting for the codec's thread)
            "codec_wait_ms": round(1e3 * (L.codec_wait_s - B.codec_wait_s) / steps, 2),
            "frames_per_step": round((L.frames - B.frames) / steps, 1), "slots_held": round((L.live - B.live) / steps, 1),

@@ -126,9 +126,18 @@ def _live_children() -> list[tuple[int, str]]:
     return out
 
 
+# fixtures that start real server processes: a test that uses one (directly or through another) is a `server` test
+SERVER_FIXTURES = {"triton_server", "fault_server", "postgres"}
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The interpreted kernel checks' test last: their processes (started below) run on the CPU time the other tests
-    leave idle, and the later their results are collected, the more of that time they have had."""
+    """Tests that use a server fixture get the `server` marker (the fast lane, `-m "not server"`, leaves them out;
+    tests that start processes themselves carry the marker in their module). The interpreted kernel checks' test
+    last: their processes (started below) run on the CPU time the other tests leave idle, and the later their
+    results are collected, the more of that time they have had."""
+    for item in items:
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
     if len(items) >= 20:
         items.sort(key=lambda i: i.nodeid.endswith("test_kernels_match_pytorch_under_interpreter"))  # stable
 

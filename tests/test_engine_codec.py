@@ -443,46 +443,38 @@ def test_slices_follow_the_lengths_the_codec_prepared(codec):
     np.testing.assert_allclose(np.concatenate(parts), _whole(codec, codes), atol=1e-5, rtol=0)
 
 
-def test_loop_log_counts_the_frames_of_its_steps(model, prompts, tiny_ckpt, codec, s2_log):
-    """slow_ar's loop line says how many frames a step made on average (how many slots decoded): over the logged
-    windows and what is left in the last one, the frames the requests received, but for those of steps that only
-    prefilled (not the streams' pace: at most a request's first frame each)."""
-    import re
-
+def test_loop_windows_count_the_frames_of_its_steps(model, prompts, tiny_ckpt, codec):
+    """slow_ar's loop windows (`LoopStats.windows`, what it publishes as metrics and logs) say how many frames a step
+    made on average (how many slots decoded): over the windows and what is left in the last one, the frames the
+    requests received, but for those of steps that only prefilled (not the streams' pace: at most a request's first
+    frame each); and where the slots and the time went."""
     decoder = StreamDecoder(codec, pool_size=8)
     svc = _service(model, tiny_ckpt, decoder)
-    svc.loop.every_s = 0.0  # a line after every step that called the codec
+    svc.loop.every_s = 0.0  # a window after every step that called the codec
     svc.sends.every_s = 0.0  # and after every response sent
     rs = _serve_all(svc, prompts, [9, 13, 17], 70, "Count my frames", first_chunk_frames=2, chunk_frames=4)
     got = sum(codes.shape[0] for r in rs for kind, codes, *_ in r.sent if kind == "ok")
     assert got == 9 + 13 + 17
-    lines = re.findall(r"(\d+) steps of [\d.]+ ms making ([\d.]+) frames each", s2_log.text)
-    assert lines
-    logged = sum(int(steps) * float(each) for steps, each in lines)
-    assert got - len(rs) <= round(logged + svc.loop.frames) <= got
-    assert all(0 < float(each) <= 3 for _, each in lines)  # never more frames a step than live requests
-    assert re.findall(r"streams a call, [\d.]+ ms a step in them\); under load (\d+)% of the steps", s2_log.text)
+    windows = list(svc.loop.windows)
+    assert windows and svc.loop.last is windows[-1]
+    made = sum(w.steps * w.frames_per_step for w in windows)
+    assert got - len(rs) <= round(made + svc.loop.frames) <= got
+    assert all(0 < w.frames_per_step <= 3 for w in windows)  # never more frames a step than live requests
     # the engine thread's time in the codec's calls, part of the routing and decoding after the steps
-    waits = [float(w) for w in re.findall(r"streams a call, ([\d.]+) ms a step in them", s2_log.text)]
-    assert len(waits) == len(lines) and any(w > 0 for w in waits), waits
-    assert set(re.findall(r"under load (\d+)% of the steps", s2_log.text)) == {"0"}
-    sent = re.findall(r"sender, last \d+ s: (\d+) responses, [\d.]+ ms each to build and send, waited ([\d.]+) ms p50",
-                      s2_log.text)
-    assert sent and all(int(n) >= 1 and float(w) >= 0 for n, w in sent)
-    # where the slots went: held at each step's start (decoding or prefilling: never more than the 3 requests),
-    # none waiting (3 slots free), and each request's final response timed once from its last frame
-    held = re.findall(r"slots held ([\d.]+), requests waiting ([\d.]+) a step; (\d+)% of the steps with prompt rows "
-                      r"ending \(([\d.]+) ms, the others ([\d.]+); launching ([\d.]+) and waiting ([\d.]+) ms of it, "
-                      r"the others ([\d.]+) and ([\d.]+); (\d+)% of them launched behind a codec call\); last frame "
-                      r"to final response (?:[\d.]+ ms p50|-) \((\d+) requests\)", s2_log.text)
-    assert len(held) == len(lines)
-    assert all(0 < float(h) <= 3 and float(w) == 0 and 0 <= int(p) <= 100 for h, w, p, *_ in held)
-    # the engine calls split into launching and waiting (within each kind of step's time); here a step runs as it is
-    # launched (no launch ahead on a CPU), so none behind a codec call
-    for _, _, _, first_ms, other_ms, fl, fw, ol, ow, behind, _ in held:
-        assert float(fl) + float(fw) <= float(first_ms) + 0.1 and float(ol) + float(ow) <= float(other_ms) + 0.1
-        assert float(fl) + float(ol) > 0 and behind == "0"
-    assert sum(int(n) for *_, n in held) + len(svc.loop.tails) == len(rs)
+    assert any(w.codec_wait_ms > 0 for w in windows) and all(w.codec_wait_ms <= w.rest_ms + 1e-9 for w in windows)
+    assert all(w.under_load == 0 for w in windows)
+    sent = list(svc.sends.windows)
+    assert sent and all(w.responses >= 1 and w.wait_p50_ms >= 0 for w in sent)
+    # where the slots went: held at each step's start (decoding or prefilling: never more than the 3 requests), none
+    # waiting (3 slots free), and each request's final response timed once from its last frame
+    assert all(0 < w.slots_held <= 3 and w.waiting == 0 and 0 <= w.firsts <= 1 for w in windows)
+    # the engine calls split into launching and waiting (within each kind of step's time); here a step runs as it
+    # is launched (no launch ahead on a CPU), so none behind a codec call
+    for w in windows:
+        assert w.firsts_launch_ms + w.firsts_wait_ms <= w.firsts_ms + 1e-6
+        assert w.others_launch_ms + w.others_wait_ms <= w.others_ms + 1e-6
+        assert w.firsts_launch_ms + w.others_launch_ms > 0 and w.firsts_behind_codec == 0
+    assert sum(w.finals for w in windows) + len(svc.loop.tails) == len(rs)
 
 
 def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(monkeypatch):

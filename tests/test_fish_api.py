@@ -431,7 +431,6 @@ def test_live_sessions_over_the_limit_get_fishs_concurrency_error(triton_server,
         assert got[-1] == {"event": "finish", "reason": "stop"} and got[0]["event"] == "audio"
         from httpx_ws import WebSocketDisconnect
 
-        t0 = time.monotonic()
         with pytest.raises(WebSocketDisconnect) as ei:  # the first connection, idle since its session finished
             first.receive_bytes(timeout=30)
-        assert ei.value.code == 1000 and "no session" in ei.value.reason and time.monotonic() - t0 < 10
+        assert ei.value.code == 1000 and "no session" in ei.value.reason  # closed by the server, not the timeout

@@ -230,10 +230,10 @@ def test_speed_time_stretch(client, long_take, reference_audio):
 # streaming
 
 
-def _stream(client, fmt, stream_format, seed, frames=STREAM_FRAMES):
-    """Streams through the SDK; returns (chunks with their arrival times, t0, t_end)."""
-    got = []
-    t0 = time.monotonic()
+def _stream(client, fmt, stream_format, seed, frames=STREAM_FRAMES, at_first=None):
+    """Streams through the SDK -> (its non-empty chunks in order, `at_first()`'s answer when the first chunk came,
+    the response headers)."""
+    got, seen = [], None
     with client.audio.speech.with_streaming_response.create(
             model=MODEL, voice="default", input=TEXT, response_format=fmt, stream_format=stream_format,
             extra_body={"seed": seed, "max_new_tokens": frames, "first_chunk_frames": 2, "chunk_frames": 4}) as r:
@@ -242,20 +242,20 @@ def _stream(client, fmt, stream_format, seed, frames=STREAM_FRAMES):
         iterator = r.iter_lines() if stream_format == "sse" else r.iter_bytes()
         for chunk in iterator:
             if chunk:
-                got.append((time.monotonic(), chunk))
-    return got, t0, time.monotonic(), headers
+                if not got and at_first is not None:
+                    seen = at_first()
+                got.append(chunk)
+    return got, seen, headers
 
 
-def test_stream_audio_starts_early_and_matches_whole_file(client, long_take):
+def test_stream_audio_starts_early_and_matches_whole_file(client, gw, long_take):
     seed, whole, headers = long_take
-    got, t0, t_end, sheaders = _stream(client, "wav", "audio", seed)
-    data = b"".join(c for _, c in got)
-    t_first = got[0][0] - t0
-    # The first bytes come before the end: generation was still going on (against the request's own
-    # generation time, from the final stats), and more chunks kept arriving after them.
+    got, in_flight, sheaders = _stream(client, "wav", "audio", seed, at_first=lambda: gw.health()["in_flight"])
+    data = b"".join(got)
+    # The first bytes come before the end: the request was still in flight when they arrived, and more chunks
+    # followed them.
     assert len(got) >= 3, len(got)
-    assert t_first < float(headers["x-s2-total-s"]), (t_first, headers["x-s2-total-s"])
-    assert sum(1 for t, _ in got if t > got[0][0]) >= 2 and got[-1][0] > got[0][0]
+    assert in_flight == 1
     assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff"  # open-ended WAV header, as OpenAI streams it
     x, sr, ch = decode(data, "wav")
     assert sr == SR and ch == 1 and x.size == STREAM_FRAMES * FRAME
@@ -264,8 +264,8 @@ def test_stream_audio_starts_early_and_matches_whole_file(client, long_take):
 
 @pytest.mark.parametrize("fmt", ["pcm", "mp3", "opus", "aac", "flac"])
 def test_stream_audio_formats_decode_as_they_arrive(client, long_take, fmt):
-    got, t0, t_end, _ = _stream(client, fmt, "audio", long_take[0], frames=16)
-    data = b"".join(c for _, c in got)
+    got, _, _ = _stream(client, fmt, "audio", long_take[0], frames=16)
+    data = b"".join(got)
     assert len(got) >= 2
     x, sr, ch = decode(data, fmt)
     assert sr == EXPECT_RATE[fmt] and ch == 1 and float(np.sqrt(np.mean(x ** 2))) > 1e-3
@@ -273,24 +273,26 @@ def test_stream_audio_formats_decode_as_they_arrive(client, long_take, fmt):
     assert abs(x.size - expected) <= (0 if fmt in ("pcm", "flac") else 3000), (x.size, expected)
     # A decoder fed only what had arrived half-way already gets audio (no index or trailer needed).
     if fmt != "pcm":
-        head = b"".join(c for _, c in got[: max(2, len(got) // 2)])
+        head = b"".join(got[: max(2, len(got) // 2)])
         assert 0 < decoded_prefix_samples(head) < x.size
 
 
-def test_sdk_streams_by_default(client, long_take):
+def test_sdk_streams_by_default(client, gw, long_take):
     """The unmodified SDK as OpenAI's docs use it (no stream_format): bytes arrive while the audio is made, over
     chunked transfer; `stream: false` gets the whole file with its length."""
     seed, whole, headers = long_take
     assert int(headers["content-length"]) == len(whole)  # long_take is a stream=false answer
-    got, t0 = [], time.monotonic()
+    got, in_flight = [], None
     with client.audio.speech.with_streaming_response.create(
             model=MODEL, voice="default", input=TEXT, response_format="pcm",
             extra_body={"seed": seed, "max_new_tokens": STREAM_FRAMES, "first_chunk_frames": 2, "chunk_frames": 4}) as r:
         assert "content-length" not in r.headers and r.headers.get("transfer-encoding") == "chunked"
         for c in r.iter_bytes():
-            got.append((time.monotonic(), c))
-    assert len(got) >= 3 and got[0][0] < got[-1][0], [t - t0 for t, _ in got]
-    assert_same_pcm(np.frombuffer(b"".join(c for _, c in got), "<i2"), np.frombuffer(whole, "<i2"))
+            if not got:
+                in_flight = gw.health()["in_flight"]  # the request is still running when its first bytes come
+            got.append(c)
+    assert len(got) >= 3 and in_flight == 1
+    assert_same_pcm(np.frombuffer(b"".join(got), "<i2"), np.frombuffer(whole, "<i2"))
 
 
 def test_non_json_body_is_415(gw):
@@ -339,11 +341,11 @@ def test_gateway_metrics_move_with_requests(gw, client):
     assert not any("nobody" in k for k in after)  # route templates, not raw paths
 
 
-def test_sse_events(client, long_take):
+def test_sse_events(client, gw, long_take):
     seed, whole, headers = long_take
-    got, t0, t_end, sheaders = _stream(client, "pcm", "sse", seed)
+    got, in_flight, sheaders = _stream(client, "pcm", "sse", seed, at_first=lambda: gw.health()["in_flight"])
     assert sheaders["content-type"].startswith("text/event-stream")
-    events = [json.loads(line[len("data: "):]) for _, line in got if line.startswith("data: ")]
+    events = [json.loads(line[len("data: "):]) for line in got if line.startswith("data: ")]
     assert len(events) == len(got)  # every non-empty line is a data line
     types = [e["type"] for e in events]
     assert types[-1] == "speech.audio.done" and set(types[:-1]) == {"speech.audio.delta"} and len(types) >= 4
@@ -354,11 +356,7 @@ def test_sse_events(client, long_take):
     assert usage["total_tokens"] == usage["input_tokens"] + STREAM_FRAMES
     stats = events[-1]["stats"]
     assert stats["frames"] == STREAM_FRAMES and stats["finish_reason"] == "length"
-    # Measured against the final stats: the server started after t0, so it finished generating no earlier than
-    # t0 + total_s; the first delta arrived before that.
-    t_first = got[0][0] - t0
-    assert t_first < stats["total_s"], (t_first, stats)
-    assert t_first < 0.5 * (t_end - t0)
+    assert in_flight == 1  # the first delta came while the request was still in flight
 
 
 def test_sse_timestamps_place_each_segment_exactly(client):
@@ -753,10 +751,9 @@ def test_api_key_overload_and_disconnect(triton, gw_dir, long_take):
             assert first
             assert g.health()["in_flight"] == 1
             # ... so the next request is refused at once with 503 + Retry-After (the SDK would retry it)
-            t = time.monotonic()
             with pytest.raises(openai.APIStatusError) as ei:
                 speech_raw(c, max_new_tokens=4)
-            assert time.monotonic() - t < 5
+            assert g.health()["in_flight"] == 1  # refused while the stream held the slot: not queued behind it
             err = assert_error(ei, 503, "server_overloaded", contains="busy")
             assert ei.value.response.headers["retry-after"] == "2" and err["type"] == "server_error"
             # /metrics needs no key (as /health) and counts the refusal, the 401s and the stream in flight

@@ -424,15 +424,15 @@ def test_deadline_is_per_text_segment(harness_factory):
     h = harness_factory(request_timeout_s=3, chunk_frames=2)
     dec = h.models["dac_decoder"]
     decode = dec.execute
-    dec.execute = lambda requests: (time.sleep(0.3), decode(requests))[1]  # 3 chunks a segment: ~1 s each
+    calls = []
+    dec.execute = lambda requests: (calls.append(1), time.sleep(0.3), decode(requests))[2]  # 3 chunks a segment
     text = "First sentence here. Second one follows. The third sentence. And a fourth one. A fifth to end."
-    t0 = time.monotonic()
     req = _wait(h.request("s2pro", _tts_inputs(text, max_new_tokens=6, ignore_eos=np.array([True]),
                                                chunk_length=np.array([24], np.int32)), "long"), 60)
-    took = time.monotonic() - t0
     assert _one_final(req) is None
     stats = json.loads(req.sender.responses[-1].get("stats")[0])
-    assert stats["frames"] == 6 * 5 and took > 3, (stats, took)  # five segments, longer than the timeout in all
+    # five segments; the decodes alone slept longer than the timeout in all
+    assert stats["frames"] == 6 * 5 and 0.3 * len(calls) > 3, (stats, len(calls))
     _quiet(h)
 
 
@@ -448,11 +448,10 @@ def test_cancel_while_waiting_on_a_slow_engine_frees_admission_at_once(harness_f
     while not req.sender.responses and time.time() < deadline:
         time.sleep(0.01)
     assert req.sender.responses, "no first chunk"
-    t0 = time.monotonic()
     req.cancelled = True
     _wait(req, 10)
-    took = time.monotonic() - t0
-    assert _one_final(req) is None and took < 2.5, took  # the next chunk was ~5 s away
+    assert _one_final(req) is None
+    assert len(req.sender.responses) == 2  # the first chunk, then the final response: not the next chunk's
     stats = json.loads(req.sender.responses[-1].get("stats")[0])
     assert stats["finish_reason"] == "cancelled"
     slow.engine.fault_hook = None
@@ -464,9 +463,8 @@ def test_cancel_while_waiting_on_a_slow_engine_frees_admission_at_once(harness_f
 def test_admission_full(harness_factory):
     h = harness_factory(max_concurrent_requests=1)
     a = h.request("s2pro", _tts_inputs(max_new_tokens=200, ignore_eos=np.array([True])), "a")
-    t0 = time.monotonic()
     b = _wait(h.request("s2pro", _tts_inputs(), "b"), 5)
-    assert time.monotonic() - t0 < 1.0  # refused at once, not queued
+    assert not a.sender.done.is_set()  # refused while a held the slot, not queued behind it
     err = _one_final(b)
     assert errors.parse(err.message()).code == "unavailable" and "busy" in err.message()
     assert _one_final(_wait(a)) is None

@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -41,6 +42,20 @@ from .config import EngineConfig
 from .prompt import Prompt
 from .runner import Launched, ModelRunner
 from .scheduler import Output, Request, Scheduler, StepPlan
+
+
+@dataclass(frozen=True)
+class Add:
+    """A command: admit this request."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class Abort:
+    """A command: end the request of this id, wherever it is (a FINISH_CANCELLED output)."""
+
+    request_id: str
 
 
 class Engine:
@@ -86,7 +101,7 @@ class Engine:
 
         self._lock = threading.Lock()  # the command queue, the ids, and the scheduler's state while others read it
         self._work = threading.Condition(self._lock)
-        self._commands: deque[tuple[str, object]] = deque()  # ("add", Request) | ("abort", id), in order
+        self._commands: deque[Add | Abort] = deque()  # in the order they came
         self._ids: set[str] = set()  # requests submitted and not yet ended
 
     # ---- commands, from any thread -----------------------------------------------------------
@@ -98,14 +113,14 @@ class Engine:
             if request_id in self._ids:
                 raise ValueError(f"request id {request_id!r} is already live")
             self._ids.add(request_id)
-            self._commands.append(("add", req))
+            self._commands.append(Add(req))
             self._work.notify()
         return req
 
     def cancel(self, request_id: str) -> None:
         """End the request at the next step (with a FINISH_CANCELLED output), wherever it is."""
         with self._work:
-            self._commands.append(("abort", request_id))
+            self._commands.append(Abort(request_id))
             self._work.notify()
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
@@ -122,7 +137,7 @@ class Engine:
     def where(self, request_id: str) -> str:
         """"waiting" (for a KV slot), "live" (decoding) or "unknown"."""
         with self._lock:
-            if any(verb == "add" and req.id == request_id for verb, req in self._commands):
+            if any(isinstance(c, Add) and c.request.id == request_id for c in self._commands):
                 return "waiting"
             return self.scheduler.where(request_id)
 
@@ -137,7 +152,7 @@ class Engine:
     def counts(self) -> dict:
         with self._lock:
             c = self.scheduler.counts()
-            c["waiting"] += sum(verb == "add" for verb, _ in self._commands)
+            c["waiting"] += sum(isinstance(cmd, Add) for cmd in self._commands)
             return c
 
     def slots(self) -> tuple[int, int]:
@@ -285,11 +300,11 @@ class Engine:
         """Apply the queued commands in order (under the lock)."""
         outputs = []
         while self._commands:
-            verb, arg = self._commands.popleft()
-            if verb == "add":
-                self.scheduler.add(arg)
+            cmd = self._commands.popleft()
+            if isinstance(cmd, Add):
+                self.scheduler.add(cmd.request)
             else:
-                outputs += self.scheduler.abort({arg})
+                outputs += self.scheduler.abort({cmd.request_id})
         return outputs
 
     def _run(self, plan: StepPlan) -> None:
@@ -329,9 +344,9 @@ class Engine:
             except Exception:  # noqa: BLE001 - the requests end here anyway
                 pass
         with self._lock:
-            for verb, arg in self._commands:
-                if verb == "add":
-                    self.scheduler.add(arg)
+            for cmd in self._commands:
+                if isinstance(cmd, Add):
+                    self.scheduler.add(cmd.request)
             self._commands.clear()
             self._ids.clear()
             return self.scheduler.fail_all(message)

@@ -44,6 +44,14 @@ METRICS = {  # name -> (kind, help[, histogram buckets])
                                          "to it (s2pro_instances > 1)"),
     "s2tts_stream_pace": ("gauge", "s2pro's moving average of the seconds between a stream's audio chunks per second "
                           "of their audio; at 1 or more, streams play slower than real time"),
+    "s2tts_engine_frames_per_step": ("gauge", "slow_ar: frames a decoding step made (how many slots decoded), the mean "
+                                     "of its last loop window"),
+    "s2tts_engine_loop_rest_seconds": ("gauge", "slow_ar: routing and decoding audio after each step, the mean of its "
+                                       "last loop window"),
+    "s2tts_engine_under_load_ratio": ("gauge", "slow_ar: share of the steps of its last loop window taken under load "
+                                      "(first chunks grow, codec calls held)"),
+    "s2tts_engine_final_tail_seconds": ("gauge", "slow_ar: from a request's last frame to its final response handed "
+                                        "out, the median of its last loop window"),
     "s2tts_codec_streams_open": ("gauge", "dac_decoder (or slow_ar, codec_in_engine) streams whose decoder state is held"),
     "s2tts_codec_batch_size": ("histogram", "dac_decoder (or slow_ar, codec_in_engine) streams decoded together in one codec "
                                "call", BATCH_BUCKETS),
@@ -149,6 +157,13 @@ class Metrics:
         self.count_to("s2tts_engine_prefix_cache_misses_total", engine.prefix_cache.misses)
         if service.load.step_s is not None:
             self.set("s2tts_engine_step_seconds", round(service.load.step_s, 4))
+        window = service.loop.last
+        if window is not None:
+            self.set("s2tts_engine_frames_per_step", round(window.frames_per_step, 2))
+            self.set("s2tts_engine_loop_rest_seconds", round(window.rest_ms / 1e3, 5))
+            self.set("s2tts_engine_under_load_ratio", round(window.under_load, 3))
+            if window.final_tail_ms is not None:
+                self.set("s2tts_engine_final_tail_seconds", round(window.final_tail_ms / 1e3, 5))
         if service.codec is not None:  # codec_in_engine: the codec's metrics, under the engine's model name
             self.report_codec(service.codec)
             self.flush()
