@@ -194,6 +194,30 @@ def test_voice_store_persists(store_spec):
     s.close()
 
 
+def test_voice_store_update_and_rename(store_spec):
+    """Fish Audio's title and description are kept; `update` changes what it is given (a new clip with its codes, or
+    the transcript alone), `rename` moves a voice to a free name (409 onto a taken one)."""
+    s = open_store(store_spec)
+    codes = np.arange(30, dtype=np.int32).reshape(10, 3)
+    s.add("a", "first", b"RIFF1", "audio/wav", 24000, 100, codes, title="A voice", description="the first")
+    s.add("b", "second", b"RIFF2", "audio/wav", 24000, 100, codes)
+    v = s.get("a")
+    assert (v.title, v.description, v.updated_at) == ("A voice", "the first", None)
+    assert s.update("a", title="Renamed title", description="") and s.get("a").description == ""
+    new = np.ones((10, 5), np.int32)
+    assert s.update("a", ref_text="new words", clip=(b"RIFF3", "audio/flac", 16000, 80, new))
+    v = s.get("a")
+    assert (v.ref_text, v.title, v.frames, v.sample_rate) == ("new words", "Renamed title", 5, 16000)
+    assert np.array_equal(v.codes, new) and s.get_audio("a") == (b"RIFF3", "audio/flac") and v.updated_at >= v.created_at
+    assert not s.update("nobody", title="x")
+    with pytest.raises(APIError) as ei:
+        s.rename("a", "b")
+    assert ei.value.status == 409
+    assert s.rename("a", "c") and not s.rename("a", "d") and s.get("c").ref_text == "new words"
+    assert sorted(x.name for x in s.list()) == ["b", "c"]
+    s.close()
+
+
 def test_data_url_decoding():
     from s2tts.gateway.audio_io import decode_audio, decode_data_url
 
