@@ -10,10 +10,11 @@ Files written (one `{"data": [...]}` each; several entries, which perf_analyzer 
 | `s2pro.json` | `s2pro` (decoupled, `--streaming`) | a unique text, `max_new_tokens`=--frames, `ignore_eos`, `seed` |
 | `slow_ar.json` | `slow_ar` (request-response; no `request_id`: one answer with the whole generation) | `input_ids`/`input_codes`/`semantic_mask` of a real PromptBuilder prompt + sampling |
 | `fast_ar_b{B}.json` | `fast_ar` | random `hidden` [B, dim] (dim from the checkpoint), random `code0` [B], sampling [B] |
-| `dac_decoder.json` | `dac_decoder` (max_batch_size > 0: shapes without the batch dim) | random codes [--decode-frames, 10], a unique `stream_id`, `start`=`final`=true |
+| `dac_decoder.json` | `dac_decoder` (max_batch_size > 0: shapes without the batch dim) | random codes [--decode-frames, 10] within the codec's codebooks, a unique `stream_id`, `start`=`final`=true |
 | `meta.json` | - | the dims used |
 
-Only numpy, tokenizers and the `s2tts` package are needed (no torch model is loaded).
+Only numpy, tokenizers and the `s2tts` package are needed (no torch model is loaded; the codec's codebook sizes
+are read from codec.pth's tensor shapes).
 """
 
 from __future__ import annotations
@@ -112,11 +113,15 @@ def make(checkpoint: Path, out: Path, frames: int = 100, entries: int = 8, fast_
             data.append(e)
         write(f"fast_ar_b{b}.json", data)
 
-    # dac_decoder: one chunk [n, C] per request (the batch dim is added by perf_analyzer, -b 1), a stream each
+    # dac_decoder: one chunk [n, C] per request (the batch dim is added by perf_analyzer, -b 1), a stream each; codes
+    # within the codec's codebooks (it refuses others; the fast AR's vocabulary is larger than the residual codebooks)
+    from s2tts.codec.loading import codec_codebook_sizes
+
+    semantic, residual = codec_codebook_sizes(checkpoint)
     data = []
     for i in range(max(entries, 16)):
-        codes = np.concatenate([rng.integers(0, s2.num_semantic, (1, decode_frames)),
-                                rng.integers(0, s2.codebook_size, (C - 1, decode_frames))]).T.astype(np.int32)
+        codes = np.concatenate([rng.integers(0, semantic, (1, decode_frames)),
+                                rng.integers(0, residual, (C - 1, decode_frames))]).T.astype(np.int32)
         data.append({"codes": tensor(np.ascontiguousarray(codes)), "stream_id": tensor(np.array([f"pa-{i}".encode()], dtype=object)),
                      "start": tensor(np.array([True])), "final": tensor(np.array([True]))})
     write("dac_decoder.json", data)

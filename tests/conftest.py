@@ -46,6 +46,21 @@ def prompts(tiny_ckpt):
     return PromptBuilder.from_dir(tiny_ckpt)
 
 
+@pytest.fixture(scope="session")
+def hum_wav() -> bytes:
+    """1.5 s of a hummed tone at 24 kHz, as a WAV file's bytes (a reference clip; the encoder resamples)."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    t = np.arange(int(24000 * 1.5)) / 24000
+    x = 0.3 * np.sin(2 * np.pi * 180 * t + 2 * np.sin(2 * np.pi * 4 * t)) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
+    buf = io.BytesIO()
+    sf.write(buf, x.astype(np.float32), 24000, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
 @pytest.fixture
 def s2_log(caplog):
     caplog.set_level(logging.INFO, logger="s2tts")

@@ -72,6 +72,13 @@ def test_stream_errors_are_per_job(tiny_ckpt):
     again = dec.decode_many([("d", "s1", c, True, False)], now=1.0)["d"]
     assert again.code == "already_exists"
     assert set(dec.states) == {"s1"}
+    # codes outside their codebook (the codec would clamp them): refused, naming each codebook's range
+    for bad in ((0, 64), (3, 32), (1, -1)):  # (codebook, code): tiny's semantic codebook has 64, the others 32
+        codes = np.zeros((3, 10), np.int64)
+        codes[1, bad[0]] = bad[1]
+        err = dec.decode_many([("e", "s3", codes, True, True)], now=2.0)["e"]
+        assert err.code == "invalid_argument" and err.param == "codes" and "0 to 63" in err.message, err.message
+    assert set(dec.states) == {"s1"}
 
 
 HOT = 63  # the semantic code whose codebook row is scaled: frames using it overflow fp16 (finite weights, inf activations)

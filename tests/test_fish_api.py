@@ -36,16 +36,6 @@ def sdk(gw):
     return FishAudio(api_key=KEY, base_url=gw.url)
 
 
-@pytest.fixture(scope="module")
-def reference_wav() -> bytes:
-    """1.5 s of a hummed tone at 24 kHz, as a WAV file's bytes (the encoder resamples)."""
-    t = np.arange(int(24000 * 1.5)) / 24000
-    x = 0.3 * np.sin(2 * np.pi * 180 * t + 2 * np.sin(2 * np.pi * 4 * t)) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))
-    buf = io.BytesIO()
-    sf.write(buf, x.astype(np.float32), 24000, format="WAV", subtype="PCM_16")
-    return buf.getvalue()
-
-
 def _tts(gw, body: dict, model="s2-pro", ctype="application/msgpack", raw: bytes | None = None) -> httpx.Response:
     """POST /v1/tts as the SDK sends it (msgpack, the `model` header), with fields the SDK has no parameter for."""
     content = raw if raw is not None else ormsgpack.packb(body) if ctype == "application/msgpack" else \
@@ -126,26 +116,26 @@ def test_prosody_volume_and_speed(gw):
     assert abs(len(fast) / 2 / len(base) - 0.5) < 0.05
 
 
-def test_inline_references_and_a_registered_voice(gw, sdk, reference_wav):
+def test_inline_references_and_a_registered_voice(gw, sdk, hum_wav):
     from fishaudio.exceptions import NotFoundError
     from fishaudio.types import ReferenceAudio, TTSConfig
 
     config = TTSConfig(max_new_tokens=8, **GREEDY)
     cloned = sdk.tts.convert(text=TEXT, format="pcm", config=config,
-                             references=[ReferenceAudio(audio=reference_wav, text="A hummed tone.")])
+                             references=[ReferenceAudio(audio=hum_wav, text="A hummed tone.")])
     assert len(cloned) > 0 and len(cloned) % (2 * FRAME) == 0
     # the same clip, seeded, through Fish's route and OpenAI's inline form: the same audio
     import base64
 
     fish = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED,
-                     "references": [{"audio": reference_wav, "text": "A hummed tone."}]})
-    url = "data:audio/wav;base64," + base64.b64encode(reference_wav).decode()
+                     "references": [{"audio": hum_wav, "text": "A hummed tone."}]})
+    url = "data:audio/wav;base64," + base64.b64encode(hum_wav).decode()
     inline = _openai_pcm(gw, ref_audio=url, ref_text="A hummed tone.", **SEEDED)
     assert fish.status_code == 200 and _same_pcm(fish.content, inline)
     # registered once (OpenAI's voices route), used by id
     up = httpx.post(f"{gw.url}/v1/audio/voices", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
                     data={"name": "hum", "ref_text": "A hummed tone."},
-                    files={"audio_sample": ("ref.wav", reference_wav, "audio/wav")})
+                    files={"audio_sample": ("ref.wav", hum_wav, "audio/wav")})
     assert up.status_code == 200, up.text
     by_id = _tts(gw, {"text": TEXT, "format": "pcm", **SEEDED, "reference_id": "hum"})
     assert by_id.status_code == 200 and _same_pcm(by_id.content, _openai_pcm(gw, voice="hum", **SEEDED))
@@ -155,18 +145,19 @@ def test_inline_references_and_a_registered_voice(gw, sdk, reference_wav):
     assert "nobody" in str(ei.value)
 
 
-def test_voices_through_the_sdk_are_the_gateways_voices(gw, sdk, reference_wav):
+def test_voices_through_the_sdk_are_the_gateways_voices(gw, sdk, hum_wav):
     """The SDK's voices methods on `/model`: created there, listed, used by id, the same voice on the OpenAI route
     (and one registered there listed here), deleted."""
     from fishaudio.exceptions import APIError, NotFoundError
     from fishaudio.types import TTSConfig
 
-    made = sdk.voices.create(title="Hum voice", voices=[reference_wav], texts=["A hummed tone."],
+    made = sdk.voices.create(title="Hum voice", voices=[hum_wav], texts=["A hummed tone."],
                              description="a test voice", tags=["test"])
-    again = sdk.voices.create(title="Hum voice", voices=[reference_wav], texts=["A hummed tone."])
-    assert made.id == "Hum-voice" and again.id == "Hum-voice-2" and made.title == "Hum-voice"
+    again = sdk.voices.create(title="Hum voice", voices=[hum_wav], texts=["A hummed tone."])
+    assert made.id == "Hum-voice" and again.id == "Hum-voice-2" and made.title == "Hum voice"
     got = sdk.voices.get(made.id)
     assert got.samples[0].text == "A hummed tone." and got.state == "trained"
+    assert got.title == "Hum voice" and got.description == "a test voice"  # kept as given
     listed = sdk.voices.list(page_size=100)
     assert {made.id, again.id} <= {v.id for v in listed.items} and listed.total == len(listed.items)
     assert [v.id for v in sdk.voices.list(page_size=1, page_number=2).items] == [listed.items[1].id]
@@ -183,16 +174,52 @@ def test_voices_through_the_sdk_are_the_gateways_voices(gw, sdk, reference_wav):
     with pytest.raises(NotFoundError):
         sdk.voices.delete(again.id)
     with pytest.raises(APIError) as ei:  # no transcript: this server cannot transcribe the clip
-        sdk.voices.create(title="Silent", voices=[reference_wav])
+        sdk.voices.create(title="Silent", voices=[hum_wav])
     assert ei.value.status == 400 and "texts" in str(ei.value)
     with pytest.raises(APIError) as ei:  # a transcript longer than any request may be (max_text_chars)
-        sdk.voices.create(title="Long", voices=[reference_wav], texts=["x" * 100001])
+        sdk.voices.create(title="Long", voices=[hum_wav], texts=["x" * 100001])
     assert ei.value.status == 400 and "texts has 100001 characters" in str(ei.value)
     with pytest.raises(APIError) as ei:  # not audio
         sdk.voices.create(title="Noise", voices=[b"not an audio file"], texts=["Words."])
     assert ei.value.status == 415
     sdk.voices.delete(made.id)
     assert made.id not in {v.id for v in sdk.voices.list(page_size=100).items}
+
+
+def test_the_sdk_updates_a_voice(gw, sdk, hum_wav):
+    """`voices.update` (PATCH /model/{id}, a form): title and description change, the id and the codes stay; a new
+    transcript (`texts`) or a new clip with its transcript (`voices` + `texts`) is taken as Fish Audio's API takes them;
+    an unknown id is the SDK's NotFoundError."""
+    from fishaudio.exceptions import APIError, NotFoundError
+
+    made = sdk.voices.create(title="To change", voices=[hum_wav], texts=["A hummed tone."])
+    before = httpx.get(f"{gw.url}/v1/audio/voices/{made.id}", headers={"Authorization": f"Bearer {KEY}"}).json()
+    sdk.voices.update(made.id, title="Changed", description="now described", visibility="private", tags=["x", "y"])
+    got = sdk.voices.get(made.id)
+    assert (got.id, got.title, got.description) == (made.id, "Changed", "now described")
+    assert got.updated_at > got.created_at and got.samples[0].text == "A hummed tone."
+    assert [v.id for v in sdk.voices.list(title="Changed", page_size=100).items] == [made.id]
+    auth = {"Authorization": f"Bearer {KEY}"}
+    t = np.arange(24000) / 24000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 300 * t)).astype(np.float32), 24000, format="WAV", subtype="PCM_16")
+    r = httpx.patch(f"{gw.url}/model/{made.id}", headers=auth, timeout=120, data={"texts": "A higher tone."},
+                    files={"voices": ("new.wav", buf.getvalue(), "audio/wav")})
+    assert r.status_code == 200 and r.json()["samples"][0]["text"] == "A higher tone.", r.text
+    after = httpx.get(f"{gw.url}/v1/audio/voices/{made.id}", headers=auth).json()
+    assert after["ref_text"] == "A higher tone." and after["duration_s"] == 1.0 != before["duration_s"]
+    r = httpx.patch(f"{gw.url}/model/{made.id}", headers=auth, timeout=30, data={"texts": "Only the words."})
+    assert r.status_code == 200 and httpx.get(f"{gw.url}/v1/audio/voices/{made.id}", headers=auth).json()[
+        "codes_shape"] == after["codes_shape"]
+    r = httpx.patch(f"{gw.url}/model/{made.id}", headers=auth, timeout=30,
+                    files={"voices": ("new.wav", buf.getvalue(), "audio/wav")})  # a clip without its transcript
+    assert r.status_code == 400 and "texts" in r.json()["message"]
+    with pytest.raises(NotFoundError):
+        sdk.voices.update("nobody", title="x")
+    with pytest.raises(APIError) as ei:
+        sdk.voices.update(made.id, title=" ")
+    assert ei.value.status == 400
+    sdk.voices.delete(made.id)
 
 
 def test_the_older_sdk_session_reads_fish_errors(gw):

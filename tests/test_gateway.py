@@ -148,8 +148,9 @@ def test_health_and_models(gw, client):
     ids = [m.id for m in client.models.list()]
     assert ids == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
+    assert client.models.retrieve("tts-1").id == MODEL  # OpenAI's names: aliases (GatewayConfig.openai_models)
     with pytest.raises(openai.NotFoundError) as ei:
-        client.models.retrieve("tts-1")
+        client.models.retrieve("tts-2")
     assert_error(ei, 404, "model_not_found")
 
 
@@ -689,13 +690,22 @@ def test_model_side_validation_passes_through_as_400(client):
 
 
 def test_unknown_voice_is_404_not_a_default(client):
-    for voice in ("alloy", "nobody"):
-        with pytest.raises(openai.NotFoundError) as ei:
-            speech_raw(client, voice=voice, max_new_tokens=4)
-        assert_error(ei, 404, "voice_not_found", "voice", contains="POST /v1/audio/voices")
     with pytest.raises(openai.NotFoundError) as ei:
-        speech_raw(client, model="tts-1", max_new_tokens=4)
+        speech_raw(client, voice="nobody", max_new_tokens=4)
+    assert_error(ei, 404, "voice_not_found", "voice", contains="POST /v1/audio/voices")
+    with pytest.raises(openai.NotFoundError) as ei:
+        speech_raw(client, model="tts-2", max_new_tokens=4)
     assert_error(ei, 404, "model_not_found", "model")
+
+
+def test_an_app_written_for_openai_works_by_its_base_url(client):
+    """OpenAI's model names and built-in voices, as every app written for OpenAI sends them, through the unmodified
+    SDK: the model, and (by default) the default voice: the same seeded audio as model s2-pro, voice "default"."""
+    want, _ = speech_raw(client, response_format="pcm", seed=12, max_new_tokens=8)
+    for model, voice in (("tts-1", "alloy"), ("tts-1-hd", "nova"), ("gpt-4o-mini-tts", "Coral")):
+        got = client.audio.speech.create(model=model, voice=voice, input=TEXT, response_format="pcm",
+                                         extra_body={"seed": 12, "max_new_tokens": 8}).content
+        assert_same_pcm(np.frombuffer(got, "<i2"), np.frombuffer(want, "<i2"))
 
 
 def test_triton_unreachable_is_502(gw_dir):

@@ -128,7 +128,7 @@ def test_parse_speech_defaults_and_voice_forms():
     ([], 400, None),
     ({"input": "  "}, 400, "input"),
     ({"input": "x" * 100001}, 400, "input"),  # max_text_chars (100,000 by default)
-    ({"input": "hi", "model": "tts-1"}, 404, "model"),
+    ({"input": "hi", "model": "tts-2"}, 404, "model"),  # (OpenAI's tts-1 is an alias: GatewayConfig.openai_models)
     ({"input": "hi", "voice": 3}, 400, "voice"),
     ({"input": "hi", "voice": {"name": "x"}}, 400, "voice"),
     ({"input": "hi", "speed": "fast"}, 400, "speed"),
@@ -191,6 +191,30 @@ def test_voice_store_persists(store_spec):
     assert s.get_audio("bob") == (b"RIFFdata", "audio/wav")
     assert [x.name for x in s.list()] == ["bob"] and s.list()[0].codes is None
     assert s.delete("bob") and not s.delete("bob") and s.get("bob") is None
+    s.close()
+
+
+def test_voice_store_update_and_rename(store_spec):
+    """Fish Audio's title and description are kept; `update` changes what it is given (a new clip with its codes, or
+    the transcript alone), `rename` moves a voice to a free name (409 onto a taken one)."""
+    s = open_store(store_spec)
+    codes = np.arange(30, dtype=np.int32).reshape(10, 3)
+    s.add("a", "first", b"RIFF1", "audio/wav", 24000, 100, codes, title="A voice", description="the first")
+    s.add("b", "second", b"RIFF2", "audio/wav", 24000, 100, codes)
+    v = s.get("a")
+    assert (v.title, v.description, v.updated_at) == ("A voice", "the first", None)
+    assert s.update("a", title="Renamed title", description="") and s.get("a").description == ""
+    new = np.ones((10, 5), np.int32)
+    assert s.update("a", ref_text="new words", clip=(b"RIFF3", "audio/flac", 16000, 80, new))
+    v = s.get("a")
+    assert (v.ref_text, v.title, v.frames, v.sample_rate) == ("new words", "Renamed title", 5, 16000)
+    assert np.array_equal(v.codes, new) and s.get_audio("a") == (b"RIFF3", "audio/flac") and v.updated_at >= v.created_at
+    assert not s.update("nobody", title="x")
+    with pytest.raises(APIError) as ei:
+        s.rename("a", "b")
+    assert ei.value.status == 409
+    assert s.rename("a", "c") and not s.rename("a", "d") and s.get("c").ref_text == "new words"
+    assert sorted(x.name for x in s.list()) == ["b", "c"]
     s.close()
 
 
@@ -434,3 +458,63 @@ def test_resampler_keeps_a_tone_and_does_not_depend_on_the_cuts(rate):
     expect = 0.5 * np.sin(2 * np.pi * 1000 * np.arange(len(whole)) / rate)
     mid = slice(rate // 10, -rate // 10)  # away from the filter's start and end
     assert np.abs(whole[mid] - expect[mid]).max() < 0.01
+
+
+def test_openai_names_can_be_turned_off():
+    """With openai_models=() and openai_voice=None the gateway answers OpenAI's names as any unknown model or voice
+    (404), before any call to Triton."""
+    import tempfile
+
+    from fastapi.testclient import TestClient
+
+    from s2tts.gateway import create_app
+
+    cfg = GatewayConfig(triton_url="127.0.0.1:1", db_path=tempfile.mktemp(suffix=".sqlite3"), openai_models=(),
+                        openai_voice=None)
+    with TestClient(create_app(cfg)) as c:
+        r = c.post("/v1/audio/speech", json={"model": "tts-1", "input": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = c.post("/v1/audio/speech", json={"model": "s2-pro", "input": "hi", "voice": "alloy"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "voice_not_found"
+
+
+def test_fish_speech_fields_on_v1_tts():
+    """fish-speech's `streaming` (the whole file when false), `use_memory_cache` (accepted), and `max_new_tokens: 0`
+    (its "no limit": the server's largest)."""
+    from s2tts.gateway.fish import parse_fish_tts
+    from s2tts.gateway.protocol import DEFAULT_LIMITS
+
+    assert parse_fish_tts({"text": "hi"}, None, CFG).stream  # Fish Audio's SDK sends none: streamed
+    f = parse_fish_tts({"text": "hi", "streaming": False, "use_memory_cache": "on", "max_new_tokens": 0}, None, CFG)
+    assert not f.stream and f.fields["max_new_tokens"] == DEFAULT_LIMITS["max_new_tokens_limit"]
+    for bad in ({"streaming": 1}, {"use_memory_cache": True}, {"max_new_tokens": -1}):
+        with pytest.raises(APIError) as ei:
+            parse_fish_tts({"text": "hi", **bad}, None, CFG)
+        assert ei.value.status == 400 and ei.value.param == next(iter(bad))
+
+
+def test_ref_audio_hosts_entries_and_the_address_check():
+    """Entries: host names (with a port or not), addresses and networks, URL prefixes (a path ends at a '/'); a listed
+    name that resolves to a loopback address is refused until that address is listed too."""
+    import asyncio
+
+    from s2tts.gateway.remote_audio import RemoteAudio, parse_rule
+
+    r = RemoteAudio(GatewayConfig(ref_audio_hosts=("https://cdn.example.com/voices", "10.0.0.0/8", "localhost:99")))
+    for url, ok in (("https://cdn.example.com/voices/a.wav", True), ("https://cdn.example.com/voices", True),
+                    ("https://cdn.example.com/voicesX/a.wav", False), ("http://cdn.example.com/voices/a.wav", False),
+                    ("https://cdn.example.com.evil.org/voices/a.wav", False), ("http://10.1.2.3:8/a", True),
+                    ("http://11.1.2.3/a", False), ("http://localhost:99/a", True), ("http://localhost/a", False)):
+        try:
+            r._check_url(url)
+            assert ok, url
+        except APIError as e:
+            assert not ok and e.code == "ref_audio_not_allowed" and "--ref-audio-hosts" in e.message, (url, e.message)
+    with pytest.raises(APIError) as ei:
+        asyncio.run(r._address("localhost", 99, None))
+    assert "loopback" in ei.value.message and "--ref-audio-hosts" in ei.value.message
+    listed = RemoteAudio(GatewayConfig(ref_audio_hosts=("localhost", "127.0.0.0/8", "::1")))
+    assert str(asyncio.run(listed._address("localhost", 80, None))) in ("127.0.0.1", "::1")
+    for bad in ("ftp://x/", "example.com/path", "host:notaport", "http://user:pw@x/"):
+        with pytest.raises(ValueError):
+            parse_rule(bad)

@@ -289,6 +289,10 @@ def test_prompt_format(prompts):
     assert torch.equal(clone.codes[clone.semantic], ref.T)
     decoded = prompts.tok.decode(clone.tokens[~clone.semantic].tolist(), skip_special_tokens=False)
     assert "Text:\n<|speaker:0|>What the clip says.\n\nSpeech:\n<|im_end|>" in decoded
+    # a transcript with a speaker tag anywhere is left as it is (upstream's re.search): no <|speaker:0|> before it
+    tagged = prompts.build("Say this.", ref, "Intro words <|speaker:1|>rest of it.")
+    decoded = prompts.tok.decode(tagged.tokens[~tagged.semantic].tolist(), skip_special_tokens=False)
+    assert "Text:\nIntro words <|speaker:1|>rest of it.\n\nSpeech:\n" in decoded and "<|speaker:0|>" not in decoded
 
 
 def test_ras_window_starts_empty_at_the_first_decode_step(model, prompts):

@@ -57,6 +57,8 @@ class StreamDecoder:
         self.batches: list[int] = []  # streams decoded together, one entry per codec call since the host last took them
         self.device = next(codec.parameters()).device
         self.C = codec.config.num_codebooks
+        # (semantic, residual) codebook sizes, where the codec states them (an exported graph's manifest does not)
+        self.sizes = (getattr(codec.config, "semantic_codebook_size", None), getattr(codec.config, "codebook_size", None))
         self.pool = SlotPool(codec, pool_size, graphs, buckets) if pool_size > 0 else None
         self.making: dict = {}  # {part: (seconds, GPU MiB or None)} as `open_stream_decoder` measured them
         self._lock = threading.Lock()
@@ -64,6 +66,10 @@ class StreamDecoder:
     def _check(self, sid: str, codes: np.ndarray, start: bool) -> S2Error | None:
         if codes.ndim != 2 or codes.shape[1] != self.C:
             return invalid(f"codes must be [frames, {self.C}], got {list(codes.shape)}", "codes")
+        sem, res = self.sizes
+        if codes.size and sem and (codes.min() < 0 or codes[:, 0].max() >= sem or codes[:, 1:].max() >= res):
+            return invalid(f"codes out of range: codebook 0 (semantic) takes 0 to {sem - 1}, codebooks 1-{self.C - 1} "
+                           f"take 0 to {res - 1} (the codec would clamp them: send codes it made)", "codes")
         if start and sid in self.states:
             return S2Error("already_exists", f"codec stream {sid!r} is already open: start each stream once "
                                              "(or end it with final=true first)", "stream_id")

@@ -6,7 +6,14 @@ For cloning, the system content is
     convert the provided text to speech reference to the following:\\n\\nText:\\n<|speaker:0|>{ref_text}\\n\\nSpeech:\\n
 followed by one <|semantic:code0|> token per reference frame, whose input embedding also
 carries all codebooks of that frame. Each text part is tokenized on its own, so BPE merges
-never cross part boundaries.
+never cross part boundaries. The `<|speaker:0|>` tag is added only when the transcript has no
+speaker tag anywhere (upstream's `re.search`).
+
+Whitespace at the ends of the text and of the transcript is stripped, where upstream keeps it for
+an untagged text and a transcript (and strips every turn of a tagged one): the project cuts every
+text into segments (s2tts.frontend.segment) and strips each, so a text's prompt does not depend on
+whether it was cut, tagged or sent whole; and a transcript read from a file with its newline gives
+the same prompt (and prefix-cache entry) as without it. Edge whitespace is never spoken.
 """
 
 from __future__ import annotations
@@ -69,7 +76,7 @@ class PromptBuilder:
             if not ref_text or not ref_text.strip():
                 raise ValueError("a voice reference needs its transcript: give reference_text")
             ref_text = clean_text(ref_text, "reference_text")
-            if not _SPEAKER.match(ref_text):
+            if not _SPEAKER.search(ref_text):
                 ref_text = "<|speaker:0|>" + ref_text
             ref_codes = torch.as_tensor(ref_codes, dtype=torch.int64)
             if ref_codes.ndim != 2 or ref_codes.shape[0] != s2.num_codebooks or ref_codes.shape[1] == 0:

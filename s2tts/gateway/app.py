@@ -28,15 +28,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..frontend.segment import combine_voices
 from .alignment import Segment, Timeline
-from .audio_io import decode_audio, decode_data_url
+from .audio_io import decode_audio
 from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, AudioPipeline
 from .errors import APIError, bad_request
 from .fish import FISH_PATHS, FishError, FishTTS, decode_body, fish_voice, fish_voice_id, parse_fish_tts
 from .fish import page as fish_page
+from .fish_server import REFERENCE_PATHS, ReferenceError
+from .fish_server import add_routes as add_fish_server_routes
 from .metrics import HTTPMetrics, MetricsMiddleware
-from .protocol import DEFAULT_LIMITS, SpeechParams, load_json, parse_speech
+from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, OPENAI_VOICES, SpeechParams, load_json, parse_speech
 from .live import LiveConnection
+from .remote_audio import RemoteAudio
 from .triton import SynthesisRequest, TritonBackend
 from .voices import VoiceStore, open_store, validate_name
 
@@ -105,8 +108,12 @@ def _ws_key(headers, cfg: GatewayConfig) -> tuple[bool, str | None]:
 
 
 def _shaped(scope, e: APIError) -> APIError:
-    """An error in the form of the API its path belongs to: Fish Audio's on its routes, OpenAI's elsewhere."""
-    return FishError.of(e) if scope.get("path", "").startswith(FISH_PATHS) else e
+    """An error in the form of the API its path belongs to: Fish Audio's (and fish-speech's) on their routes, OpenAI's
+    elsewhere."""
+    path = scope.get("path", "")
+    if path.startswith(REFERENCE_PATHS):
+        return ReferenceError.of(e, scope)
+    return FishError.of(e) if path.startswith(FISH_PATHS) else e
 
 
 class GuardMiddleware:
@@ -117,7 +124,7 @@ class GuardMiddleware:
         self.cfg = cfg
 
     def _limit(self, scope) -> int:
-        if scope["path"].rstrip("/") in ("/v1/audio/voices", "/model"):
+        if scope["path"].rstrip("/") in ("/v1/audio/voices", "/model", "/v1/references/add"):
             return self.cfg.max_form_body_bytes
         return self.cfg.max_json_body_bytes
 
@@ -327,14 +334,22 @@ class SpeechResponse(Response):
 
 
 class GatewayState:
-    def __init__(self, cfg: GatewayConfig, backend: TritonBackend, store: VoiceStore):
+    def __init__(self, cfg: GatewayConfig, backend: TritonBackend, store: VoiceStore, remote: RemoteAudio):
         self.cfg = cfg
         self.backend = backend
         self.store = store
+        self.remote = remote  # ref_audio given as a URL
         self.limiter = Limiter(cfg.max_in_flight or DEFAULT_LIMITS["max_concurrent_requests"])
         self.metrics = HTTPMetrics()
         self.metrics.in_flight = lambda: self.limiter.in_flight
         self.started_at = int(time.time())
+
+    def check_upload_size(self, data: bytes, param: str) -> None:
+        """An audio file (an upload, an inline or fetched reference) within --max-upload-mb."""
+        if len(data) > self.cfg.max_upload_bytes:
+            raise APIError(413, f"{param} is {len(data) / 2**20:.1f} MiB; audio files are limited to "
+                                f"{self.cfg.max_upload_bytes / 2**20:.1f} MiB: send a shorter or smaller file",
+                           param=param, code="payload_too_large")
 
 
 def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: str, limits: dict) -> None:
@@ -351,6 +366,13 @@ def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: s
                           param, code="reference_too_short")
 
 
+def _check_transcript(ref_text: str, param: str, limits: dict) -> None:
+    """A voice's transcript within s2pro's max_text_chars (s2pro would refuse every request that uses the voice)."""
+    if len(ref_text) > limits["max_text_chars"]:
+        raise bad_request(f"{param} has {len(ref_text)} characters; the limit is {limits['max_text_chars']}: "
+                          "send the transcript of the clip alone", param, code="invalid_value")
+
+
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -362,9 +384,11 @@ def _request_id(request: Request) -> str:
 
 
 def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: VoiceStore | None = None) -> FastAPI:
-    backend = backend or TritonBackend(cfg.triton_url, cfg.triton_model, cfg.encoder_model, cfg.triton_timeout_s)
+    backend = backend or TritonBackend(cfg.triton_url, cfg.triton_model, cfg.encoder_model, cfg.triton_timeout_s,
+                                       cfg.decoder_model)
+    remote = RemoteAudio(cfg)  # first: a setting it cannot use stops the start before the store is opened
     store = store or open_store(cfg.db_path)
-    state = GatewayState(cfg, backend, store)
+    state = GatewayState(cfg, backend, store, remote)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -457,11 +481,12 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         p = parse_speech(body, cfg, limits)
         req = _synthesis(p.input, _request_id(request), p.fields)
         names = [] if p.voice is None else p.voice if isinstance(p.voice, list) else [p.voice]
-        if isinstance(p.ref_audio, list):  # inline clips, one per speaker
-            clips = [(decode_data_url(url), text, f"ref_audio[{i}]") for i, (url, text) in
-                     enumerate(zip(p.ref_audio, p.ref_text))]
-        else:
-            clips = [] if p.ref_audio is None else [(decode_data_url(p.ref_audio), p.ref_text, "ref_audio")]
+        inline = [] if p.ref_audio is None else list(zip(p.ref_audio, p.ref_text)) if isinstance(p.ref_audio, list) \
+            else [(p.ref_audio, p.ref_text)]
+        clips = []  # a data URL, or a URL fetched or a file read where the operator allows (remote_audio.py)
+        for i, (value, text) in enumerate(inline):
+            what = f"ref_audio[{i}]" if isinstance(p.ref_audio, list) else "ref_audio"
+            clips.append((await state.remote.read(value, what), text, what))
         await _reference(req, names, "voice", clips, "ref_audio", limits)
         return SpeechResponse(state, p, req)
 
@@ -490,10 +515,23 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             req.reference_audio, req.reference_sample_rate, req.reference_text = x, sr, text
 
     async def _registered_voices(req: SynthesisRequest, names: list[str], param: str) -> None:
-        """Registered voices as the request's reference: one, or one per speaker in upstream's format."""
+        """Registered voices as the request's reference: one, or one per speaker in upstream's format. On the OpenAI
+        route a name of OpenAI's built-in voices that is not registered speaks with `openai_voice`."""
         found = []
         for name in names:
             voice = await anyio.to_thread.run_sync(store.get, name)
+            mapped = cfg.openai_voice if voice is None and param == "voice" and name.lower() in OPENAI_VOICES else None
+            if mapped is not None and mapped.lower() in DEFAULT_VOICES:
+                if len(names) == 1:
+                    return  # no reference voice
+                raise bad_request(f"{name!r} is one of OpenAI's voices, which speak with no reference voice here "
+                                  "(--openai-voice default): a list of voices holds registered names only", param)
+            if mapped is not None:
+                voice = await anyio.to_thread.run_sync(store.get, mapped)
+                if voice is None:
+                    raise APIError(404, f"voice {name!r} (one of OpenAI's voices) speaks with the voice {mapped!r} "
+                                        "(the gateway's --openai-voice), which is not registered: register it with "
+                                        "POST /v1/audio/voices", param=param, code="voice_not_found")
             if voice is None:
                 raise APIError(404, f"voice {name!r} not found. S2 Pro has no built-in voices: register one with "
                                     "POST /v1/audio/voices (GET /v1/audio/voices lists them), or leave it out / "
@@ -516,10 +554,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         req.reference_text, req.reference_codes = combine_voices(voices)
 
     async def _inline_clip(data: bytes, what: str, param: str, limits: dict):
-        if len(data) > cfg.max_upload_bytes:
-            raise APIError(413, f"{what} is {len(data) / 2**20:.1f} MiB; audio files are limited to "
-                                f"{cfg.max_upload_bytes / 2**20:.1f} MiB: send a shorter or smaller file",
-                           param=param, code="payload_too_large")
+        state.check_upload_size(data, what)
         x, sr = await anyio.to_thread.run_sync(decode_audio, data, param)
         _check_reference_length(x, sr, cfg, param, limits)
         return x, sr
@@ -535,8 +570,8 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         limits = await _served_limits()
         f = parse_fish_tts(body, request.headers.get("model"), cfg, limits)
         p = SpeechParams(input=f.text, model=cfg.served_model_name, voice=f.reference_id or None,
-                         response_format=f.format, speed=f.speed, stream_format="audio", fields=f.fields,
-                         gain=f.gain, bit_rate=f.bit_rate, sample_rate=f.sample_rate)
+                         response_format=f.format, speed=f.speed, stream_format="audio" if f.stream else None,
+                         fields=f.fields, gain=f.gain, bit_rate=f.bit_rate, sample_rate=f.sample_rate)
         req = _synthesis(f.text, _request_id(request), f.fields)
         await _fish_reference(req, f, limits)
         return SpeechResponse(state, p, req, error_shape=FishError.of)
@@ -565,31 +600,32 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
             consent = consent if isinstance(consent, str) else None
             data = await upload.read()
             mime = upload.content_type or "application/octet-stream"
-        if len(data) > cfg.max_upload_bytes:
-            raise APIError(413, f"audio_sample is {len(data) / 2**20:.1f} MiB; audio files are limited to "
-                                f"{cfg.max_upload_bytes / 2**20:.1f} MiB: send a shorter or smaller file",
-                           param="audio_sample", code="payload_too_large")
+        state.check_upload_size(data, "audio_sample")
         if not data:
             raise bad_request("the uploaded audio file is empty", "audio_sample", code="missing_audio")
         if await anyio.to_thread.run_sync(store.get, name, False) is not None:
             raise APIError(409, f"a voice named {name!r} already exists: delete it first "
                                 f"(DELETE /v1/audio/voices/{name}) or choose another name", param="name",
                            code="voice_exists")
-        return (await _register(name, ref_text, data, mime, consent, "audio_sample")).public()
+        return (await _register(name, ref_text, data, mime, "audio_sample", consent=consent)).public()
 
-    async def _register(name: str, ref_text: str, data: bytes, mime: str, consent: str | None, param: str,
-                        text_param: str = "ref_text"):
-        """A clip and its transcript encoded once (dac_encoder) and stored as the voice `name`."""
+    async def _encode_clip(ref_text: str, data: bytes, param: str, text_param: str):
+        """A voice's clip and transcript checked (size, transcript length, the audio, its length) and encoded once
+        (dac_encoder) -> (sample rate, samples, codes)."""
+        state.check_upload_size(data, param)
         limits = await backend.served_limits(cfg.limits_ttl_s)
-        if len(ref_text) > limits["max_text_chars"]:  # s2pro would refuse every request that uses the voice
-            raise bad_request(f"{text_param} has {len(ref_text)} characters; the limit is {limits['max_text_chars']}: "
-                              "send the transcript of the clip alone", text_param, code="invalid_value")
+        _check_transcript(ref_text, text_param, limits)
         x, sr = await anyio.to_thread.run_sync(decode_audio, data, param)
         _check_reference_length(x, sr, cfg, param, limits)
-        codes = await backend.encode_reference(x, sr)
+        return sr, len(x), await backend.encode_reference(x, sr)
+
+    async def _register(name: str, ref_text: str, data: bytes, mime: str, param: str, text_param: str = "ref_text",
+                        consent: str | None = None, title: str | None = None, description: str = ""):
+        """A clip and its transcript encoded once (dac_encoder) and stored as the voice `name`."""
+        sr, n, codes = await _encode_clip(ref_text, data, param, text_param)
         voice = await anyio.to_thread.run_sync(
-            lambda: store.add(name, ref_text.strip(), data, mime, sr, len(x), codes, consent))
-        log.info("voice %r registered: %.2f s at %d Hz -> codes %s", name, len(x) / sr, sr, list(codes.shape))
+            lambda: store.add(name, ref_text.strip(), data, mime, sr, n, codes, consent, title, description))
+        log.info("voice %r registered: %.2f s at %d Hz -> codes %s", name, n / sr, sr, list(codes.shape))
         return voice
 
     @app.get("/v1/audio/voices")
@@ -601,24 +637,27 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         validate_name(name, "voice_id")
         return name
 
+    def _no_voice(name: str) -> APIError:
+        return APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+
     @app.get("/v1/audio/voices/{name}")
     async def get_voice(name: str):
         v = await anyio.to_thread.run_sync(store.get, _voice_or_404(name), False)
         if v is None:
-            raise APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+            raise _no_voice(name)
         return v.public()
 
     @app.get("/v1/audio/voices/{name}/audio")
     async def get_voice_audio(name: str):
         got = await anyio.to_thread.run_sync(store.get_audio, _voice_or_404(name))
         if got is None:
-            raise APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+            raise _no_voice(name)
         return Response(got[0], media_type=got[1])
 
     @app.delete("/v1/audio/voices/{name}")
     async def delete_voice(name: str):
         if not await anyio.to_thread.run_sync(store.delete, _voice_or_404(name)):
-            raise APIError(404, f"voice {name!r} not found", param="voice_id", code="voice_not_found")
+            raise _no_voice(name)
         log.info("voice %r deleted", name)
         return {"id": name, "object": "audio.voice.deleted", "deleted": True}
 
@@ -654,50 +693,90 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         await _live(ws, timestamps=True)
 
     # ---- Fish Audio's voices: the same store (s2tts/gateway/fish.py) ----------------------------
-    @app.post("/model")
-    async def fish_create_voice(request: Request):
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise bad_request("send multipart/form-data: title, voices (the clip) and texts (its transcript)", None,
+    async def _fish_voice_form(request: Request, create: bool) -> dict:
+        """POST /model's and PATCH /model/{id}'s form: title, description, and the clip (`voices`) with its transcript
+        (`texts`): one of each (POST: both required; PATCH: `texts` alone replaces the transcript). The SDK's other
+        fields (visibility, tags, cover_image, train_mode, enhance_audio_quality) are taken with no effect."""
+        ctype = request.headers.get("content-type", "")
+        forms = ("multipart/form-data",) if create else ("multipart/form-data", "application/x-www-form-urlencoded")
+        if not ctype.startswith(forms):
+            raise bad_request(f"send {' or '.join(forms)}: title, voices (the clip) and texts (its transcript)", None,
                               code="invalid_content_type")
         async with request.form(max_files=4, max_fields=64) as form:
             clips = [f for f in form.getlist("voices") if isinstance(f, UploadFile)]
             texts = [t for t in form.getlist("texts") if isinstance(t, str) and t.strip()]
-            title = form.get("title")
+            out = {k: form.get(k) for k in ("title", "description")}
             kind = form.get("type")
-            if len(clips) != 1:
+            if len(clips) > 1 or (create and not clips):
                 raise bad_request(f"send one clip in voices (got {len(clips)}): 5-15 s of one person speaking; several "
                                   "samples for one voice are not supported here", "voices")
-            if len(texts) != 1:
+            if len(texts) > 1 or ((create or clips) and not texts):
                 raise bad_request("texts must hold the transcript of the clip: this server does no speech "
                                   "recognition, and S2 Pro clones from the clip and its words", "texts")
             if kind not in (None, "tts"):
                 raise bad_request(f"type={kind!r}: this server makes tts voices only", "type")
-            data, mime = await clips[0].read(), clips[0].content_type or "application/octet-stream"
-        if len(data) > cfg.max_upload_bytes:
-            raise APIError(413, f"the clip is {len(data) / 2**20:.1f} MiB; audio files are limited to "
-                                f"{cfg.max_upload_bytes / 2**20:.1f} MiB", param="voices", code="payload_too_large")
-        name = await anyio.to_thread.run_sync(lambda: fish_voice_id(title, lambda n: store.get(n, False) is not None))
-        return fish_voice(await _register(name, texts[0], data, mime, None, "voices", "texts"))
+            for k, v in out.items():
+                if v is not None and not isinstance(v, str):
+                    raise bad_request(f"{k} must be a text field", k)
+            if out["title"] is not None and not out["title"].strip():
+                raise bad_request("title must not be empty: the voice's name", "title")
+            out["text"] = texts[0] if texts else None
+            out["clip"] = (await clips[0].read(), clips[0].content_type or "application/octet-stream") if clips else None
+        return out
+
+    @app.post("/model")
+    async def fish_create_voice(request: Request):
+        f = await _fish_voice_form(request, create=True)
+        name = await anyio.to_thread.run_sync(lambda: fish_voice_id(f["title"],
+                                                                    lambda n: store.get(n, False) is not None))
+        return fish_voice(await _register(name, f["text"], *f["clip"], "voices", "texts", title=f["title"].strip(),
+                                          description=f["description"] or ""))
 
     @app.get("/model")
     async def fish_list_voices(request: Request):
         title = request.query_params.get("title")
         voices = [fish_voice(v) for v in await anyio.to_thread.run_sync(store.list)
-                  if not title or title.lower() in v.name.lower()]
+                  if not title or title.lower() in (v.title or v.name).lower()]
         return fish_page(voices, request.query_params)
 
     @app.get("/model/{voice_id}")
     async def fish_get_voice(voice_id: str):
         v = await anyio.to_thread.run_sync(store.get, _voice_or_404(voice_id), False)
         if v is None:
-            raise APIError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+            raise _no_voice(voice_id)
         return fish_voice(v)
+
+    @app.patch("/model/{voice_id}")
+    async def fish_update_voice(voice_id: str, request: Request):
+        """The SDK's `voices.update`: title and description; also the transcript (`texts`) or the clip with its
+        transcript (`voices` + `texts`: encoded again). The id stays."""
+        name = _voice_or_404(voice_id)
+        f = await _fish_voice_form(request, create=False)
+        if await anyio.to_thread.run_sync(store.get, name, False) is None:
+            raise _no_voice(voice_id)
+        clip = None
+        if f["clip"] is not None:
+            sr, n, codes = await _encode_clip(f["text"], f["clip"][0], "voices", "texts")
+            clip = (*f["clip"], sr, n, codes)
+        elif f["text"] is not None:
+            _check_transcript(f["text"], "texts", await backend.served_limits(cfg.limits_ttl_s))
+        title = f["title"].strip() if f["title"] is not None else None
+        if not await anyio.to_thread.run_sync(lambda: store.update(
+                name, title=title, description=f["description"], clip=clip,
+                ref_text=f["text"].strip() if f["text"] is not None else None)):
+            raise _no_voice(voice_id)
+        log.info("voice %r updated%s", name, " (a new clip)" if clip else "")
+        return fish_voice(await anyio.to_thread.run_sync(store.get, name, False))
 
     @app.delete("/model/{voice_id}")
     async def fish_delete_voice(voice_id: str):
         if not await anyio.to_thread.run_sync(store.delete, _voice_or_404(voice_id)):
-            raise APIError(404, f"voice {voice_id!r} not found", param="voice_id", code="voice_not_found")
+            raise _no_voice(voice_id)
         log.info("voice %r deleted", voice_id)
         return Response(status_code=200)
+
+    # ---- fish-speech's own server API (s2tts/gateway/fish_server.py) --------------------------------------------
+    add_fish_server_routes(app, state, _register, _served_limits,
+                           lambda x, sr, param, limits: _check_reference_length(x, sr, cfg, param, limits))
 
     return app

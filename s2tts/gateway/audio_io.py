@@ -16,11 +16,12 @@ _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+
 
 
 def decode_data_url(value: str, param: str = "ref_audio") -> bytes:
-    """A `data:<mime>;base64,<data>` URL (or bare base64) -> bytes. Remote and file URLs are refused."""
+    """A `data:<mime>;base64,<data>` URL (or bare base64) -> bytes. Other URLs are refused (http(s) and file URLs are
+    remote_audio.py's, under the operator's settings)."""
     value = value.strip()
     if re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*://", value):
-        raise bad_request(f"{param} must be a base64 data URL (data:audio/wav;base64,...); "
-                          "http(s):// and file:// URLs are not fetched by this server", param)
+        raise bad_request(f"{param} must be a base64 data URL (data:audio/wav;base64,...), or an http(s):// or "
+                          "file:// URL where the operator allows them; other URLs are not fetched", param)
     m = _DATA_URL.match(value)
     if m:
         if not m.group("b64"):

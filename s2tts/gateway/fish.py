@@ -14,17 +14,28 @@ Fields (Fish Audio's names and ranges; the numeric ones are checked against the 
 | `references` | `[{audio, text}]`: clips (bytes; base64 in JSON) and their transcripts; several = one voice per speaker |
 | `reference_id` | a registered voice (`/v1/audio/voices`), or a list of them (one per speaker) |
 | `prosody` | `{speed: 0.5-2, volume: -20..20 dB, normalize_loudness}`: speed by time-stretching, volume as a gain; `normalize_loudness` (a boolean) is accepted with no effect: a loudness measure needs the whole take, and the audio streams as it is made |
-| `chunk_length`, `top_p`, `temperature`, `max_new_tokens`, `seed` | as s2pro's fields (`max_new_tokens`: per segment) |
+| `chunk_length`, `top_p`, `temperature`, `max_new_tokens`, `seed` | as s2pro's fields (`max_new_tokens`: per segment; 0, fish-speech's "no limit", is the server's `max_new_tokens_limit`) |
+| `streaming` | fish-speech's: `false` the whole file in one response (a WAV with its exact sizes, `content-length`); `true` chunks as they are made; absent (Fish Audio's SDK never sends it): streamed, as Fish Audio answers. Any format streams (fish-speech's own server streams WAV only) |
+| `use_memory_cache` | fish-speech's (`on` / `off`): accepted with no effect; a registered voice's codes are always reused (encoded once at registration) and an inline clip is encoded for its request |
 | `normalize`, `latency`, `repetition_penalty`, `min_chunk_length`, `condition_on_previous_chunks`, `early_stop_threshold`, `features` | accepted with no effect: the text is always normalized as upstream does, audio always streams at the lowest latency, every segment is conditioned on the earlier ones, S2 Pro's sampling has no repetition penalty, and Fish's server-side `features` (LiveKit's plugin sends `quality-guard`) are its service's own (the SDK and the plugins send these on every call) |
 
 Voices (`/model`, the SDK's `voices` methods) are the gateway's voice store, the same voices as `/v1/audio/voices`: a
 voice registered either way is a `reference_id` here and a `voice` there. `POST /model` (multipart, as the SDK sends
 it) takes one clip (`voices`) and its transcript (`texts`: required, this server does no speech recognition) and a
-`title`, from which the voice's id is made (`fish_voice_id`); `description`, `tags`, `visibility`, `cover_image`,
-`train_mode` and `enhance_audio_quality` are accepted with no effect. `GET /model` lists them (`page_size`,
-`page_number`, `title` filter), `GET` / `DELETE /model/{id}` one.
+`title`, kept as given and from which the voice's id is made (`fish_voice_id`), and a `description`, kept; `tags`,
+`visibility`, `cover_image`, `train_mode` and `enhance_audio_quality` are accepted with no effect. `GET /model` lists
+them (`page_size`, `page_number`, `title` filter), `GET` / `DELETE /model/{id}` one; `PATCH /model/{id}` (form or
+multipart, as the SDK's `voices.update` sends it) changes its `title` and `description` (the id stays), its transcript
+(`texts`), or its clip (`voices`, with its `texts`: encoded again), and accepts the other fields with no effect.
 
-Errors are Fish's shape, `{"status", "message", "detail"}` (both SDK generations read one of the last two).
+Ranges: fish-speech's own server (`ServeTTSRequest`) refuses `chunk_length` outside 100-1000, `top_p` and `temperature`
+outside 0.1-1.0 and `repetition_penalty` outside 0.9-2.0; Fish Audio's API and this server take the schema's wider
+ranges (`chunk_length` 16-100000, `temperature` 0-2 with 0 greedy, `top_p` (0, 1]), so every request fish-speech's
+server takes is taken here.
+
+Errors are one shape for both Fish APIs: `{"status", "message", "detail"}` as Fish Audio's service answers (both SDK
+generations read one of the last two) with fish-speech's server's `statusCode` and `error` (the status's phrase) too.
+fish-speech's other routes are fish_server.py's.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import datetime
 import math
 import re
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
@@ -43,13 +55,13 @@ from .config import GatewayConfig
 from .errors import APIError, bad_request
 from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, MAX_VOICES, _field, load_json
 
-FISH_PATHS = ("/v1/tts", "/model")  # the routes that answer errors in Fish's shape
+FISH_PATHS = ("/v1/tts", "/model", "/v1/vqgan/", "/v1/health")  # the routes that answer errors in Fish's shape
 FISH_FORMATS = ("wav", "pcm", "mp3", "opus")
 FISH_NUMBERS = ("chunk_length", "top_p", "temperature", "max_new_tokens", "seed", "top_k")  # s2pro's names
 ADVISORY = ("normalize", "latency", "repetition_penalty", "min_chunk_length", "condition_on_previous_chunks",
             "early_stop_threshold", "features")
 KNOWN = {"text", "format", "sample_rate", "mp3_bitrate", "opus_bitrate", "references", "reference_id", "prosody",
-         *FISH_NUMBERS, *ADVISORY}
+         "streaming", "use_memory_cache", *FISH_NUMBERS, *ADVISORY}
 MP3_BITRATES = (64, 128, 192)
 OPUS_BITRATES = (-1000, 24, 32, 48, 64, 24000, 32000, 48000, 64000)  # kbps (the SDK) or bps (LiveKit's plugin)
 PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
@@ -66,7 +78,8 @@ class FishError(APIError):
         return cls(e.status, e.message, param=e.param, code=e.code, headers=e.headers)
 
     def body(self) -> dict:
-        return {"status": self.status, "message": self.message, "detail": self.message}
+        return {"status": self.status, "message": self.message, "detail": self.message, "statusCode": self.status,
+                "error": HTTPStatus(self.status).phrase}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -83,6 +96,7 @@ class FishTTS:
     reference_id: list[str] = field(default_factory=list)
     sample_rate: int | None = None  # the rate to write; None: the format's own
     fields: dict = field(default_factory=dict)  # s2pro's numeric fields the request gave, checked
+    stream: bool = True  # False (fish-speech's streaming=false): the whole file in one response
 
 
 def decode_body(raw: bytes, content_type: str) -> dict:
@@ -193,14 +207,21 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
     refs = _references(body.get("references"))
     if refs and ids:
         raise bad_request("send references or reference_id, not both", "reference_id")
+    streaming = body.get("streaming")
+    if streaming is not None and not isinstance(streaming, bool):
+        raise bad_request("streaming must be true (chunks as they are made) or false (the whole file)", "streaming")
+    _choice(body, "use_memory_cache", ("on", "off"))
     values = {}
     for name in FISH_NUMBERS:
-        v = _field({REQUEST_FIELDS[name].http: body.get(name)}, name, limits)
+        given = body.get(name)
+        if name == "max_new_tokens" and given == 0 and not isinstance(given, bool):  # fish-speech's "no limit"
+            given = limits["max_new_tokens_limit"]
+        v = _field({REQUEST_FIELDS[name].http: given}, name, limits)
         if v is not None:
             values[name] = v
     return FishTTS(text=text, format=fmt, bit_rate=bit_rate, speed=1.0 if speed is None else speed,
                    gain=1.0 if volume is None else 10 ** (volume / 20), references=refs, reference_id=ids,
-                   sample_rate=None if rate is None else int(rate), fields=values)
+                   sample_rate=None if rate is None else int(rate), fields=values, stream=streaming is not False)
 
 
 # ---- voices (/model) ------------------------------------------------------------------------------------------------
@@ -223,9 +244,12 @@ def fish_voice_id(title, taken) -> str:
 
 def fish_voice(v) -> dict:
     """A stored voice (`voices.Voice`) as Fish Audio's voice model (what the SDK's `Voice` reads)."""
-    when = datetime.datetime.fromtimestamp(v.created_at, datetime.timezone.utc).isoformat()
-    return {"_id": v.name, "type": "tts", "title": v.name, "description": "", "cover_image": "", "train_mode": "fast",
-            "state": "trained", "tags": [], "created_at": when, "updated_at": when, "languages": [],
+    def when(t):
+        return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat()
+
+    return {"_id": v.name, "type": "tts", "title": v.title or v.name, "description": v.description,
+            "cover_image": "", "train_mode": "fast", "state": "trained", "tags": [], "created_at": when(v.created_at),
+            "updated_at": when(v.updated_at or v.created_at), "languages": [],
             "visibility": "private", "lock_visibility": False, "like_count": 0, "mark_count": 0, "shared_count": 0,
             "task_count": 0, "liked": False, "marked": False,
             "samples": [{"title": v.name, "text": v.ref_text, "task_id": "", "audio": f"/v1/audio/voices/{v.name}/audio"}],

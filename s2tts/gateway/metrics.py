@@ -21,8 +21,11 @@ _ROUTES = [
     (re.compile(r"^/v1/audio/voices/[^/]+/audio$"), "/v1/audio/voices/{name}/audio"),
     (re.compile(r"^/v1/audio/voices/[^/]+$"), "/v1/audio/voices/{name}"),
     (re.compile(r"^/v1/models/[^/]+$"), "/v1/models/{id}"),
+    (re.compile(r"^/model/[^/]+$"), "/model/{id}"),
 ]
-_FIXED = {"/", "/health", "/metrics", "/v1/audio/speech", "/v1/audio/voices", "/v1/models"}
+_FIXED = {"/", "/health", "/metrics", "/v1/audio/speech", "/v1/audio/voices", "/v1/models", "/v1/tts", "/model",
+          "/v1/health", "/v1/references/add", "/v1/references/list", "/v1/references/delete", "/v1/references/update",
+          "/v1/vqgan/encode", "/v1/vqgan/decode"}
 
 
 def route_of(path: str) -> str:

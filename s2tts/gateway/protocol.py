@@ -20,6 +20,10 @@ DEFAULT_LIMITS = {k: SCHEMA[k].default for k in ("max_text_chars", "max_new_toke
                                                  "max_concurrent_requests", "request_timeout_s")}
 
 DEFAULT_VOICES = {"default", "none", ""}  # mean: no reference voice
+# OpenAI's built-in voice names (tts-1's and gpt-4o-mini-tts's): what GatewayConfig.openai_voice maps them to, unless a
+# voice of that name is registered
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "cedar", "coral", "echo", "fable", "marin", "nova", "onyx", "sage",
+                           "shimmer", "verse"})
 
 _FIELDS = {
     # OpenAI
@@ -94,7 +98,8 @@ def _inline_voices(ref_audio, ref_text) -> tuple[list[str] | str, list[str] | st
                           "ref_audio")
     for i, (a, t) in enumerate(zip(ref_audio, ref_text)):
         if not isinstance(a, str) or not a.strip():
-            raise bad_request(f"ref_audio[{i}] must be a base64 data URL string (data:audio/wav;base64,...)", "ref_audio")
+            raise bad_request(f"ref_audio[{i}] must be a string: a base64 data URL (data:audio/wav;base64,...) or a URL "
+                              "the server may fetch", "ref_audio")
         if not isinstance(t, str) or not t.strip():
             raise bad_request(f"ref_text[{i}] must be the transcript of ref_audio[{i}], a non-empty string", "ref_text",
                               code="missing_ref_text")
@@ -242,7 +247,8 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
     if isinstance(ref_audio, list) or isinstance(ref_text, list):  # inline clips, one per speaker
         ref_audio, ref_text = _inline_voices(ref_audio, ref_text)
     elif ref_audio is not None and (not isinstance(ref_audio, str) or not ref_audio.strip()):
-        raise bad_request("ref_audio must be a base64 data URL string (data:audio/wav;base64,...)", "ref_audio")
+        raise bad_request("ref_audio must be a string: a base64 data URL (data:audio/wav;base64,...) or a URL the "
+                          "server may fetch", "ref_audio")
     if ref_text is not None and not isinstance(ref_text, (str, list)):
         raise bad_request("ref_text must be a string: the transcript of ref_audio", "ref_text")
     if isinstance(ref_audio, str) and not (ref_text or "").strip():

@@ -169,13 +169,16 @@ class SpeechStream:
 
 
 class TritonBackend:
+    DECODE_CHUNK_FRAMES = 256  # frames per dac_decoder call of `decode_codes` (its activations, not the whole take's)
+
     def __init__(self, url: str, model: str = "s2pro", encoder_model: str = "dac_encoder",
-                 timeout_s: float | None = None):
-        """`timeout_s`: the longest wait for one answer of the server (a stream's next response, an encoder call);
+                 timeout_s: float | None = None, decoder_model: str = "dac_decoder"):
+        """`timeout_s`: the longest wait for one answer of the server (a stream's next response, a codec call);
         None: s2pro's request_timeout_s (its deadline for each text segment) + 30 s."""
         self.url = url
         self.model = model
         self.encoder_model = encoder_model
+        self.decoder_model = decoder_model
         self.timeout_s = timeout_s
         self._client: grpcclient.InferenceServerClient | None = None
         self._limits: tuple[float, dict] | None = None  # (when read, s2pro's limits)
@@ -267,3 +270,41 @@ class TritonBackend:
         if codes is None or codes.ndim != 2:
             raise APIError(502, f"{self.encoder_model} returned no [num_codebooks, frames] codes", code="upstream_error")
         return codes.astype(np.int32)
+
+    async def decode_codes(self, codes: np.ndarray, stream_id: str) -> np.ndarray:
+        """`dac_decoder`: int32 codes [num_codebooks, frames] -> float32 audio (frames x the codec's hop). The codes go
+        as one codec stream of `DECODE_CHUNK_FRAMES`-frame chunks (the decoder's state carries over: the audio is the
+        whole take's); the model checks them (shape, range). A stream left open by a failed chunk is closed."""
+        frames = codes.shape[1]
+        parts, opened = [], False
+        try:
+            for at in range(0, frames, self.DECODE_CHUNK_FRAMES):
+                piece = np.ascontiguousarray(codes[:, at: at + self.DECODE_CHUNK_FRAMES].T[None], np.int32)
+                final = at + self.DECODE_CHUNK_FRAMES >= frames
+                parts.append(await self._decode_chunk(piece, stream_id, not opened, final))
+                opened = not final
+        finally:
+            if opened:  # a chunk failed after the stream was opened: end it (an empty final chunk)
+                try:
+                    await self._decode_chunk(np.zeros((1, 0, codes.shape[0]), np.int32), stream_id, False, True)
+                except APIError:
+                    pass
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    async def _decode_chunk(self, codes: np.ndarray, stream_id: str, start: bool, final: bool) -> np.ndarray:
+        inputs = []
+        for name, value, dtype in (("codes", codes, "INT32"), ("stream_id", np.array([[stream_id.encode()]], object),
+                                   "BYTES"), ("start", np.array([[start]]), "BOOL"), ("final", np.array([[final]]), "BOOL")):
+            t = grpcclient.InferInput(name, list(value.shape), dtype)
+            t.set_data_from_numpy(value)
+            inputs.append(t)
+        try:
+            res = await self.client.infer(self.decoder_model, inputs,
+                                          outputs=[grpcclient.InferRequestedOutput("audio")],
+                                          client_timeout=self.answer_timeout_s())
+        except (grpc.aio.AioRpcError, InferenceServerException) as e:
+            raise _rpc_error(self.url, e, self.decoder_model) from None
+        audio = res.as_numpy("audio")
+        if audio is None:
+            raise APIError(502, f"{self.decoder_model} returned no audio", code="upstream_error")
+        return audio.reshape(-1).astype(np.float32, copy=False)

@@ -42,6 +42,9 @@ class Voice:
     num_codebooks: int
     frames: int
     codes: np.ndarray | None = None  # int32 [num_codebooks, frames], loaded on demand
+    title: str | None = None  # Fish Audio's display title (`/model`); None: the name
+    description: str = ""  # Fish Audio's description
+    updated_at: float | None = None  # the last change (`update`, `rename`); None: never changed
 
     def public(self) -> dict:
         return {
@@ -77,9 +80,14 @@ _COLUMNS = """
 # at the end (never edit one that has shipped); both backends run the same list.
 MIGRATIONS = [
     "CREATE TABLE IF NOT EXISTS voices (" + _COLUMNS + ")",
+    "ALTER TABLE voices ADD COLUMN title TEXT",
+    "ALTER TABLE voices ADD COLUMN description TEXT",
+    "ALTER TABLE voices ADD COLUMN updated_at {real}",
 ]
 
-_META = "name, ref_text, created_at, sample_rate, num_samples, {length}(audio), audio_mime, num_codebooks, frames"
+_META = ("name, ref_text, created_at, sample_rate, num_samples, {length}(audio), audio_mime, num_codebooks, frames, "
+         "title, description, updated_at")
+_CODES = 12  # the column after _META's: a voice's codes
 
 
 def open_store(spec: str) -> "VoiceStore":
@@ -156,36 +164,68 @@ class VoiceStore:
     @staticmethod
     def _row(row, codes_blob=None) -> Voice:
         v = Voice(name=row[0], ref_text=row[1], created_at=float(row[2]), sample_rate=row[3], num_samples=row[4],
-                  audio_bytes=row[5], audio_mime=row[6], num_codebooks=row[7], frames=row[8])
+                  audio_bytes=row[5], audio_mime=row[6], num_codebooks=row[7], frames=row[8], title=row[9],
+                  description=row[10] or "", updated_at=None if row[11] is None else float(row[11]))
         if codes_blob is not None:
             v.codes = np.frombuffer(bytes(codes_blob), dtype="<i4").reshape(v.num_codebooks, v.frames).astype(np.int32)
         return v
 
-    def add(self, name: str, ref_text: str, audio: bytes, audio_mime: str, sample_rate: int, num_samples: int,
-            codes: np.ndarray, consent: str | None = None) -> Voice:
+    @staticmethod
+    def _clip(audio: bytes, audio_mime: str, sample_rate: int, num_samples: int, codes: np.ndarray) -> dict:
+        """A clip's columns: the file, its decoded length and its codes [num_codebooks, frames]."""
         codes = np.ascontiguousarray(codes, dtype="<i4")
         if codes.ndim != 2:
             raise ValueError(f"codes must be [num_codebooks, frames], got {codes.shape}")
-        now = time.time()
+        return {"audio": bytes(audio), "audio_mime": audio_mime, "sample_rate": int(sample_rate),
+                "num_samples": int(num_samples), "codes": codes.tobytes(), "num_codebooks": int(codes.shape[0]),
+                "frames": int(codes.shape[1])}
+
+    def add(self, name: str, ref_text: str, audio: bytes, audio_mime: str, sample_rate: int, num_samples: int,
+            codes: np.ndarray, consent: str | None = None, title: str | None = None, description: str = "") -> Voice:
+        clip = self._clip(audio, audio_mime, sample_rate, num_samples, codes)
+        cols = {"name": name, "ref_text": ref_text, "created_at": time.time(), **clip, "consent": consent,
+                "title": title, "description": description}
         try:
-            self._execute(
-                "INSERT INTO voices (name, ref_text, created_at, audio, audio_mime, sample_rate, num_samples,"
-                " codes, num_codebooks, frames, consent) VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s)",
-                (name, ref_text, now, bytes(audio), audio_mime, int(sample_rate), int(num_samples),
-                 codes.tobytes(), int(codes.shape[0]), int(codes.shape[1]), consent))
+            self._execute(f"INSERT INTO voices ({', '.join(cols)}) VALUES ({', '.join(['%s'] * len(cols))})",
+                          tuple(cols.values()))
         except Exception as e:
             if self._is_duplicate(e):
                 raise _exists(name) from None
             raise
-        return Voice(name, ref_text, now, int(sample_rate), int(num_samples), len(audio), audio_mime,
-                     int(codes.shape[0]), int(codes.shape[1]), codes.astype(np.int32))
+        return Voice(name, ref_text, cols["created_at"], clip["sample_rate"], clip["num_samples"], len(audio),
+                     audio_mime, clip["num_codebooks"], clip["frames"], np.asarray(codes, np.int32), title,
+                     description)
+
+    def update(self, name: str, *, title: str | None = None, description: str | None = None,
+               ref_text: str | None = None, clip: tuple | None = None) -> bool:
+        """Change what is given of a voice: its title, description, transcript, or its clip (`clip`: audio,
+        audio_mime, sample_rate, num_samples, codes, as `add` takes them). -> whether the voice exists."""
+        cols = {k: v for k, v in (("title", title), ("description", description), ("ref_text", ref_text))
+                if v is not None}
+        if clip is not None:
+            cols.update(self._clip(*clip))
+        cols["updated_at"] = time.time()
+        _, n = self._execute(f"UPDATE voices SET {', '.join(f'{k} = %s' for k in cols)} WHERE name = %s",
+                             (*cols.values(), name))
+        return n > 0
+
+    def rename(self, name: str, new_name: str) -> bool:
+        """The voice `name` from now on called `new_name` (409 if that name is taken). -> whether it existed."""
+        try:
+            _, n = self._execute("UPDATE voices SET name = %s, updated_at = %s WHERE name = %s",
+                                 (new_name, time.time(), name))
+        except Exception as e:
+            if self._is_duplicate(e):
+                raise _exists(new_name) from None
+            raise
+        return n > 0
 
     def get(self, name: str, with_codes: bool = True) -> Voice | None:
         cols = self._meta + (", codes" if with_codes else "")
         rows, _ = self._execute(f"SELECT {cols} FROM voices WHERE name = %s", (name,))
         if not rows:
             return None
-        return self._row(rows[0], rows[0][9] if with_codes else None)
+        return self._row(rows[0], rows[0][_CODES] if with_codes else None)
 
     def get_audio(self, name: str) -> tuple[bytes, str] | None:
         rows, _ = self._execute("SELECT audio, audio_mime FROM voices WHERE name = %s", (name,))
