@@ -141,18 +141,25 @@ def _live_children() -> list[tuple[int, str]]:
     return out
 
 
-# fixtures that start real server processes: a test that uses one (directly or through another) is a `server` test
+# The `slow` tests, which the fast lane (`bash scripts/test.sh -m "not slow"`) leaves out: every test that uses a
+# fixture starting a real server process (directly or through another fixture), and these modules: they start
+# processes themselves (tritonserver, the gateway, a browser, Prometheus, the interpreted kernels, perf tools) or run
+# the engine and codec for many steps.
 SERVER_FIXTURES = {"triton_server", "fault_server", "postgres"}
+SLOW_MODULES = {"test_codec", "test_codec_in_engine_server", "test_codec_start", "test_cpu_use", "test_dashboard",
+                "test_determinism", "test_engine_codec", "test_export", "test_faults", "test_fish_api",
+                "test_fish_server", "test_gateway", "test_kernels", "test_kubernetes", "test_launch", "test_launch_ahead",
+                "test_layout", "test_lifecycle", "test_overlap_probe", "test_perf_harness", "test_soak", "test_triton",
+                "test_web_page"}
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Tests that use a server fixture get the `server` marker (the fast lane, `-m "not server"`, leaves them out;
-    tests that start processes themselves carry the marker in their module). The interpreted kernel checks' test
-    last: their processes (started below) run on the CPU time the other tests leave idle, and the later their
-    results are collected, the more of that time they have had."""
+    """The `slow` marker as above. The interpreted kernel checks' test last: their processes (started below) run on
+    the CPU time the other tests leave idle, and the later their results are collected, the more of that time they
+    have had."""
     for item in items:
-        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.server)
+        if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
     if len(items) >= 20:
         items.sort(key=lambda i: i.nodeid.endswith("test_kernels_match_pytorch_under_interpreter"))  # stable
 

@@ -410,8 +410,11 @@ def test_speech_metrics_move_with_requests(triton_server):
     frames = sum(r.stats["frames"] for r in results)
     audio_s = sum(r.audio.size for r in results) / 44100
     ttfa = "s2tts_time_to_first_audio_seconds"
+    ok = 's2tts_requests_finished_total{model="s2pro",outcome="ok"}'
+    # (the outcome is counted when a request's record closes, which may be a tick after its first-audio observation)
     m = settle(lambda m: _histogram(m, ttfa, "s2pro")[0] >= _histogram(before, ttfa, "s2pro")[0] + 2
-               and m.get('s2tts_frames_total{model="s2pro"}', 0) >= before.get('s2tts_frames_total{model="s2pro"}', 0) + frames)
+               and m.get('s2tts_frames_total{model="s2pro"}', 0) >= before.get('s2tts_frames_total{model="s2pro"}', 0) + frames
+               and m.get(ok, 0) >= before.get(ok, 0) + 2)
     n0, s0 = _histogram(before, ttfa, "s2pro")
     n1, s1 = _histogram(m, ttfa, "s2pro")
     assert n1 == n0 + 2 and s1 - s0 == pytest.approx(sum(r.stats["ttfa_s"] for r in results), abs=0.05)
@@ -429,7 +432,6 @@ def test_speech_metrics_move_with_requests(triton_server):
     assert m['s2tts_engine_preemptions_total{model="slow_ar"}'] == 0
     b0, b1 = _histogram(before, "s2tts_codec_batch_size", "dac_decoder"), _histogram(m, "s2tts_codec_batch_size", "dac_decoder")
     assert b1[0] > b0[0] and b1[1] - b0[1] >= b1[0] - b0[0]  # each codec call decoded at least one stream
-    ok = 's2tts_requests_finished_total{model="s2pro",outcome="ok"}'
     assert m[ok] >= before.get(ok, 0) + 2
 
     from servers import pipeline_calls as calls
