@@ -5,7 +5,10 @@ from s2tts.engine.codec_plan import Slice, StreamView, Take, plan_codec
 
 
 def view(key, undecoded=0, need=0, released=0, ended=False, closes=True, open=True, ended_at=None):
-    return StreamView(key, undecoded, need, released, ended, closes, open, ended_at)
+    """A stream whose waiting chunks need `need` frames decoded (no audio held); `ended`: its final item routed (at
+    pass `ended_at`, 0 by default)."""
+    return StreamView(key, undecoded, waiting=need, audio=0, released=released, closes=closes, open=open,
+                      ended_at=(ended_at if ended_at is not None else 0) if ended else None)
 
 
 def whole(n, final):
@@ -26,7 +29,7 @@ def test_light_load_decodes_what_the_waiting_chunks_need_all_streams_in_one_call
 
 def test_under_load_whole_slices_every_k_passes_and_nothing_between():
     streams = [view(1, undecoded=9, need=6, released=8), view(2, undecoded=3, need=3, released=8)]
-    assert not plan(streams, passes=5, batch_steps=4, under_load=True)  # between held calls
+    assert not plan(streams, passes=5, batch_steps=4, under_load=True).takes  # between held calls
     p = plan(streams, passes=8, batch_steps=4, under_load=True)
     assert p.held and p.takes == (Take(1, 8, opens=False, closes=False),)  # 2 whole slices of 4; stream 2 has none
     # the engine out of work: the held call comes at once
@@ -40,7 +43,7 @@ def test_a_stream_short_of_audio_brings_the_held_call_forward_and_gets_what_it_n
     p = plan(streams, passes=5, batch_steps=4, under_load=True)
     assert p.takes == (Take(1, 3, opens=False, closes=False), Take(2, 8, opens=False, closes=False))
     # no chunk complete yet: no call
-    assert not plan([view(1, undecoded=3, need=0, released=2)], passes=5, batch_steps=4, under_load=True)
+    assert not plan([view(1, undecoded=3, need=0, released=2)], passes=5, batch_steps=4, under_load=True).takes
 
 
 def test_an_ended_request_decodes_all_it_has_and_closes_its_stream_unless_a_later_request_continues_it():
@@ -59,7 +62,7 @@ def test_between_held_calls_only_requests_that_ended_final_steps_ago_are_decoded
     p = plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=1)
     assert [t.key for t in p.takes] == [1] and p.takes[0].frames == 5
     assert [t.key for t in plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=0).takes] == [1, 2]
-    assert not plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=8)  # they wait for the held call
+    assert not plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=8).takes  # they wait for the held call
 
 
 def test_a_take_the_codec_cannot_decode_in_one_length_goes_in_several_calls_in_order():

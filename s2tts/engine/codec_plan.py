@@ -20,25 +20,34 @@ request continues it) is not closed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StreamView:
-    """What the planner needs of one request waiting for audio."""
+    """A request's counts as the planner sees them. The serving loop's state of the request holds one and keeps it
+    up to date as frames, audio and items come and go, so that a pass hands the planner what is there, making none."""
 
     key: int  # the request's internal id
-    undecoded: int  # frames made and not yet decoded
-    need: int  # frames its waiting chunks need decoded beyond the audio it holds
-    released: int  # frames whose audio was sent
-    ended: bool  # its final item is routed (the engine made its last frame)
-    closes: bool  # its codec stream closes with it (no later request continues it)
-    open: bool  # the codec holds state for its stream (opened, or continued from an earlier request)
-    ended_at: int | None = None  # the pass that routed its final item
+    undecoded: int = 0  # frames made and not yet decoded
+    waiting: int = 0  # frames of its chunks waiting for their audio
+    audio: int = 0  # frames of decoded audio not yet sent
+    released: int = 0  # frames whose audio was sent
+    closes: bool = True  # its codec stream closes with it (no later request continues it)
+    open: bool = False  # the codec holds state for its stream (opened, or continued from an earlier request)
+    ended_at: int | None = None  # the pass that routed its final item (the engine made its last frame)
+
+    @property
+    def need(self) -> int:
+        """Frames its waiting chunks need decoded beyond the audio it holds."""
+        return self.waiting - self.audio
+
+    @property
+    def ended(self) -> bool:
+        return self.ended_at is not None
 
 
-@dataclass(frozen=True)
-class Take:
+class Take(NamedTuple):
     """One request's frames decoded in this plan: its next `frames` undecoded frames."""
 
     key: int
@@ -47,8 +56,7 @@ class Take:
     closes: bool  # the last slice closes its stream
 
 
-@dataclass(frozen=True)
-class Slice:
+class Slice(NamedTuple):
     """One stream's part of one codec call: `frames` of its take, from `offset`."""
 
     key: int
@@ -58,14 +66,10 @@ class Slice:
     final: bool
 
 
-@dataclass(frozen=True)
-class CodecPlan:
+class CodecPlan(NamedTuple):
     takes: tuple[Take, ...] = ()
     calls: tuple[tuple[Slice, ...], ...] = ()  # in order; a stream at most once a call, its slices in order
     held: bool = False  # under load: the slices of a held call (or finals between them), not per chunk
-
-    def __bool__(self) -> bool:
-        return bool(self.takes)
 
 
 def plan_codec(streams: list[StreamView], *, passes: int, batch_steps: int, under_load: bool, engine_idle: bool,
@@ -77,7 +81,7 @@ def plan_codec(streams: list[StreamView], *, passes: int, batch_steps: int, unde
     if not held or passes % K == 0 or engine_idle or _short_of_audio(streams, K):
         takes = [t for s in streams if (t := _take(s, K if held else 0))]
     elif final_steps < K:  # between held calls: the requests that ended final_steps passes ago, alone
-        takes = [t for s in streams if s.ended and s.ended_at is not None and passes - s.ended_at >= final_steps
+        takes = [t for s in streams if s.ended_at is not None and passes - s.ended_at >= final_steps
                  and (t := _take(s, K))]
     else:
         takes = []
@@ -106,7 +110,7 @@ def _take(s: StreamView, K: int) -> Take | None:
     closes = s.ended and s.closes
     if n <= 0 and not (closes and s.open):  # nothing to decode, and no open stream to close
         return None
-    return Take(s.key, max(0, n), opens=not s.open, closes=closes)
+    return Take(s.key, max(0, n), not s.open, closes)
 
 
 def _calls(takes: list[Take], slices: Callable[[int, bool], list[int]]) -> tuple[tuple[Slice, ...], ...]:
@@ -117,7 +121,7 @@ def _calls(takes: list[Take], slices: Callable[[int, bool], list[int]]) -> tuple
         pieces = slices(t.frames, t.closes) if t.frames else [0]
         out, at = [], 0
         for k, n in enumerate(pieces):
-            out.append(Slice(t.key, at, n, start=t.opens and k == 0, final=t.closes and k == len(pieces) - 1))
+            out.append(Slice(t.key, at, n, t.opens and k == 0, t.closes and k == len(pieces) - 1))
             at += n
         per.append(out)
     rounds = max((len(p) for p in per), default=0)

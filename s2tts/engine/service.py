@@ -98,56 +98,64 @@ class RequestState:
     last_frame_at: float | None = None  # when the engine ended it (its last frame made)
     frames: int = 0
     codec: CodecStream | None = None
-    codec_open: bool = False  # the codec stream holds state for this request (opened, or continued)
     codec_dropped: bool = False  # nothing more is decoded (its decode failed, or its caller closed the stream)
+    # with an in-engine codec: its counts as the codec's planner reads them (frames undecoded, waiting, decoded,
+    # released; whether its stream is open), beside the frames, the decoded audio and the items themselves
+    counts: StreamView | None = None
     undecoded: list = field(default_factory=list)  # frames made and not yet decoded, in order
-    n_undecoded: int = 0
     audio: list = field(default_factory=list)  # decoded audio not yet sent, in order
-    n_audio: int = 0  # ... its frames
     waiting: list[Outgoing] = field(default_factory=list)  # routed items waiting for their audio, in order
-    released: int = 0  # frames whose audio was sent
-    ended_at: int | None = None  # the codec pass that took its final item
 
-    def need(self) -> int:
-        """Frames its waiting chunks need decoded beyond the audio it holds."""
-        return sum(w.frames for w in self.waiting) - self.n_audio
-
-    def ended(self) -> bool:
-        return bool(self.waiting) and self.waiting[-1].kind == "final"
-
-    def view(self, key: int) -> StreamView:
-        return StreamView(key, self.n_undecoded, self.need(), self.released, self.ended(), self.codec.final,
-                          self.codec_open, self.ended_at)
+    def add_frames(self, codes: np.ndarray) -> None:
+        self.undecoded.append(codes)
+        self.counts.undecoded += codes.shape[0]
 
     def take(self, n: int, C: int) -> np.ndarray:
         """Its next n undecoded frames [n, C]."""
         codes = np.concatenate(self.undecoded) if len(self.undecoded) > 1 else \
             self.undecoded[0] if self.undecoded else np.zeros((0, C), np.int32)
         self.undecoded = [codes[n:]] if codes.shape[0] > n else []
-        self.n_undecoded -= n
+        self.counts.undecoded -= n
         return codes[:n]
+
+    def add_audio(self, audio: np.ndarray, frames: int) -> None:
+        self.audio.append(audio)
+        self.counts.audio += frames
+
+    def wait(self, item: Outgoing) -> None:
+        self.waiting.append(item)
+        self.counts.waiting += item.frames
+
+    def drop_waiting(self) -> list[Outgoing]:
+        out, self.waiting, self.counts.waiting = self.waiting, [], 0
+        return out
+
+    def drop_frames(self) -> None:
+        self.undecoded, self.counts.undecoded = [], 0
 
     def release(self) -> list[Outgoing]:
         """Its waiting items whose audio is all decoded, in order, consecutive chunks as one (and an error at once)."""
         out: list[Outgoing] = []
+        c = self.counts
         while self.waiting:
             item = self.waiting[0]
             if item.kind == "error":
                 out.append(item)
-                self.waiting.clear()
+                self.drop_waiting()
                 break
             n = item.frames
-            if n > self.n_audio or (item.kind == "final" and (self.n_undecoded or (self.codec.final and self.codec_open))):
+            if n > c.audio or (item.kind == "final" and (c.undecoded or (c.closes and c.open))):
                 break
             self.waiting.pop(0)
-            self.released += n
+            c.waiting -= n
+            c.released += n
             audio = np.concatenate(self.audio) if len(self.audio) > 1 else \
                 self.audio[0] if self.audio else np.zeros(0, np.float32)
-            hop = audio.size // max(1, self.n_audio)
+            hop = audio.size // max(1, c.audio)
             item.audio, rest = audio[: n * hop], audio[n * hop:]
-            self.audio, self.n_audio = ([rest] if rest.size else []), self.n_audio - n
+            self.audio, c.audio = ([rest] if rest.size else []), c.audio - n
             prev = out[-1] if out else None
-            if prev is not None and prev.kind == "chunk" and item.kind == "chunk" and self.released > prev.frames + n:
+            if prev is not None and prev.kind == "chunk" and item.kind == "chunk" and c.released > prev.frames + n:
                 prev.codes, prev.audio = np.concatenate([prev.codes, item.codes]), np.concatenate([prev.audio, item.audio])
             else:
                 out.append(item)
@@ -278,7 +286,7 @@ class EngineService:
                 st = rec.state
                 st.codec = CodecStream(self.caller_stream(codec_stream.sid), codec_stream.start, codec_stream.final) \
                     if codec_stream else CodecStream(f"own/{rec.iid}")
-                st.codec_open = not st.codec.start
+                st.counts = StreamView(rec.iid, closes=st.codec.final, open=not st.codec.start)
         except S2Error as e:
             log.info("%s: request %s refused: %s", self.name, client_id, e.wire())
             self.table.refuse(responder, e)
@@ -395,7 +403,7 @@ class EngineService:
         for rec in self.table.live():
             st = rec.state
             if st.codec is not None and st.codec.sid in closing and not st.codec_dropped:
-                st.codec_open, st.codec_dropped = False, True
+                st.counts.open, st.codec_dropped = False, True
                 self._cancel(rec.iid, "its codec stream was closed")
         for sid in sids:
             self.codec.close(sid)
@@ -472,8 +480,7 @@ class EngineService:
             st.first_frame_s = time.monotonic() - st.arrived
         st.frames += n
         if self.codec is not None and n:
-            st.undecoded.append(o.codes)
-            st.n_undecoded += n
+            st.add_frames(o.codes)
         out = [Outgoing(rec, "chunk", chunk) for chunk in st.chunker.add(o.codes)]
         if o.finished:
             st.last_frame_at = time.monotonic()
@@ -493,17 +500,25 @@ class EngineService:
         reaches (in order)."""
         self.loop.passes += 1
         out = [now for item in routed for now in self._queue_for_audio(item)]
-        for rec in [r for r in self._decoding.values() if r.closed]:  # ended elsewhere (shutdown, unhealthy)
-            self._end_codec(rec.state)
-            del self._decoding[rec.iid]
-        views = [rec.state.view(iid) for iid, rec in self._decoding.items() if not rec.state.codec_dropped]
+        views = []
+        for iid, rec in list(self._decoding.items()):
+            if rec.closed:  # ended elsewhere (shutdown, unhealthy)
+                self._end_codec(rec.state)
+                del self._decoding[iid]
+            elif not rec.state.codec_dropped:
+                views.append(rec.state.counts)
         plan = plan_codec(views, passes=self.loop.passes, batch_steps=self.codec_batch_steps,
                           under_load=self.codec_batch_steps > 1 and self.under_load(),
                           engine_idle=not self.engine.has_work(), final_steps=self.codec_final_steps,
                           slices=self.codec.slices)
-        if plan:
+        if plan.takes:
             self._run_codec(plan)
-        for iid, rec in list(self._decoding.items()):
+        # only a request that got audio or items this pass can release any (the last pass released what it could)
+        touched = dict.fromkeys([item.rec.iid for item in routed] + [t.key for t in plan.takes])
+        for iid in touched:
+            rec = self._decoding.get(iid)
+            if rec is None:
+                continue
             ready = rec.state.release()
             out.extend(ready)
             if ready and ready[-1].kind in ("final", "error"):
@@ -516,21 +531,21 @@ class EngineService:
         items and this one, with no audio."""
         rec, st = item.rec, item.rec.state
         if item.kind == "error":
-            st.waiting.clear()
+            st.drop_waiting()
             self._decoding.pop(rec.iid, None)
             return [item]
         if item.reason == "cancelled" or st.codec_dropped:  # nothing more to decode: the stream just closes
             self._end_codec(st)
-            now, st.waiting = [*st.waiting, item], []
+            now = [*st.drop_waiting(), item]
             for w in now:
                 w.audio = np.zeros(0, np.float32)
-            st.undecoded, st.n_undecoded = [], 0
+            st.drop_frames()
             self._decoding.pop(rec.iid, None)
             return now
-        st.waiting.append(item)
+        st.wait(item)
         self._decoding[rec.iid] = rec
         if item.kind == "final":
-            st.ended_at = self.loop.passes
+            st.counts.ended_at = self.loop.passes
         return []
 
     def _run_codec(self, plan: CodecPlan) -> None:
@@ -540,7 +555,7 @@ class EngineService:
         for t in plan.takes:
             st = self._decoding[t.key].state
             codes[t.key] = st.take(t.frames, self.C)
-            st.codec_open = not t.closes
+            st.counts.open = not t.closes
         for call in plan.calls:
             now = [s for s in call if not self._decoding[s.key].state.codec_dropped]
             if not now:
@@ -560,14 +575,14 @@ class EngineService:
                 rec = self._decoding[s.key]
                 a, st = audio.get(k), rec.state
                 if isinstance(a, np.ndarray):
-                    st.audio.append(a)
-                    st.n_audio += s.frames
+                    st.add_audio(a, s.frames)
                     continue
                 err = a if isinstance(a, S2Error) else errors.internal(f"{self.name}: the codec returned no audio")
                 log.warning("%s: request %s: audio decode failed: %s", self.name, rec.tag, err.wire())
                 self._end_codec(st)
                 st.codec_dropped = True  # nothing more is decoded for it; its waiting items become the error
-                st.waiting = [Outgoing(rec, "error", error=err)]
+                st.drop_waiting()
+                st.wait(Outgoing(rec, "error", error=err))
                 self._cancel(rec.iid, "its audio could not be decoded")
 
     def _codec_call(self, jobs: list) -> dict:
@@ -601,8 +616,8 @@ class EngineService:
 
     def _end_codec(self, st: RequestState) -> None:
         """Close the request's codec stream unless a later request continues it (then only after a normal end)."""
-        if st.codec is not None and st.codec_open:
-            st.codec_open = False
+        if st.codec is not None and st.counts.open:
+            st.counts.open = False
             with self._codec_lock:
                 self._codec_closing.append(st.codec.sid)
 
@@ -624,8 +639,8 @@ class EngineService:
                 st.first_audio_s = now - st.arrived
             if item.kind == "final" and st.last_frame_at is not None and len(self.loop.tails) < 100_000:
                 self.loop.tails.append(now - st.last_frame_at)
-                if st.ended_at is not None:
-                    self.loop.final_waits.append(self.loop.passes - st.ended_at)
+                if st.counts is not None and st.counts.ended_at is not None:
+                    self.loop.final_waits.append(self.loop.passes - st.counts.ended_at)
             self._give(item, now)
 
     def _give(self, item: Outgoing, now: float) -> None:
