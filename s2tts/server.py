@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", required=True, help="S2 Pro checkpoint directory")
     ap.add_argument("--device", help="auto (default), cpu, cuda, cuda:N, or a list (cuda:0,cuda:1: one engine per GPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help=f"a setting (README: Settings; s2tts/settings.py); one of: {', '.join(sorted(SCHEMA))}")
+                    help=f"a setting (docs/SETTINGS.md; s2tts/settings.py); one of: {', '.join(sorted(SCHEMA))}")
     ap.add_argument("--address", help="where the HTTP, gRPC and metrics ports listen (default 127.0.0.1: this machine "
                                       "only; 0.0.0.0 exposes them, without authentication)")
     ap.add_argument("--http-port", type=int, default=8000)
