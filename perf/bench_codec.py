@@ -10,9 +10,9 @@ against the same without the check.
 
 `--served-only` times what dac_decoder runs per call (fp16 with the fp32 fallback, `StreamDecoder.decode_many`:
 numpy in, numpy out) for a batch of streams each sending its next chunk: wall and CPU milliseconds per call with
-each stream's own state (no pool, the earlier code), with the slot pool run eagerly, with the pool's CUDA graphs,
-the same with the codec's Triton kernels (`pool_graphs_kernels`; `..._ncw`: with the decoder channels-first, as
-before the twenty-fourth session), and what the servers open (`--paths`); `--profile DIR` writes kernel and
+each stream's own state (no pool), with the slot pool run eagerly, with the pool's CUDA graphs,
+the same with the codec's Triton kernels (`pool_graphs_kernels`; `..._ncw`: with the decoder channels-first),
+and what the servers open (`--paths`); `--profile DIR` writes kernel and
 operator tables of one chunk, as PyTorch ops and with the kernels. Modes ending in `_kernels` use the kernels too.
 """
 import argparse
@@ -155,7 +155,7 @@ def bench_served(args):
             pool = 256
         else:
             pool, graphs, fused = paths[label]
-            for c in (codec, fallback):  # "ncw": the kernels with the decoder channels-first, as before
+            for c in (codec, fallback):  # "ncw": the kernels with the decoder channels-first
                 use_triton_kernels(c, bool(fused), channels_last=fused != "ncw")
             dec = StreamDecoder(codec, fallback=fallback, pool_size=pool, graphs=graphs)
             made = dec.pool.warm([4, 8, n], max_batch=max_batch) if pool else 0

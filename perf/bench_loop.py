@@ -243,8 +243,8 @@ def main() -> int:
                     "uniformly within --resubmit-ms +- this (served clients' round trips differ: arrivals spread over "
                     "the steps instead of all after a held codec call)")
     ap.add_argument("--gil-load", default="", help="comma-separated R:W: a thread runs W ms of pure Python R times a "
-                    "second beside the loop (what serving adds in slow_ar's process: its sender builds ~340 "
-                    "responses/s of ~0.35 ms at c=64 on an H100, e.g. 340:0.35), each tried with the first of the "
+                    "second beside the loop (what serving adds in slow_ar's process: its sender builds a "
+                    "few hundred responses a second under load, e.g. 340:0.35), each tried with the first of the "
                     "others (the first of all: none)")
     ap.add_argument("--launch-ahead", default="", help="comma-separated 1/0: the engine launches its next step "
                     "before the loop routes the last one's frames (EngineService(launch_ahead=); default: the "

@@ -13,8 +13,8 @@ For every prompt and seed:
    reference's codes -> relative L2 error of each model's logits against the reference's (slow AR: its semantic
    head; fast AR: each residual codebook), and how often the argmax agrees.
 One JSON record per run (`--json`), the means printed. On random weights the codes say nothing of speech: what it
-measures is how far the FP8 model's numbers move, not what that does to a real voice (stated beside the numbers in
-perf/RESULTS.md). On a CPU with the tiny checkpoint it is a smoke test (the kernels under Triton's interpreter are
+measures is how far the FP8 model's numbers move, not what that does to a real voice: run it on the real checkpoint
+before serving `ar_weights=fp8`. On a CPU with the tiny checkpoint it is a smoke test (the kernels under Triton's interpreter are
 not needed: FP8 weights are widened there).
 """
 

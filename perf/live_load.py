@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Text streamed in like an LLM writes it, audio streamed out: s2pro text sessions under load (issue 27).
+"""Text streamed in like an LLM writes it, audio streamed out: s2pro text sessions under load.
 
     python perf/live_load.py --url 127.0.0.1:8001 --concurrency 1,16 --sessions 8 --json live.json
 
@@ -16,7 +16,7 @@ Per level:
                the session generates one segment at a time) -> its first audio; p50 / p90 / max
   underrun     sessions whose audio, played from its first chunk's arrival, would have run dry; dry_ms_max the longest
   audio_s_per_s, sessions_per_s  totals over the level's wall time
-The target (issue 27, one H100): first_ms <= 60 at c=1; no underrun at c=16 while text keeps coming.
+The target: first_ms <= 60 at c=1; no underrun at c=16 while text keeps coming.
 Output: --json FILE (config, per level the numbers and every session's record) and a markdown table, printed last.
 """
 

@@ -15,7 +15,7 @@ workers; every request has its own prompt text (unique in the run), its own seed
 --frames frames (`ignore_eos`; the gateway path cannot ask for that, see --http-ignore-eos). Before the
 sweep --warmup requests run alone; before each level every worker runs one short request (--warmup-frames).
 
-Per level (client-side; units as in the project's reference ANCHORS.md, shared/reference/ beside the repository):
+Per level (client-side; the units as perf/README.md defines them):
   TTFA      request sent -> first non-empty audio, ms: mean / p50 / p90 / p99
   RTF       each request's wall time / its own audio seconds, averaged (also p50, p99)
   audio_s_per_s, req_per_s, frames_per_s   totals over the level's wall time (first send -> last end)
@@ -925,7 +925,7 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
                          "sent with every request (HTTP: ref_audio); mixed: alternate")
     ap.add_argument("--fresh-references", action="store_true",
                     help="every audio clone sends a reference clip no earlier request sent (its own faint noise): "
-                         "each is a voice's first use, encoded and its prefix prefilled (issue 10's first-use row)")
+                         "each is a voice's first use, encoded and its prefix prefilled (the targets' first-use row)")
     ap.add_argument("--ref-seconds", type=float, default=10.0)
     ap.add_argument("--ref-sample-rate", type=int, default=44100)
     ap.add_argument("--temperature", type=float)

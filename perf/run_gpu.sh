@@ -15,10 +15,10 @@
 #              before: encoded by dac_encoder, its prefix prefilled)
 # 7. determ.   with DETERMINISM=1: perf/determinism.py (seeded codes alone vs beside others, both modes)
 # 8. pa        perf/make_pa_inputs.py + perf/run_perf_analyzer.sh (s2pro, slow_ar, fast_ar, dac_decoder), brief
-# 9. targets   perf/targets.py: issue 10's targets filled in from this run (targets.md, and in summary.md)
+# 9. targets   perf/targets.py: the serving targets filled in from this run (targets.md, and in summary.md)
 #
 # Knobs (environment):      default
-#   OUT                     perf/out                 where the results go (the device tool sets it)
+#   OUT                     perf/out                 where the results go
 #   CKPT                    /tmp/s2-full             checkpoint directory (written if it has no config.json)
 #   MAX_BATCH, MAX_SEQ_LEN  64, 1024                 model repository settings
 #   SETTINGS                ""                       more settings, "key=value key=value" (e.g. "chunk_frames=25 fast_ar=bls")
@@ -48,20 +48,20 @@
 #   GRPC_PORT, HTTP_PORT, METRICS_PORT  8001, 8000, 8002
 #   SERVER_TIMEOUT          900                      seconds to wait for the server to be ready
 #   LEVEL_TIMEOUT           120                      loadgen: no new request starts after this long in a level
-#   BUDGET_S                570                      soft limit of the whole run: the clone and perf_analyzer phases
-#                                                    are skipped when less than 90 s of it is left
+#   BUDGET_S                570                      soft time limit of the whole run, in seconds: the clone and
+#                                                    perf_analyzer phases are skipped when less than 90 s of it is left
 #   DEVICE                  cuda                     server device (cpu: a smoke test of this script with a tiny CKPT;
 #                                                    a list, e.g. cuda:0,cuda:1: one engine per GPU, perf/scale_gpus.sh)
 #   CKPT_SIZE               full                     size of a checkpoint written at $CKPT (tiny|full)
-#   USE_CARRIED             1                        0: ignore .whl/ and .gpu/ (use what $PYTHON has)
+#   USE_CARRIED             1                        0: ignore the bundle in .whl/ and .gpu/ (use what $PYTHON has)
 #   PYTHON                  python3
 #   STOP_NOW                0                        1: at the end, kill the server and its models at once instead of
 #                                                    letting them unload (~5 s on a CPU); for the tests' CPU runs,
 #                                                    which read nothing written after the results
 #
-# Results in $OUT (few files, so that all of them come back from a device run):
+# Results in $OUT (few files, so that all of them are easy to copy back from a remote machine):
 #   summary.md            the tables: loadgen (plain, clone), perf_analyzer, the targets; slow_ar's loop log lines
-#   targets.md            issue 10's targets, measured by this run (perf/targets.py)
+#   targets.md            the serving targets, measured by this run (perf/targets.py)
 #   determinism.jsonl     with DETERMINISM=1: perf/determinism.py's lines (one per mode)
 #   loadgen.json          loadgen_clone.json      per level numbers + per request records
 #   loadgen_clone_first.json                      the same for the first use of a voice
@@ -336,7 +336,7 @@ fi
 
 # ------------------------------------------------------------------------------------------------ 9. targets
 "$PY" perf/targets.py "$RES" >"$RES/targets.md" || true
-{ echo "## issue 10's targets, this run"; echo; cat "$RES/targets.md"; echo; } >>"$RES/summary.md"
+{ echo "## the serving targets, this run"; echo; cat "$RES/targets.md"; echo; } >>"$RES/summary.md"
 
 echo
 cat "$RES/summary.md"

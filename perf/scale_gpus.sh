@@ -4,8 +4,7 @@
 #
 #   bash perf/scale_gpus.sh                  # GPUS="1 2 4" (those the host has), 64 streams per GPU
 #
-# With the device tool (a 4-GPU kind; carry .whl and .gpu, made by scripts/make_gpu_bundle.sh):
-#   run(command="bash perf/scale_gpus.sh", kind="nvidia-h100-x4", carry=[".whl", ".gpu"], timeout_s=600)
+# On a machine that cannot install packages, with the bundle of scripts/make_gpu_bundle.sh (.whl/, .gpu/) there.
 #
 # Knobs (environment):   default
 #   GPUS                 "1 2 4"        engine counts to run (counts above the host's GPUs are skipped)
@@ -15,8 +14,8 @@
 #   SETTINGS             ""             more settings for every run
 #   DEVICE_TYPE          cuda           cpu: a smoke test with a tiny CKPT (device=cpu,cpu,...)
 #   PROCS_PER_GPU        2              from two engines up, load generator processes per engine (loadgen --procs,
-#                                       unless LOADGEN_ARGS has it): one Python client process tops out near one core
-#                                       (2x H200, c=128: 448.3 audio-s/s with one, 475.2 with four; perf/RESULTS.md)
+#                                       unless LOADGEN_ARGS has it): one Python client process tops out near one core,
+#                                       and its own receiving then delays what it measures
 #   CKPT                 /tmp/s2-full   written once (full-size random) if missing
 #   OUT                  perf/out       results: scale.md (the table), scale.json, gN.tar.gz (run_gpu.sh's files)
 # run_gpu.sh's own knobs (SERVER_CPUS, STOP_NOW, ...) pass through to every run.
@@ -81,6 +80,6 @@ lines += ["| " + " | ".join(str(r.get(c, r.get("error", ""))) for c in cols) + "
 (res / "scale.md").write_text("\n".join(lines) + "\n")
 print("\n".join(lines))
 EOF
-for n in "${RUNS[@]}"; do  # few files come back from a device run: one tarball per layout
+for n in "${RUNS[@]}"; do  # few files to copy back: one tarball per layout
   tar -czf "$RES/g$n.tar.gz" -C "$RES" "g$n" && rm -rf "${RES:?}/g$n"
 done

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The 10-minute soak on a GPU machine, in two device calls (one call may run 10 minutes; the server and the
-# soak run in their own process sessions, so they outlive the first call on the same warm machine):
+# The 10-minute soak on a GPU machine, in two commands, each shorter than the soak (the server and the soak run in
+# their own process sessions, so they outlive the first command on the same machine):
 #
 #   bash perf/soak_gpu.sh start     # env, full-size random checkpoint, server, then the soak in the background;
 #                                   # stays until START_BUDGET_S (default 560 s) and copies what is there to $OUT
 #   bash perf/soak_gpu.sh finish    # waits for the soak to end, stops the server, copies the results to $OUT
 #
-# Needs the carried bundle (.whl/ and .gpu/, made by scripts/make_gpu_bundle.sh; perf/README.md).
+# Needs the bundle (.whl/ and .gpu/, made by scripts/make_gpu_bundle.sh; perf/README.md) on a machine without it.
 # Knobs: CKPT (/tmp/s2-full), MINUTES (10), CONCURRENCY (64), FRAMES (20,200), SETTINGS ("max_batch=64
 # max_seq_len=1024"), SOAK_ARGS (more perf/soak.py options), START_BUDGET_S (560).
 # Results in $OUT: soak.json (everything), soak.out (its progress lines and summary), server.log, run.log.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue 10's targets, filled in from one `perf/run_gpu.sh` result directory: one markdown table.
+"""The serving targets, filled in from one `perf/run_gpu.sh` result directory: one markdown table.
 
     python3 perf/targets.py perf/out            # loadgen.json, loadgen_clone.json, run.log, determinism.jsonl there
 

@@ -67,7 +67,7 @@ class TTSInput:
 
         if check:
             self.check()
-        if self.voices:  # upstream's format for several voices: one reference (s2tts.frontend.prompt.combine_voices)
+        if self.voices:  # upstream's format for several voices: one reference (s2tts.frontend.segment.combine_voices)
             from .frontend.segment import combine_voices
 
             if self.reference_codes is not None or self.reference_audio is not None or self.reference_text is not None:

@@ -109,9 +109,9 @@ def python_backend_threads(settings: dict) -> int:
     call holds one of these for its whole wait, and the responses a model sends go through the same pool
     (python_be.cc: ExecuteBLSRequest blocks on the call's future; ResponseSendDecoupled is queued there too).
     s2pro has up to `max_concurrent_requests` calls waiting on slow_ar at once, one per request: with the
-    default 32 threads its responses to clients and its control calls queued behind them at c=64 (13 ms p50 /
-    269 ms p99 a response, 101 ms a control call; perf/RESULTS.md). So: one thread per request, plus the default
-    32 for the sends and control calls."""
+    default 32 threads its responses to clients and its control calls queue behind them under load (the playing
+    streams stall while a burst waits for KV slots). So: one thread per request, plus the default 32 for the sends
+    and control calls."""
     setting, raw = SCHEMA["max_concurrent_requests"], settings.get("max_concurrent_requests")
     return (setting.default if raw in (None, "") else setting.parse(raw)) + 32
 
@@ -161,7 +161,7 @@ class TritonServer:
               repository: str | Path | None = None) -> "TritonServer":
         """Render the repository, start tritonserver and wait until it is ready (at most `timeout` s). `cancelled`
         (polled while waiting): True stops the server and raises `Cancelled` (a SIGTERM while the models load).
-        `repository`: serve that model repository as it is instead (a probe's own models: perf/send_probe.py)."""
+        `repository`: serve that model repository as it is instead (a repository of one's own models)."""
         if repository is not None:
             repo = Path(repository)
         elif "checkpoint" not in self.settings:
@@ -282,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--checkpoint", required=True, help="S2 Pro checkpoint directory")
     ap.add_argument("--device", help="auto (default), cpu, cuda, cuda:N, or a list (cuda:0,cuda:1: one engine per GPU)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help=f"a setting (README: Settings; s2tts/settings.py); one of: {', '.join(sorted(SCHEMA))}")
+                    help=f"a setting (docs/SETTINGS.md; s2tts/settings.py); one of: {', '.join(sorted(SCHEMA))}")
     ap.add_argument("--address", help="where the HTTP, gRPC and metrics ports listen (default 127.0.0.1: this machine "
                                       "only; 0.0.0.0 exposes them, without authentication)")
     ap.add_argument("--http-port", type=int, default=8000)

@@ -3,7 +3,7 @@
 Everything else reads from here:
 - repository rendering (`resolve`: types, ranges, defaults and the rules that span models),
 - the models' adapters (`model_values`: each model's own keys from its config.pbtxt, defaults from here),
-- the README's settings table (`markdown_table`, checked by a test),
+- the settings table of docs/SETTINGS.md (`markdown_table`, checked by a test),
 - the gateway's limits (it reads the served values from s2pro's config, with these as fallback),
 - request validation in the models and the gateway (`REQUEST_FIELDS`, `check_field`), and the request inputs of
   s2pro's and slow_ar's config.pbtxt (`pbtxt_inputs`: `python -m s2tts.repository --write-pbtxt` rewrites them,
@@ -106,21 +106,17 @@ SETTINGS: tuple[Setting, ...] = (
             "a list gives one decoder per entry, engine i using decoder i mod their number (default: each engine's "
             "codec beside it)", derived_from="device"),
     Setting("dtype", str, "bf16", ("slow_ar", "fast_ar", "s2pro"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
-    Setting("ar_weights", str, "dtype", ("slow_ar", "s2pro"), "`dtype`: the AR matrices as `dtype`; `fp8`: slow_ar's "
-            "layers' matrices (both ARs; the `fast_ar` model of fast_ar=bls keeps `dtype`; embeddings, norms and heads "
-            "stay) in FP8 e4m3 with a scale per output row: decode steps multiply in the Triton kernel with the weight "
-            "widened in registers, prompt passes of over 256 rows in cuBLAS's FP8 product. Half the weight bytes; "
-            "about 2.7% error per product. On an H100 through tritonserver: c=1 TTFA p50 39 ms and RTF 0.15 (`dtype`: "
-            "44 ms, 0.19), 3.8 GB less GPU memory, +9-14% audio-s/s at c=16, about 10% fewer at c=64 (at 64 rows the "
-            "kernel is slower than cuBLAS in bf16, 10.5 against 9.7 ms a step with its wide tiling, 12.0 before; "
-            "perf/RESULTS.md): a setting for latency. Its effect on the real "
-            "weights' speech is not measured here", choices=("dtype", "fp8")),
-    Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "codec precision; `auto`: fp16 for the "
-            "decoder on a GPU (1.0% audio error, 1.5x TF32's speed; a chunk that overflows is decoded again in fp32 "
-            "and its stream stays fp32), fp32 for the encoder and on a CPU. `fp32` is the exact one",
-            choices=("auto", "fp32", "fp16", "bf16")),
-    Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "let cuDNN use TF32 for the fp32 codec on GPUs "
-            "(about 2x faster at batch 32-64)"),
+    Setting("ar_weights", str, "dtype", ("slow_ar", "s2pro"), "`dtype`: the AR's matrices in `dtype`; `fp8`: slow_ar's "
+            "layers' matrices (both ARs; embeddings, norms and heads stay, and the `fast_ar` model of fast_ar=bls keeps "
+            "`dtype`) in FP8 e4m3 with a scale per output row: half the weight bytes a step reads, so shorter steps at a "
+            "few streams and longer ones at many (a setting for latency, perf/STATUS.md). Check its effect on speech "
+            "with the real checkpoint first (perf/fp8_effect.py)", choices=("dtype", "fp8")),
+    Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "codec precision; `auto`: fp16 "
+            "for the decoder on a GPU (a chunk whose audio or state is not finite is decoded again in fp32 and its "
+            "stream stays fp32), fp32 for the encoder and on a CPU. `fp32` is the exact one; `bf16` is no faster than "
+            "fp16 and far less accurate (perf/STATUS.md)", choices=("auto", "fp32", "fp16", "bf16")),
+    Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "let cuDNN use TF32 for the "
+            "fp32 codec on GPUs: faster, the audio no longer exact"),
     Setting("max_batch", int, 8, ("slow_ar", "s2pro"), "live requests decoded together (KV-cache slots)", min=1, max=1024),
     Setting("max_seq_len", int, 4096, ("slow_ar", "s2pro"), "tokens per request (prompt + frames); a request holds KV "
             "memory only for the tokens it has (`kv_cache_tokens`)", min=64, max=32768),
@@ -161,78 +157,65 @@ SETTINGS: tuple[Setting, ...] = (
             "covers the second's making, so a stream played from its first chunk does not run dry; false: the first "
             "chunk is `first_chunk_frames` and every later one `chunk_frames`"),
     Setting("load_chunk_frames", int, 8, ("slow_ar", "s2pro"), "with `adaptive_chunks`, under load (from a measured pace of "
-            "0.35 s of work a second of audio, c=64 on one H100 but not c=16, until its one-second average falls below "
-            "0.28; with codec_in_engine also while requests fill three quarters of `max_batch`) a stream's first "
-            "chunk is at least "
-            "this many frames (rounded up to a chunk length), so that more audio is in hand while the next is made; "
-            "0: off. On an H100 at c=64, 8-frame first chunks: 1 stream of 384 ran dry against 7, TTFA p50 +83 ms "
-            "(perf/RESULTS.md)", min=0, max=4096),
+            "0.35 s of work a second of audio until its one-second average falls below 0.28; with codec_in_engine also "
+            "while requests fill three quarters of `max_batch`) a stream's first chunk is at least this many frames "
+            "(rounded up to a chunk length), so that more audio is in hand while the next is made: fewer streams run "
+            "dry under load, their first audio later; 0: off", min=0, max=4096),
     Setting("stream_idle_timeout_s", float, 60.0, ("slow_ar",), "a stream whose reader (s2pro) takes none of its "
             "responses for this long is cancelled and dropped", min=1),
     Setting("batch_invariant", bool, False, ("slow_ar", "s2pro"), "a seeded request gives the same codes alone and beside "
-            "any others: on a GPU every matrix product goes through a row-invariant kernel (free at one stream, +16% "
-            "a step at 64); on a CPU steps run at one padded shape (perf/RESULTS.md)"),
+            "any others: on a GPU every matrix product goes through a row-invariant kernel (no cost at one stream, "
+            "longer steps at many); on a CPU steps run at one padded shape"),
     Setting("codec_in_engine", bool, None, ("slow_ar", "dac_decoder", "s2pro"), "decode audio in slow_ar's own loop: after "
-            "each step, the chunks all streams finished go through the codec in batched calls and leave with their "
-            "codes, with no round trip to `dac_decoder` per chunk (which then serves direct callers only, eagerly, "
-            "without its stream pool, and loads its codec on the first such request). `auto`: on when every engine runs on a GPU with its codec on that same device "
-            "(one GPU: the AR and the codec share it either way); off on a CPU (separate processes use more cores), "
-            "with `codec_device` elsewhere, and with backend=tensorrt/onnxruntime (their codec is the `dac_decoder` "
-            "model)", auto=True),
+            "each step the chunks all streams finished go through the codec in batched calls and leave with their "
+            "codes, with no `dac_decoder` call per chunk (dac_decoder then serves direct callers only and loads its "
+            "codec on the first). `auto`: on when every engine runs on a GPU with its codec on that device; off on a "
+            "CPU (separate processes use more cores), with `codec_device` elsewhere, and with "
+            "backend=tensorrt/onnxruntime (their codec is the `dac_decoder` model)", auto=True),
     Setting("codec_batch_steps", int, 8, ("slow_ar", "s2pro"), "with codec_in_engine, under load (the pace of "
             "`load_chunk_frames`) the codec decodes every stream's new frames together once every this many engine "
             "steps, in slices of this many frames: one codec call of one length for all streams, a chunk leaving once "
-            "its frames are decoded (up to about twice this many steps later); best equal to `load_chunk_frames`. At a lighter "
-            "load, and with 1, each chunk is decoded as soon as it is complete. At c=64 on an H200 4, 12 and 16 (with "
-            "`load_chunk_frames` alike) made less audio than 8, or made the first audio later (perf/RESULTS.md, 34th and "
-            "35th sessions)", min=1, max=64),
+            "its frames are decoded (up to about twice this many steps later); best equal to `load_chunk_frames`. "
+            "More: fewer, larger codec calls and later audio. At a lighter load, and with 1, each chunk is decoded as "
+            "soon as it is complete", min=1, max=64),
     Setting("codec_final_steps", int, 0, ("slow_ar", "s2pro"), "with codec_in_engine, while calls are held "
             "(`codec_batch_steps`): a finished request's last frames wait at most this many engine steps for the next "
             "held call, then go in a call of the finished requests alone (its client's next request waits for that "
             "audio, and its slot for that request); 0: in the step its request ends; `codec_batch_steps` or more: "
-            "always the held call (more, smaller codec calls against slots left idle: measured in perf/RESULTS.md, "
-            "34th session)", min=0, max=64),
+            "always the held call (fewer, larger codec calls, slots left idle meanwhile)", min=0, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar", "s2pro"), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
-    Setting("launch_ahead", bool, None, ("slow_ar", "s2pro"), "the engine keeps two steps in flight on the GPU: "
-            "it launches the next step before it finishes the last one and routes its frames, so that the device "
-            "does not wait for the host's work (a request's row in the step after its end token is dropped; with "
-            "codec_in_engine under load, the next step is also launched while a held codec call runs, behind it; at "
-            "a light load, only once every request in flight has sent audio: a first chunk's decode never waits "
-            "behind the next step). "
-            "`auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
+    Setting("launch_ahead", bool, None, ("slow_ar", "s2pro"), "the engine keeps two steps in flight: it launches the "
+            "next step before it finishes the last one and routes its frames, so that the device does not wait for the "
+            "host's work (a row of a request that ended meanwhile is dropped; with codec_in_engine the next step is "
+            "also launched behind a held codec call, and at a light load only once every request in flight has sent "
+            "audio). `auto`: on a GPU; off on a CPU (there a step runs as it is launched)", auto=True),
     Setting("codec_concurrent", bool, None, ("slow_ar", "s2pro"), "with codec_in_engine, the codec's calls are made "
-            "by a thread of their own on a CUDA stream of their own, beside the engine's steps (which keep the higher "
-            "priority): a call's kernels fill what a step leaves of the GPU instead of waiting behind it (served on an "
-            "H200: c=1 RTF 0.1205 -> 0.1190, c=64 +4%; perf/RESULTS.md). `auto`: on a GPU; off on a CPU", auto=True),
+            "by a thread of their own on a CUDA stream of their own, beside the engine's steps, whose stream has the "
+            "higher priority: a call's kernels fill what a step leaves of the GPU instead of waiting behind it (the "
+            "two share the GPU: the gain is those gaps). `auto`: on a GPU; off on a CPU", auto=True),
     Setting("dependent_launch", bool, None, ("slow_ar", "s2pro"), "the decode step's Triton kernels start while the "
             "kernel before each ends (programmatic dependent launch; the small matrix products read their first "
-            "weights meanwhile), in passes of up to 2 rows (one or two streams): the step at one stream 6-8% "
-            "shorter (perf/RESULTS.md). `auto`: on a GPU of compute capability 9.0 or newer (H100, H200) whose "
-            "Triton supports it; off elsewhere", auto=True),
-    Setting("engine_in_s2pro", bool, False, ("s2pro",), "run the engine (and its codec, with `codec_in_engine`) in "
+            "weights meanwhile), in passes of up to 2 rows (one or two streams): a shorter step at one stream. `auto`: "
+            "on a GPU of compute capability 9.0 or newer whose Triton supports it; off elsewhere", auto=True),
+    Setting("engine_in_s2pro", bool, False, ("s2pro",), "run the engine (and, with `codec_in_engine`, its codec) in "
             "s2pro's own process: a chunk crosses processes twice between the engine and the client instead of six "
-            "times, and no `slow_ar` model is loaded. One engine only (one `device`), with fast_ar=inprocess. A fault "
-            "that makes the engine unhealthy unloads s2pro (restart the server or load s2pro again) instead of "
-            "s2pro reloading slow_ar. Off by default: on one H100 at c=64 it served 12% fewer audio-s/s (145 against "
-            "164-171: s2pro's per-request Python shares the engine thread's GIL; c=1 unchanged; perf/RESULTS.md)"),
+            "times and no `slow_ar` model is loaded; one engine (one `device`) with fast_ar=inprocess; an engine fault "
+            "unloads s2pro instead of s2pro reloading slow_ar. Off by default: s2pro's per-request Python then shares "
+            "one interpreter lock with the engine thread, which under load costs more than the crossings save "
+            "(perf/STATUS.md)"),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once (all its instances "
             "together); more are refused at once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
     Setting("s2pro_instances", int, None, ("s2pro",), "s2pro processes (Triton instances of the model; each request "
             "goes to one): unset: one per engine `device` lists (1 with `engine_in_s2pro`). Every chunk crosses s2pro, "
-            "whose Python shares one interpreter lock: on 2x H200 at c=128 two instances served 507.4 audio-s/s "
-            "(three runs) against 485.7 with one, first-audio p99 300-334 ms against 411-482; on one H200 at c=64 two "
-            "served 257.0 against 260.3 (perf/RESULTS.md). The instances share `max_concurrent_requests` and the text "
-            "sessions (text for a session another instance holds is relayed to it over a Unix socket)",
-            min=1, max=64),
-    Setting("first_chunk_frames", int, 2, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk (1 frame = 2048 "
-            "samples = 46 ms): 2 against 4 took one H200's c=1 time to first audio from 37 to 23.5 ms, with no "
-            "stall and the same throughput at c=1 and c=64 (perf/RESULTS.md)", min=1),
-    Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder", "slow_ar"), "default frames in later chunks (the largest, with "
-            "`adaptive_chunks`); unset: 16 for each engine `device` lists (at most `max_chunk_frames`): s2pro "
-            "relays every engine's chunks, a fixed cost a response, so with more engines its chunks grow (2x H200, "
-            "c=128: 32 frames 482.5 audio-s/s against 464.6 with 16 with one s2pro process; with two, 491.8-500.9 "
-            "against 458.6; one H200, c=64: 16 frames 263.5-263.8 against 259.6-262.6 with 32; perf/RESULTS.md)", min=1),
+            "whose Python shares one interpreter lock, so with several engines a process each keeps their chunks "
+            "from waiting for it. The instances share `max_concurrent_requests` and the text sessions (text for a "
+            "session another instance holds is relayed to it over a Unix socket)", min=1, max=64),
+    Setting("first_chunk_frames", int, 2, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk "
+            "(1 frame = 2048 samples = 46 ms): fewer make the first audio sooner, in more and smaller chunks", min=1),
+    Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder", "slow_ar"), "default frames in later chunks (the largest, "
+            "with `adaptive_chunks`); unset: 16 for each engine `device` lists (at most `max_chunk_frames`): s2pro "
+            "relays every engine's chunks at a fixed cost a response, so with more engines its chunks grow", min=1),
     Setting("max_chunk_frames", int, 256, ("s2pro",), "the largest chunk a request may ask for", min=1, max=4096),
     Setting("max_text_chars", int, 100000, ("s2pro",), "longest text accepted (characters); a long text is spoken "
             "segment after segment (`chunk_length`)", min=1, max=10000000),
@@ -272,7 +255,7 @@ SCHEMA: dict[str, Setting] = {s.key: s for s in SETTINGS}
 
 def _unknown(keys) -> S2Error:
     return invalid(f"unknown setting(s) {sorted(keys)}: the settings are {', '.join(sorted(SCHEMA))} "
-                   "(README: Settings)", sorted(keys)[0])
+                   "(docs/SETTINGS.md)", sorted(keys)[0])
 
 
 def resolve(given: dict[str, Any]) -> dict[str, Any]:

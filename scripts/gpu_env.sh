@@ -1,6 +1,6 @@
-# Source on the lent GPU machine (python3 3.12 with torch preinstalled, nothing else fetchable):
+# Source on a GPU machine with python3 3.12 and torch but no package access:
 #   source scripts/gpu_env.sh
-# Needs, carried with the working tree (see perf/README.md) and built on a development machine by
+# Needs, copied beside the working tree (see perf/README.md) and built on a development machine by
 # `bash scripts/make_gpu_bundle.sh`: .whl/ (tritonclient, python-rapidjson, soundfile, cffi, pycparser
 # wheels for cp312), .gpu/tritonserver-min.tar.xz (tritonserver 2.51 from the nvidia-pytriton wheel: bin/,
 # backends/python, the 3.12 stub, lib/), .gpu/np/numpy-1.26.4 (the 24.10 python backend stub mis-reads

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the software that the GPU machine lacks, as the git-ignored folders .whl/ and .gpu/ that a device run
-# carries with the working tree (see perf/README.md; scripts/gpu_env.sh and perf/run_gpu.sh set it up there).
+# Builds the software that a GPU machine without package access lacks, as the git-ignored folders .whl/ and .gpu/ to
+# copy there with the working tree (see perf/README.md; scripts/gpu_env.sh and perf/run_gpu.sh set it up there).
 # Run from anywhere, on a development machine (x86-64 Linux with python3 + pip, readelf, xz, tar; apt-get as root
 # only for the libb64 fallback below), with access to the package registry and Debian's packages:
 #
@@ -36,7 +36,7 @@
 #   STUBS                     "3.12 3.11"     python backend stubs to keep (3.12: the GPU machine; 3.11: a local smoke test)
 #   PYTHON                    python3         runs pip
 #   VENV_PYTHON               .venv/bin/python   the find_server check (skipped if missing)
-#   MAX_MIB                   60              limit for .whl + .gpu (a device call carries 64 MiB with the repository)
+#   MAX_MIB                   60              limit for .whl + .gpu (small enough to copy with the working tree)
 #   FORCE                     0               1: rebuild the tarball even if its inputs are unchanged
 #   VERIFY                    1               0: skip the checks
 set -euo pipefail
@@ -307,5 +307,5 @@ log "contents:"
 (find .whl .gpu -type f -printf '%s %p\n' | sort -k2 | awk '{printf "  %8.2f MiB  %s\n", $1 / 1048576, $2}')
 total="$(find .whl .gpu -type f -printf '%s\n' | awk '{s += $1} END {print s + 0}')"
 repo="$( (git ls-files -z --cached --others --exclude-standard 2>/dev/null | xargs -0 -r stat -c %s 2>/dev/null || true) | awk '{s += $1} END {print s + 0}')"
-log "total .whl + .gpu: $(awk -v t="$total" 'BEGIN {printf "%.2f MiB (%d bytes)", t / 1048576, t}'); with the working tree's other files (~$(awk -v r="$repo" 'BEGIN {printf "%.1f", r / 1048576}') MiB): $(awk -v t="$total" -v r="$repo" 'BEGIN {printf "%.2f", (t + r) / 1048576}') MiB of the 64 MiB a device call carries"
+log "total .whl + .gpu: $(awk -v t="$total" 'BEGIN {printf "%.2f MiB (%d bytes)", t / 1048576, t}'); with the working tree's other files (~$(awk -v r="$repo" 'BEGIN {printf "%.1f", r / 1048576}') MiB): $(awk -v t="$total" -v r="$repo" 'BEGIN {printf "%.2f", (t + r) / 1048576}') MiB in all"
 [ "$total" -le $((MAX_MIB * 1048576)) ] || die ".whl + .gpu exceed MAX_MIB=$MAX_MIB MiB"

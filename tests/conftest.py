@@ -74,7 +74,7 @@ def triton_server(tiny_ckpt, tmp_path_factory):
     from servers import tiny_server
 
     # a short stop: the gateway's and the browser's cancels can race a request's end, which keeps s2pro from
-    # unloading on Triton 24.10 until the grace ends (perf/RESULTS.md, fourteenth session); nothing is checked after
+    # unloading on Triton 24.10 until the grace ends; nothing is checked after
     with tiny_server(tiny_ckpt, tmp_path_factory.mktemp("triton"), stop_timeout=3, max_batch=8, max_seq_len=4096,
                      max_new_tokens_limit=3000, chunk_frames=8, s2pro_instances=2) as server:
         yield server

@@ -317,8 +317,7 @@ def check_invariant(ckpt):
     same bits, any row count), passes scheduled as usual (no padding, prompts beside decode rows), and a request's
     codes the same alone and beside others."""
     # Tiles grow with the rows (16 to 128): a row must give the same bits in any of them (fixed_order_dot makes the
-    # interpreter's tile product sum in one order, as a GPU's does; on a GPU `perf/bench_gemv.py`'s row_invariant
-    # column checks the real tiles).
+    # interpreter's tile product sum in one order, as a GPU's does).
     torch.manual_seed(1)
     w, x = torch.randn(40, 48), torch.randn(37, 48)
     w8, scale = kernels.quantize_fp8(w)
@@ -424,7 +423,7 @@ def check_codec(ckpt):
         assert torch.equal(buf[:, :5], torch.full_like(buf[:, :5], 7.0))  # the left context's rows untouched
         assert codec_kernels.conv1d_nwc(xt, wn, dil, alpha=al, snake_out=buf[:, 5:]) is None
     # in each tiling that a GPU's choice by shape (`conv_nwc_tiling`) makes for the decoder's convolutions at 1, 8
-    # and 64 streams on 132 multiprocessors (an H100's, an H200's)
+    # and 64 streams on 132 multiprocessors
     shapes = ((32, 1024, 1536, 7), (32, 1536, 6144, 2), (256, 768, 768, 7), (256, 768, 768, 1), (2048, 384, 384, 7),
               (2048, 384, 384, 1), (2048, 384, 768, 2), (8192, 192, 192, 7), (8192, 192, 192, 1), (8192, 192, 192, 2),
               (16384, 96, 96, 1), (16384, 96, 96, 7))

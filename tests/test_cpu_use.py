@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_cpu_use_counts_a_perf_script_that_spins(tmp_path):
     """A script under a perf/ folder that keeps a CPU busy is found by its name and its CPU time counted, the busy
-    thread by the name `lifecycle.guarded` gave it where the OS shows it (as the engine's and sender's), the worker
-    process it spawned (as loadgen's `--procs`) counted with it; a process
+    thread by the name `serving.threads.guarded` gave it where the OS shows it (as the engine's and sender's), the
+    worker process it spawned (as loadgen's `--procs`) counted with it; a process
     that is not of the load (the sleeping one) is left out; the machine's busy share is a fraction. (A server
     another test runs meanwhile may be listed too: tritonserver and its models' stubs are what it looks for.)"""
     (tmp_path / "perf").mkdir()

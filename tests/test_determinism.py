@@ -1,7 +1,7 @@
 """Batch-invariant generation: a seeded request gives the same codes (and audio) alone and beside others.
 
-bf16 is where it matters: the same request's logits move with the batch's shape (7 of 8 seeded requests
-changed side by side on the tiny model, see perf/RESULTS.md "Determinism"), so these tests run in bf16 with
+bf16 is where it matters: the same request's logits move with the batch's shape (most seeded requests change side
+by side on the tiny model without it), so these tests run in bf16 with
 `batch_invariant` on, in the engine and through a real tritonserver.
 """
 

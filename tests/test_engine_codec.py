@@ -99,7 +99,7 @@ def test_chunks_carry_audio_that_joins_seamlessly(model, prompts, tiny_ckpt, cod
 
 @pytest.mark.parametrize("load,first", [(8, 8), (0, 4)])
 def test_first_chunk_grows_under_load(model, prompts, tiny_ckpt, codec, load, first):
-    """`load_chunk_frames` (slow_ar's setting): at a pace of 0.45 s of work a second of audio (c=64 on one H100) a
+    """`load_chunk_frames` (slow_ar's setting): at a pace of 0.45 s of work a second of audio (under load) a
     stream's first chunk is 8 frames, not first_chunk_frames' 4; later chunks still grow, and the audio is still one
     seamless decode of the codes."""
     svc = _service(model, tiny_ckpt, StreamDecoder(codec, pool_size=4), frame_seconds=codec_frame_seconds(tiny_ckpt),

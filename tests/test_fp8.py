@@ -1,5 +1,5 @@
 """FP8 weights (`ar_weights=fp8`): what changes in the model, how close it stays, and a server that serves with it.
-Its speed is measured on a GPU (perf/RESULTS.md); the kernels' path is checked under the Triton interpreter
+Its speed is measured on a GPU (perf/STATUS.md); the kernels' path is checked under the Triton interpreter
 (tests/interpreted_kernels.py: check_fp8)."""
 
 import numpy as np

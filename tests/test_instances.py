@@ -205,8 +205,8 @@ def test_a_dead_model_is_reloaded_once_for_every_instance(harness_factory):
 
 def test_a_model_is_busy_only_while_an_instance_reloads_it(tmp_path):
     """Every request checks whether another instance is reloading each model: checks from many threads and two
-    instances at once never see one another as a reload (a check that took the lock exclusively did: 2 of 1280
-    requests refused as 'restarting' on 2x H200 at c=128); during a reload every other instance sees it."""
+    instances at once never see one another as a reload (a check that took the lock exclusively did, refusing requests
+    as 'restarting' under load); during a reload every other instance sees it."""
     import threading
 
     d = run_dir(str(tmp_path / "model"), base=str(tmp_path))

@@ -243,7 +243,7 @@ class _NumbersThroughIndex:
 def test_a_launch_never_waits_for_the_device(tiny_ckpt, prompts, device):
     """Launching steps with requests starting (their sampling state set, their prompt rows), decoding and joining:
     no Python number goes through a tensor index (the CPU's check of what on a GPU is a copy that waits for the step
-    in flight: a prompt's first step was launched ~7 ms late on an H200), and on a GPU nothing in a launch
+    in flight, launching a prompt's first step late), and on a GPU nothing in a launch
     synchronizes with the device at all (`torch.cuda.set_sync_debug_mode("error")`)."""
     from s2tts.ar.loading import load_model
 

@@ -211,7 +211,7 @@ def test_each_slot_holds_its_requests_sampling_settings(model, prompts):
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 def test_host_to_device_copies_keep_values(device):
-    """`transfer.upload` / `copy_in` (page-locked and queued on a GPU): the same values and dtype on the device."""
+    """`gpu.transfer.upload` / `copy_in` (page-locked and queued on a GPU): the same values and dtype on the device."""
     from s2tts.gpu.transfer import copy_in, upload
 
     src = torch.tensor([[3, -1, 2**40], [7, 0, 5]], dtype=torch.int64)

@@ -4,7 +4,6 @@ loadgen: a two-level sweep with plain and voice-clone requests, checked for comp
 make_pa_inputs + run_perf_analyzer.sh: brief real perf_analyzer runs against fast_ar and dac_decoder.
 """
 
-import contextlib
 import csv
 import json
 import os
@@ -297,34 +296,6 @@ def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert all(served[m] > 0 for m in ("slow_ar", "slow_ar_1", "dac_decoder", "dac_decoder_1")), served
 
 
-def test_paged_mixed_script_on_the_cpu(tiny_ckpt, tmp_path):
-    """perf/paged_mixed.py end to end on the tiny model: both layouts timed, the mixed load with long prompts run
-    with and without split keys, and the JSON it writes."""
-    out = tmp_path / "paged.json"
-    _run([sys.executable, "perf/paged_mixed.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--short", "4",
-          "--long", "2", "--long-tokens", "300", "--frames", "30", "--window", "5", "--max-seq", "512",
-          "--json", str(out)], timeout=600)
-    r = json.loads(out.read_text())
-    for key in ("slot_step_ms", "paged_step_ms", "paged_splits16_step_ms", "mixed_splits1_step_ms"):
-        assert r[key] > 0, key
-    assert r["mixed_streams"] == 6 and r["mixed_splits1_steps_timed"] == 5 and r["mixed_splits1_preemptions"] == 0
-    assert r["mixed_kv_pool_tokens"] >= 4 * 30 + 2 * 330
-
-
-def test_admission_profile_script_on_the_cpu(tiny_ckpt, tmp_path):
-    """perf/admission_profile.py end to end on the tiny model: the decode phase has no prompt rows, the arrivals
-    phase one prompt ending a step (each step one request cancelled and one submitted) with its prompt's rows, every
-    slot held in both."""
-    out = tmp_path / "adm.json"
-    _run([sys.executable, "perf/admission_profile.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
-          "--streams", "3", "--steps", "5", "--warm-steps", "3", "--json", str(out)], timeout=600)
-    decode, arrivals = json.loads(out.read_text())
-    assert decode["phase"] == "decode" and arrivals["phase"] == "arrivals"
-    assert decode["prompt_rows_per_step"] == decode["prompts_ending_per_step"] == 0 and decode["slots_held"] == 3
-    assert arrivals["prompts_ending_per_step"] == 1.0 and arrivals["prompt_rows_per_step"] > 10
-    assert 0 < decode["wall_ms_p50"] and 0 < arrivals["wall_ms_p50"]
-
-
 def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/fp8_effect.py end to end on the tiny model: for each seed the sampled codes of both models compared
     codebook by codebook, and the teacher-forced logits of both ARs: FP8's error is above zero (the weights did
@@ -344,69 +315,17 @@ def test_fp8_effect_script_on_the_cpu(tiny_ckpt, tmp_path):
     assert 0 < r["slow_rel_err_mean"] < 0.2 and 0 < r["fast_rel_err_mean"] < 0.2
 
 
-def test_stream_check_script_on_the_cpu(tiny_ckpt):
-    """perf/stream_check.py end to end on the tiny model (on a CPU the codec's calls go to its own thread, with no
-    streams of their own; the script checks both): every request served both ways, its codes alike and its audio
-    within the tolerance, each request as long as it asked."""
-    p = _run([sys.executable, "perf/stream_check.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
-              "--requests", "3", "--frames", "10"], timeout=600)
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert [r["frames"] for r in rows] == [10, 17, 24]
-    assert all(r["codes_equal"] and r["ok"] and r["audio_max_abs_diff"] <= 2e-3 and r["audio_rms"] > 0 for r in rows)
-    assert "3 of 3 requests alike" in p.stdout
-
-
-def test_attention_bench_on_the_cpu(tiny_ckpt, tmp_path):
-    """perf/bench_attention.py in the Triton interpreter on the tiny model's heads: every tiling at every shape, the
-    keys split as the engine's rule says (up to FEW_ROWS rows: FEW_ROWS_SPLITS ways; more rows: none), each tiling's
-    output that of the first."""
-    from s2tts.engine.runner import ModelRunner
-
-    out = tmp_path / "attention.json"
-    many = ModelRunner.FEW_ROWS + 1
-    _run([sys.executable, "perf/bench_attention.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--rows",
-          f"1,{many}", "--keys", "40", "--block", "8", "--config", "base=", "--config",
-          "kvt=kv_together=1,num_stages=1", "--config", "bn16=block_n=16", "--json", str(out)], timeout=600,
-         env=dict(os.environ, TRITON_INTERPRET="1"))
-    r = json.loads(out.read_text())
-    assert [(x["config"], x["rows"]) for x in r] == [(c, b) for b in (1, many) for c in ("base", "kvt", "bn16")]
-    assert {x["splits"] for x in r if x["rows"] == 1} == {ModelRunner.FEW_ROWS_SPLITS}
-    assert {x["splits"] for x in r if x["rows"] == many} == {1}
-    assert all(x["max_rel_diff"] < 1e-5 and x["us"] > 0 for x in r), r
-    # the fast AR's heads and cache, in the engine's tiling for them (short tiles) beside the default
-    _run([sys.executable, "perf/bench_attention.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--ar", "fast",
-          "--rows", f"1,{many}", "--keys", "3", "--config", "base=", "--config", "engine=engine", "--json", str(out)],
-         timeout=600, env=dict(os.environ, TRITON_INTERPRET="1"))
-    r = json.loads(out.read_text())
-    assert [(x["config"], x["rows"], x["splits"]) for x in r] == [(c, b, 1) for b in (1, many)
-                                                                  for c in ("base", "engine")]
-    assert all(x["max_rel_diff"] < 1e-5 for x in r), r
-
-
-def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
-    """perf/served_gap.sh end to end on the CPU without its served runs (run_gpu.sh is test_scale_gpus's): the
-    serving loop with the codec alone (perf/bench_loop.py), streams out of step, two codec-batching settings, held
-    admissions, a replacement 30 ms late and Python beside the loop (each knob's values with the first of the
-    others): a table row per run; every run delivered audio from finished requests, with no error, its steady state
+def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/bench_loop.py on the CPU: the serving loop with the codec in it, streams out of step, two codec-batching
+    settings, held admissions, a replacement 30 ms late, Python beside the loop and launch ahead (each knob's values
+    with the first of the others): every run delivered audio from finished requests, with no error, its steady state
     in range."""
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "SERVED": "0", "DEVICE": "cpu", "CKPT": str(tiny_ckpt),
-           "PYTHON": sys.executable,
-           "LOOP_ARGS": "--streams 3 --frames 12 --frames-jitter 3 --stagger-ms 20 --seconds 1.5 --warm-s 0.4 "
-                        "--batch-steps 1,4 --admit-every 1,2 --resubmit-ms 0,30 --resubmit-jitter-ms 10 --gil-load 50:1 "
-                        "--launch-ahead 1"}
-    _run(["bash", "perf/served_gap.sh"], timeout=600, env=env)
-    table = (tmp_path / "out" / "gap.md").read_text().splitlines()
-    assert table[0].startswith("| run | audio-s/s | pass ms") and len(table) == 2 + 6, table
-    # every row's nine cells, the steps' launch + wait among them (prompt steps / the others, share behind a call)
-    assert all(row.count(" | ") == 8 for row in table[2:]), table
-    split = re.compile(r"[\d.]+ \+ [\d.]+ / -?[\d.]+ \+ -?[\d.]+ \(\d+%\)")
-    assert all(split.fullmatch(row.split(" | ")[6]) for row in table[2:]), table
-    # (every replacement's delay within --resubmit-ms +- 10 ms)
-    assert [row.split(" | ")[0] for row in table[2:5]] == ["| loop, resubmit 0 +- 10 ms"] * 3
-    assert [row.split(" | ")[0] for row in table[5:]] == ["| loop, resubmit 30 +- 10 ms",
-                                                         "| loop, resubmit 0 +- 10 ms, Python beside 50:1",
-                                                         "| loop, resubmit 0 +- 10 ms, launch ahead"]
-    rows = json.loads((tmp_path / "out" / "loop.json").read_text())
+    out = tmp_path / "loop.json"
+    _run([sys.executable, "perf/bench_loop.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu", "--streams", "3",
+          "--frames", "12", "--frames-jitter", "3", "--stagger-ms", "20", "--seconds", "1.5", "--warm-s", "0.4",
+          "--batch-steps", "1,4", "--admit-every", "1,2", "--resubmit-ms", "0,30", "--resubmit-jitter-ms", "10",
+          "--gil-load", "50:1", "--launch-ahead", "1", "--json", str(out)], timeout=600)
+    rows = json.loads(out.read_text())
     assert [(r["batch_steps"], r["admit_every"], r["resubmit_ms"], r["gil_load"], r["launch_ahead"]) for r in rows] == \
         [(1, 1, 0, None, False), (4, 1, 0, None, False), (1, 2, 0, None, False), (1, 1, 30, None, False),
          (1, 1, 0, "50:1", False), (1, 1, 0, None, True)]
@@ -427,193 +346,24 @@ def test_served_gap_script_on_the_cpu(tiny_ckpt, tmp_path):
         assert r["prompt_behind_codec"] == 0 or r["launch_ahead"], r  # only launch ahead launches behind a call
 
 
-@contextlib.contextmanager
-def _logged():
-    """The s2tts logger's messages (INFO and up) while the block runs, as a list."""
-    import logging
-
-    lines = []
-    keep = logging.Handler()
-    keep.emit = lambda record: lines.append(record.getMessage())
-    log = logging.getLogger("s2tts")
-    level = log.level
-    log.addHandler(keep)
-    log.setLevel(logging.INFO)
-    try:
-        yield lines
-    finally:
-        log.removeHandler(keep)
-        log.setLevel(level)
+def test_codec_bench_served_path_on_the_cpu(tiny_ckpt, tmp_path):
+    """perf/bench_codec.py --served-only on the CPU: the decoder the servers open, one call of two streams' chunks
+    timed, its audio seconds a second from the chunk's frames."""
+    out = tmp_path / "codec.json"
+    _run([sys.executable, "perf/bench_codec.py", "--checkpoint", str(tiny_ckpt), "--served-only", "--device", "cpu",
+          "--chunk", "4", "--batches", "2", "--paths", "served", "--json", str(out)], timeout=300)
+    made, call = json.loads(out.read_text())
+    assert made["path"] == call["path"] == "served" and made["graphs"] == 0, made
+    assert call["batch"] == 2 and call["chunk_frames"] == 4 and call["wall_ms"] > 0, call
+    assert call["audio_s_per_s"] == pytest.approx(2 * 4 * HOP / SR / (call["wall_ms"] / 1e3), rel=0.05, abs=0.06), call
 
 
-def test_gap_table_reads_slow_ars_loop_line(tmp_path):
-    """perf/gap_table.py reads a served run's steady state from the loop lines slow_ar writes (made here by its own
-    LoopStats, as run_gpu.sh copies them into summary.md): of two 10 s windows, the one with more frames a step."""
-    sys.path.insert(0, str(ROOT / "perf"))
-    from gap_table import table
-
-    from s2tts.engine.stats import LoopStats
-
-    with _logged() as lines:
-        for frames, step_s in ((30, 0.012), (58, 0.011)):  # a ramp's window, then the steady state
-            stats = LoopStats(every_s=0.0, codec_calls=1, codec_streams=50, tails=[0.07, 0.08, 0.09])
-            stats.add(step_s, 0.004, "slow_ar", frames, True, frames + 1, 2, True, off_cpu_s=frames / 1e5,
-                      launch_s=0.002, wait_s=step_s - 0.003, early=True)
-    # a step ending a prompt: its engine call's launch and wait, and that it ran behind a codec call
-    assert "(11.0 ms, the others 0.0; launching 2.0 and waiting 8.0 ms of it, the others 0.0 and 0.0; 100% of them " \
-           "launched behind a codec call)" in lines[-1], lines[-1]
-    run = tmp_path / "served"
-    run.mkdir()
-    (run / "summary.md").write_text("## slow_ar's loop, from its log\n\n" + "".join(f"- {m}\n" for m in lines))
-    (run / "loadgen.json").write_text(json.dumps({"levels": [{"audio_s_per_s": 171.5}]}))
-    rows = table(tmp_path, ["served", "pinned"]).splitlines()
-    assert rows[2] == ("| served | 171.5 | 15.00 (11.0 + 4.0) | 58.0 | 59.0 | 100% (11.0 / 0.0) | "
-                       "2.0 + 8.0 / 0.0 + 0.0 (100%) | 80.0 | 0.58 |"), rows
-    assert rows[3] == "| pinned | - | (no loop line over 10 s) | | | | | | |"
-
-
-def test_send_probe_on_the_cpu(tmp_path):
-    """perf/send_probe.py against the real tritonserver: every mode's responses arrive with what was sent (the script
-    checks each one's content), each mode reports its sends, the switch interval the model ran with (the default, and
-    the one asked for), and the busy thread's pace where there is one."""
-    out = tmp_path / "probe.json"
-    p = _run([sys.executable, "perf/send_probe.py", "--sends", "20", "--samples", "2048", "--interval-ms", "0.25",
-              "--json", str(out)], timeout=180)
-    rows = json.loads(out.read_text())
-    assert [r["mode"] for r in rows] == ["alone", "busy thread beside", "busy thread, short switch interval"]
-    assert all(r["sends"] == 20 and r["samples"] == 2048 and r["send_ms"] > 0 for r in rows), rows
-    assert rows[0]["interval_ms"] == rows[1]["interval_ms"] == 5.0 and rows[2]["interval_ms"] == 0.25, rows
-    assert rows[0]["busy_pace"] is None and all(r["busy_pace"] > 0 for r in rows[1:]), rows
-    assert sum(line.startswith("| ") for line in p.stdout.splitlines()) == 4  # the table: its header and three modes
-
-
-def _loop_lines(frames_per_window) -> list[str]:
-    """slow_ar's 10-s loop lines as its LoopStats writes them, one window for each frames-a-step figure."""
-    from s2tts.engine.stats import LoopStats
-
-    with _logged() as lines:
-        for frames in frames_per_window:
-            stats = LoopStats(every_s=0.0, codec_calls=1, codec_streams=50, tails=[0.07])
-            stats.add(0.0075, 0.0025, "slow_ar", frames, True, frames + 1, 0, False, off_cpu_s=0.004)
-    return [m for m in lines if "frames each" in m]
-
-
-def _issue26_tree(tree: Path, *, c1, c64, first_use_ms, ready_s, windows, step_1, step_64, fp8_step_1, codec_ms,
-                  two_gpu, fp8_served_rtf=None):
-    """One tree's folder as perf/issue26_gpu.sh's parts leave it (the files' forms are the tools' own)."""
-    def level(c, **kw):
-        return {"concurrency": c, "requests": 24, "ok": 24, "errors": 0, "stall_fraction": 0.0,
-                "gpu_mem_peak_mib": 20000.0, **kw}
-
-    serve = tree / "serve"
-    serve.mkdir(parents=True)
-    (serve / "loadgen.json").write_text(json.dumps({"levels": [level(1, **c1), level(64, requests=1280, ok=1280, **c64)]}))
-    (serve / "loadgen_clone_first.json").write_text(json.dumps({"levels": [level(1, ttfa_ms_p50=first_use_ms)]}))
-    (serve / "run.log").write_text(f"[12:00:01] tritonserver ready in {ready_s} s: gRPC 127.0.0.1:8001\n")
-    (serve / "summary.md").write_text("## slow_ar's loop, from its log\n\n" +
-                                      "".join(f"- {m}\n" for m in _loop_lines(windows)))
-    fps = 44100 / 2048
-    (tree / "engine.json").write_text(json.dumps(
-        [{"variant": "default", "weights": "dtype", "batch": 1, "graphs": True, "full_step_ms": step_1,
-          "stream_rtf": round(step_1 * fps / 1e3, 4)},
-         {"variant": "default", "weights": "dtype", "batch": 64, "graphs": True, "full_step_ms": step_64},
-         {"variant": "default", "weights": "fp8", "batch": 1, "graphs": True, "full_step_ms": fp8_step_1,
-          "stream_rtf": round(fp8_step_1 * fps / 1e3, 4)}]))
-    (tree / "codec.json").write_text(json.dumps([{"path": "served", "warm_s": 9.0, "graphs": 21},
-                                                 {"path": "served", "batch": 64, "chunk_frames": 8, "wall_ms": codec_ms}]))
-    if two_gpu is not None:
-        (tree / "scale").mkdir()
-        (tree / "scale" / "scale.json").write_text(json.dumps([{"engines": 2, "concurrency": 128,
-                                                                "audio_s_per_s": two_gpu}]))
-    if fp8_served_rtf is not None:
-        (tree / "serve_fp8").mkdir()
-        (tree / "serve_fp8" / "loadgen.json").write_text(json.dumps({"levels": [level(1, rtf_mean=fp8_served_rtf)]}))
-
-
-def _issue26_rows(md: str) -> dict[str, list[str]]:
-    """perf/issue26.py's table -> {target: [the base's cell, this code's, "status |"]} (its body rows only)."""
-    return {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in md.splitlines()[2:] if r.startswith("| ")}
-
-
-def test_issue26_table_reads_both_trees(tmp_path):
-    """perf/issue26.py: each of issue 26's targets from the files perf/issue26_gpu.sh's parts leave, the starting
-    code beside this one, each row's status by this code's number; a part not run reads "-" / "not run"."""
-    sys.path.insert(0, str(ROOT / "perf"))
-    from issue26 import main, markdown
-
-    _issue26_tree(tmp_path / "base", c1={"ttfa_ms_p50": 44.7, "rtf_mean": 0.19, "ttfa_ms_p99": 50.0},
-                  c64={"audio_s_per_s": 148.6, "ttfa_ms_p50": 372.0, "ttfa_ms_p99": 498.0, "stall_fraction": 0.0,
-                       "gpu_mem_peak_mib": 43400.0},
-                  first_use_ms=156.0, ready_s=68.6, windows=[20, 29.7], step_1=8.3, step_64=11.0, fp8_step_1=7.9,
-                  codec_ms=35.0, two_gpu=None)
-    _issue26_tree(tmp_path / "final", c1={"ttfa_ms_p50": 21.7, "rtf_mean": 0.1195, "ttfa_ms_p99": 25.0},
-                  c64={"audio_s_per_s": 279.9, "ttfa_ms_p50": 200.1, "ttfa_ms_p99": 311.2, "stall_fraction": 1 / 1280,
-                       "gpu_mem_peak_mib": 27000.0},
-                  first_use_ms=115.0, ready_s=41.0, windows=[48, 61.4, 55], step_1=5.31, step_64=7.53,
-                  fp8_step_1=4.75, codec_ms=16.7, two_gpu=550.4)
-    rows = _issue26_rows(markdown(tmp_path / "final", tmp_path / "base", "79c0cdb"))
-    assert rows["c=1 decode step <= 5.5 ms at one row"] == ["8.30 ms", "5.31 ms", "met |"]
-    assert rows["c=1 RTF <= 0.12 (served, mean)"] == ["0.1900", "0.1195", "met |"]
-    assert rows["c=1 TTFA p50 <= 30 ms"] == ["44.7 ms", "21.7 ms", "met |"]
-    assert rows["c=64 >= 300 audio-s/s (100-frame requests)"] == ["148.6 (1280/1280 requests)",
-                                                                  "279.9 (1280/1280 requests)", "NOT met |"]
-    assert rows["c=64 frames a step >= 58 (slow_ar's busiest 10 s)"] == ["29.7", "61.4", "met |"]
-    assert rows["c=64 TTFA p99 <= 400 ms"] == ["498.0 ms", "311.2 ms", "met |"]
-    assert rows["no underrun at any level"] == ["0 of 1304 ran dry", "1 of 1304 ran dry", "NOT met |"]
-    assert rows["step at 64 rows <= 7.5 ms"] == ["11.00 ms", "7.53 ms", "NOT met |"]
-    assert rows["codec's share of a 64-frame step <= 2.4 ms (64 x 8 frames a call / 8)"] == ["4.38 ms", "2.09 ms",
-                                                                                             "met |"]
-    assert rows["`ar_weights=fp8`: c=1 RTF <= 0.08 (the engine's step alone)"] == [
-        "0.1701 (step 7.90 ms)", "0.1023 (step 4.75 ms)", "NOT met |"]
-    assert rows["two GPUs of one host >= 500 audio-s/s at c=128"] == ["-", "550.4 at c=128", "met |"]
-    assert rows["c=64 peak GPU memory <= 30 GB (all models, default KV pool)"] == ["45.5 GB", "28.3 GB", "met |"]
-    assert rows["ready <= 45 s"] == ["68.6 s", "41.0 s", "met |"]
-    assert rows["voice clone first use <= 120 ms at c=1 (10 s reference)"] == ["156.0 ms", "115.0 ms", "met |"]
-    # a served fp8 run, where there is one, is the row's measure; parts not run read "-" and "not run"
-    _issue26_tree(tmp_path / "only", c1={"ttfa_ms_p50": 21.0, "rtf_mean": 0.12}, c64={"audio_s_per_s": 300.5},
-                  first_use_ms=119.0, ready_s=45.0, windows=[], step_1=5.0, step_64=7.5, fp8_step_1=3.6,
-                  codec_ms=19.2, two_gpu=None, fp8_served_rtf=0.079)
-    (tmp_path / "only" / "engine.json").unlink()
-    rows = _issue26_rows(markdown(tmp_path / "only", None))
-    assert rows["`ar_weights=fp8`: c=1 RTF <= 0.08"] == ["-", "0.0790", "met |"]
-    assert rows["step at 64 rows <= 7.5 ms"] == ["-", "-", "not run |"]
-    assert rows["c=64 frames a step >= 58 (slow_ar's busiest 10 s)"] == ["-", "-", "not run |"]
-    assert rows["c=64 >= 300 audio-s/s (100-frame requests)"][2] == "met |"
-    assert rows["ready <= 45 s"] == ["-", "45.0 s", "met |"]
-    assert main([str(tmp_path / "nothing")]) == 2  # no final/ there: a message, not a table
-
-
-def test_issue26_gpu_script_on_the_cpu(tiny_ckpt, tmp_path):
-    """perf/issue26_gpu.sh's serve part on the CPU (this tree only, c=1, one request, run_gpu.sh's DEVICE=cpu): the
-    folder it leaves is what perf/issue26.py reads, whose rows carry the run's own numbers."""
-    from servers import free_port
-
-    sys.path.insert(0, str(ROOT / "perf"))
-    from issue26 import markdown
-
-    out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "TREES": "final", "LEVELS": "1", "REQUESTS": "1:1", "FRAMES": "4",
-           "DEVICE": "cpu", "CKPT": str(tiny_ckpt), "CKPT_SIZE": "tiny", "PYTHON": sys.executable, "USE_CARRIED": "0",
-           "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"), "GRPC_PORT": str(free_port()),
-           "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port())}
-    p = _run(["bash", "perf/issue26_gpu.sh", "serve"], timeout=600, env=env)
-    assert "== final serve rc=0" in p.stdout, p.stdout + (out / "final" / "serve.log").read_text()[-3000:]
-    serve = out / "final" / "serve"
-    c1 = json.loads((serve / "loadgen.json").read_text())["levels"][0]
-    first = json.loads((serve / "loadgen_clone_first.json").read_text())["levels"][0]
-    assert c1["concurrency"] == 1 and c1["ok"] == 1 and first["ok"] == 1, (c1, first)
-    ready = float(re.findall(r"tritonserver ready in ([\d.]+) s", (serve / "run.log").read_text())[-1])
-    rows = {target: cells[1] for target, cells in _issue26_rows(markdown(out / "final", None)).items()}
-    assert rows["c=1 TTFA p50 <= 30 ms"] == f"{c1['ttfa_ms_p50']:.1f} ms"
-    assert rows["c=1 RTF <= 0.12 (served, mean)"] == f"{c1['rtf_mean']:.4f}"
-    assert rows["voice clone first use <= 120 ms at c=1 (10 s reference)"] == f"{first['ttfa_ms_p50']:.1f} ms"
-    assert rows["ready <= 45 s"] == f"{ready:.1f} s"
-    assert rows["c=64 >= 300 audio-s/s (100-frame requests)"] == "-"  # no level 64 in this run
-    head = subprocess.run(["git", "log", "-1", "--format=commit %h %s"], cwd=ROOT, capture_output=True, text=True)
-    assert f"\nthis code: {head.stdout.strip()}" in markdown(out / "final", None)  # what ran, under the table
-    bad = subprocess.run(["bash", "perf/issue26_gpu.sh", "nothing"], cwd=ROOT, capture_output=True, text=True)
-    assert bad.returncode == 2 and "usage: bash perf/issue26_gpu.sh serve|kernels|fp8|scale" in bad.stderr
-    if not (ROOT / "baseline" / "perf").is_dir():  # (a developer's checkout may hold one)
-        none = subprocess.run(["bash", "perf/issue26_gpu.sh", "serve"], cwd=ROOT, capture_output=True, text=True,
-                              env={**env, "TREES": "final base"})
-        assert none.returncode == 2 and "no baseline/" in none.stderr, none.stderr
+def test_determinism_script_on_the_cpu(tiny_ckpt):
+    """perf/determinism.py on the tiny model: one line per mode; with `batch_invariant` no seeded request's codes
+    change beside the others."""
+    p = _run([sys.executable, "perf/determinism.py", "--checkpoint", str(tiny_ckpt), "--requests", "3", "--max-batch",
+              "3", "--frames", "6", "--alone", "2"], timeout=300)
+    rows = {r["mode"]: r for r in (json.loads(line) for line in p.stdout.splitlines() if line.startswith("{"))}
+    assert set(rows) == {"default", "batch_invariant"}, p.stdout
+    assert all(r["requests"] == 3 and r["checked_alone"] == 2 and r["step_ms_1"] > 0 for r in rows.values()), rows
+    assert rows["batch_invariant"]["changed"] == 0, rows

@@ -1,6 +1,6 @@
 """The path of a request between s2pro and slow_ar: the order of its calls, who names what, what a call may wait for.
 
-Each test here proves a defect of the path found in review (issue 25) fixed: it fails on the code before the fix.
+Each test here guards against a defect this path can have: each fails on code that has it.
 They run the repository's real model.py files in this process (`tests/fake_triton.py`), or the pieces directly.
 """
 

@@ -1,4 +1,4 @@
-"""The one settings schema: templates, rendering, the models' defaults and the README all agree with it."""
+"""The one settings schema: templates, rendering, the models' defaults and docs/SETTINGS.md all agree with it."""
 
 import re
 from pathlib import Path
@@ -15,11 +15,11 @@ PARAM = re.compile(r'key: "([a-z_0-9]+)" value \{ string_value: "\$\{([a-z_0-9]+
 RENDER_INTERNAL = {"engine_dir", "engine_device", "max_batch_size"}  # filled by the TensorRT rendering itself
 
 
-def test_readme_table_is_the_schema():
-    readme = (ROOT / "README.md").read_text()
-    m = re.search(r"<!-- settings-table:begin -->\n(.*?)\n<!-- settings-table:end -->", readme, re.S)
-    assert m, "README lacks the settings table markers"
-    assert m.group(1).strip() == S.markdown_table().strip(), "README settings table is stale: regenerate it"
+def test_settings_doc_table_is_the_schema():
+    doc = (ROOT / "docs" / "SETTINGS.md").read_text()
+    m = re.search(r"<!-- settings-table:begin -->\n(.*?)\n<!-- settings-table:end -->", doc, re.S)
+    assert m, "docs/SETTINGS.md lacks the settings table markers"
+    assert m.group(1).strip() == S.markdown_table().strip(), "docs/SETTINGS.md's settings table is stale: regenerate it"
 
 
 @pytest.mark.parametrize("model", S.MODELS)
@@ -99,7 +99,7 @@ def test_request_fields_share_one_range():
 
 def test_no_bls_call_reads_a_decoupled_stream():
     """Triton 24.10's Python backend frees a finished decoupled BLS stream without the GIL and can deadlock two
-    threads reading such streams (perf/RESULTS.md, "The s2pro crash"): every BLS call in the repository is
+    threads reading such streams (perf/STATUS.md, decisions): every BLS call in the repository is
     request-response, so no model that another model calls may be decoupled."""
     import ast
 
@@ -158,7 +158,7 @@ def test_the_client_sends_every_request_field_as_the_schema_declares():
 
 def test_each_model_parses_its_request_fields_from_the_schema(harness_factory):
     """s2pro and slow_ar read every request field of their stage as the schema declares it (tritonserver's types,
-    `triton_utils.read_fields`), a field left out taking the schema's default: the model's setting where the field
+    `serving.triton_io.read_fields`), a field left out taking the schema's default: the model's setting where the field
     has one (`default_setting`), else the field's own. Given fields reach the request as sent."""
     from fake_triton import Request
 

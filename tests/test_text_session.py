@@ -1,4 +1,4 @@
-"""Text sessions (issue 27): text that arrives in pieces, spoken as it becomes speakable, in one audio stream. The
+"""Text sessions: text that arrives in pieces, spoken as it becomes speakable, in one audio stream. The
 buffer's rules (`s2tts.frontend.session`) alone, then s2pro's real model.py on the fake Triton: the audio of a text
 sent word by word equals the audio of the same segments sent as one text (seeded, fp32), the first audio leaves
 before the text has ended, a cancel and an idle session end cleanly and free everything, bad session requests get

@@ -194,7 +194,7 @@ def test_close_with_cancel_cancels_only_a_request_in_flight(triton_server, stop_
     """`S2ProClient.close(cancel=True)` (perf/soak.py after every request, the tests' clients) sends a cancel only
     for a request still in flight. A cancel for a stream whose request had already ended races Triton 24.10's gRPC
     frontend and keeps s2pro from unloading: 30 such streams from a worker thread, then a stop, waited the stop's
-    whole grace and never ran s2pro's `finalize` (perf/RESULTS.md, fourteenth session)."""
+    whole grace and never ran s2pro's `finalize`."""
     ended = S2ProClient(triton_server.grpc_url)
     events = list(ended.stream(TTSInput(text="hello there friend", seed=1, max_new_tokens=8, ignore_eos=True)))
     assert isinstance(events[-1], Final) and events[-1].stats["frames"] == 8

@@ -179,9 +179,8 @@ if triton is not None:
 
 
 # `decode_attention`'s tiling: keys a tile, warps a program, Triton's software-pipeline stages for its tile loop (3:
-# Triton's default, what the kernel had before this was a setting), and whether a tile's values are read beside its
-# keys. perf/bench_attention.py times the choices on a GPU (on an H200 the slow AR's 64 rows read at 3.3-3.6 TB/s
-# with these; a cache of fewer positions than a tile takes `short_keys_config`: perf/RESULTS.md, 26th session).
+# Triton's default), and whether a tile's values are read beside its keys; the tiling that read the slow AR's keys
+# fastest on a GPU. A cache of fewer positions than a tile takes `short_keys_config`.
 DECODE_ATTENTION_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "kv_together": 0}
 
 
@@ -192,8 +191,8 @@ def short_keys_config(max_keys: int, rows: int) -> dict | None:
     """`decode_attention`'s tiling for rows that never hold more than `max_keys` keys (the fast AR's: its
     num_codebooks + 1 positions) when that is under one default tile: tiles of max(16, next power of two) keys
     rather than 64 mostly masked, and past 4 rows one warp a program, a tile's values read beside its keys, no
-    pipeline. On an H200, 10 keys a row (perf/RESULTS.md, twenty-sixth session): 1 row 5.18 -> 3.06 us a call, 64
-    rows 8.60 -> 3.83, 128 rows of 2 keys 16.0 -> 4.68; the same output bits. None: the default tiling."""
+    pipeline: a call for the fast AR's few keys takes a fraction of the default tiling's time, with the same output
+    bits. None: the default tiling."""
     block_n = max(16, triton.next_power_of_2(max_keys)) if triton is not None else 64
     if not SHORT_KEYS or block_n >= DECODE_ATTENTION_CONFIG["block_n"]:
         return None
@@ -404,9 +403,9 @@ def qk_rope_cache(qkv, q_w, k_w, rope, pos, slots, cache, n_head: int, n_kv: int
 # The fast AR's passes after its first: one token a row, at most `num_codebooks + 1` keys a row. The two kernels
 # (`qk_rope_cache`, then `decode_attention` in its short tiling) become one program per (row, KV head) that makes
 # its heads' q, the new key and value, writes them to the cache and attends over the row's keys, the new one taken
-# from registers: 32 launches fewer a decode step. Measured in the step on an H200 (perf/RESULTS.md, 27th session):
-# 8 rows 6.57 -> 6.50 ms, 16 rows 6.82 -> 6.76, 64 rows 7.60 -> 7.53; at 1 and 2 rows slower (5.32 -> 5.35, 5.98 ->
-# 6.02: 8 programs with a longer chain each against 40 + 8 that overlap), hence from ROPE_ATTEND_MIN_ROWS rows.
+# from registers: 32 launches fewer a decode step, a shorter step from a few rows on. At 1 and 2 rows its 8 programs,
+# each with a longer dependent chain, lose to the two kernels' 40 + 8 overlapping under dependent launch, hence from
+# ROPE_ATTEND_MIN_ROWS rows.
 
 ROPE_ATTEND_SHORT = True  # `Attention._fused` uses `rope_attend_short` where it can (bench_engine: rope_attend=0)
 ROPE_ATTEND_MIN_ROWS = 5  # ... in passes of at least this many rows
@@ -617,15 +616,15 @@ def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: boo
 # beside it. This kernel tiles by the weight's shape alone: 16 rows a tile, BLOCK_N output columns x BLOCK_K, the K
 # range split between SPLIT programs when there are too few column tiles to fill the GPU, partial sums added in a
 # fixed order. A row's result is then the same whatever rows are beside it (`batch_invariant`). At 1-16 rows it
-# streams the weights about as fast as cuBLAS (2.1-2.7 TB/s on an H100, perf/RESULTS.md); the row tiles of one
-# column tile run next to each other, so at more rows they read the weight tile from L2.
+# streams the weights about as fast as cuBLAS; the row tiles of one column tile run next to each other, so at more
+# rows they read the weight tile from L2.
 
 GEMV_ROWS = 16  # `linear`'s default: the kernel up to this many rows, cuBLAS above
 GEMV_CONFIG = {"programs": 264, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "max_block_m": 128,
                "swap": 0}
 GEMV_FP8_CONFIG = dict(GEMV_CONFIG)  # the same kernel with FP8 weights (`linear(..., scale=)`)
-# FP8 weights at more rows (`linear(..., wide_rows=)`): the tile as (W x^T)^T, 128 columns, 8 warps. On an H100 a
-# decode step at 64 rows took 10.5 ms with it against 12.0, at 1-16 rows 7.9-8.7 against 6.7-6.9 (perf/RESULTS.md).
+# FP8 weights at more rows (`linear(..., wide_rows=)`): the tile as (W x^T)^T, 128 columns, 8 warps: faster than the
+# narrow tile at 64 rows, slower at 1-16.
 GEMV_FP8_WIDE_CONFIG = dict(GEMV_CONFIG, swap=1, block_n=128, num_warps=8)
 
 if triton is not None:
@@ -691,7 +690,7 @@ if triton is not None:
 
 def gemv_plan(N: int, K: int, config: dict | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, SPLIT, K_PER) for a [N, K] weight: enough programs to keep every SM streaming
-    (config["programs"], two per SM of an H100), from the weight's shape alone. `config`: GEMV_CONFIG's form."""
+    (config["programs"], two per SM of a 132-SM GPU), from the weight's shape alone. `config`: GEMV_CONFIG's form."""
     config = GEMV_CONFIG if config is None else config
     programs, block_n, block_k = config["programs"], config["block_n"], config["block_k"]
     tiles = -(-N // block_n)
@@ -718,7 +717,7 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    if M % 16:  # rows padded to a multiple of 16 (a 513-row pass broke a CUDA graph's capture on an H100)
+    if M % 16:  # rows padded to a multiple of 16 (a pass of 513 rows broke a CUDA graph's capture)
         x2 = torch.nn.functional.pad(x2, (0, 0, 0, 16 - M % 16))
     xs = x2.abs().amax(1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
     x8 = (x2.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -776,10 +775,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
 # keeps `linear`).
 
 GEMV_SMALL_ROWS = 2  # `gemv_small` takes up to this many rows; the model sends it its products of so many
-# Tiling, measured in the decode step on an H200 (perf/RESULTS.md): 2 columns a program, 512 lanes along K at any row
-# count, 2 warps, 4 weight tiles in flight (Triton's software pipeline): the step at one row 6.09-6.23 ms against
-# 6.68 with one tile read ahead by hand (cuBLAS 6.8); at 2 rows 6.95 (cuBLAS 6.92), at 4 rows (256 lanes) 8.97 against
-# cuBLAS's 6.78: hence products of up to 2 rows only (a stream's own, and the fast AR's first call of one stream).
+# Tiling, the fastest in the decode step: 2 columns a program, 512 lanes along K at any row count, 2 warps, 4 weight
+# tiles in flight (Triton's software pipeline). At one row it beats cuBLAS, at 2 it is even, at 4 cuBLAS is faster:
+# hence products of up to 2 rows only (a stream's own, and the fast AR's first call of one stream).
 GEMV_SMALL_CONFIG = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 4}
 # A layer's SwiGLU in the last step of its w1 | w3 product where `gemv_small` makes that product (the weight's gate
 # and up rows interleaved, a program's two columns a pair): one kernel fewer a layer at one or two rows

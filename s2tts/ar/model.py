@@ -363,8 +363,8 @@ class SlowAR(nn.Module):
         return h, self.logits(h)
 
     head_rows = 0  # use_invariant_linears: the head through the row-invariant kernel up to this many rows
-    # use_triton_kernels: the head through that kernel at any number of rows (cuBLAS is slow on its 4097 columns:
-    # 42 against 15 us at 64 rows on an H100, perf/RESULTS.md)
+    # use_triton_kernels: the head through that kernel at any number of rows (cuBLAS is several times slower on its
+    # odd 4097 columns)
     head_kernel = False
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -521,8 +521,8 @@ class Fp8Linear(nn.Module):
         if self.kernel and x.numel() <= self.kernel_rows * self.in_features:
             return kernels.linear(x, self.weight, scale=self.scale, wide_rows=self.wide_rows)
         # many rows (prompt passes): the product is compute-bound, where the kernel (weight widened tile by tile)
-        # runs at half cuBLAS's bf16 speed (a 16-prompt prefill: 85 ms against 45, perf/RESULTS.md). cuBLAS's FP8
-        # product instead, the activations in FP8 too (a scale per row); where there is none, the weight widened.
+        # runs at about half cuBLAS's bf16 speed. cuBLAS's FP8 product instead, the activations in FP8 too (a scale
+        # per row); where there is none, the weight widened.
         if self.kernel and kernels.fp8_matmul_available(x.device):
             return kernels.fp8_matmul(x, self.weight, self.scale)
         return F.linear(x, (self.weight.float() * self.scale[:, None]).to(x.dtype))

@@ -84,8 +84,8 @@ def sample_semantic(logits, recent, temperature, top_p, top_k, seed, step, kerne
     """Slow-AR sample with RAS: if the sampled code is among the request's recent codes
     (`recent` [B, W], -1 = empty), take a second sample drawn at T 1.0 / top-p 0.9 (one sort for both).
     `allow_end` [B] bool with `end_index`: the end token's column masked in the rows where it is False. `kernel`:
-    the draws in the sampling kernel (the sort stays torch's radix sort: one program's in-kernel sort of the 4,097
-    logits made the step 0.19 ms slower on an H200, perf/RESULTS.md)."""
+    the draws in the sampling kernel (the sort stays torch's radix sort, faster than one program sorting the 4,097
+    logits in the kernel)."""
     if allow_end is not None:
         end_col = torch.arange(logits.shape[-1], device=logits.device) == end_index
         logits = logits.masked_fill(end_col[None, :] & ~allow_end[:, None], float("-inf"))

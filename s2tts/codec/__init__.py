@@ -1,2 +1,2 @@
-"""The DAC codec: the model, its loading and resampling (`dac`), and many streaming decodes batched over one
-codec (`stream`)."""
+"""The DAC codec: the model (`model`), its loading (`loading`), audio into it (`audio`: resampling), its Triton
+kernels (`kernels`), and many streaming decodes batched over one codec (`stream`)."""

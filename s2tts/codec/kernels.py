@@ -152,11 +152,10 @@ def conv_to_one(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, dilat
 
 # ---- the codec's decoder in channels-last layout -----------------------------------------------------------------
 # cuDNN runs the decoder's fp16 convolutions on channels-last kernels and transposes every channels-first input and
-# output around them (3.95 of a 64 x 8-frame call's 21.2 ms of kernel time on an H200, perf/RESULTS.md). A
-# convolution over [B, T, C] is an implicit GEMM whose rows are (batch row, time step) pairs: each tap's input tile is
-# the same rows shifted by tap x dilation, every row C contiguous values (aligned loads, unlike a shifted window
-# along time in [B, C, T], where a Triton kernel measured 1.3-2x slower than cuDNN). On the decoder's k7 shapes at
-# 64 x 8 frames it took 6.5 ms against 10.1 for what the codec ran (perf/RESULTS.md, twenty-fourth session).
+# output around them, a large share of a call's kernel time. A convolution over [B, T, C] is an implicit GEMM whose
+# rows are (batch row, time step) pairs: each tap's input tile is the same rows shifted by tap x dilation, every row C
+# contiguous values (aligned loads, unlike a shifted window along time in [B, C, T], where a Triton kernel is slower
+# than cuDNN). On the decoder's shapes it is faster than cuDNN's channels-first convolutions with their transposes.
 
 CONV_NWC_CONFIG = {"block_t": 128, "block_co": 128, "block_ci": 32, "num_warps": 4, "num_stages": 3}
 CONV_NWC_BY_SHAPE = True  # on a GPU, each call's tiling from its shape (`conv_nwc_tiling`); False: CONV_NWC_CONFIG's
@@ -164,14 +163,14 @@ CONV_NWC_BY_SHAPE = True  # on a GPU, each call's tiling from its shape (`conv_n
 
 def conv_nwc_tiling(rows: int, c_in: int, c_out: int, taps: int, sms: int, itemsize: int = 2) -> dict:
     """Overrides of CONV_NWC_CONFIG for a convolution of `rows` output rows (batch rows x steps) on `sms`
-    multiprocessors, from sweeps of the decoder's calls at 1 and 64 streams x 8 frames on H200s (perf/RESULTS.md,
-    twenty-fifth session; 64 streams again in the thirtieth): tiles of 64 x 64 or 32 x 32 where 128 x 128 tiles
-    would not make a wave of programs. Else: convolutions of several taps into 256 output channels, or 192, in
-    128 x 256 tiles of eight warps taking 64 input channels a step (their input read once for 256 outputs: 128 x 128
-    tiles cost 8-20% more); one-tap ones from 384 channels in 64 x 128 tiles; the rest 128 x 128 (64 input channels
-    a step from 384), narrower where 192 or 96 output channels would leave a 128-wide tile a third or a quarter
-    empty. `itemsize`: bytes of a value; 128 x 256 tiles only for 2-byte ones (float32's three pipeline stages of
-    them would need 288 KB of shared memory, more than an SM has: the fp32 fallback decoder's calls)."""
+    multiprocessors, the fastest of sweeps of the decoder's calls at 1 and 64 streams x 8 frames on a 132-SM GPU:
+    tiles of 64 x 64 or 32 x 32 where 128 x 128 tiles would not make a wave of programs. Else: convolutions of
+    several taps into 256 output channels, or 192, in 128 x 256 tiles of eight warps taking 64 input channels a step
+    (their input read once for 256 outputs, where 128 x 128 tiles read it twice); one-tap ones from 384 channels in
+    64 x 128 tiles; the rest 128 x 128 (64 input channels a step from 384), narrower where 192 or 96 output
+    channels would leave a 128-wide tile a third or a quarter empty. `itemsize`: bytes of a value; 128 x 256 tiles
+    only for 2-byte ones (float32's three pipeline stages of them would need 288 KB of shared memory, more than an
+    SM has: the fp32 fallback decoder's calls)."""
     def programs(t):
         return -(-rows // t) * -(-c_out // t)
 
@@ -200,7 +199,7 @@ def _sms(device: torch.device) -> int:
 
 # How the channels-last convolutions multiply float32 values on a GPU (the fp32 decoder that redoes a chunk that
 # overflowed fp16): "tf32x3" (three TF32 tensor-core products: float32's range and near its precision) or "ieee" (exact
-# products on the CUDA cores: ~8x slower, measured in perf/RESULTS.md). The interpreter multiplies exactly.
+# products on the CUDA cores: several times slower). The interpreter multiplies exactly.
 FP32_CONV_PRECISION = "tf32x3"
 
 
@@ -225,7 +224,7 @@ if triton is not None:
         b stride_sb + t C_out + co, its sine the GPU's approximate one (FAST_SIN) or the precise one. The reduction
         steps through each tap's C_pad channels (C_in rounded up to BLOCK_CI, the rest masked when MASK_CI) BLOCK_CI
         at a time; unmasked along the channels (C_in a multiple of BLOCK_CI) the loads stay vectorised (a mask along
-        them made the decoder's convolutions ~20x slower on an H200)."""
+        them made the decoder's convolutions many times slower)."""
         pid_m, pid_co = tl.program_id(0), tl.program_id(1)
         m = (pid_m * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         co = pid_co * BLOCK_CO + tl.arange(0, BLOCK_CO)
@@ -278,8 +277,8 @@ if triton is not None:
     @triton.jit
     def _snake_f32(x, a, FAST_SIN: tl.constexpr):
         """Snake of float32 x with alpha a: x + sin(a x)^2 / (a + 1e-9); FAST_SIN: the GPU's approximate sine after
-        reduction to [-pi, pi] (the precise one, in kernels of few resident warps, cost more than their products on
-        an H200)."""
+        reduction to [-pi, pi] (the precise one, in kernels of few resident warps, costs more than their
+        products)."""
         if not FAST_SIN:
             s = tl.sin(a * x)
         else:
@@ -420,7 +419,7 @@ def res_unit_applies(channels: int, x: torch.Tensor) -> bool:
 
 def res_unit_tiling(rows: int, channels: int, sms: int) -> dict:
     """Overrides of RES_UNIT_CONFIG for a residual unit of `rows` output rows on `sms` multiprocessors, from a sweep
-    at 8 and 64 streams x 8 frames on an H200 (perf/RESULTS.md, thirtieth session): four warps for up to 128
+    at 8 and 64 streams x 8 frames on a 132-SM GPU: four warps for up to 128
     channels (eight for 192: its 128 x 256 sums), 64-row tiles where 128-row ones would not make a wave."""
     cfg = {} if channels > 128 else {"num_warps": 4}
     if -(-rows // 128) < sms:

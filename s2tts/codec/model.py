@@ -218,8 +218,7 @@ def conv1d_phases(x: Tensor, weight: Tensor, bias: Optional[Tensor], dilation: i
     """F.conv1d(x, weight, bias, dilation=dilation) (stride 1, no padding) as one undilated convolution over the
     `dilation` interleaved phases of x (output t = s * dilation + p reads only inputs of phase p), stacked along the
     batch: the same sums, at the cost of copying x in and the result out. cuDNN's heuristics can run a dilated
-    convolution on a kernel without tensor cores (perf/RESULTS.md: on an H100, 4.7 of the 11 ms that a 64-stream
-    chunk spends in convolutions)."""
+    convolution on a kernel without tensor cores, a large share of a chunk's convolution time."""
     B, C, T = x.shape
     d, k = dilation, weight.shape[-1]
     n_out = T - (k - 1) * d
@@ -1010,8 +1009,8 @@ def make_codec(config: CodecConfig, seed: int) -> DAC:
 
 def codec_precision(dtype: str, tf32: bool) -> None:
     """Process-wide matmul/convolution precision for a codec process running fp32: `tf32=False` gives
-    fp32-exact convolutions (~2e-5 from the CPU result on an H200), `tf32=True` lets cuDNN use TF32
-    (about 2x faster for the decoder at batch 32-64; see perf/RESULTS.md for its deviation)."""
+    fp32-exact convolutions (within float32 rounding of the CPU's result), `tf32=True` lets cuDNN use TF32
+    (faster for the decoder at large batches, the audio no longer exact)."""
     if dtype in ("fp32", "float32"):
         import torch
 

@@ -336,7 +336,7 @@ class SlotPool:
     B streams gathers its rows, decodes with the new states written into fresh rows, and writes those back in
     place: no per-stream tensors, no stack/split per call. On a GPU each (batch bucket, chunk length)
     runs as one CUDA graph (the shapes `warm` prepared; others run eagerly), which takes the CPU cost of launching the
-    codec's hundreds of small kernels per call (~14 ms, measured: perf/RESULTS.md) off the serving path.
+    codec's hundreds of small kernels per call (milliseconds of host time) off the serving path.
 
     The body also reports, per row, whether the audio and the new state are finite, and keeps the gathered old
     states until the next call (the fp32 fallback decodes an overflowed chunk again from them)."""
@@ -411,8 +411,8 @@ class SlotPool:
         bufs["old"] = olds
 
     def _capture(self, Bp: int, n: int) -> None:
-        """One graph, on the pool's own capture stream (`graphs.own_stream`: the engine's graphs may replay beside
-        these and must not share their cuBLAS workspace)."""
+        """One graph, on the pool's own capture stream (`gpu.cuda_graphs.own_stream`: the engine's graphs may replay
+        beside these and must not share their cuBLAS workspace)."""
         bufs = self._buffers(Bp, n)  # idx: all scratch, so the warm-up and capture write no stream's state
         try:
             if self._mempool is None:

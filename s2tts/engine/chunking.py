@@ -11,13 +11,12 @@ from typing import Callable
 
 import numpy as np
 
-# From this pace (seconds of work a second of audio: c=64 on one H100, not c=16) a server is "under load": first
-# chunks grow (`Chunker(load_frames=)`) and slow_ar's in-engine codec decodes all streams together every few steps
+# From this pace (seconds of work a second of audio) a server is "under load": first chunks grow
+# (`Chunker(load_frames=)`) and slow_ar's in-engine codec decodes all streams together every few steps
 LOAD_PACE = 0.35
 # ... or, in slow_ar's loop with its codec (`EngineService.under_load`), from this share of the engine's slots held: a
-# pace alone stops counting a full batch as load once the pipeline is fast enough (served c=64 on an H200 ran at a
-# pace of ~0.27-0.28, at the threshold for staying under load, and dropped out of it on a few steps: the streams
-# admitted then got 2-frame first chunks, the ones that ran dry; perf/RESULTS.md)
+# pace alone stops counting a full batch as load once the pipeline is fast enough, and a full batch whose pace sits
+# at the threshold would drop out of load on some steps, admitting streams with the short first chunks that run dry
 LOAD_SLOTS = 0.75
 
 
@@ -35,11 +34,10 @@ class Chunker:
     that made streams run dry at their second chunk at c=64), F_1 >= 2 r / (1 - r), rounded up to a chunk length.
     From a pace of `uniform_from` (default 0.5) later chunks keep the first one's length instead of growing: each is
     made in F_1 r of the F_1 frame-durations the one before plays, with the same margin of F_1 (1 - r) >= 2 r frames
-    every time (growing chunks spend that margin; at c=64 out of step 11% of streams ran dry with them, none with
-    equal ones: perf/RESULTS.md). `load_frames` (default 0: off) sets the least first chunk from a pace of `load_from`
-    (default `LOAD_PACE`, 0.35, reached at c=64 on one H100, not at c=16), or whenever `loaded()` says so: more
-    audio in hand while the next chunk is made (at c=64 on an H100, 8-frame first chunks: 1 stream of 384 ran dry,
-    7 with 4-frame ones; perf/RESULTS.md).
+    every time (growing chunks spend that margin: under a heavy load with streams out of step, some run dry with
+    growing chunks, none with equal ones). `load_frames` (default 0: off) sets the least first chunk from a pace of
+    `load_from` (default `LOAD_PACE`), or whenever `loaded()` says so: more audio in hand while the next chunk is made,
+    so fewer streams run dry under load.
     Sizes are `first` times a power of two, or `size` (few distinct chunk lengths, so the codec still batches
     chunks of many streams together). At a pace no cadence keeps up with (r >= safety), and without `pace`, later
     chunks are `size`: the fewest codec calls.

@@ -1,6 +1,6 @@
 """Paged KV cache bookkeeping: which blocks of the pool each request's keys and values live in.
 
-A stack's pool (`model.Stack.setup_caches`) holds `num_blocks` blocks of `block_size` token positions for every
+A stack's pool (`ar.model.Stack.setup_caches`) holds `num_blocks` blocks of `block_size` token positions for every
 layer, and a device block table `[slots, max_blocks]` maps a slot's logical block i (positions i*block_size ...)
 to a physical block; the attention (eager code and the Triton kernels) reads and writes through it. The table is
 one static tensor whose contents change, so CUDA graphs captured over it stay valid.

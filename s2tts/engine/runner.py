@@ -1,6 +1,6 @@
 """The engine's model runner: everything on the device. It runs the scheduler's `StepPlan`s.
 
-It owns the model's KV pools and block table (`model.Stack.setup_caches`), the per-slot sampling state (seed,
+It owns the model's KV pools and block table (`ar.model.Stack.setup_caches`), the per-slot sampling state (seed,
 temperature, top-p/k, the RAS window, each slot's last frame) in device tensors, and the CUDA graphs. A step
 (`launch`) is one pass over the slow AR's weights in which every token is a row with its own slot and position:
 one row per decoding request (its last frame) and the plan's prompt rows (attention reads each row's keys from the
@@ -8,7 +8,7 @@ paged cache up to its own position, so prompt rows are causal); then one batch s
 for every request that gets a frame. The pass is captured as a CUDA graph per row bucket (and way of splitting the
 keys), the sampling per batch bucket; the step's frames reach the host in one copy, its one synchronisation
 (`launch` queues a step and returns; `collect` waits for its frames: the host may do other work in between).
-Nothing in a launch waits for the device: host data goes up through `transfer.upload` / `copy_in`, and no Python
+Nothing in a launch waits for the device: host data goes up through `gpu.transfer.upload` / `copy_in`, and no Python
 number is written through a device index (that is a copy from pageable memory, which waits for the step in flight;
 tests/test_launch_ahead.py checks both).
 
@@ -70,8 +70,7 @@ class ModelRunner:
     SPLIT_FROM = 2048  # keys of the longest row above which a pass splits each row's keys
     # A pass of up to FEW_ROWS rows (one to four streams decoding) splits each row's keys FEW_ROWS_SPLITS ways, in
     # parts of at least FEW_ROWS_MIN_SPLIT keys, at any length: its (rows x KV heads) programs would leave most SMs
-    # idle (a step 0.09-0.15 ms shorter at 1-4 rows with 500-frame contexts on an H200; perf/RESULTS.md, twenty-fifth
-    # session). 0 rows: off.
+    # idle (a shorter step at 1-4 rows even with short contexts). 0 rows: off.
     FEW_ROWS, FEW_ROWS_SPLITS, FEW_ROWS_MIN_SPLIT = 4, 4, 32
     # a pass's rows on the device, one column per row: [_F_ROWS + num_codebooks, rows] int64
     _SLOT, _POS, _TOKEN, _SEMANTIC, _FROM_LAST, _SRC, _DST, _F_ROWS = range(8)
@@ -257,7 +256,7 @@ class ModelRunner:
 
     def _set_slot_params(self, reqs: list[Request]) -> None:
         """The starting requests' sampling parameters into their slots' rows: two uploads (integers, floats) queued
-        behind the step in flight (`transfer.upload`), then scatters on the device; nothing here waits for the
+        behind the step in flight (`gpu.transfer.upload`), then scatters on the device; nothing here waits for the
         device."""
         ints = upload(torch.tensor([[r.slot, r.params.top_k, r.seed, int(not r.params.ignore_end)] for r in reqs],
                                    dtype=torch.int64), self.device)
@@ -267,7 +266,7 @@ class ModelRunner:
         self.temperature[slots], self.top_p[slots] = floats[:, 0], floats[:, 1]
         self.top_k[slots], self.seed[slots], self.allow_end[slots] = ints[:, 1], ints[:, 2], ints[:, 3].bool()
         # not `recent[slots] = -1`: a Python number put through a device index is copied from pageable host memory,
-        # which waits for the step in flight (a prompt's first step launched ~7 ms late; perf/RESULTS.md)
+        # which waits for the step in flight (the prompt's first step would be launched late)
         self.recent.index_fill_(0, slots, -1)
 
     def _slow_pass(self, decoding: list[Request], chunks: list[PrefillChunk], first: int) -> int:
@@ -396,7 +395,7 @@ class ModelRunner:
         in the attention kernel -> (programs, least keys each): `decode_splits` in parts of at least `min_split`
         past SPLIT_FROM keys (always with `batch_invariant`: never by the rows), else FEW_ROWS_SPLITS at up to
         FEW_ROWS rows, else none. `self`: a runner (its SPLIT_FROM and FEW_ROWS*), or the class itself for their
-        defaults (`ModelRunner.split_rule(ModelRunner, ...)`, as perf/bench_attention.py does)."""
+        defaults (`ModelRunner.split_rule(ModelRunner, ...)`)."""
         if batch_invariant or keys > self.SPLIT_FROM:
             return decode_splits, min_split
         if rows <= self.FEW_ROWS:
@@ -439,15 +438,15 @@ class ModelRunner:
     def _launch_mode(self, rows: int):
         """Dependent launch for the kernels of a pass of `rows` rows (captured with it): only up to
         `kernels.GEMV_SMALL_ROWS`, where the products are Triton kernels that take part. Among cuBLAS's products (more
-        rows) it saved nothing and the step's pieces took 1-2% longer (perf/RESULTS.md)."""
+        rows) it saves nothing and the step's pieces take a little longer."""
         from ..ar import kernels
 
         return kernels.dependent_launch(self.dependent_launch and rows <= kernels.GEMV_SMALL_ROWS)
 
     def _capture_graphs(self) -> None:
         """Capture a pass per row bucket (and way of splitting keys) and sampling per batch bucket, on the scratch
-        slot, sharing one memory pool, on the runner's own capture stream (`graphs.own_stream`: the codec's graphs
-        may replay beside these and must not share their cuBLAS workspace)."""
+        slot, sharing one memory pool, on the runner's own capture stream (`gpu.cuda_graphs.own_stream`: the codec's
+        graphs may replay beside these and must not share their cuBLAS workspace)."""
         pool = torch.cuda.graph_pool_handle()
         dev = self.device
         stream = self._capture_stream = own_stream(dev)  # held while the graphs live

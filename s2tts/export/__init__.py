@@ -2,7 +2,7 @@
 Triton glue the TensorRT variants' models use. The variants of the model repository themselves are
 rendered by `s2tts.repository` (which reads the manifest written here).
 
-- `graphs`: the graphs as PyTorch modules, `export_graph`;
+- `onnx_graphs`: the graphs as PyTorch modules, `export_graph`;
 - `driver`: `export_all` (every graph and `manifest.json`), `load_manifest`;
 - `checks`: each graph against PyTorch (onnxruntime), the TensorRT operator lint;
 - `runtime`: onnxruntime sessions, `GraphStreamCodec`, the BLS glue of the variant models.

@@ -29,7 +29,7 @@ from .request import TTSRequest
 
 
 class Inbox:
-    """A request's `lifecycle.Responder` inside this process: its responses, in order, for its worker to read."""
+    """A request's `serving.lifecycle.Responder` inside this process: its responses, in order, for its worker."""
 
     def __init__(self):
         self.items: queue.SimpleQueue = queue.SimpleQueue()

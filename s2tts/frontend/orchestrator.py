@@ -9,7 +9,7 @@ client's own text are the client's to find (`segment.locate`).
 
 `Downstream` is the rest of the pipeline (in Triton: BLS calls to dac_encoder, slow_ar and
 dac_decoder; in tests: anything with the same methods). Each admitted request runs on a
-worker thread of a pool and ends in exactly one final response (`lifecycle.Tracked`); the
+worker thread of a pool and ends in exactly one final response (`serving.lifecycle.Tracked`); the
 worker checks the client's cancel at each response from slow_ar. A supervisor thread
 watches every request in flight:
 - a request whose worker has waited on a model for 0.5 s is checked for a client cancel, and
@@ -24,8 +24,8 @@ is reloaded when `auto_recover` is on (the requests that depended on it end at o
 meanwhile new requests are refused with `unavailable`.
 
 s2pro also measures the pipeline's pace (the moving average of the seconds between a stream's audio
-chunks over that of their audio, across streams: `chunking.PaceMeter`) and, while it has new measurements, reports it to slow_ar
-about once a second (`control` = `pace=R`): slow_ar's chunker must not outrun the slowest
+chunks over that of their audio, across streams: `engine.chunking.PaceMeter`) and, while it has new measurements,
+reports it to slow_ar about once a second (`control` = `pace=R`): slow_ar's chunker must not outrun the slowest
 stage, which slow_ar's own step time does not see when the codec is the bottleneck.
 
 With several engines (`device` lists several devices: `s2tts.layout`), each request is placed on
@@ -159,8 +159,8 @@ class TTSService:
                                            for f in (self.layout.engine, self.layout.decoder)})
         if shared_dir is not None and self.layout.replicas > 1:  # placement by every instance's requests
             self.shared_load = SharedLoad(shared_dir, self.layout.replicas)
-        # A pool, as the previous main had: fewer Python threads made and destroyed under load (see perf/RESULTS.md,
-        # the soak); room above the admission limit for workers left waiting on a model that died, and a worker
+        # A pool: fewer Python threads made and destroyed under load; room above the admission limit for workers
+        # left waiting on a model that died, and a worker
         # still waiting `give_up_s` after its request was ended elsewhere is replaced (`WorkerPool.give_up`).
         self.pool = WorkerPool(values["max_concurrent_requests"] + spare_workers, "s2pro-worker")
         self.give_up_s = min(2.0, values["stall_timeout_s"] / 2)  # (before a queued request would be refused)

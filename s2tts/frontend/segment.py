@@ -1,4 +1,4 @@
-"""A request's text as the segments S2 Pro speaks one after another (issue 11, long-form speech and dialogue).
+"""A request's text as the segments S2 Pro speaks one after another (long-form speech and dialogue).
 
 Upstream fish-speech (`generate_long`) splits dialogue on `<|speaker:N|>` tags into turns, strips each turn, and
 groups turns into batches of at most 5 turns whose UTF-8 bytes (each turn with its tag, not counting the `\\n` that

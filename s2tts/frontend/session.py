@@ -1,5 +1,5 @@
 """A text session: text that arrives in pieces (an LLM's answer as it is written), spoken segment after segment as it
-becomes speakable, in one audio stream (issue 27).
+becomes speakable, in one audio stream.
 
 `TextSession` holds the text not yet spoken. A segment is ready when
 - the text holds a sentence end followed by whitespace (`.!?` and `。！？；…`): every whole sentence up to

@@ -4,8 +4,7 @@ A captured graph keeps the cuBLAS workspace of the (cuBLAS handle, stream) it wa
 such pair one workspace, and the products captured write their split-K partial sums and flags there on every replay.
 `torch.cuda.graph`'s default capture stream is one for the whole process, so graphs captured on it by one thread
 share one workspace; two of them replayed at once on different streams (the engine's step beside a codec call,
-`codec_concurrent`) then race in it: served c=64 hung so in the 28th and 29th sessions, and ran clean with the
-graphs captured on streams of their own (perf/RESULTS.md).
+`codec_concurrent`) then race in it, and a step can hang. Graphs captured on streams of their own do not share it.
 So the engine's runner and the codec's slot pool each capture on a stream from `own_stream`, through `capture`, and
 the service's two replay streams come from `own_stream` too (neither is a capture stream).
 """

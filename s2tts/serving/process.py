@@ -41,7 +41,7 @@ def setup_logging(name: str) -> logging.Logger:
     process that crashes (a fatal signal) prints every thread's Python stack there first (faulthandler), and one
     sent SIGUSR1 prints them and goes on (where a model seems stuck: `kill -USR1 <its triton_python_backend_stub>`;
     unless the process already handles that signal). With `S2TTS_PROFILE_DIR` set, the process also samples its
-    threads' stacks there (`sampler.StackSampler`). Once Triton has finalized the model, its process exits without
+    threads' stacks there (`profiler.StackSampler`). Once Triton has finalized the model, its process exits without
     the interpreter's teardown (`exit_without_teardown`)."""
     import faulthandler
     import signal

@@ -1,13 +1,13 @@
 """Where a model process's Python threads spend their time, sampled from inside the process (no tool to install).
 
-With `S2TTS_PROFILE_DIR` set, every model process (`triton_utils.setup_logging`) starts a `StackSampler`: a thread
+With `S2TTS_PROFILE_DIR` set, every model process (`serving.process.setup_logging`) starts a `StackSampler`: a thread
 that every `interval_s` takes every other thread's Python stack (`sys._current_frames`) and counts it. It writes
 `<dir>/<name>.<pid>.folded` (one "frame;frame;...;leaf count" line per stack, root first: the input of flame-graph
 tools) and `<dir>/<name>.<pid>.txt` (the leaf functions and stacks seen most, and the sampler's own lateness) every
 `write_every_s` and at exit.
 
 The sampler needs the GIL to take a sample, so how late its samples come is a measure of how long a thread that
-wants the GIL waits for it: at c=64 s2pro's 64 worker threads share one interpreter (perf/RESULTS.md).
+wants the GIL waits for it (under load s2pro's worker threads share one interpreter).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ class PullStream:
 
     This is how `slow_ar` streams to `s2pro` (a request-response model, not a decoupled one): Triton 24.10's
     Python backend crashes and deadlocks a process that reads decoupled BLS streams from several threads
-    (perf/RESULTS.md, "The s2pro crash"), while its request-response BLS calls are safe.
+    (perf/STATUS.md, decisions), while its request-response BLS calls are safe.
 
     A pull that finds a response queued is answered at once; otherwise it waits for the next one. Whatever
     the reader does not take stays queued (responses are small: codes). `abandoned` (no pull for

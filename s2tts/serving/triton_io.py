@@ -71,7 +71,7 @@ def read_fields(request, stage: str, values: dict | None = None) -> dict:
     """Every request field model `stage` takes (`settings.REQUEST_FIELDS`), as the schema declares it: a scalar as
     its Python type, an array as sent (numpy); a field left out is its default (`settings.field_default`: the
     model's setting `values` where the field has one). Ranges are checked where the fields are used
-    (`sampling_params`, `request.TTSRequest.validate`)."""
+    (`sampling_params`, `frontend.request.TTSRequest.validate`)."""
     from ..settings import field_default, stage_fields
 
     out = {}
@@ -100,7 +100,7 @@ def sampling_params(fields: dict, limits: dict | None = None, check: bool = True
 
 class TritonResponder:
     """A request's response sender as a `lifecycle.Responder` (final = the FINAL flag); `times` (a
-    `timing.CallTimes`): how long each send took, under "send"."""
+    `call_times.CallTimes`): how long each send took, under "send"."""
 
     def __init__(self, request, times=None):
         self.request = request

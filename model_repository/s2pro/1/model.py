@@ -1,9 +1,8 @@
 """s2pro: the decoupled BLS model clients call.
 
 With `engine_in_s2pro` (opt-in, one engine) this process also holds the engine (`s2tts.frontend.local_engine`):
-generation makes no BLS call, and there is no slow_ar model. Not the default: on one H100 at c=64 it
-served 12% fewer audio-s/s than the BLS path (this process's requests then share the engine thread's
-GIL; perf/RESULTS.md).
+generation makes no BLS call, and there is no slow_ar model. Not the default: this process's requests then
+share the engine thread's GIL, which under load costs more than the process crossings it saves (perf/STATUS.md).
 
 text (+ reference audio or codes + transcript) -> prompt -> `slow_ar` stream of frames
 -> `dac_decoder` (stateful per stream, so chunks join without seams) -> audio responses
@@ -15,7 +14,7 @@ parses tensors, builds responses and makes the BLS calls (`BLSDownstream`).
 Every BLS call here is request-response (`exec()`), slow_ar's stream included (pulled a
 chunk at a time): Triton 24.10's Python backend frees a finished decoupled BLS stream on a
 thread without the GIL and takes its locks in an order that can deadlock two reading threads,
-which crashed or hung this process under load (perf/RESULTS.md, "The s2pro crash").
+which crashed or hung this process under load (perf/STATUS.md, decisions).
 """
 
 import json
@@ -53,8 +52,8 @@ def _raise_for(resp, model: str):
 
 
 class BLSDownstream:
-    """The rest of the pipeline through BLS (see `s2tts.frontend.orchestrator.Downstream`); `times` (a `timing.CallTimes`):
-    how long each kind of BLS call took, from the call to its answer.
+    """The rest of the pipeline through BLS (see `s2tts.frontend.orchestrator.Downstream`); `times` (a
+    `serving.call_times.CallTimes`): how long each kind of BLS call took, from the call to its answer.
 
     Every call carries a timeout (`timeout_s`, Triton's request timeout): Triton applies it while a request waits in
     a queue, not while a model runs it, so a call into a model process that died can still wait; `TTSService` ends

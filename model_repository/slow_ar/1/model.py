@@ -8,7 +8,7 @@ next chunk (`s2tts.serving.pull.PullStreams`), until the one with a finish reaso
 `request_id` the answer is the whole generation, in one response. `control`="cancel" cancels
 that request; `control`="status" answers with the engine's health and where that request is
 (waiting / live / unknown) in `stats`; `control`="pace=R" (from s2pro) tells the chunker the
-pipeline's pace. Everything but codes travels as numbers (`s2tts.engine.service.FINISH_CODES`,
+pipeline's pace. Everything but codes travels as numbers (`s2tts.serving.wire`: `FINISH_CODES`,
 `STATS_FIELDS`, `STATUS_FIELDS`). Request-response, not decoupled: see config.pbtxt.
 
 With `codec_in_engine` (auto: on a GPU with the codec beside the engine) this process also loads the codec
