@@ -367,3 +367,35 @@ def test_determinism_script_on_the_cpu(tiny_ckpt):
     assert set(rows) == {"default", "batch_invariant"}, p.stdout
     assert all(r["requests"] == 3 and r["checked_alone"] == 2 and r["step_ms_1"] > 0 for r in rows.values()), rows
     assert rows["batch_invariant"]["changed"] == 0, rows
+
+
+def test_compare_script_runs_both_trees_and_prints_their_tables(tiny_ckpt, tmp_path):
+    """perf/compare_gpu.sh's serve part on the CPU (run_gpu.sh's DEVICE=cpu, c=1, one request a tree): this tree and
+    another commit's archived tree each run their own run_gpu.sh, each folder says which tree ran, and the tables
+    printed last are each tree's own numbers."""
+    from servers import free_port
+
+    base = tmp_path / "base"
+    base.mkdir()
+    archive = subprocess.run(f"git archive HEAD | tar -x -C {base}", shell=True, cwd=ROOT, capture_output=True, text=True)
+    assert archive.returncode == 0, archive.stderr
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "BASE_DIR": str(base), "BASE_REV": "HEAD", "LEVELS": "1", "REQUESTS": "1:1",
+           "FRAMES": "4", "DEVICE": "cpu", "CKPT": str(tiny_ckpt), "CKPT_SIZE": "tiny", "PYTHON": sys.executable,
+           "USE_CARRIED": "0", "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"),
+           "GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port())}
+    p = _run(["bash", "perf/compare_gpu.sh", "serve"], timeout=600, env=env)
+    for tree in ("final", "base"):
+        assert f"== {tree} serve rc=0" in p.stdout, p.stdout + (out / tree / "serve.log").read_text()[-3000:]
+        level = json.loads((out / tree / "serve" / "loadgen.json").read_text())["levels"][0]
+        assert level["concurrency"] == 1 and level["ok"] == 1, level
+        table = p.stdout.split(f"== {tree}: {out / tree / 'serve' / 'summary.md'}")[1].split("==")[0]
+        assert f"| 1 | 1/1 | {level['ttfa_ms_mean']} |" in table, table
+    head = subprocess.run(["git", "log", "-1", "--format=commit %h %s"], cwd=ROOT, capture_output=True, text=True)
+    assert (out / "final" / "tree.txt").read_text().startswith(head.stdout.strip())
+    assert (out / "base" / "tree.txt").read_text().strip() == f"{base}/ = git archive HEAD"
+    bad = subprocess.run(["bash", "perf/compare_gpu.sh", "nothing"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "usage: BASE_REV=<commit> bash perf/compare_gpu.sh serve|kernels|fp8|scale" in bad.stderr
+    none = subprocess.run(["bash", "perf/compare_gpu.sh", "serve"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "BASE_DIR": str(tmp_path / "missing")})
+    assert none.returncode == 2 and "the base tree needs" in none.stderr, none.stderr
