@@ -39,8 +39,11 @@ def test_resampling_report(report):
         orig, new = map(int, pair.split("->"))
         assert ("alias_db" in r) == (new < orig) and ("image_db" in r) == (new > orig), r
         assert r["ms"] > 0 and abs(r["passband_db"]) < 3, r
-        # the product's own output beside itself: no difference; any other's: some
-        assert (r["noise_snr_vs_s2tts_db"] == math.inf) == (impl == "s2tts"), r
+        # the product's own output beside itself: no difference; another library's: some
+        if impl == "s2tts":
+            assert r["noise_snr_vs_s2tts_db"] == math.inf, r
+        if impl == "swr":
+            assert 5 < r["noise_snr_vs_s2tts_db"] < 60, r
         if impl == "s2tts":  # the product's length contract: ceil(T x new / orig)
             assert r["len_err"] == 0, r
         assert abs(r["len_err"]) <= 1, r
