@@ -1,7 +1,7 @@
 # Source on a GPU machine with python3 3.12 and torch but no package access:
 #   source scripts/gpu_env.sh
 # Needs, copied beside the working tree (see perf/README.md) and built on a development machine by
-# `bash scripts/make_gpu_bundle.sh`: .whl/ (tritonclient, python-rapidjson, soundfile, cffi, pycparser
+# `bash scripts/make_gpu_bundle.sh`: .whl/ (tritonclient, python-rapidjson, soundfile, cffi, pycparser, soxr
 # wheels for cp312), .gpu/tritonserver-min.tar.xz (tritonserver 2.51 from the nvidia-pytriton wheel: bin/,
 # backends/python, the 3.12 stub, lib/), .gpu/np/numpy-1.26.4 (the 24.10 python backend stub mis-reads
 # BYTES tensors under numpy 2: "unpack_from requires a buffer of at least 134744076 bytes"), and, only if
@@ -19,5 +19,5 @@ ln -sf /tmp/s2tts_triton/lib/libb64-*.so.0d /tmp/pa_libs/libb64.so.0d
 export LD_LIBRARY_PATH=/tmp/pa_libs:${LD_LIBRARY_PATH:-}
 export PATH=/tmp/site/bin:$PATH
 export PYTHONUNBUFFERED=1
-python3 -c "import numpy, torch, tritonclient.grpc, soundfile, s2tts; print('gpu env ok: numpy', numpy.__version__, 'torch', torch.__version__)"
+python3 -c "import numpy, torch, tritonclient.grpc, soundfile, soxr, s2tts; print('gpu env ok: numpy', numpy.__version__, 'torch', torch.__version__)"
 set +e

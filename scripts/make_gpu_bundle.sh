@@ -8,8 +8,8 @@
 #
 #   .whl/                           cp312 manylinux x86-64 wheels, one version each, installed with --no-deps:
 #                                   tritonclient 2.51.0 (ships perf_analyzer) and what the GPU machine lacks of its
-#                                   and s2tts' imports: python-rapidjson, soundfile, cffi, pycparser (grpcio,
-#                                   protobuf, packaging, urllib3, numpy are there already)
+#                                   and s2tts' imports: python-rapidjson, soundfile, cffi, pycparser, soxr
+#                                   (grpcio, protobuf, packaging, urllib3, numpy are there already)
 #   .gpu/np/                        numpy 1.26.4 cp312 (the 24.10 python backend stub mis-reads BYTES tensors under numpy 2)
 #   .gpu/tritonserver-min.tar.xz    tritonserver 2.51 from the nvidia-pytriton 0.7.0 wheel, trimmed, extracting to
 #                                   s2tts_triton/ = $S2TTS_TRITON_HOME for s2tts.server.find_server: bin/tritonserver,
@@ -31,6 +31,7 @@
 #   SOUNDFILE_VERSION         0.14.0
 #   CFFI_VERSION              2.1.1
 #   PYCPARSER_VERSION         3.12
+#   SOXR_VERSION              1.1.0
 #   NUMPY_VERSION             1.26.4
 #   PYTRITON_VERSION          0.7.0
 #   STUBS                     "3.12 3.11"     python backend stubs to keep (3.12: the GPU machine; 3.11: a local smoke test)
@@ -49,6 +50,7 @@ RAPIDJSON_VERSION="${RAPIDJSON_VERSION:-1.25}"
 SOUNDFILE_VERSION="${SOUNDFILE_VERSION:-0.14.0}"
 CFFI_VERSION="${CFFI_VERSION:-2.1.1}"
 PYCPARSER_VERSION="${PYCPARSER_VERSION:-3.12}"
+SOXR_VERSION="${SOXR_VERSION:-1.1.0}"
 NUMPY_VERSION="${NUMPY_VERSION:-1.26.4}"
 PYTRITON_VERSION="${PYTRITON_VERSION:-0.7.0}"
 STUBS="${STUBS:-3.12 3.11}"
@@ -122,7 +124,8 @@ keep_only() {
 # ------------------------------------------------------------------------------------------------ .whl/
 WHL=()
 for spec in "tritonclient[grpc]==$TRITONCLIENT_VERSION" "python-rapidjson==$RAPIDJSON_VERSION" \
-            "soundfile==$SOUNDFILE_VERSION" "cffi==$CFFI_VERSION" "pycparser==$PYCPARSER_VERSION"; do
+            "soundfile==$SOUNDFILE_VERSION" "cffi==$CFFI_VERSION" "pycparser==$PYCPARSER_VERSION" \
+            "soxr==$SOXR_VERSION"; do
   WHL+=("$(fetch_wheel .whl "$spec")")
 done
 keep_only .whl "${WHL[@]}"

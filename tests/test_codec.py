@@ -552,6 +552,15 @@ def test_resample_sine(orig, new):
     assert (y[mid] - expected[mid]).abs().max() < 2e-3
 
 
+def test_resample_keeps_the_passband_and_removes_what_is_above_the_new_nyquist():
+    """48 kHz -> 44.1 kHz: a tone at 0.9 x the new Nyquist keeps its level; tones between the two Nyquists vanish."""
+    t = torch.arange(48000, dtype=torch.float64) / 48000
+    kept = resample(torch.sin(2 * math.pi * 19845 * t), 48000, SR)[2000:-2000]
+    assert abs(kept.pow(2).mean().sqrt().item() / math.sqrt(0.5) - 1) < 0.01  # within 0.1 dB
+    above = sum(torch.sin(2 * math.pi * f * t) for f in (22300, 23000, 23700))
+    assert resample(above, 48000, SR)[2000:-2000].abs().max() < 1e-4
+
+
 def test_resample_removes_aliasing():
     """A 30 kHz tone at 96 kHz is above the 22.05 kHz Nyquist of 44.1 kHz: it must vanish."""
     n = 9600

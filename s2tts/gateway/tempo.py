@@ -8,6 +8,9 @@ WSOLA (Verhelst & Roelands 1993): output frame k (Hann window `win`, hop
 `win/2`) is cut from the input near k * hop * speed, shifted by at most `tol`
 samples to the position that best continues the previous frame (largest
 cross-correlation with the samples that followed it in the input).
+
+Hand-written because FFmpeg's `atempo` (through PyAV) ends a stream differently depending on how it was cut, and even
+made to end as this one does it lands further from an ideal stretch at every speed measured (perf/AUDIO_LIBS.md).
 """
 
 from __future__ import annotations
