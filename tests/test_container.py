@@ -27,6 +27,7 @@ import pytest
 import soundfile as sf
 import yaml
 
+from s2tts.launch import wait_http
 from servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,6 +86,7 @@ def image(daemon, request):
     had_base = docker("image", "inspect", BASE, check=False).returncode == 0
     _run(["bash", str(DOCKER_DIR / "make_base.sh"), BASE], timeout=600)
     t1 = time.monotonic()
+    # CPU torch: the wheel setup.sh installs
     _run([sys.executable, str(ROOT / "scripts" / "make_wheelhouse.py"), "--cpu", "--torch", "torch==2.13.0"],
          timeout=600)
     t2 = time.monotonic()
@@ -359,14 +361,7 @@ def test_compose_stack_answers_and_prometheus_scrapes_the_speech_metrics(image, 
     try:
         _run([*cmd, "up", "-d"], timeout=600, env=env)  # the gateway starts once tritonserver is healthy
         base, prom = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{prom_port}"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_http(f"{base}/health", 120)
         report(request.config, f"compose stack up and healthy in {time.monotonic() - t0:.0f} s")
         _check_wav(_speech_via_openai(base, "The OpenAI route, in the compose stack."))
 
