@@ -213,7 +213,12 @@ class TritonServer:
         else:  # the `backend` switch: python | tensorrt | onnxruntime (tensorrt only on a server that has it)
             repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models,
                                            has_tensorrt=server_has_tensorrt)
-        warning = check_shared_memory(self.settings, _models_in(repo))
+        try:
+            warning = check_shared_memory(self.settings, _models_in(repo))
+        except RuntimeError:  # refused: nothing started, and a temporary folder of ours goes
+            if self.own_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
         if warning:
             print(warning, file=sys.stderr, flush=True)
         binary, _, libs = find_server()
