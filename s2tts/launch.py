@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from .repository import REPO_ROOT
-from .server import TritonServer, parse_settings
+from .server import Cancelled, TritonServer, parse_settings
 
 DEFAULT_TINY = REPO_ROOT / "checkpoints" / "tiny"
 
@@ -87,6 +87,10 @@ def main(argv=None) -> int:
     ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"))
     ap.add_argument("--once", action="store_true", help="stop after the demo request")
     args = ap.parse_args(argv)
+    # first: a SIGTERM at any time (`docker stop` while the models load: this process may be a container's PID 1,
+    # which the default action does not end) stops everything the same way out
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
 
     ckpt = Path(args.checkpoint) if args.checkpoint else DEFAULT_TINY
     if not args.checkpoint and not (ckpt / "config.json").is_file():
@@ -109,7 +113,7 @@ def main(argv=None) -> int:
             "a full checkpoint on a GPU: a few minutes (weights, CUDA graphs)"
         print(f"starting tritonserver: loading the {len(server.models)} models of the repository on {settings['device']} "
               f"({took}; log {server.log_path})", flush=True)
-        server.start(timeout=900)
+        server.start(timeout=900, cancelled=lambda: stop["now"])
         print(f"tritonserver ready in {time.monotonic() - t0:.1f} s (gRPC {server.grpc_url}, log {server.log_path})", flush=True)
         print("starting the gateway and sending the demo request", flush=True)
         gateway = start_gateway(server.grpc_url, args.host, args.port, db, args.api_key, log_path=logs / "gateway.log")
@@ -124,12 +128,15 @@ def main(argv=None) -> int:
               flush=True)
         if args.once:
             return 0
-        stop = {"now": False}
-        signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
         while not stop["now"] and server.proc.poll() is None and gateway.poll() is None:
             time.sleep(0.5)
+        if not stop["now"]:  # one of them died: a failure (a container's restart policy acts on it)
+            dead, log = (("tritonserver", server.log_path) if server.proc.poll() is not None
+                         else ("the gateway", logs / "gateway.log"))
+            print(f"error: {dead} exited on its own (log {log})", file=sys.stderr)
+            return 1
         return 0
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Cancelled):
         return 0
     except (RuntimeError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -112,8 +112,52 @@ def python_backend_threads(settings: dict) -> int:
     default 32 threads its responses to clients and its control calls queue behind them under load (the playing
     streams stall while a burst waits for KV slots). So: one thread per request, plus the default 32 for the sends
     and control calls."""
-    setting, raw = SCHEMA["max_concurrent_requests"], settings.get("max_concurrent_requests")
-    return (setting.default if raw in (None, "") else setting.parse(raw)) + 32
+    return _setting(settings, "max_concurrent_requests") + 32
+
+
+def _setting(settings: dict, key: str):
+    """A setting's value as given (typed) or its schema default."""
+    setting, raw = SCHEMA[key], settings.get(key)
+    return setting.default if raw in (None, "") else setting.parse(raw)
+
+
+SHM_POOL_BYTES = 2**20  # the pool a Python backend model process maps in /dev/shm at start (shm-default-byte-size)
+
+
+def shared_memory_need(settings: dict, models: int) -> tuple[int, int]:
+    """(bytes to start and serve a request, bytes to serve `max_concurrent_requests` at once) of /dev/shm, where
+    tritonserver's Python backend passes tensors to and between its model processes: each maps a pool there at start
+    and grows it as a request needs, never shrinking it; a reference clip (float32 at S2 Pro's 44.1 kHz, up to
+    `max_reference_seconds`) passes through about four pools on its way to dac_encoder."""
+    clip = 4 * int(_setting(settings, "max_reference_seconds") * 44100 * 4)
+    start = models * SHM_POOL_BYTES + clip
+    return start, start + (_setting(settings, "max_concurrent_requests") - 1) * clip
+
+
+def check_shared_memory(settings: dict, models: int, path: str | Path = "/dev/shm") -> str | None:
+    """Refuse to start (RuntimeError) when `path` has less free space than `shared_memory_need`'s first figure; a
+    warning to print when it has less than the second: checked before tritonserver starts rather than found short by
+    a request."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None  # no /dev/shm to measure: tritonserver says what it lacks
+    free, (start, load) = st.f_bavail * st.f_frsize, shared_memory_need(settings, models)
+
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.0f} MiB"
+
+    flag = f"--shm-size={max(1, -(-load // 2**30))}g"
+    if free < start:
+        raise RuntimeError(
+            f"{path} has {mib(free)} free; tritonserver's Python backend needs at least {mib(start)} there for "
+            f"{models} models and one request with a reference clip: give it more shared memory (docker run "
+            f"{flag}; compose: shm_size; Kubernetes: an emptyDir of medium Memory mounted on /dev/shm)")
+    if free < load:
+        return (f"warning: {path} has {mib(free)} free, less than the {mib(load)} that max_concurrent_requests="
+                f"{_setting(settings, 'max_concurrent_requests')} requests with reference clips can take at once; "
+                f"requests may fail under load: give it more (docker run {flag}) or lower max_concurrent_requests")
+    return None
 
 
 class Cancelled(Exception):
@@ -169,6 +213,14 @@ class TritonServer:
         else:  # the `backend` switch: python | tensorrt | onnxruntime (tensorrt only on a server that has it)
             repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models,
                                            has_tensorrt=server_has_tensorrt)
+        try:
+            warning = check_shared_memory(self.settings, _models_in(repo))
+        except RuntimeError:  # refused: nothing started, and a temporary folder of ours goes
+            if self.own_workdir:
+                shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         binary, _, libs = find_server()
         cmd = self.command(binary, repo)
         env = dict(os.environ)
@@ -197,7 +249,7 @@ class TritonServer:
                 # can load it again (auto_recover); every model is loaded at start, all at once (Triton's default
                 # of 4 threads kept the engine, the slowest to load, waiting for the others: 2 s of 11 on the CPU)
                 "--model-control-mode=explicit", "--load-model=*",
-                f"--model-load-thread-count={max(4, sum(1 for d in Path(repo).iterdir() if (d / 'config.pbtxt').exists()))}"]
+                f"--model-load-thread-count={max(4, _models_in(repo))}"]
 
     def is_ready(self) -> bool:
         try:
@@ -250,6 +302,10 @@ class TritonServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def _models_in(repo: str | Path) -> int:
+    return sum(1 for d in Path(repo).iterdir() if (d / "config.pbtxt").exists())
 
 
 def _end_group(pgid: int, grace: float) -> None:

@@ -154,12 +154,18 @@ SLOW_MODULES = {"test_codec", "test_codec_in_engine_server", "test_codec_start",
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The `slow` marker as above. The interpreted kernel checks' test last: their processes (started below) run on
-    the CPU time the other tests leave idle, and the later their results are collected, the more of that time they
-    have had."""
+    """The `slow` marker as above. The container tests (marker `container`: the Docker daemon, minutes of image
+    building) only when asked for, by `-m container` (.ci/run's stage after the suite). The interpreted kernel checks'
+    test last: their processes (started below) run on the CPU time the other tests leave idle, and the later their
+    results are collected, the more of that time they have had."""
     for item in items:
         if SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or item.module.__name__ in SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+    if "container" not in (config.option.markexpr or ""):
+        asked = [i for i in items if i.get_closest_marker("container") is None]
+        if len(asked) < len(items):
+            config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("container")])
+            items[:] = asked
     if len(items) >= 20:
         items.sort(key=lambda i: i.nodeid.endswith("test_kernels_match_pytorch_under_interpreter"))  # stable
 
