@@ -100,8 +100,8 @@ def internal(message: str) -> S2Error:
 
 # Untagged messages come from Triton itself or from a model process that died; these mean "the model
 # cannot serve now" rather than "your input is wrong".
-_UNAVAILABLE_HINTS = ("unknown model", "is not ready", "not healthy", "stub process", "failed to connect",
-                      "model is unavailable", "is not found", "unavailable",
+_UNAVAILABLE_HINTS = ("unknown model", "is not ready", "server not ready", "not healthy", "stub process",
+                      "failed to connect", "model is unavailable", "is not found", "unavailable",
                       # the connection to the server broke (gRPC's words): retry, on this server or another
                       "stream removed", "socket closed", "connection reset", "goaway")
 
