@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+from .ar.sampling import SamplingParams
+from .pipeline import S2Pipeline
 from .settings import SCHEMA
 
 
@@ -40,8 +42,6 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import soundfile as sf
 
-    from .pipeline import S2Pipeline
-    from .ar.sampling import SamplingParams
 
     if bool(args.reference_audio) != bool(args.reference_text):
         print("error: --reference-audio and --reference-text go together (the clip and its transcript)", file=sys.stderr)

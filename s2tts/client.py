@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import tritonclient.grpc as g
+from tritonclient.utils import triton_to_np_dtype
+
+from .errors import RETRYABLE, S2Error, parse
+from .frontend.segment import combine_voices
+from .settings import REQUEST_FIELDS, check_field
 
 MODEL = "s2pro"
 
@@ -47,9 +55,6 @@ class TTSInput:
     def check(self) -> "TTSInput":
         """Refuse here what the server would refuse (a negative or too large seed, out-of-range sampling), with the
         same message; raises TTSError."""
-        from .errors import S2Error
-        from .settings import REQUEST_FIELDS, check_field
-
         server_bounds = {f.max_setting: None for f in REQUEST_FIELDS.values() if f.max_setting}  # the server checks
         try:
             for f in REQUEST_FIELDS.values():
@@ -62,13 +67,9 @@ class TTSInput:
         return self
 
     def to_inputs(self, check: bool = True):
-        import tritonclient.grpc as g
-        from tritonclient.utils import triton_to_np_dtype
-
         if check:
             self.check()
         if self.voices:  # upstream's format for several voices: one reference (s2tts.frontend.segment.combine_voices)
-            from .frontend.segment import combine_voices
 
             if self.reference_codes is not None or self.reference_audio is not None or self.reference_text is not None:
                 raise TTSError("give voices or one reference (reference_audio / reference_codes + reference_text), "
@@ -79,7 +80,6 @@ class TTSInput:
                 raise TTSError(str(e), "invalid_argument", "voices") from None
             return replace(self, voices=None, reference_text=text, reference_codes=codes).to_inputs(check=False)
 
-        from .settings import REQUEST_FIELDS
 
         inputs = []
         for f in REQUEST_FIELDS.values():  # s2pro's inputs: names, types and shapes from the one schema
@@ -143,15 +143,11 @@ class TTSError(RuntimeError):
 
     @classmethod
     def from_message(cls, message: str) -> "TTSError":
-        from .errors import parse
-
         e = parse(message)
         return cls(e.message, e.code, e.param)
 
     @property
     def retryable(self) -> bool:
-        from .errors import RETRYABLE
-
         return self.code in RETRYABLE
 
 
@@ -175,8 +171,6 @@ class S2ProClient:
 
     def __init__(self, url: str, model: str = MODEL, check_inputs: bool = True):
         """`check_inputs`: refuse out-of-range inputs here, before sending (False: let the server judge them)."""
-        import tritonclient.grpc as g
-
         self.url, self.model, self.check_inputs = url, model, check_inputs
         self.client = g.InferenceServerClient(url)
         self._q: queue.Queue = queue.Queue()
@@ -287,9 +281,6 @@ def read_metrics(url: str, prefix: str = "s2tts_", instances: bool = False) -> d
     http://127.0.0.1:8002/metrics), keyed 'name{labels}'. The series of a model's several instances (label
     `instance`: s2pro with `s2pro_instances` > 1) are folded into the model's, unless `instances`: summed, but for
     `s2tts_model_healthy`, the least (a model is healthy when all its instances are)."""
-    import re
-    import urllib.request
-
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
     out: dict[str, float] = {}

@@ -94,7 +94,9 @@ def main(argv=None) -> int:
 
     ckpt = Path(args.checkpoint) if args.checkpoint else DEFAULT_TINY
     if not args.checkpoint and not (ckpt / "config.json").is_file():
-        from .random_checkpoint import write_checkpoint
+        from .random_checkpoint import (
+            write_checkpoint,  # here only: writing one imports torch
+        )
 
         print(f"no --checkpoint given: writing a tiny random S2-shaped checkpoint to {ckpt}", flush=True)
         write_checkpoint(ckpt, "tiny", seed=0)

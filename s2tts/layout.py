@@ -43,7 +43,7 @@ def _concrete(device: str) -> tuple[str, int]:
     """"auto" / "cuda" / "cuda:N" / "cpu" -> (type, index): auto is CUDA when torch sees a GPU (the launcher's view,
     as the models' own `auto` is)."""
     if device == "auto":
-        import torch
+        import torch  # here only: the gateway and the launcher read layouts without importing torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     kind, _, index = device.partition(":")

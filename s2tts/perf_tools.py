@@ -8,10 +8,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import tritonclient
+
+from .ar.loading import load_model
+from .codec.loading import load_codec_from_dir
+from .codec.stream import tune_for_device
+from .random_checkpoint import write_checkpoint
+
 
 def perf_analyzer_path() -> Path | None:
-    import tritonclient
-
     base = Path(tritonclient.__file__).resolve().parents[1]
     for p in [*base.glob("tritonclient-*.data/data/bin/perf_analyzer"), Path(sys.prefix) / "bin" / "perf_analyzer"]:
         if p.is_file():
@@ -47,10 +52,6 @@ def served_model_and_codec(ck: Path, device: str, tune: bool = True):
     """The AR model and the codec as slow_ar runs them, for a script's loop -> (model, codec, fallback): on a GPU
     bf16 weights and an fp16 codec with its fp32 redo, on a CPU fp32 and no redo; `tune`: the codec's kernels tiled
     for the device (`codec.stream.tune_for_device`, as the servers do)."""
-    from .codec.loading import load_codec_from_dir
-    from .ar.loading import load_model
-    from .codec.stream import tune_for_device
-
     cuda = device.startswith("cuda")
     model = load_model(ck, device, "bf16" if cuda else "fp32")
     codec = load_codec_from_dir(ck, device, "fp16" if cuda else "fp32")
@@ -65,7 +66,5 @@ def checkpoint_dir(args) -> Path:
     none is there."""
     ck = Path(args.checkpoint)
     if args.make_full and not (ck / "config.json").is_file():
-        from .random_checkpoint import write_checkpoint
-
         write_checkpoint(ck, "full", seed=0, device=args.device)
     return ck

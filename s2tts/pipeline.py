@@ -8,14 +8,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .codec.loading import load_codec_from_dir
 from .ar.loading import load_model
-from .gpu.device import resolve_device
+from .ar.sampling import SamplingParams
+from .codec.audio import prepare_audio
+from .codec.loading import load_codec_from_dir
+from .codec.model import codec_precision
 from .engine import Engine, EngineConfig
 from .frontend.prompt import PromptBuilder
-from .frontend.segment import clean_text
-from .frontend.segment import DEFAULT_CHUNK_LENGTH, batches, overall_finish_reason
-from .ar.sampling import SamplingParams
+from .frontend.segment import (
+    DEFAULT_CHUNK_LENGTH,
+    batches,
+    clean_text,
+    overall_finish_reason,
+)
+from .gpu.device import resolve_device
 
 
 @dataclass
@@ -32,7 +38,6 @@ class S2Pipeline:
         self.device = resolve_device(device)
         self.model = load_model(checkpoint, self.device, dtype)
         self.s2 = self.model.s2
-        from .codec.model import codec_precision
 
         codec_precision(codec_dtype, tf32=False)  # offline: the exact result
         self.codec = load_codec_from_dir(checkpoint, self.device, codec_dtype)
@@ -50,8 +55,6 @@ class S2Pipeline:
     @torch.inference_mode()
     def encode_reference(self, audio: np.ndarray, sample_rate: int) -> np.ndarray:
         """Reference waveform ([T], [T, C] or [C, T]) at any rate -> codes [num_codebooks, frames]."""
-        from .codec.audio import prepare_audio
-
         wav = prepare_audio(audio, sample_rate, self.codec.config.sample_rate).to(self.device)
         return self.codec.encode(wav)[0].cpu().numpy().astype(np.int32)
 

@@ -14,9 +14,17 @@ from pathlib import Path
 
 import torch
 
-from .codec.loading import CODEC_FILE
 from .ar.loading import INDEX_FILE, expected_tensors
-from .checkpoint_config import IM_END, IM_START, S2Config, SEMANTIC_TEMPLATE, VOICE, _special_token_ids
+from .checkpoint_config import (
+    IM_END,
+    IM_START,
+    SEMANTIC_TEMPLATE,
+    VOICE,
+    S2Config,
+    _special_token_ids,
+)
+from .codec.loading import CODEC_FILE, codec_state_dict
+from .codec.model import full_codec_config, make_codec, tiny_codec_config
 
 # Special tokens in the order of the Qwen3 / S2 vocabulary (after the BPE vocabulary).
 _HEAD_SPECIALS = ["<|endoftext|>", IM_START, IM_END]
@@ -101,8 +109,6 @@ def write_checkpoint(out: str | Path, size: str = "tiny", seed: int = 0, device:
     """Write the checkpoint directory `out`; returns its path."""
     from safetensors.torch import save_file
 
-    from .codec.loading import codec_state_dict
-    from .codec.model import full_codec_config, make_codec, tiny_codec_config
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}")

@@ -17,8 +17,11 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
+from tritonclient.grpc import model_config_pb2
+
 from . import settings as schema
+from .checkpoint_config import S2Config
+from .layout import DECODER, ENCODER, ENGINE, Layout, role_of
 from .settings import MODELS  # the repository's models, named once
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -98,8 +101,9 @@ def _io_block(kind: str, tensors: list[dict], batched: bool) -> str:
 
 def check_manifest_matches(manifest: dict, checkpoint: str | Path) -> None:
     """The exported graphs must belong to this checkpoint's shapes (codebooks, dims, codebook sizes)."""
-    from .codec.loading import codec_codebook_sizes
-    from .checkpoint_config import S2Config
+    from .codec.loading import (
+        codec_codebook_sizes,  # here, not at the top: the codec imports torch
+    )
 
     s2 = S2Config.from_dir(checkpoint)
     want = {"num_codebooks": s2.num_codebooks, "dim": s2.audio.dim, "residual_size": codec_codebook_sizes(checkpoint)[1]}
@@ -121,7 +125,10 @@ def render_trt_variants(repo: str | Path, settings: dict, backend: str = "tensor
     the repository holds are replaced (a subset rendered with `models=` stays a subset). Returns the
     names of the models written.
     """
-    from .export.driver import MANIFEST, load_manifest  # here, not at the top: s2tts.export imports torch
+    from .export.driver import (  # here, not at the top: s2tts.export imports torch
+        MANIFEST,
+        load_manifest,
+    )
 
     if backend not in ("tensorrt", "onnxruntime"):
         raise ValueError(f"backend={backend!r}: render_trt_variants takes tensorrt or onnxruntime")
@@ -226,14 +233,11 @@ def render_model_repository(dst: str | Path, settings: dict, models=None, base=N
 def parse_model_config(path: str | Path):
     """config.pbtxt -> tritonclient's ModelConfig message (strict protobuf text format: unknown fields fail)."""
     from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
 
     return text_format.Parse(Path(path).read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
 
 
 def _type_name(dtype: int) -> str:
-    from tritonclient.grpc import model_config_pb2
-
     return model_config_pb2.DataType.Name(dtype)
 
 

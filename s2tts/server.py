@@ -13,6 +13,7 @@ else the one in the `nvidia-pytriton` wheel from PyPI.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import signal
@@ -22,8 +23,8 @@ import sys
 import tempfile
 import time
 import urllib.request
-from typing import Callable
 from pathlib import Path
+from typing import Callable
 
 from .repository import MODELS, REPO_ROOT, render_model_repository
 from .settings import SCHEMA
@@ -44,7 +45,6 @@ def find_server() -> tuple[Path, Path, Path | None]:
     container = Path("/opt/tritonserver")
     if (container / "bin" / "tritonserver").is_file():
         return container / "bin" / "tritonserver", container / "backends" / "python", None
-    import importlib.util
 
     spec = importlib.util.find_spec("pytriton")  # located, not imported: its client needs more packages
     if spec is None or not spec.submodule_search_locations:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import S2Error, invalid
+from .layout import Layout
 
 MODELS = ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder")
 _TRUE = {"1", "true", "yes", "on"}
@@ -288,7 +289,6 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
                       sizes[-1])
     if not sizes:
         out["kv_cache_tokens"] = default_kv_tokens(out)
-    from .layout import Layout
 
     layout = Layout.from_values(out)  # raises on a bad device list
     if given.get("chunk_frames") in (None, ""):  # later chunks: the default's frames for each engine s2pro relays for
@@ -320,7 +320,6 @@ def check_rules(v: dict[str, Any]) -> None:
     need(v["fast_ar"] != "bls" or v["fast_ar_max_batch"] >= v["max_batch"],
          f"fast_ar_max_batch={v['fast_ar_max_batch']} is below max_batch={v['max_batch']}: with fast_ar=bls slow_ar "
          f"sends up to max_batch rows per call; raise fast_ar_max_batch or leave it unset", "fast_ar_max_batch")
-    from .layout import Layout
 
     layout = Layout.from_values(v)  # raises on a bad device list
     need(v["fast_ar"] != "bls" or layout.replicas == 1,

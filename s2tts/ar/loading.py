@@ -19,7 +19,7 @@ import torch
 from ..checkpoint_config import CheckpointError, S2Config
 from ..gpu.device import parse_dtype, resolve_device
 from ..gpu.meta import on_meta
-from .model import S2Model
+from .model import S2Model, Stack, use_fp8_weights
 
 log = logging.getLogger("s2tts")
 
@@ -110,8 +110,6 @@ def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16"
     if "slow" in parts:
         model.slow.build_head()
     if weights == "fp8":
-        from .model import use_fp8_weights
-
         use_fp8_weights(model)
     return model.eval().requires_grad_(False)
 
@@ -119,8 +117,6 @@ def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16"
 def _materialize_buffers(model: S2Model, device) -> None:
     """Non-persistent buffers (RoPE tables) are not loaded: each Stack computed its own on the CPU when it was built
     (`model.rope_table`, even on the meta device); they move to `device`."""
-    from .model import Stack
-
     for m in model.modules():
         if isinstance(m, Stack):
             m.rope = m.rope.to(device)

@@ -15,6 +15,17 @@ import torch.nn.functional as F
 
 from ..checkpoint_config import ARConfig, S2Config
 from ..gpu.transfer import upload
+from . import kernels
+from .kernels import (
+    GEMV_SMALL_ROWS,
+    decode_attention,
+    linear,
+    qk_rope_cache,
+    quantize_fp8,
+    rms_norm,
+    short_keys_config,
+    silu_mul,
+)
 
 
 class RMSNorm(nn.Module):
@@ -26,8 +37,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            from .kernels import rms_norm
-
             return rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -114,8 +123,6 @@ class Attention(nn.Module):
         """The decode-attention kernel's tiling for a pass of `rows` rows over this layer's cache (None: its default;
         `kernels.short_keys_config` for a cache of fewer positions than a tile, the fast AR's; with `rows_invariant`
         its one-row tiling at any row count: a row's sums do not change with the rows beside it)."""
-        from .kernels import short_keys_config
-
         return short_keys_config(self.max_keys, 1 if self.rows_invariant else rows) if self.max_keys else None
 
     def _fused(self, x, pos, slots, kv_len_max):
@@ -124,9 +131,6 @@ class Attention(nn.Module):
         and 1), or without it plain attention over the cache. One token a row over a cache of a few positions (the
         fast AR's later calls) in passes of `kernels.ROPE_ATTEND_MIN_ROWS` rows or more: both in one kernel
         (`kernels.rope_attend_short`)."""
-        from . import kernels
-        from .kernels import decode_attention, qk_rope_cache
-
         c = self.cfg
         B, S, _ = x.shape
         qkv = self.wqkv(x).reshape(B * S, -1)
@@ -179,8 +183,6 @@ class Attention(nn.Module):
         if slots is None:
             out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, S)
         elif S == 1 and self.decode_kernel:
-            from .kernels import decode_attention
-
             self.cache.write(slots, pos, k, v)
             out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0], splits=self.decode_splits,
                                    min_split=self.decode_min_split, config=self._tiling(B), lengths_add=1)
@@ -215,8 +217,6 @@ class FeedForward(nn.Module):
         if not hasattr(self, "w13"):
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         if self.fused:
-            from .kernels import silu_mul
-
             gated = getattr(self.w13, "gated", None)
             return self.w2(gated(x) if gated else silu_mul(self.w13(x), interleaved=True))
         gu = self.w13(x)
@@ -242,8 +242,6 @@ class Block(nn.Module):
     def pending(self, x, delta, rope, pos, slots, kv_len_max):
         """The fused kernels' form: the block's input is x + delta (delta None: x), its output (h, ffn) with the last
         residual sum left to the next norm, which adds and normalises in one kernel (`Stack.run`)."""
-        from .kernels import rms_norm
-
         if delta is None:
             normed = self.attention_norm(x)
         else:
@@ -304,7 +302,6 @@ class Stack(nn.Module):
         S = x.shape[1]
         rope = self.rope[pos] if any(layer.attention.takes_rope(S, slots) for layer in self.layers) else None
         if self.norm.fused:  # each residual sum joins the next norm's kernel
-            from .kernels import rms_norm
 
             delta = None
             for layer in self.layers:
@@ -370,8 +367,6 @@ class SlowAR(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., dim] -> float32 logits over the semantic codes + <|im_end|>."""
         if self.head_rows or self.head_kernel:
-            from .kernels import linear
-
             return linear(h, self.head, h.numel() // h.shape[-1] if self.head_kernel else self.head_rows).float()
         return F.linear(h, self.head).float()
 
@@ -437,8 +432,6 @@ class KernelLinear(nn.Linear):
     small = False
 
     def forward(self, x):
-        from . import kernels
-
         if self.invariant_rows:
             return kernels.linear(x, self.weight, self.invariant_rows)
         if self.takes_gemv_small(x):
@@ -456,16 +449,12 @@ class KernelLinear(nn.Linear):
 
 def _few_rows(x, in_features: int) -> bool:
     """Whether `x` holds 1 to `kernels.GEMV_SMALL_ROWS` rows of `in_features` (`gemv_small`'s products)."""
-    from .kernels import GEMV_SMALL_ROWS
-
     return 0 < x.numel() <= GEMV_SMALL_ROWS * in_features
 
 
 def _gated(linear, x, scale=None):
     """silu(gate) * up of `linear`'s gate / up interleaved weight: in the product's kernel where `gemv_small` makes
     the product (`kernels.SWIGLU_IN_PRODUCT`; `scale`: an FP8 weight's), else the product, then `kernels.silu_mul`."""
-    from . import kernels
-
     if kernels.SWIGLU_IN_PRODUCT and linear.takes_gemv_small(x):
         return kernels.gemv_small(x, linear.weight, scale=scale, swiglu=True)
     return kernels.silu_mul(linear(x), interleaved=True)
@@ -502,7 +491,6 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        from .kernels import quantize_fp8
 
         w8, scale = quantize_fp8(weight)
         self.out_features, self.in_features = w8.shape
@@ -514,8 +502,6 @@ class Fp8Linear(nn.Module):
         self.invariant = False  # and sets this: no `gemv_small` (its sums are not row-invariant)
 
     def forward(self, x):
-        from . import kernels
-
         if self.takes_gemv_small(x):
             return kernels.gemv_small(x, self.weight, scale=self.scale)
         if self.kernel and x.numel() <= self.kernel_rows * self.in_features:

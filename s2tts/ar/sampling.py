@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..settings import REQUEST_FIELDS as _F, SCHEMA as _S
+from ..settings import REQUEST_FIELDS as _F, SCHEMA as _S, check_field
+from .kernels import SORT_IN_KERNEL, choose
 
 # Streams of random numbers per step: 0 = slow AR sample, 1 = slow AR RAS resample,
 # 1 + k = fast AR codebook k.
@@ -45,8 +46,6 @@ def uniform(seed: torch.Tensor, step: torch.Tensor, stream: int, n: int) -> torc
 def _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int, kernel: bool) -> torch.Tensor:
     """Rank sampled from descending-sorted logits [B, V] (see `sample`)."""
     if kernel:
-        from .kernels import choose
-
         return choose(sorted_logits, temperature, top_p, top_k, seed, step, stream)
     B, V = sorted_logits.shape
     cum = sorted_logits.softmax(-1).cumsum(-1)
@@ -70,8 +69,6 @@ def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: b
     `kernels.SORT_IN_KERNEL` logits itself (the fast AR's).
     """
     if kernel:
-        from .kernels import SORT_IN_KERNEL, choose
-
         if logits.shape[-1] <= SORT_IN_KERNEL:
             return choose(logits, temperature, top_p, top_k, seed, step, stream, sort=True)
     sorted_logits, order = logits.float().sort(dim=-1, descending=True, stable=True)  # ties: lowest index first
@@ -111,8 +108,6 @@ class SamplingParams:
 
     def validate(self, max_new_tokens_limit: int | None = None) -> "SamplingParams":
         """Each field against its range in `s2tts.settings.REQUEST_FIELDS` (S2Error invalid_argument, a ValueError)."""
-        from ..settings import check_field
-
         limits = {"max_new_tokens_limit": max_new_tokens_limit}
         for name in ("temperature", "top_p", "top_k", "max_new_tokens", "seed"):
             check_field(name, getattr(self, name), limits)

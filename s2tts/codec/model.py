@@ -1012,7 +1012,5 @@ def codec_precision(dtype: str, tf32: bool) -> None:
     fp32-exact convolutions (within float32 rounding of the CPU's result), `tf32=True` lets cuDNN use TF32
     (faster for the decoder at large batches, the audio no longer exact)."""
     if dtype in ("fp32", "float32"):
-        import torch
-
         torch.backends.cudnn.allow_tf32 = tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32

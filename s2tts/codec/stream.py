@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import S2Error, invalid
+from ..errors import S2Error, from_exception, invalid
 from ..gpu import jit
-from ..gpu.cuda_graphs import capture as capture_graph
-from ..gpu.cuda_graphs import own_stream
+from ..gpu.cuda_graphs import capture as capture_graph, own_stream
+from ..gpu.device import resolve_device
 from ..gpu.transfer import copy_in, upload
+from .loading import codec_dtype_for, load_codec_from_dir
 from .model import StreamState, use_triton_kernels
 
 log = logging.getLogger("s2tts")
@@ -132,7 +133,6 @@ class StreamDecoder:
                 else:
                     self._decode_own(group, codes, out, wide=path == "fp32")
             except Exception as e:  # noqa: BLE001 - this group's streams fail; their state is gone
-                from ..errors import from_exception
 
                 err = from_exception(e, "dac_decoder")
                 for key, sid, *_ in group:
@@ -244,8 +244,6 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
     pool of `pool_size` stream slots warmed for these chunk lengths at up to `max_batch` streams a call, at most
     `max_frames` frames a call (`SlotPool.warm`; CUDA graphs on a GPU). The caller sets the process's fp32 precision
     (TF32) first. -> (decoder, dtype, graphs captured)."""
-    from .loading import codec_dtype_for, load_codec_from_dir
-
     dtype = codec_dtype_for(codec_dtype, device, "decoder")
     making = _Making(device)
     codec = load_codec_from_dir(checkpoint, device, dtype).drop_encoding()
@@ -277,8 +275,6 @@ class _Making:
     (`parts`: {part: (seconds, MiB or None)}), for the log line that says where a server's start and memory went."""
 
     def __init__(self, device):
-        from ..gpu.device import resolve_device
-
         dev = resolve_device(device)
         self.cuda = dev.type == "cuda"
         self.dev, self.parts = dev, {}
@@ -295,8 +291,6 @@ class _Making:
 def tune_for_device(device, *codecs) -> None:
     """How a serving process runs its streaming decoders on a GPU: the codec's Triton kernels (`use_triton_kernels`).
     Nothing changes on a CPU. `device`: as the settings name it (`auto` included)."""
-    from ..gpu.device import resolve_device
-
     if resolve_device(device).type != "cuda":
         return
     if jit.available():

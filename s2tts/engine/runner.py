@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..ar.model import S2Model
+from ..ar import kernels
+from ..ar.model import S2Model, use_invariant_linears, use_triton_kernels
 from ..ar.sampling import RAS_WINDOW, sample, sample_semantic
 from ..gpu import jit
-from ..gpu.cuda_graphs import capture as capture_graph
-from ..gpu.cuda_graphs import own_stream
+from ..gpu.cuda_graphs import capture as capture_graph, own_stream
 from ..gpu.transfer import copy_in, upload
 from .config import EngineConfig
 from .paged import BlockPool
@@ -144,12 +144,9 @@ class ModelRunner:
                 layer.attention.rows_invariant = batch_invariant
         if fused_kernels is None:
             fused_kernels = decode_kernel
-        from ..ar.model import use_invariant_linears, use_triton_kernels
 
         use_triton_kernels(model, bool(fused_kernels))
         if on_cuda and fused_kernels:
-            from ..ar import kernels
-
             self.dependent_launch = c.dependent_launch is not False and kernels.pdl_supported(self.device)
         else:
             self.dependent_launch = False
@@ -439,8 +436,6 @@ class ModelRunner:
         """Dependent launch for the kernels of a pass of `rows` rows (captured with it): only up to
         `kernels.GEMV_SMALL_ROWS`, where the products are Triton kernels that take part. Among cuBLAS's products (more
         rows) it saves nothing and the step's pieces take a little longer."""
-        from ..ar import kernels
-
         return kernels.dependent_launch(self.dependent_launch and rows <= kernels.GEMV_SMALL_ROWS)
 
     def _capture_graphs(self) -> None:

@@ -11,9 +11,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..ar.loading import load_model
+from ..codec.loading import load_codec_from_dir
+from ..engine import InProcessFastAR
 from .driver import load_manifest
 from .onnx_graphs import fast_ar_uniforms
 from .runtime import GraphStreamCodec, ort_runner
+
 
 def relative_error(a, b) -> float:
     """||a - b|| / ||b|| (L2 over all elements), float64."""
@@ -63,8 +67,6 @@ def random_sampling_inputs(batch: int, dim: int, code0_size: int, seed: int = 0,
 
 def reference_fast_ar(model, residual: int, x: dict) -> torch.Tensor:
     """Codes of the cached PyTorch fast AR (`InProcessFastAR`, the engine's own path) for the inputs x."""
-    from ..engine import InProcessFastAR
-
     B = x["hidden"].shape[0]
     p = next(model.fast.parameters())
     model.fast.setup_caches(B, p.dtype, p.device)
@@ -154,9 +156,6 @@ def check_encoder(onnx_dir, codec, batch: int = 2, frames: int = 24, seed: int =
 
 def check_exports(onnx_dir, checkpoint=None, model=None, codec=None, graphs=None) -> list[Check]:
     """Every exported graph in `onnx_dir` run by onnxruntime (CPU) against the PyTorch modules."""
-    from ..codec.loading import load_codec_from_dir
-    from ..ar.loading import load_model
-
     manifest = load_manifest(onnx_dir)
     checkpoint = checkpoint or manifest["checkpoint"]
     graphs = graphs or list(manifest["graphs"])

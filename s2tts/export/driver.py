@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..ar.loading import load_model
+from ..codec.loading import codec_codebook_sizes, load_codec_from_dir
 from .onnx_graphs import (
     GRAPHS,
     OPSET,
@@ -94,9 +96,6 @@ def export_all(checkpoint: str | Path, out: str | Path, graphs=GRAPHS, profiles:
 
     `model` (an S2Model with at least the fast AR) and `codec` may be given to skip loading them.
     """
-    from ..codec.loading import codec_codebook_sizes, load_codec_from_dir
-    from ..ar.loading import load_model
-
     checkpoint, out = Path(checkpoint), Path(out)
     out.mkdir(parents=True, exist_ok=True)
     profiles = profiles or Profiles()

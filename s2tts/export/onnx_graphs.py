@@ -6,13 +6,21 @@ transformer, and `export_graph` (one module -> one checked ONNX file). The graph
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..codec.model import _Step
+from ..ar.sampling import uniform
+from ..codec.model import (
+    EncoderBlock,
+    WindowTransformer,
+    _Step,
+    apply_rope,
+    rope_cos_sin,
+)
 
 OPSET = 18
 FAST_AR_STREAM0 = 1  # codebook k of the fast AR draws from random stream 1 + k (see s2tts.ar.sampling)
@@ -23,8 +31,6 @@ GRAPHS = ("fast_ar", "fast_ar_seeded", "dac_decoder", "dac_decoder_stream", "dac
 
 def fast_ar_uniforms(seed: torch.Tensor, step: torch.Tensor, n_codebooks: int, vocab: int) -> torch.Tensor:
     """[B, n_codebooks, vocab]: the random numbers the fast AR's codebooks 1..n draw (the `uniforms` input)."""
-    from ..ar.sampling import uniform
-
     return torch.stack([uniform(seed, step, FAST_AR_STREAM0 + k, vocab) for k in range(1, n_codebooks + 1)], dim=1)
 
 
@@ -88,8 +94,6 @@ class FastARFrame(nn.Module):
         return ["hidden", "code0", "temperature", "top_p", "top_k", *tail]
 
     def forward(self, hidden, code0, temperature, top_p, top_k, *noise):
-        from ..ar.sampling import uniform
-
         if self.seeded:
             seed, step = noise
             draw = lambda k: uniform(seed, step, FAST_AR_STREAM0 + k, self.vocab)  # noqa: E731
@@ -134,8 +138,6 @@ class _GraphStep(_Step):
 
 def _rope_table(head_dim: int, base: float, positions: int) -> torch.Tensor:
     """[positions, D/2, 2], bit-identical to the codec's `rope_cos_sin` at those positions."""
-    from ..codec.model import rope_cos_sin
-
     return rope_cos_sin(torch.arange(positions)[None], head_dim, base)[0]
 
 
@@ -146,8 +148,6 @@ def window_transformer(wt, x: torch.Tensor, step: _GraphStep | None, rope: torch
     codec's loop), padded to n*L; chunk c attends to its window-1 predecessors and itself,
     gathered as one [B, H, n, window-1+L, D] batch. Positions index `rope` (clamped to its length).
     """
-    from ..codec.model import apply_rope
-
     key, W, H, D = wt.state_key, wt.window, wt.n_head, wt.head_dim
     xt = x.transpose(1, 2)
     B, T, C = xt.shape
@@ -251,7 +251,6 @@ class CodecEncoderGraph(nn.Module):
 
     def __init__(self, codec, max_positions: int = 16384):
         super().__init__()
-        from ..codec.model import WindowTransformer
 
         self.codec = codec
         tables = {}
@@ -261,8 +260,6 @@ class CodecEncoderGraph(nn.Module):
         self.tables = tables  # plain dict: constants of the trace
 
     def forward(self, waveform):
-        from ..codec.model import EncoderBlock, WindowTransformer
-
         q = self.codec.quantizer
         x = waveform.to(q.pre_module.norm.weight.dtype)
         for m in self.codec.encoder.block:
@@ -302,8 +299,6 @@ def _register_integer_xor() -> None:
 
 def export_graph(module: nn.Module, args, path: str | Path, input_names, output_names, dynamic_axes) -> Path:
     """torch module -> checked ONNX file (TorchScript exporter, opset 18, constants folded)."""
-    import warnings
-
     import onnx
 
     path = Path(path)

@@ -11,6 +11,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..codec.model import StreamState
+
+
 def ort_session(path: str | Path, threads: int | None = None, providers=None):
     import onnxruntime as ort
 
@@ -71,8 +74,6 @@ class GraphStreamCodec:
         return self.config.frame_length
 
     def new_stream_state(self, batch: int = 1):
-        from ..codec.model import StreamState
-
         out = {}
         for s in self.state:
             if s["key"].endswith(".pos"):
@@ -83,8 +84,6 @@ class GraphStreamCodec:
 
     @staticmethod
     def stack_states(states):
-        from ..codec.model import StreamState
-
         return StreamState.stack(states)
 
     @staticmethod
@@ -106,8 +105,6 @@ class GraphStreamCodec:
 
     def decode_stream(self, codes: torch.Tensor, state):
         """codes [B, C, f] -> (audio [B, 1, f*frame_length] float32, next state), as `DAC.decode_stream`."""
-        from ..codec.model import StreamState
-
         codes = torch.as_tensor(codes, device=self.device)
         if codes.ndim == 2:
             codes = codes[None]

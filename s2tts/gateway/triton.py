@@ -19,6 +19,7 @@ from ..client import TTSInput, json_output
 from ..errors import S2Error
 from ..settings import REQUEST_FIELDS, model_values
 from .errors import APIError
+from .protocol import DEFAULT_LIMITS
 
 log = logging.getLogger("s2tts.gateway")
 
@@ -206,8 +207,6 @@ class TritonBackend:
     async def served_limits(self, ttl_s: float = 30.0) -> dict:
         """s2pro's request limits as served (its config.pbtxt parameters, read through Triton and checked by the one
         settings schema); the schema's defaults while the server cannot be asked."""
-        from .protocol import DEFAULT_LIMITS
-
         now = time.monotonic()
         if self._limits is not None and now - self._limits[0] < ttl_s:
             return self._limits[1]
@@ -223,8 +222,6 @@ class TritonBackend:
 
     def answer_timeout_s(self) -> float:
         """How long to wait for one answer of the server (see __init__)."""
-        from .protocol import DEFAULT_LIMITS
-
         if self.timeout_s is not None:
             return self.timeout_s
         limits = self._limits[1] if self._limits is not None else DEFAULT_LIMITS

@@ -3,6 +3,8 @@ buckets, and `Metrics`, which registers and updates them."""
 
 from __future__ import annotations
 
+import gc
+import os
 import threading
 
 TIME_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0, 5.0)  # seconds to first audio
@@ -81,8 +83,6 @@ class Metrics:
             self._families = families_of._families
             return
         try:
-            import os
-
             import triton_python_backend_utils as pb_utils
 
             if os.environ.get("S2TTS_METRICS", "1") == "0":
@@ -200,8 +200,6 @@ class Metrics:
         self._metrics.clear()
         self._families.clear()
         if held:
-            import gc
-
             gc.collect()
 
     def report_table(self, table) -> None:

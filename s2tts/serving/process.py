@@ -4,11 +4,15 @@ itself, and exiting without the interpreter's teardown."""
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import time
 
+from ..errors import from_exception
+from .profiler import start_from_env
 from .triton_io import s2_error_response
 
 _EXIT_REGISTERED = False
@@ -43,10 +47,6 @@ def setup_logging(name: str) -> logging.Logger:
     unless the process already handles that signal). With `S2TTS_PROFILE_DIR` set, the process also samples its
     threads' stacks there (`profiler.StackSampler`). Once Triton has finalized the model, its process exits without
     the interpreter's teardown (`exit_without_teardown`)."""
-    import faulthandler
-    import signal
-
-    from .profiler import start_from_env
 
     exit_without_teardown()
     if not faulthandler.is_enabled():
@@ -73,7 +73,6 @@ def load_on_first_request(load, requests, name: str, log, what: str) -> list | N
         load()
         return None
     except Exception as e:  # noqa: BLE001 - these requests fail; the next one tries again
-        from ..errors import from_exception
 
         err = from_exception(e, name)
         log.error("%s: loading %s failed: %s", name, what, err.wire())

@@ -29,8 +29,6 @@ class PullStream:
     so the producer stops."""
 
     def __init__(self, key: str, idle_timeout_s: float = 30.0):
-        import collections
-
         self.key = key
         self.idle_timeout_s = idle_timeout_s
         self._items: "collections.deque[Any]" = collections.deque()

@@ -3,7 +3,9 @@ of daemon workers for per-request work."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import queue
 import sys
 import threading
 import time
@@ -19,8 +21,6 @@ def name_os_thread(name: str | None = None) -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        import ctypes
-
         ctypes.CDLL(None).prctl(15, (name or threading.current_thread().name).encode()[:15], 0, 0, 0)  # PR_SET_NAME
     except (OSError, AttributeError):
         pass
@@ -66,8 +66,6 @@ class WorkerPool:
     """
 
     def __init__(self, max_workers: int, name: str):
-        import queue
-
         self.max_workers, self.name = max_workers, name
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()

@@ -13,7 +13,15 @@ import time
 
 import numpy as np
 
-from ..settings import parse_bool
+from ..ar.sampling import SamplingParams
+from ..errors import S2Error, from_exception, internal, invalid
+from ..settings import (
+    SAMPLING_FIELDS,
+    check_field,
+    field_default,
+    parse_bool,
+    stage_fields,
+)
 
 
 def get_param(model_config: dict | str, key: str, kind=str, default=None):
@@ -47,8 +55,6 @@ def optional_input(request, name: str):
 
 
 def scalar(request, name: str, kind, default):
-    from ..errors import invalid
-
     arr = optional_input(request, name)
     if arr is None or arr.size == 0:
         return default
@@ -72,8 +78,6 @@ def read_fields(request, stage: str, values: dict | None = None) -> dict:
     its Python type, an array as sent (numpy); a field left out is its default (`settings.field_default`: the
     model's setting `values` where the field has one). Ranges are checked where the fields are used
     (`sampling_params`, `frontend.request.TTSRequest.validate`)."""
-    from ..settings import field_default, stage_fields
-
     out = {}
     for f in stage_fields(stage):
         if f.dims == "[ 1 ]":
@@ -88,9 +92,6 @@ def sampling_params(fields: dict, limits: dict | None = None, check: bool = True
     `settings.REQUEST_FIELDS` (upper bounds from `limits`, a model's settings; None where a bound is not this
     model's to check); S2Error names the input that is wrong. `check=False` for a caller that checks them with the
     rest of its request (s2pro: `TTSRequest.validate`)."""
-    from ..ar.sampling import SamplingParams
-    from ..settings import SAMPLING_FIELDS, check_field
-
     for name in SAMPLING_FIELDS if check else ():
         check_field(name, fields[name], limits)
     return SamplingParams(temperature=fields["temperature"], top_p=fields["top_p"], top_k=fields["top_k"],
@@ -146,8 +147,6 @@ def string_tensor(name: str, s: str):
 
 def read_waveform(request, max_seconds: float) -> tuple[np.ndarray, int]:
     """The `waveform` + `sample_rate` inputs of a dac_encoder request, checked (S2Error says what to change)."""
-    from ..errors import invalid
-
     wav = optional_input(request, "waveform")
     sr = scalar(request, "sample_rate", int, None)
     if wav is None or wav.size == 0:
@@ -167,9 +166,6 @@ def read_fast_rows(request, dim: int, num_semantic: int, max_rows: int) -> dict[
     `code0` (a semantic code, in [0, num_semantic)), `temperature`, `top_p`, `top_k`, `seed` (each in its request
     field's range, `settings.REQUEST_FIELDS`) and `step` (>= 0). A code outside the embedding table would be a
     device-side assert on a GPU, which ends the model's process for every caller."""
-    from ..errors import invalid
-    from ..settings import check_field
-
     hidden = optional_input(request, "hidden")
     if hidden is None or hidden.ndim != 2 or hidden.shape[1] != dim or hidden.shape[0] == 0:
         raise invalid(f"hidden must be [rows, {dim}] with at least one row, got "
@@ -202,7 +198,6 @@ def decode_chunk_requests(decoder, requests, now: float, name: str = "dac_decode
     the others their audio."""
     import triton_python_backend_utils as pb_utils
 
-    from ..errors import S2Error, from_exception, internal, invalid
 
     jobs, results = [], {}
     for i, request in enumerate(requests):
