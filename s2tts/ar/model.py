@@ -312,7 +312,19 @@ class Stack(nn.Module):
         return self.norm(x)
 
 
-class SlowAR(nn.Module):
+class _OnStack(nn.Module):
+    """An AR over a `Stack` (`self.stack`): its layers and final norm, as the checkpoint names them."""
+
+    @property
+    def layers(self):
+        return self.stack.layers
+
+    @property
+    def norm(self):
+        return self.stack.norm
+
+
+class SlowAR(_OnStack):
     """The Qwen3-shaped decoder. Parameter names follow `text_model.model.*` of the checkpoint."""
 
     def __init__(self, s2: S2Config):
@@ -324,14 +336,6 @@ class SlowAR(nn.Module):
         # Output head restricted to the semantic tokens + <|im_end|> (tied to the embeddings);
         # built by `build_head()` after the weights are loaded.
         self.register_buffer("head", torch.empty(0), persistent=False)
-
-    @property
-    def layers(self):
-        return self.stack.layers
-
-    @property
-    def norm(self):
-        return self.stack.norm
 
     def build_head(self) -> None:
         s2, w = self.s2, self.embeddings.weight
@@ -371,7 +375,7 @@ class SlowAR(nn.Module):
         return F.linear(h, self.head).float()
 
 
-class FastAR(nn.Module):
+class FastAR(_OnStack):
     """Predicts codes 1..C-1 of a frame from the slow AR's final-normed hidden and code 0.
 
     Parameter names follow `audio_decoder.*` of the checkpoint (`codebook_embeddings` lives here too,
@@ -386,14 +390,6 @@ class FastAR(nn.Module):
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.stack = Stack(cfg, s2.num_codebooks + 1)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-
-    @property
-    def layers(self):
-        return self.stack.layers
-
-    @property
-    def norm(self):
-        return self.stack.norm
 
     def setup_caches(self, batch: int, dtype, device) -> None:
         self.stack.setup_caches(batch, self.s2.num_codebooks + 1, dtype, device)
