@@ -24,7 +24,6 @@ import torch
 
 from ..gpu.jit import tl, triton, unit_rows
 
-
 PDL = False  # the decode step's kernels launched with programmatic dependent launch (set by `dependent_launch`)
 
 

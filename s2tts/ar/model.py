@@ -16,16 +16,6 @@ import torch.nn.functional as F
 from ..checkpoint_config import ARConfig, S2Config
 from ..gpu.transfer import upload
 from . import kernels
-from .kernels import (
-    GEMV_SMALL_ROWS,
-    decode_attention,
-    linear,
-    qk_rope_cache,
-    quantize_fp8,
-    rms_norm,
-    short_keys_config,
-    silu_mul,
-)
 
 
 class RMSNorm(nn.Module):
@@ -37,7 +27,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused:
-            return rms_norm(x, self.weight, self.eps)
+            return kernels.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
@@ -123,7 +113,7 @@ class Attention(nn.Module):
         """The decode-attention kernel's tiling for a pass of `rows` rows over this layer's cache (None: its default;
         `kernels.short_keys_config` for a cache of fewer positions than a tile, the fast AR's; with `rows_invariant`
         its one-row tiling at any row count: a row's sums do not change with the rows beside it)."""
-        return short_keys_config(self.max_keys, 1 if self.rows_invariant else rows) if self.max_keys else None
+        return kernels.short_keys_config(self.max_keys, 1 if self.rows_invariant else rows) if self.max_keys else None
 
     def _fused(self, x, pos, slots, kv_len_max):
         """Cached path with the fused q/k-norm + RoPE + cache-write kernel (every token is a row), then the
@@ -143,11 +133,11 @@ class Attention(nn.Module):
                                             c.qk_norm, short)
             return self.wo(out.reshape(B, S, c.q_size))
         rows_slot = slots if S == 1 else slots.repeat_interleave(S)
-        q = qk_rope_cache(qkv, self.q_norm.weight if c.qk_norm else None, self.k_norm.weight if c.qk_norm else None,
-                          self.rope, pos.reshape(-1), rows_slot, self.cache, c.n_head, c.n_local_heads,
-                          c.head_dim, c.norm_eps, c.qk_norm)
+        q = kernels.qk_rope_cache(qkv, self.q_norm.weight if c.qk_norm else None,
+                                  self.k_norm.weight if c.qk_norm else None, self.rope, pos.reshape(-1), rows_slot,
+                                  self.cache, c.n_head, c.n_local_heads, c.head_dim, c.norm_eps, c.qk_norm)
         if self.decode_kernel:  # each token a row: its slot's keys up to its own position (all written above)
-            out = decode_attention(q, self.cache, rows_slot, pos.reshape(-1), splits=self.decode_splits,
+            out = kernels.decode_attention(q, self.cache, rows_slot, pos.reshape(-1), splits=self.decode_splits,
                                    min_split=self.decode_min_split, config=short, lengths_add=1)
             return self.wo(out.reshape(B, S, c.q_size))
         kc, vc = self.cache.read(slots, kv_len_max)
@@ -184,7 +174,7 @@ class Attention(nn.Module):
             out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pos, S)
         elif S == 1 and self.decode_kernel:
             self.cache.write(slots, pos, k, v)
-            out = decode_attention(q[:, 0], self.cache, slots, pos[:, 0], splits=self.decode_splits,
+            out = kernels.decode_attention(q[:, 0], self.cache, slots, pos[:, 0], splits=self.decode_splits,
                                    min_split=self.decode_min_split, config=self._tiling(B), lengths_add=1)
             return self.wo(out.reshape(B, 1, c.q_size))
         else:
@@ -218,7 +208,7 @@ class FeedForward(nn.Module):
             return self.w2(F.silu(self.w1(x)) * self.w3(x))
         if self.fused:
             gated = getattr(self.w13, "gated", None)
-            return self.w2(gated(x) if gated else silu_mul(self.w13(x), interleaved=True))
+            return self.w2(gated(x) if gated else kernels.silu_mul(self.w13(x), interleaved=True))
         gu = self.w13(x)
         return self.w2(F.silu(gu[..., 0::2]) * gu[..., 1::2])
 
@@ -245,9 +235,9 @@ class Block(nn.Module):
         if delta is None:
             normed = self.attention_norm(x)
         else:
-            x, normed = rms_norm(delta, self.attention_norm.weight, self.attention_norm.eps, residual=x)
+            x, normed = kernels.rms_norm(delta, self.attention_norm.weight, self.attention_norm.eps, residual=x)
         a = self.attention(normed, rope, pos, slots, kv_len_max)
-        h, f = rms_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=x)
+        h, f = kernels.rms_norm(a, self.ffn_norm.weight, self.ffn_norm.eps, residual=x)
         return h, self.feed_forward(f)
 
 
@@ -306,7 +296,7 @@ class Stack(nn.Module):
             delta = None
             for layer in self.layers:
                 x, delta = layer.pending(x, delta, rope, pos, slots, kv_len_max)
-            return rms_norm(delta, self.norm.weight, self.norm.eps, residual=x)[1]
+            return kernels.rms_norm(delta, self.norm.weight, self.norm.eps, residual=x)[1]
         for layer in self.layers:
             x = layer(x, rope, pos, slots, kv_len_max)
         return self.norm(x)
@@ -371,7 +361,8 @@ class SlowAR(_OnStack):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., dim] -> float32 logits over the semantic codes + <|im_end|>."""
         if self.head_rows or self.head_kernel:
-            return linear(h, self.head, h.numel() // h.shape[-1] if self.head_kernel else self.head_rows).float()
+            rows = h.numel() // h.shape[-1] if self.head_kernel else self.head_rows
+            return kernels.linear(h, self.head, rows).float()
         return F.linear(h, self.head).float()
 
 
@@ -445,7 +436,7 @@ class KernelLinear(nn.Linear):
 
 def _few_rows(x, in_features: int) -> bool:
     """Whether `x` holds 1 to `kernels.GEMV_SMALL_ROWS` rows of `in_features` (`gemv_small`'s products)."""
-    return 0 < x.numel() <= GEMV_SMALL_ROWS * in_features
+    return 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * in_features
 
 
 def _gated(linear, x, scale=None):
@@ -488,7 +479,7 @@ class Fp8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor):
         super().__init__()
 
-        w8, scale = quantize_fp8(weight)
+        w8, scale = kernels.quantize_fp8(weight)
         self.out_features, self.in_features = w8.shape
         self.weight = nn.Parameter(w8, requires_grad=False)
         self.register_buffer("scale", scale)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..settings import REQUEST_FIELDS as _F, SCHEMA as _S, check_field
-from .kernels import SORT_IN_KERNEL, choose
+from . import kernels
 
 # Streams of random numbers per step: 0 = slow AR sample, 1 = slow AR RAS resample,
 # 1 + k = fast AR codebook k.
@@ -46,7 +46,7 @@ def uniform(seed: torch.Tensor, step: torch.Tensor, stream: int, n: int) -> torc
 def _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream: int, kernel: bool) -> torch.Tensor:
     """Rank sampled from descending-sorted logits [B, V] (see `sample`)."""
     if kernel:
-        return choose(sorted_logits, temperature, top_p, top_k, seed, step, stream)
+        return kernels.choose(sorted_logits, temperature, top_p, top_k, seed, step, stream)
     B, V = sorted_logits.shape
     cum = sorted_logits.softmax(-1).cumsum(-1)
     rank = torch.arange(V, device=sorted_logits.device)[None, :]
@@ -69,8 +69,8 @@ def sample(logits, temperature, top_p, top_k, seed, step, stream: int, kernel: b
     `kernels.SORT_IN_KERNEL` logits itself (the fast AR's).
     """
     if kernel:
-        if logits.shape[-1] <= SORT_IN_KERNEL:
-            return choose(logits, temperature, top_p, top_k, seed, step, stream, sort=True)
+        if logits.shape[-1] <= kernels.SORT_IN_KERNEL:
+            return kernels.choose(logits, temperature, top_p, top_k, seed, step, stream, sort=True)
     sorted_logits, order = logits.float().sort(dim=-1, descending=True, stable=True)  # ties: lowest index first
     choice = _choose(sorted_logits, temperature, top_p, top_k, seed, step, stream, kernel)
     return order.gather(-1, choice[:, None]).squeeze(-1)
