@@ -235,7 +235,7 @@ def main():
     from s2tts.ar import kernels
     from s2tts.codec.loading import codec_codebook_sizes
     from s2tts.ar.loading import load_model
-    from s2tts.frontend.prompt import PromptBuilder
+    from s2tts.frontend.prompt_builder import PromptBuilder
 
     ck = Path(args.checkpoint)
     if args.make_full and not (ck / "config.json").is_file():

@@ -267,7 +267,7 @@ def main() -> int:
 
     from s2tts.codec.loading import codec_codebook_sizes, codec_frame_seconds
     from s2tts.checkpoint_config import S2Config
-    from s2tts.frontend.prompt import PromptBuilder
+    from s2tts.frontend.prompt_builder import PromptBuilder
 
     ck = checkpoint_dir(args)
     model, codec, fallback = served_model_and_codec(ck, args.device, tune=not args.torch_codec)

@@ -42,7 +42,7 @@ def main() -> None:
     from s2tts.codec.loading import codec_codebook_sizes
     from s2tts.ar.loading import load_model
     from s2tts.engine import Engine, EngineConfig
-    from s2tts.frontend.prompt import PromptBuilder
+    from s2tts.frontend.prompt_builder import PromptBuilder
     from s2tts.ar.sampling import SamplingParams
     from s2tts.random_checkpoint import write_checkpoint
 

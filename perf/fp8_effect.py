@@ -95,7 +95,7 @@ def main() -> int:
     from s2tts.codec.loading import codec_codebook_sizes
     from s2tts.ar.loading import load_model
     from s2tts.engine import Engine, EngineConfig
-    from s2tts.frontend.prompt import PromptBuilder
+    from s2tts.frontend.prompt_builder import PromptBuilder
 
     ck, dev = args.checkpoint, args.device
     residual = codec_codebook_sizes(ck)[1]

@@ -66,7 +66,7 @@ def sampling(n: int, seed: int, rows: int | None = None) -> dict:
 def make(checkpoint: Path, out: Path, frames: int = 100, entries: int = 8, fast_ar_batches=(1, 8, 64),
          decode_frames: int = 25) -> dict[str, Path]:
     from s2tts.checkpoint_config import S2Config
-    from s2tts.frontend.prompt import PromptBuilder
+    from s2tts.frontend.prompt_builder import PromptBuilder
 
     s2 = S2Config.from_dir(checkpoint)
     out.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from .codec.audio import prepare_audio
 from .codec.loading import load_codec_from_dir
 from .codec.model import codec_precision
 from .engine import Engine, EngineConfig
-from .frontend.prompt import PromptBuilder
+from .frontend.prompt_builder import PromptBuilder
 from .frontend.segment import (
     DEFAULT_CHUNK_LENGTH,
     batches,

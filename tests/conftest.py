@@ -41,7 +41,7 @@ def model(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def prompts(tiny_ckpt):
-    from s2tts.frontend.prompt import PromptBuilder
+    from s2tts.frontend.prompt_builder import PromptBuilder
 
     return PromptBuilder.from_dir(tiny_ckpt)
 

@@ -12,7 +12,7 @@ from s2tts.ar import kernels  # noqa: E402
 from s2tts.codec import kernels as codec_kernels  # noqa: E402
 from s2tts.ar.loading import load_model  # noqa: E402
 from s2tts.engine import Engine, EngineConfig  # noqa: E402
-from s2tts.frontend.prompt import PromptBuilder  # noqa: E402
+from s2tts.frontend.prompt_builder import PromptBuilder  # noqa: E402
 from s2tts.ar.sampling import SamplingParams  # noqa: E402
 
 

@@ -14,7 +14,7 @@ import torch
 from s2tts.ar.loading import load_model
 from s2tts.client import S2ProClient, TTSInput
 from s2tts.engine import Engine, EngineConfig
-from s2tts.frontend.prompt import PromptBuilder
+from s2tts.frontend.prompt_builder import PromptBuilder
 from s2tts.ar.sampling import SamplingParams
 
 from servers import tiny_server

@@ -137,7 +137,7 @@ def test_duplicate_request_ids(triton_server):
     following one). Through s2pro one id twice is fine: ids are the caller's, state is keyed by internal ids."""
     import tritonclient.grpc as g
 
-    from s2tts.frontend.prompt import PromptBuilder
+    from s2tts.frontend.prompt_builder import PromptBuilder
 
     prompts = PromptBuilder.from_dir(triton_server.settings["checkpoint"])
     p = prompts.build("Both of us use the same id.")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from s2tts.ar.loading import load_model
-from s2tts.frontend.prompt import PromptBuilder
+from s2tts.frontend.prompt_builder import PromptBuilder
 from s2tts.ar.model import Fp8Linear
 
 from servers import assert_together_as_alone

@@ -10,12 +10,18 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from s2tts.gateway.config import GatewayConfig
 from s2tts.gateway.encoders import FORMATS, make_encoder, wav_header
-from s2tts.gateway.errors import APIError
+from s2tts.gateway.error_bodies import APIError
+from s2tts.gateway.options import GatewayConfig
 from s2tts.gateway.protocol import parse_speech
 from s2tts.gateway.tempo import TimeStretch, time_stretch
-from s2tts.gateway.voices import MIGRATIONS, PostgresVoiceStore, VoiceStore, open_store, validate_name
+from s2tts.gateway.voices import (
+    MIGRATIONS,
+    PostgresVoiceStore,
+    VoiceStore,
+    open_store,
+    validate_name,
+)
 
 av = pytest.importorskip("av")
 SR = 44100

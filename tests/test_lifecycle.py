@@ -21,7 +21,7 @@ from s2tts import errors
 from s2tts.codec.loading import codec_codebook_sizes
 from s2tts.ar.loading import load_model
 from s2tts.engine import FINISH_CANCELLED, FINISH_ERROR, Engine, EngineConfig
-from s2tts.frontend.prompt import PromptBuilder
+from s2tts.frontend.prompt_builder import PromptBuilder
 from s2tts.serving.lifecycle import RequestTable
 from s2tts.ar.sampling import SamplingParams
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import invalid
 from ..ar.sampling import SamplingParams
+from ..errors import invalid
 from ..settings import SAMPLING_FIELDS, SCHEMA, TEXT_EVENTS, check_field
 from .segment import clean_text
 

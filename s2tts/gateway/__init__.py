@@ -3,7 +3,7 @@
 `python -m s2tts.gateway --triton-url localhost:8001 --port 8080 --db voices.sqlite3`; see docs/GATEWAY.md.
 """
 
-from .config import GatewayConfig
+from .options import GatewayConfig
 
 __all__ = ["GatewayConfig", "create_app"]
 

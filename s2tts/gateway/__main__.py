@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from .config import GatewayConfig
+from .options import GatewayConfig
 
 
 def _names(value: str) -> tuple[str, ...]:

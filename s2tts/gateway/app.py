@@ -29,16 +29,34 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..frontend.segment import combine_voices
 from .alignment import Segment, Timeline
 from .audio_io import decode_audio
-from .config import GatewayConfig
 from .encoders import MEDIA_TYPES, AudioPipeline
-from .errors import APIError, bad_request
-from .fish import FISH_PATHS, FishError, FishTTS, decode_body, fish_voice, fish_voice_id, parse_fish_tts
-from .fish import page as fish_page
-from .fish_server import REFERENCE_PATHS, ReferenceError
-from .fish_server import add_routes as add_fish_server_routes
-from .metrics import HTTPMetrics, MetricsMiddleware
-from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, OPENAI_VOICES, SpeechParams, load_json, parse_speech
+from .error_bodies import APIError, bad_request
+from .fish import (
+    FISH_PATHS,
+    FishError,
+    FishTTS,
+    decode_body,
+    fish_voice,
+    fish_voice_id,
+    page as fish_page,
+    parse_fish_tts,
+)
+from .fish_server import (
+    REFERENCE_PATHS,
+    ReferenceError,
+    add_routes as add_fish_server_routes,
+)
+from .http_metrics import HTTPMetrics, MetricsMiddleware
 from .live import LiveConnection
+from .options import GatewayConfig
+from .protocol import (
+    DEFAULT_LIMITS,
+    DEFAULT_VOICES,
+    OPENAI_VOICES,
+    SpeechParams,
+    load_json,
+    parse_speech,
+)
 from .remote_audio import RemoteAudio
 from .triton import SynthesisRequest, TritonBackend
 from .voices import VoiceStore, open_store, validate_name
@@ -441,7 +459,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
 
     @app.get("/metrics")
     async def metrics():
-        """The gateway's Prometheus metrics (s2tts/gateway/metrics.py); the models' are on Triton's metrics port."""
+        """The gateway's Prometheus metrics (s2tts/gateway/http_metrics.py); the models' are on Triton's metrics port."""
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")

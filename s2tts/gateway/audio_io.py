@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 
-from .errors import APIError, bad_request
+from .error_bodies import APIError, bad_request
 
 _DATA_URL = re.compile(r"^data:(?P<mime>[\w.+-]+/[\w.+-]+)?(?P<params>(;[\w.+-]+=[\w.+-]+)*)(?P<b64>;base64)?,(?P<data>.*)$",
                        re.DOTALL)

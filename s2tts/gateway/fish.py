@@ -51,8 +51,8 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 
 from ..settings import REQUEST_FIELDS
-from .config import GatewayConfig
-from .errors import APIError, bad_request
+from .error_bodies import APIError, bad_request
+from .options import GatewayConfig
 from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, MAX_VOICES, _field, load_json
 
 FISH_PATHS = ("/v1/tts", "/model", "/v1/vqgan/", "/v1/health")  # the routes that answer errors in Fish's shape

@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
 from .audio_io import decode_audio
-from .errors import APIError, bad_request
+from .error_bodies import APIError, bad_request
 from .fish import decode_body
 from .voices import validate_name
 

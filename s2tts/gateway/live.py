@@ -26,11 +26,10 @@ import ormsgpack
 from fastapi import WebSocket, WebSocketDisconnect
 
 from .alignment import Timeline
-from .config import GatewayConfig
 from .encoders import AudioPipeline
-from .errors import APIError, bad_request
-from .fish import FishTTS
-from .fish import alignment as fish_alignment
+from .error_bodies import APIError, bad_request
+from .fish import FishTTS, alignment as fish_alignment
+from .options import GatewayConfig
 from .triton import SynthesisRequest, TritonBackend
 
 log = logging.getLogger("s2tts.gateway")

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from ..errors import S2Error
 from ..settings import HTTP_NUMBERS, REQUEST_FIELDS, SCHEMA, check_field
-from .config import GatewayConfig
 from .encoders import FORMATS
-from .errors import APIError, bad_request
+from .error_bodies import APIError, bad_request
+from .options import GatewayConfig
 
 # the s2pro limits the gateway checks itself (the server's values replace these; see GatewayConfig.limits)
 # (and how many requests it admits at once, how long one of its text segments may run)

@@ -34,8 +34,8 @@ import anyio
 import httpx
 
 from .audio_io import decode_data_url
-from .config import GatewayConfig
-from .errors import APIError, bad_request
+from .error_bodies import APIError, bad_request
+from .options import GatewayConfig
 
 MAX_REDIRECTS = 5
 _DEFAULT_PORT = {"http": 80, "https": 443}

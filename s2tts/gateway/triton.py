@@ -18,7 +18,7 @@ from .. import errors
 from ..client import TTSInput, json_output
 from ..errors import S2Error
 from ..settings import REQUEST_FIELDS, model_values
-from .errors import APIError
+from .error_bodies import APIError
 from .protocol import DEFAULT_LIMITS
 
 log = logging.getLogger("s2tts.gateway")

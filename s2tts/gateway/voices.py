@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import APIError, bad_request
+from .error_bodies import APIError, bad_request
 
 # Letters, digits, '_', '-', '.'; starts with a letter or digit; no '..'; at most 64 characters.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

@@ -34,7 +34,7 @@ from s2tts.engine.build import serve_engine
 from s2tts.frontend.instances import run_dir
 from s2tts.frontend.local_engine import LocalEngines, local_error, local_response
 from s2tts.frontend.orchestrator import TTSService
-from s2tts.frontend.prompt import PromptBuilder
+from s2tts.frontend.prompt_builder import PromptBuilder
 from s2tts.frontend.request import Limits, TTSRequest
 from s2tts.layout import ENGINE
 from s2tts.serving.call_times import CallTimes

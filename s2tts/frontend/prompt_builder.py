@@ -24,8 +24,7 @@ import torch
 
 from ..checkpoint_config import IM_END, IM_START, VOICE, S2Config
 from ..engine.prompt import Prompt
-from .segment import SPEAKER_TAG as _SPEAKER
-from .segment import clean_text
+from .segment import SPEAKER_TAG as _SPEAKER, clean_text
 
 SYSTEM_TTS = "convert the provided text to speech"
 SYSTEM_CLONE = "convert the provided text to speech reference to the following:\n\nText:\n"
