@@ -98,10 +98,12 @@ def internal(message: str) -> S2Error:
     return S2Error("internal", message)
 
 
+SERVER_STOPPING = "server not ready"  # Triton's words for a call made while it stops (a BLS call in flight)
+
 # Untagged messages come from Triton itself or from a model process that died; these mean "the model
 # cannot serve now" rather than "your input is wrong".
-_UNAVAILABLE_HINTS = ("unknown model", "is not ready", "server not ready", "not healthy", "stub process",
-                      "failed to connect", "model is unavailable", "is not found", "unavailable",
+_UNAVAILABLE_HINTS = ("unknown model", "is not ready", "not healthy", "stub process", "failed to connect",
+                      "model is unavailable", "is not found", "unavailable",
                       # the connection to the server broke (gRPC's words): retry, on this server or another
                       "stream removed", "socket closed", "connection reset", "goaway")
 
@@ -134,6 +136,9 @@ def parse(message: str, triton_code: str | None = None) -> S2Error:
     m = _TAG.match(message)
     if m and m.group(1) in CODES:
         return make(m.group(1), message[m.end():], m.group(2))
+    if SERVER_STOPPING in message.lower():  # tritonserver's answer to a call while it stops: no model is at fault
+        return S2Error("unavailable", f"the server is shutting down ({message}); retry on another server or after "
+                                      "the restart", SHUTDOWN)
     return make(classify_untagged(message, triton_code), message)
 
 

@@ -93,6 +93,7 @@ def _kill_mid_stream(s, victim) -> dict:
 @pytest.mark.parametrize("victim", ["slow_ar", "dac_decoder"])
 def test_model_process_killed_mid_stream(fault_server, victim):
     s = fault_server
+    killed = stub_pid(s, victim)
     results = _kill_mid_stream(s, victim)
     err = results["long"]
     assert isinstance(err, TTSError) and err.code == "unavailable", f"{err!r}; server log:\n{s.log_tail(80)}"
@@ -110,7 +111,7 @@ def test_model_process_killed_mid_stream(fault_server, victim):
     else:
         pytest.fail(f"not serving 120 s after {victim} was killed; log:\n{s.log_tail(80)}")
     assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * 2048
-    assert f"{victim} reloaded" in s.log_tail(10**6)
+    assert stub_pid(s, victim) not in (None, killed)  # reloaded: a process of its own again, a new one
     wait_released(s)
 
 
@@ -118,8 +119,8 @@ def test_a_model_prints_its_stacks_on_sigusr1_and_serves_on(fault_server):
     """`kill -USR1` on a model's process (what an operator does where a model seems stuck): every thread's Python
     stack goes to the server's log (slow_ar's engine thread among them) and the model keeps serving."""
     s = fault_server
-    before = len(s.log_path.read_text(errors="replace"))
-    os.kill(stub_pid(s, "slow_ar"), signal.SIGUSR1)
+    before, pid = len(s.log_path.read_text(errors="replace")), stub_pid(s, "slow_ar")
+    os.kill(pid, signal.SIGUSR1)
     deadline, dump = time.time() + 20, ""
     while time.time() < deadline and "s2tts/engine/service.py" not in dump:
         time.sleep(0.2)
@@ -128,7 +129,7 @@ def test_a_model_prints_its_stacks_on_sigusr1_and_serves_on(fault_server):
     with S2ProClient(s.grpc_url) as c:
         res = c.synthesize(TTSInput(text="Still here.", seed=4, max_new_tokens=6))
     assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * 2048
-    assert stub_pid(s, "slow_ar") and "slow_ar reloaded" not in s.log_path.read_text(errors="replace")[before:]
+    assert stub_pid(s, "slow_ar") == pid  # the same process went on: no reload
 
 
 def test_duplicate_request_ids(triton_server):

@@ -16,7 +16,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from servers import Gateway, free_port, log_showing
+from servers import Gateway, cancelled_counts, cancelled_since, free_port, log_showing
 
 av = pytest.importorskip("av")
 
@@ -725,12 +725,6 @@ def test_triton_unreachable_is_502(gw_dir):
         g.stop()
 
 
-def _cancel_counts(triton) -> tuple[int, int]:
-    """(requests s2pro saw cancelled, engine requests that ended as cancelled) in the whole Triton log."""
-    log = triton.log_tail(10 ** 7)
-    return log.count("s2pro: request cancelled by the client"), log.count("finish reason cancelled")
-
-
 def test_api_key_overload_and_disconnect(triton, gw_dir, long_take):
     """One gateway with an API key and --max-in-flight 1: auth, the overload answer, and a client that
     disconnects mid-stream cancelling its Triton request and freeing the slots."""
@@ -749,7 +743,7 @@ def test_api_key_overload_and_disconnect(triton, gw_dir, long_take):
         c = g.client(api_key=key)
         assert [m.id for m in c.models.list()] == [MODEL]
 
-        cancels_before = _cancel_counts(triton)
+        cancels_before = cancelled_counts(triton)
         # a long stream holds the only slot (this seed runs at least STREAM_FRAMES frames) ...
         seed, big = long_take[0], 2000
         with c.audio.speech.with_streaming_response.create(
@@ -777,22 +771,19 @@ def test_api_key_overload_and_disconnect(triton, gw_dir, long_take):
         while time.monotonic() < deadline and g.health()["in_flight"]:
             time.sleep(0.1)
         assert g.health()["in_flight"] == 0
-        # Triton saw the cancel, and the engine stopped the request long before its 2000 frames
-        while time.monotonic() < deadline and _cancel_counts(triton)[1] <= cancels_before[1]:
-            time.sleep(0.2)
-        after = _cancel_counts(triton)
-        assert after[0] == cancels_before[0] + 1 and after[1] == cancels_before[1] + 1, (cancels_before, after)
-        assert "client disconnected" in g.log_tail() and "cancelling the s2pro stream" in g.log_tail()
+        # Triton saw the cancel, and the engine stopped the request (cancelled, not after its 2000 frames)
+        assert cancelled_since(triton, cancels_before) == (1, 1)
+        after = cancelled_counts(triton)
         # the same while a whole file is being made (nothing sent yet): the client gives up after 0.5 s
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{g.url}/v1/audio/speech", headers={"Authorization": f"Bearer {key}"}, timeout=0.5,
                        json={"model": MODEL, "input": TEXT, "response_format": "wav", "seed": seed,
                              "max_new_tokens": big, "stream": False})
+        assert cancelled_since(triton, after) == (1, 1)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (g.health()["in_flight"] or _cancel_counts(triton) != (
-                after[0] + 1, after[1] + 1)):
+        while time.monotonic() < deadline and g.health()["in_flight"]:
             time.sleep(0.2)
-        assert g.health()["in_flight"] == 0 and _cancel_counts(triton) == (after[0] + 1, after[1] + 1)
+        assert g.health()["in_flight"] == 0
         # the slot is free again: a new request goes through
         data, headers = speech_raw(c, response_format="pcm", seed=6, max_new_tokens=6)
         assert len(data) == 6 * FRAME * 2 and headers["x-s2-finish-reason"] in ("end", "length")

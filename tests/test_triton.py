@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 from s2tts.client import AudioChunk, Final, S2ProClient, TTSError, TTSInput, read_metrics
-from servers import infer_inputs, log_showing
+from servers import cancelled_counts, cancelled_since, infer_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAME = 2048
@@ -158,13 +158,13 @@ def test_live_streams_keep_flowing_while_a_burst_waits_for_slots(triton_server):
 
 
 def test_cancel_mid_stream(triton_server):
+    """A client's cancel ends the request in s2pro and in the engine (both count it cancelled, not finished)."""
+    before = cancelled_counts(triton_server)
     with S2ProClient(triton_server.grpc_url) as c:
         got = list(c.stream(TTSInput(text="Cancel me part way through.", seed=3, max_new_tokens=400, temperature=0.0,
                                      first_chunk_frames=2, chunk_frames=2), cancel_after_chunks=2))
     assert len(got) == 2
-    log = log_showing(triton_server, "finish reason cancelled")
-    assert "s2pro: request cancelled by the client" in log
-    assert "slow_ar: request" in log and "finish reason cancelled" in log
+    assert cancelled_since(triton_server, before) == (1, 1)
     res = synth(triton_server, text="A following request completes.", seed=4, max_new_tokens=10)
     assert res.stats["finish_reason"] in ("end", "length") and res.audio.size == res.stats["frames"] * FRAME
 
@@ -200,20 +200,21 @@ def test_close_with_cancel_cancels_only_a_request_in_flight(triton_server, stop_
     assert isinstance(events[-1], Final) and events[-1].stats["frames"] == 8
     ended.close(cancel=True)  # ended: nothing to cancel
     assert stop_stream_calls == [False]
+    before = cancelled_counts(triton_server)
     live = S2ProClient(triton_server.grpc_url)
     stream = live.stream(TTSInput(text="hello there friend", seed=2, max_new_tokens=400, ignore_eos=True,
                                   first_chunk_frames=2, chunk_frames=2), request_id="closed-in-flight")
     assert isinstance(next(stream), AudioChunk)
     live.close(cancel=True)  # in flight: cancelled
     assert stop_stream_calls == [False, True]
-    cancelled = "cancelled by the client (closed-in-flight"
-    assert cancelled in log_showing(triton_server, cancelled)
+    assert cancelled_since(triton_server, before) == (1, 1)
 
 
 def test_leaving_a_stream_early_cancels_its_request(triton_server, stop_stream_calls):
     """A caller that leaves `S2ProClient.stream()`'s loop before the end (`break`) cancels the request: the server
     ends it, and closing the client does not wait for its 3000 frames (it did: a stop without a cancel waits for
     the stream's end). Leaving at the Final event sends no cancel (the request has ended: a cancel would race it)."""
+    before = cancelled_counts(triton_server)
     with S2ProClient(triton_server.grpc_url) as c:
         for n, ev in enumerate(c.stream(TTSInput(text="Leave me early.", seed=5, max_new_tokens=3000, ignore_eos=True,
                                                  first_chunk_frames=2, chunk_frames=2), request_id="left-early")):
@@ -227,8 +228,7 @@ def test_leaving_a_stream_early_cancels_its_request(triton_server, stop_stream_c
             if isinstance(ev, Final):
                 break
         assert stop_stream_calls == [True]  # left at the Final: no cancel (the stream closes with the client)
-    cancelled = "cancelled by the client (left-early"
-    assert cancelled in log_showing(triton_server, cancelled)
+    assert cancelled_since(triton_server, before) == (1, 1)  # the one left early, not the one left at its Final
 
 
 BAD = [  # (inputs, the input the error names, words of its message)
