@@ -182,18 +182,23 @@ def _cancelled(server) -> tuple[int, int]:
                  for model in ("s2pro", "slow_ar"))
 
 
-def cancelled_counts(server) -> tuple[int, int]:
-    """(requests s2pro ended as cancelled, engine requests slow_ar ended as cancelled), from Triton's /metrics, once
-    they hold still (an earlier test's cancels may still be on their way to the counters: the models report on
-    their ticks)."""
-    last = _cancelled(server)
-    for _ in range(25):
-        time.sleep(0.2)
-        now = _cancelled(server)
+def settled(read, every_s: float = 0.2, tries: int = 25):
+    """`read()` once two reads `every_s` apart agree (at most `tries` more): what the models report on their ticks,
+    with an earlier test's last observations no longer on their way."""
+    last = read()
+    for _ in range(tries):
+        time.sleep(every_s)
+        now = read()
         if now == last:
             return now
         last = now
     return last
+
+
+def cancelled_counts(server) -> tuple[int, int]:
+    """(requests s2pro ended as cancelled, engine requests slow_ar ended as cancelled), from Triton's /metrics, once
+    they hold still."""
+    return settled(lambda: _cancelled(server))
 
 
 def cancelled_since(server, before: tuple[int, int], timeout: float = 30.0) -> tuple[int, int]:

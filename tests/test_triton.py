@@ -12,7 +12,7 @@ import pytest
 import soundfile as sf
 
 from s2tts.client import AudioChunk, Final, S2ProClient, TTSError, TTSInput, read_metrics
-from servers import cancelled_counts, cancelled_since, infer_inputs
+from servers import cancelled_counts, cancelled_since, infer_inputs, settled
 
 ROOT = Path(__file__).resolve().parents[1]
 FRAME = 2048
@@ -384,17 +384,7 @@ def test_speech_metrics_move_with_requests(triton_server):
             time.sleep(0.2)
         return read_metrics(url)
 
-    def quiet():  # earlier tests' last observations may still be on their way (sent from the models' ticks)
-        prev = read_metrics(url)
-        for _ in range(40):
-            time.sleep(0.5)
-            m = read_metrics(url)
-            if m == prev:
-                return m
-            prev = m
-        return prev
-
-    before = quiet()
+    before = settled(lambda: read_metrics(url), every_s=0.5, tries=40)
     t = np.arange(44100) / 44100
     ref = (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)
     import tritonclient.grpc as g
