@@ -399,3 +399,18 @@ def test_compare_script_runs_both_trees_and_prints_their_tables(tiny_ckpt, tmp_p
     none = subprocess.run(["bash", "perf/compare_gpu.sh", "serve"], cwd=ROOT, capture_output=True, text=True,
                           env={**env, "BASE_DIR": str(tmp_path / "missing")})
     assert none.returncode == 2 and "the base tree needs" in none.stderr, none.stderr
+
+
+def test_host_bench_runs_the_serving_loop_over_an_idle_engine(tmp_path):
+    """perf/bench_host.py: the loop's own Python at 8 streams, an engine and a codec that do nothing. Requests of 12
+    frames end (their final responses reach their responders) and are replaced, about one for every 12 frames the
+    passes made, and the times it reports agree with its counts."""
+    out = tmp_path / "host.json"
+    p = _run([sys.executable, "perf/bench_host.py", "--streams", "8", "--seconds", "1", "--frames", "12",
+              "--json", str(out)], timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["levels"]
+    assert row["streams"] == 8 and row["passes"] > 12, row
+    assert 0.5 * row["passes"] * 8 / 12 <= row["requests_ended"] <= row["passes"] * 8 / 12 + 8, row
+    assert row["host_ms_per_pass"] == pytest.approx(1e3 * row["seconds"] / row["passes"], rel=0.02)
+    assert row["frames_per_s"] == pytest.approx(row["passes"] * 8 / row["seconds"], rel=0.01)

@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""The serving loop's host work alone: `EngineService` over an engine and a codec that do nothing, so that every
+second it spends is the loop's own Python (routing, chunking, the codec's plan, hand-outs, the sender thread).
+
+    python perf/bench_host.py --streams 64,128 --seconds 5 --json host.json
+
+Each level keeps `--streams` requests live (a finished one is replaced at once, as under load), the engine making a
+frame for every live request at every step and ending a request after `--frames` frames; the codec answers each call
+with silence. It prints, per level, the passes a second and the host's milliseconds a pass (with the load's held
+codec calls and chunk sizes as the settings make them: `--set key=value` changes one), and frames a second: what a
+GPU whose step took no time would let through. No model and no GPU: it runs on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from s2tts import settings  # noqa: E402
+from s2tts.ar.sampling import SamplingParams  # noqa: E402
+from s2tts.engine.config import EngineConfig  # noqa: E402
+from s2tts.engine.prompt import Prompt  # noqa: E402
+from s2tts.engine.scheduler import FINISH_CANCELLED, FINISH_LENGTH, Output  # noqa: E402
+from s2tts.engine.service import EngineService  # noqa: E402
+
+C = 10  # codebooks, as S2 Pro's
+FRAME_SECONDS = 2048 / 44100
+
+
+class IdleEngine:
+    """What `EngineService` asks of an `Engine`, answered at once: every live request gets a frame a step."""
+
+    def __init__(self, config: EngineConfig, frames: int):
+        self.config, self.frames = config, frames
+        self.max_batch = config.max_batch
+        self.device = type("Device", (), {"type": "cpu"})()
+        self.s2 = type("S2", (), {"num_codebooks": C})()
+        self.last_fault, self.preemptions, self.launch_s, self.wait_s, self.finished_next = None, 0, 0.0, 0.0, False
+        self.kv_capacity_tokens = config.max_batch * 2048
+        self._lock = threading.Condition()
+        self._new: list[str] = []
+        self._cancel: set[str] = set()
+        self.live: dict[str, int] = {}  # request id -> frames made
+        self.codes = np.zeros((1, C), np.int32)
+
+    def submit(self, rid, prompt, params):
+        with self._lock:
+            self._new.append(rid)
+            self._lock.notify()
+
+    def cancel(self, rid):
+        with self._lock:
+            self._cancel.add(rid)
+            self._lock.notify()
+
+    def wake(self):
+        with self._lock:
+            self._lock.notify_all()
+
+    def has_work(self):
+        return bool(self.live or self._new)
+
+    def wait_for_work(self, timeout=None):
+        with self._lock:
+            if not self.has_work():
+                self._lock.wait(timeout)
+            return self.has_work()
+
+    def decoding(self):
+        return bool(self.live)
+
+    def slots(self):
+        return len(self.live), 0
+
+    def slots_wanted(self):
+        return len(self.live) + len(self._new)
+
+    def step(self):
+        with self._lock:
+            new, self._new = self._new, []
+            cancel, self._cancel = self._cancel, set()
+        out = []
+        for rid in new:
+            self.live[rid] = 0
+        for rid in list(self.live):
+            if rid in cancel:
+                del self.live[rid]
+                out.append(Output(rid, np.zeros((0, C), np.int32), True, FINISH_CANCELLED))
+                continue
+            self.live[rid] += 1
+            done = self.live[rid] >= self.frames
+            out.append(Output(rid, self.codes, done, FINISH_LENGTH if done else None, queue_s=0.0 if self.live[rid] == 1
+                              else None))
+            if done:
+                del self.live[rid]
+        return out
+
+    step_ahead = step
+
+    def launch_next(self):
+        return []
+
+    def fail_all(self, reason):
+        return []
+
+    def counts(self):
+        return {"waiting": len(self._new), "live": len(self.live), "free_slots": self.max_batch - len(self.live)}
+
+    def where(self, rid):
+        return "live" if rid in self.live else "unknown"
+
+
+class SilentCodec:
+    """A stream decoder that decodes nothing: each job's audio is silence of its length."""
+
+    def __init__(self, lengths):
+        self.lengths = sorted(lengths)
+
+    def slices(self, n, final=False):
+        return [n]
+
+    def decode_many(self, jobs, now, queued=None):
+        if queued is not None:
+            queued()
+        return {k: np.zeros(codes.shape[0] * 2048, np.float32) for k, _, codes, _, _ in jobs}
+
+    def close(self, sid):
+        pass
+
+
+class Responder:
+    def __init__(self, done):
+        self.done = done
+
+    def send(self, response, final):
+        if final:
+            self.done()
+
+    def is_cancelled(self):
+        return False
+
+
+def level(streams: int, seconds: float, frames: int, values: dict) -> dict:
+    """One level: `streams` requests kept live for `seconds` -> its numbers."""
+    config = EngineConfig.from_values(values, max_batch=streams, max_queued_requests=streams)
+    engine = IdleEngine(config, frames)
+    codec = SilentCodec(EngineService.codec_lengths(values["first_chunk_frames"], values["chunk_frames"],
+                                                    config.codec_batch_steps))
+    svc = EngineService(engine, lambda codes, reason, stats, audio: (codes.shape[0], reason), lambda e: e,
+                        name="host", frame_seconds=FRAME_SECONDS, codec=codec)
+    svc.load.pace = lambda: 0.5  # under load, as at these levels on a GPU: held codec calls, the load's chunks
+    prompt = Prompt(torch.zeros(40, dtype=torch.int64), torch.zeros(40, C, dtype=torch.int64),
+                    torch.zeros(40, dtype=torch.bool))
+    params = SamplingParams(seed=1, max_new_tokens=frames, ignore_end=True)
+    n, lock, ended = [0], threading.Lock(), [0]
+
+    def submit():
+        with lock:
+            n[0] += 1
+            rid = f"r{n[0]}"
+        svc.submit(rid, Responder(finished), prompt, params, values["first_chunk_frames"], values["chunk_frames"])
+
+    def finished():
+        ended[0] += 1
+        submit()
+
+    try:
+        for _ in range(streams):
+            submit()
+        time.sleep(min(1.0, seconds / 4))  # the first wave's prompts and first chunks
+        p0, e0, t0 = svc.loop.passes, ended[0], time.perf_counter()
+        time.sleep(seconds)
+        p1, e1, t1 = svc.loop.passes, ended[0], time.perf_counter()
+    finally:
+        svc.shutdown()
+    passes = p1 - p0
+    return {"streams": streams, "seconds": round(t1 - t0, 2), "passes": passes, "passes_per_s": round(passes / (t1 - t0), 1),
+            "host_ms_per_pass": round(1e3 * (t1 - t0) / max(1, passes), 3),
+            "frames_per_s": round(passes * streams / (t1 - t0)), "requests_ended": e1 - e0}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--streams", default="64,128", help="levels, comma-separated (default %(default)s)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="seconds measured a level (default %(default)s)")
+    ap.add_argument("--frames", type=int, default=100, help="frames a request (default %(default)s)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting (docs/SETTINGS.md)")
+    ap.add_argument("--json", help="also write the levels here")
+    a = ap.parse_args(argv)
+    given = dict(kv.split("=", 1) for kv in a.set)
+    values = settings.resolve({"checkpoint": "-", **given})
+    rows = [level(int(s), a.seconds, a.frames, values) for s in a.streams.split(",") if s.strip()]
+    for r in rows:
+        print(json.dumps(r))
+    if a.json:
+        Path(a.json).write_text(json.dumps({"levels": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
