@@ -6,9 +6,10 @@ second it spends is the loop's own Python (routing, chunking, the codec's plan, 
 
 Each level keeps `--streams` requests live (a finished one is replaced at once, as under load), the engine making a
 frame for every live request at every step and ending a request after `--frames` frames; the codec answers each call
-with silence. It prints, per level, the passes a second and the host's milliseconds a pass (with the load's held
-codec calls and chunk sizes as the settings make them: `--set key=value` changes one), and frames a second: what a
-GPU whose step took no time would let through. No model and no GPU: it runs on any machine.
+with silence. It prints, per level, the passes a second, the host's milliseconds a pass (wall time; with the load's
+held codec calls and chunk sizes as the settings make them: `--set key=value` changes one) and the process's CPU
+milliseconds a pass (all its threads: steadier than wall time on a shared machine), and frames a second: what a GPU
+whose step took no time would let through. No model and no GPU: it runs on any machine.
 """
 
 from __future__ import annotations
@@ -177,14 +178,15 @@ def level(streams: int, seconds: float, frames: int, values: dict) -> dict:
         for _ in range(streams):
             submit()
         time.sleep(min(1.0, seconds / 4))  # the first wave's prompts and first chunks
-        p0, e0, t0 = svc.loop.passes, ended[0], time.perf_counter()
+        p0, e0, t0, c0 = svc.loop.passes, ended[0], time.perf_counter(), time.process_time()
         time.sleep(seconds)
-        p1, e1, t1 = svc.loop.passes, ended[0], time.perf_counter()
+        p1, e1, t1, c1 = svc.loop.passes, ended[0], time.perf_counter(), time.process_time()
     finally:
         svc.shutdown()
     passes = p1 - p0
     return {"streams": streams, "seconds": round(t1 - t0, 2), "passes": passes, "passes_per_s": round(passes / (t1 - t0), 1),
             "host_ms_per_pass": round(1e3 * (t1 - t0) / max(1, passes), 3),
+            "cpu_ms_per_pass": round(1e3 * (c1 - c0) / max(1, passes), 3),
             "frames_per_s": round(passes * streams / (t1 - t0)), "requests_ended": e1 - e0}
 
 

@@ -96,6 +96,8 @@ class Chunker:
         if frames.shape[0]:
             self.pending.append(frames)
             self.n_pending += frames.shape[0]
+        if self.n_pending < self.first and self.n_pending < self.size:  # no chunk is shorter than both: none yet
+            return []
         out = []
         k = self.next_size()
         while self.n_pending >= k:
