@@ -13,8 +13,6 @@ import functools
 
 import torch
 
-# the AR's fused norm and SwiGLU serve the codec's transformers as they are
-from ..ar.kernels import rms_norm, silu_mul  # noqa: F401 - re-exported for the codec's modules
 from ..gpu.jit import ptx, triton, unit_rows
 
 if triton is not None:

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..ar import kernels as ar_kernels  # the AR's fused norm and SwiGLU serve the codec's transformers too
 from ..gpu import jit
 from ..gpu.timing import gpu_time_ms
 from . import kernels
@@ -395,7 +396,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fused:
-            return kernels.rms_norm(x, self.weight, self.eps)
+            return ar_kernels.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
@@ -470,7 +471,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.w13 is not None:
-            return self.w2(kernels.silu_mul(F.linear(x, self.w13)))
+            return self.w2(ar_kernels.silu_mul(F.linear(x, self.w13)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

@@ -508,7 +508,7 @@ class EngineService:
             elif not rec.state.codec_dropped:
                 views.append(rec.state.counts)
         plan = plan_codec(views, passes=self.loop.passes, batch_steps=self.codec_batch_steps,
-                          under_load=self.codec_batch_steps > 1 and self.under_load(),
+                          under_load=self.under_load(),
                           engine_idle=not self.engine.has_work(), final_steps=self.codec_final_steps,
                           slices=self.codec.slices)
         if plan.takes:
