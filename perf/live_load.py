@@ -11,7 +11,7 @@ perf/loadgen.py: the benchmark's weights are random). Every audio chunk says whi
 `segment` output), so the client sees when each sentence's audio begins.
 
 Per level:
-  first_ms     the first sentence: its last token sent (and acknowledged) -> its first audio; mean / p50 / p90 / max
+  first_ms     the first sentence: its last token sent -> its first audio; mean / p50 / p90 / max
   next_ms      a later sentence: the later of (its last token sent, the end of the audio made for the sentence before:
                the session generates one segment at a time) -> its first audio; p50 / p90 / max
   underrun     sessions whose audio, played from its first chunk's arrival, would have run dry; dry_ms_max the longest
@@ -94,6 +94,7 @@ def run_session(url: str, i: int, args) -> dict:
         for j, tok in enumerate(toks):
             event = "end" if j == len(toks) - 1 else "flush" if j in ends else "text"
             while True:
+                sending = time.perf_counter()  # before the send: its audio can only come after this
                 try:
                     c.synthesize(TTSInput(text=tok, session_id=sid, text_event=event), timeout=60)
                     break
@@ -103,7 +104,7 @@ def run_session(url: str, i: int, args) -> dict:
                         break
                     time.sleep(0.005)
             if j in ends:
-                sent_at.append(time.perf_counter())
+                sent_at.append(sending)
             if "error" in out:
                 break
             time.sleep(max(0.0, t0 + (j + 1) / args.tokens_per_s - time.perf_counter()))
