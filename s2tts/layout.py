@@ -98,6 +98,10 @@ class Layout:
         """The names beyond the five plain models."""
         return [name for role in (ENGINE, DECODER) for name, _ in self.models(role)[1:]]
 
+    def engines_on_gpu(self) -> bool:
+        """Every engine on a CUDA device (`auto` as the models decide it)."""
+        return all(_concrete(e)[0] == "cuda" for e in self.engines)
+
     def codec_beside_engines(self) -> bool:
         """Every engine on a GPU with its codec on that same GPU: what `codec_in_engine=auto` turns on for."""
         devs = [(_concrete(e), _concrete(self.codecs[self.codec_of(i)])) for i, e in enumerate(self.engines)]

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from .repository import MODELS, REPO_ROOT, render_model_repository
+from .sizing import with_gpu_sizes
 from .settings import SCHEMA
 
 
@@ -211,6 +212,9 @@ class TritonServer:
         elif "checkpoint" not in self.settings:
             raise ValueError("TritonServer needs a checkpoint to render the model repository from (or a repository)")
         else:  # the `backend` switch: python | tensorrt | onnxruntime (tensorrt only on a server that has it)
+            self.settings, sized = with_gpu_sizes(self.settings)  # the sizes no setting gives, from the GPU
+            if sized:
+                print(sized, flush=True)
             repo = render_model_repository(self.workdir / "model_repository", self.settings, models=self.models,
                                            has_tensorrt=server_has_tensorrt)
         try:

@@ -18,6 +18,7 @@ from typing import Any
 
 from .errors import S2Error, invalid
 from .layout import Layout
+from .sizing import STREAM_KV_TOKENS
 
 MODELS = ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder")
 _TRUE = {"1", "true", "yes", "on"}
@@ -118,7 +119,9 @@ SETTINGS: tuple[Setting, ...] = (
             "fp16 and far less accurate (perf/STATUS.md)", choices=("auto", "fp32", "fp16", "bf16")),
     Setting("codec_tf32", bool, True, ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "let cuDNN use TF32 for the "
             "fp32 codec on GPUs: faster, the audio no longer exact"),
-    Setting("max_batch", int, 8, ("slow_ar", "s2pro"), "live requests decoded together (KV-cache slots)", min=1, max=1024),
+    Setting("max_batch", int, 8, ("slow_ar", "s2pro"), "live requests decoded together (KV-cache slots); on a GPU, "
+            "unless set, the most of 16, 32, 64 and 128 that the GPU's memory holds (`s2tts/sizing.py`; the "
+            "launcher's first line says what it chose)", min=1, max=1024),
     Setting("max_seq_len", int, 4096, ("slow_ar", "s2pro"), "tokens per request (prompt + frames); a request holds KV "
             "memory only for the tokens it has (`kv_cache_tokens`)", min=64, max=32768),
     Setting("kv_cache_tokens", int, None, ("slow_ar", "s2pro"), "the KV cache's size in tokens, shared by all requests in "
@@ -131,12 +134,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("gpu_memory_utilization", float, None, ("slow_ar", "s2pro"), "the share of its GPU's memory an engine's "
             "process may take, as vLLM's: its weights, its codec (with codec_in_engine), room for its CUDA graphs, and "
             "a KV cache of what is left (slow_ar's log says how it split); on a GPU that other models share, leave "
-            "them theirs. On a CPU the KV cache takes its default. Not with kv_cache_tokens or kv_cache_memory_gb",
+            "them theirs. On a GPU, when no setting sizes the KV cache, 0.9; on a CPU the KV cache takes its "
+            "default. Not with kv_cache_tokens or kv_cache_memory_gb",
             min=0.01, max=1.0),
     Setting("kv_block_tokens", int, 32, ("slow_ar", "s2pro"), "tokens per KV-cache block; 0 = one block of max_seq_len per "
             "request (the unpaged slot layout)", min=0, max=32768),
     Setting("max_queued_requests", int, 64, ("slow_ar", "s2pro"), "requests waiting for a KV slot; more are refused at once "
-            "with `unavailable`", min=0, max=100000),
+            "with `unavailable`; on a GPU, unless set, an engine's share of `max_concurrent_requests` beyond its "
+            "`max_batch`", min=0, max=100000),
     Setting("fast_ar", str, "inprocess", ("slow_ar", "fast_ar"), "`inprocess`, or `bls` (slow_ar calls the `fast_ar` "
             "model per frame; otherwise that model serves direct callers only and loads its weights on their first "
             "request)",
@@ -206,7 +211,8 @@ SETTINGS: tuple[Setting, ...] = (
             "one interpreter lock with the engine thread, which under load costs more than the crossings save "
             "(perf/STATUS.md)"),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once (all its instances "
-            "together); more are refused at once with `unavailable` (gateway: 503 + Retry-After)", min=1, max=100000),
+            "together); more are refused at once with `unavailable` (gateway: 503 + Retry-After); on a GPU, unless set, twice "
+            "`max_batch` for each engine", min=1, max=100000),
     Setting("s2pro_instances", int, None, ("s2pro",), "s2pro processes (Triton instances of the model; each request "
             "goes to one): unset: one per engine `device` lists (1 with `engine_in_s2pro`). Every chunk crosses s2pro, "
             "whose Python shares one interpreter lock, so with several engines a process each keeps their chunks "
@@ -305,10 +311,10 @@ KV_SIZES = ("kv_cache_tokens", "kv_cache_memory_gb", "gpu_memory_utilization")  
 
 
 def default_kv_tokens(v) -> int:
-    """The KV cache's size when no setting sizes it: `max_batch` x 2,048 tokens, at least one request of
-    `max_seq_len` (`v`: settings as a dict or as `model_values`)."""
+    """The KV cache's size when no setting sizes it: `max_batch` x `sizing.STREAM_KV_TOKENS` tokens, at least one
+    request of `max_seq_len` (`v`: settings as a dict or as `model_values`)."""
     get = v.get if isinstance(v, dict) else lambda k: getattr(v, k)
-    return max(get("max_seq_len"), get("max_batch") * 2048)
+    return max(get("max_seq_len"), get("max_batch") * STREAM_KV_TOKENS)
 
 
 def check_rules(v: dict[str, Any]) -> None:

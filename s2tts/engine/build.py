@@ -16,6 +16,7 @@ from ..codec.stream import making_line, open_stream_decoder
 from ..errors import S2Error
 from ..layout import Layout
 from ..settings import default_kv_tokens
+from ..sizing import ENGINE_RESERVE_GIB
 from .config import EngineConfig
 from .core import Engine
 from .runner import ModelRunner
@@ -71,7 +72,7 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
 
 # room an engine keeps beside its weights, codec and KV pool under gpu_memory_utilization: its CUDA graphs' memory
 # pool and activations (the largest pass: max_batch + max_prefill_tokens rows) and the CUDA context
-GRAPHS_AND_CONTEXT_GIB = 1.5
+GRAPHS_AND_CONTEXT_GIB = ENGINE_RESERVE_GIB
 
 
 def kv_pool_gib(v, model, device, name: str, with_codec: bool = False) -> float | None:
