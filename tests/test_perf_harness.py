@@ -301,6 +301,36 @@ def test_loadgen_sweep_finds_the_peak_within_the_slo(triton_server, tmp_path):
     assert "| 1 | 2/2 |" in out and "| 2 | 3/3 |" in out and "| 3 | 3/3 |" in out, out
 
 
+def test_run_gpu_sweep_with_the_servers_own_settings(tiny_ckpt, tmp_path):
+    """perf/run_gpu.sh on the CPU with SWEEP and no MAX_BATCH / MAX_SEQ_LEN: the server runs with its own defaults
+    (no --set for them; the models' parameters say so), the plain phase is the sweep (loadgen.json's "sweep" over
+    the levels SWEEP names) and summary.md has its section "peak within the SLO"."""
+    from servers import free_port
+
+    from s2tts.settings import SCHEMA
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "SWEEP": "1:1:2", "SLO_TTFA_P99_MS": "1000000", "FRAMES": "6",
+           "LOADGEN_ARGS": "--requests-per-level 2 --warmup 0 --first-chunk-frames 6 --chunk-frames 6",
+           "CLONE_CONCURRENCY": "", "PA": "0", "CPU_USE": "0", "DEVICE": "cpu", "CKPT": str(tiny_ckpt),
+           "CKPT_SIZE": "tiny", "PYTHON": sys.executable, "USE_CARRIED": "0", "WORK": str(tmp_path / "work"),
+           "GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port()),
+           "STOP_NOW": "1"}
+    for k in ("MAX_BATCH", "MAX_SEQ_LEN", "CONCURRENCY"):
+        env.pop(k, None)
+    _run(["bash", "perf/run_gpu.sh"], timeout=600, env=env)
+    r = json.loads((out / "loadgen.json").read_text())
+    for model in ("slow_ar", "s2pro"):
+        assert r["server"][model]["max_batch"] == str(SCHEMA["max_batch"].default), r["server"]
+        assert r["server"][model]["max_seq_len"] == str(SCHEMA["max_seq_len"].default), r["server"]
+    assert r["config"]["sweep"] == {"start": 1, "step": 1, "max": 2} and r["config"]["slo_ttfa_p99_ms"] == 1e6
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and r["sweep"]["stopped_by"] == "max"
+    summary = (out / "summary.md").read_text()
+    assert "--set max_batch" not in summary and "--set max_seq_len" not in summary, summary
+    assert "## loadgen, plain prompts, a sweep of levels 1:1:2" in summary, summary
+    _check_sweep_against_its_levels(r, summary)
+
+
 def _perf_analyzer_runs() -> str | None:
     """None if perf_analyzer can start here, else why not."""
     from s2tts.perf_tools import perf_analyzer_env, perf_analyzer_path
