@@ -23,6 +23,7 @@
 #   OUT      (perf/out)      results: $OUT/<tree>/<part>/, each part's log as $OUT/<tree>/<part>.log
 #   LEVELS   (1,64)          serve's loadgen levels (a level may repeat: 64,64,64 measures it three times), and
 #   REQUESTS (1:24,64:1280)  its requests a level (loadgen's --requests-per-level)
+#   MAX_BATCH, MAX_SEQ_LEN (64, 1024)  the served settings, the same for both trees (run_gpu.sh's knobs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-}"
@@ -33,6 +34,7 @@ esac
 OUT="${OUT:-perf/out}"
 OUT="$(mkdir -p "$OUT" && cd "$OUT" && pwd)"
 export CKPT="${CKPT:-/tmp/s2-full}" STOP_NOW=1 PA=0 LEVEL_TIMEOUT=90
+export MAX_BATCH="${MAX_BATCH:-64}" MAX_SEQ_LEN="${MAX_SEQ_LEN:-1024}"
 BASE_DIR="${BASE_DIR:-baseline}"
 if [[ " ${TREES:-final base} " == *" base "* ]]; then
   if [ ! -d "$BASE_DIR/perf" ] || [ -z "${BASE_REV:-}" ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Load generator for the S2 Pro service: a concurrency sweep of streaming requests, client-side timing.
+"""Load generator for the S2 Pro service: streaming requests at levels of concurrency, client-side timing.
 
     # gRPC straight to Triton's `s2pro` model (one S2ProClient per worker, one gRPC stream per request)
     python perf/loadgen.py --url 127.0.0.1:8001 --concurrency 1,4,16,64 --frames 100 --json out.json
@@ -10,10 +10,19 @@
     # a voice-clone mix: half the requests clone a synthetic 10 s reference, encoded once via dac_encoder
     python perf/loadgen.py --url 127.0.0.1:8001 --clone-fraction 0.5 --clone-mode codes
 
+    # the peak within the SLO: c = 64, 96, 128, ... up to 512, until a level's TTFA p99 is over 500 ms, a stream
+    # runs dry or a request fails
+    python perf/loadgen.py --url 127.0.0.1:8001 --sweep 64:32:512 --slo-ttfa-p99-ms 500 --frames 100
+
 Each level runs a fixed number of requests (--requests-per-level: default max(2*c, 8), N, or C:N per level) from c closed-loop
 workers; every request has its own prompt text (unique in the run), its own seed, and generates exactly
 --frames frames (`ignore_eos`; the gateway path cannot ask for that, see --http-ignore-eos). Before the
-sweep --warmup requests run alone; before each level every worker runs one short request (--warmup-frames).
+first level --warmup requests run alone; before each level every worker runs one short request (--warmup-frames).
+
+The levels: --concurrency lists them; --sweep START[:STEP[:MAX]] grows them instead (START, START+STEP, ...; no STEP:
+doubling) up to MAX and stops at the first level that breaks the SLO: its TTFA p99 over --slo-ttfa-p99-ms, a stream
+that ran dry (stall_at_chunk), or a request that failed or did not run. The result's "sweep" names the peak
+audio-s/s among the levels that met the SLO and the level that broke it, and why (sweep_summary()).
 
 Per level (client-side; the units as perf/README.md defines them):
   TTFA      request sent -> first non-empty audio, ms: mean / p50 / p90 / p99
@@ -23,7 +32,8 @@ Per level (client-side; the units as perf/README.md defines them):
                   stall_at_chunk (the first late chunk's index: requests) and dry_ms_max (longest silence)
   gpu_mem_peak_mib  peak memory.used summed over visible GPUs during the level (pynvml, else nvidia-smi;
                     "n/a" without a GPU). It counts every process on the GPU, the server's included.
-Output: --json FILE (config, per level the numbers and the per-request records) and a markdown table, printed last.
+Output: --json FILE (config, per level the numbers and the per-request records, with --sweep its "sweep") and a
+markdown table (with --sweep its section "peak within the SLO" under it), printed last.
 """
 
 from __future__ import annotations
@@ -578,6 +588,8 @@ class Options:
     seed: int = 0
     gpu_poll_s: float = 0.2
     procs: int = 1  # processes a level's workers are split over (each its own GIL): 1 = this process's threads
+    sweep: "SweepPlan | None" = None  # levels grown until one breaks the SLO, instead of `concurrency`
+    slo_ttfa_p99_ms: float = 500.0  # the sweep's SLO: TTFA p99 at most this, no stream ran dry, every request ok
 
 
 class Sweep:
@@ -723,12 +735,18 @@ class Sweep:
                                 "errors": [r.error for r in warm if r.error][:3]}
             if warm and not any(r.ok for r in warm):
                 raise RuntimeError(f"every warm-up request failed: {warm[0].error}")
-            for c in o.concurrency:
+            for c in (o.sweep.levels() if o.sweep else o.concurrency):
                 lv = self.level(c, gpu)
                 result["levels"].append(lv)
+                if o.sweep:
+                    result["sweep"] = sweep_summary(result["levels"], o.sweep, o.slo_ttfa_p99_ms, done=False)
                 if on_level:
                     on_level(result)
                 print(json.dumps({k: v for k, v in lv.items() if k not in ("records", "error_samples")}), file=sys.stderr, flush=True)
+                if o.sweep and slo_breaks(lv, o.slo_ttfa_p99_ms):
+                    break
+            if o.sweep:
+                result["sweep"] = sweep_summary(result["levels"], o.sweep, o.slo_ttfa_p99_ms, done=True)
         finally:
             cleanup_references(o, self.refs)
             gpu.close()
@@ -855,6 +873,8 @@ def markdown(result: dict) -> str:
                 v = lv.get(key)
                 cells.append("n/a" if v is None else str(v))
         lines.append("| " + " | ".join(cells) + " |")
+    if result.get("sweep"):
+        lines += ["", sweep_markdown(result["sweep"])]
     return "\n".join(lines)
 
 
@@ -900,6 +920,109 @@ def parse_level_requests(text: str) -> tuple[int | None, dict[int, int]]:
     return every, per
 
 
+@dataclass(frozen=True)
+class SweepPlan:
+    """--sweep's levels: start, then start + step each (step None: doubling), none above max."""
+    start: int
+    step: int | None
+    max: int
+
+    def levels(self):
+        c = self.start
+        while c <= self.max:
+            yield c
+            c = c + self.step if self.step else 2 * c
+
+    def rule(self) -> str:
+        return f"{self.start}, then {'+' + str(self.step) if self.step else 'x2'} each, up to {self.max}"
+
+
+SWEEP_MAX = 1024  # --sweep's last level when its MAX is not given
+
+
+def parse_sweep(text: str) -> SweepPlan:
+    """'64' -> 64, 128, 256, ... up to SWEEP_MAX; '64:32' -> 64, 96, 128, ...; '64:32:512' -> ... up to 512."""
+    parts = text.split(":")
+    try:
+        if not 1 <= len(parts) <= 3 or not parts[0].strip():
+            raise ValueError
+        start = int(parts[0])
+        step = int(parts[1]) if len(parts) > 1 and parts[1].strip() else None
+        top = int(parts[2]) if len(parts) > 2 and parts[2].strip() else max(SWEEP_MAX, start)
+    except ValueError:
+        raise ValueError(f"--sweep: {text!r} is not START[:STEP[:MAX]] (integers, e.g. 64:32:512)") from None
+    if start < 1 or (step is not None and step < 1) or top < start:
+        raise ValueError(f"--sweep: {text!r} needs START >= 1, STEP >= 1 and MAX >= START")
+    return SweepPlan(start, step, top)
+
+
+def underruns(lv: dict) -> int:
+    """A level's streams that ran dry (each counted once, at its first late chunk)."""
+    return sum(lv.get("stall_at_chunk", {}).values())
+
+
+def slo_breaks(lv: dict, ttfa_p99_ms: float) -> dict[str, str]:
+    """How a level breaks the sweep's SLO, {} when it meets it: "requests" (one failed or did not run),
+    "ttfa_p99" (over `ttfa_p99_ms`), "underruns" (a stream ran dry); each with a sentence that says so."""
+    out = {}
+    failed = lv["errors"] + lv["not_run"]
+    if failed or not lv["ok"]:
+        why = f"{lv['errors']} of {lv['requests']} requests failed, {lv['not_run']} not run"
+        if lv.get("error_samples"):
+            why += f" ({lv['error_samples'][0]})"
+        out["requests"] = why
+    p99 = lv.get("ttfa_ms_p99")
+    if p99 is not None and p99 > ttfa_p99_ms:
+        out["ttfa_p99"] = f"TTFA p99 {p99} ms > {ttfa_p99_ms:g} ms"
+    dry = underruns(lv)
+    if dry:
+        out["underruns"] = f"{dry} of {lv['ok']} streams ran dry"
+    return out
+
+
+def sweep_summary(levels: list[dict], plan: SweepPlan, ttfa_p99_ms: float, done: bool = True) -> dict:
+    """The sweep's verdict over its levels in the order run: the peak audio-s/s among those before the first that
+    breaks the SLO ("peak", None if the first breaks it), that level and why ("broken", None if none did), and what
+    ended the sweep ("stopped_by": "requests" when a request failed, else "slo", or "max" when every level met it;
+    None while it runs)."""
+    def row(lv):
+        return {"concurrency": lv["concurrency"], "audio_s_per_s": lv["audio_s_per_s"], "ttfa_ms_p50": lv["ttfa_ms_p50"],
+                "ttfa_ms_p99": lv["ttfa_ms_p99"], "underruns": underruns(lv), "ok": lv["ok"], "requests": lv["requests"]}
+
+    met, broken = [], None
+    for lv in levels:
+        why = slo_breaks(lv, ttfa_p99_ms)
+        if why:
+            broken = {**row(lv), "reasons": why}
+            break
+        met.append(lv)
+    peak = max(met, key=lambda lv: lv["audio_s_per_s"], default=None)
+    stopped = ("requests" if "requests" in broken["reasons"] else "slo") if broken else ("max" if done else None)
+    return {"plan": {**asdict(plan), "rule": plan.rule()},
+            "slo": {"ttfa_ms_p99_max": ttfa_p99_ms, "underruns_max": 0, "requests": "every one ok"},
+            "concurrencies": [lv["concurrency"] for lv in levels], "met": [lv["concurrency"] for lv in met],
+            "peak": row(peak) if peak else None, "broken": broken, "stopped_by": stopped}
+
+
+def sweep_markdown(sw: dict) -> str:
+    """The section "peak within the SLO": one row, the peak level's numbers and the first level over the SLO."""
+    head = (f"### peak within the SLO (TTFA p99 <= {sw['slo']['ttfa_ms_p99_max']:g} ms, no stream ran dry, every "
+            f"request ok; levels {sw['plan']['rule']})")
+    cols = ["c", "audio-s/s", "TTFA p50 ms", "TTFA p99 ms", "underruns", "first level over the SLO"]
+    b = sw["broken"]
+    if b:
+        over = f"c={b['concurrency']}: " + "; ".join(b["reasons"].values())
+    else:
+        over = f"none up to c={sw['concurrencies'][-1]}" + (" (MAX reached)" if sw["stopped_by"] == "max" else "") \
+            if sw["concurrencies"] else "none run"
+    p = sw["peak"]
+    cells = ([str(p[k]) for k in ("concurrency", "audio_s_per_s", "ttfa_ms_p50", "ttfa_ms_p99", "underruns")] if p
+             else ["none"] + ["-"] * 4)
+    over = over.replace("|", "/")  # an error text inside the table's cell
+    return "\n".join([head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
+                      "| " + " | ".join(cells + [over]) + " |"])
+
+
 def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="127.0.0.1:8001", help="Triton gRPC address (default %(default)s)")
@@ -910,10 +1033,18 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--api-key", default=os.environ.get("S2TTS_API_KEY"), help="gateway API key (default: env S2TTS_API_KEY)")
     ap.add_argument("--http-ignore-eos", action="store_true",
                     help="also send ignore_eos over HTTP (only for a gateway that accepts the field)")
-    ap.add_argument("--concurrency", default="1,4,16,64", help="comma-separated levels (default %(default)s)")
+    ap.add_argument("--concurrency", help="comma-separated levels (default 1,4,16,64)")
+    ap.add_argument("--sweep", metavar="START[:STEP[:MAX]]",
+                    help="instead of --concurrency, find the peak within the SLO: levels START, START+STEP, "
+                         f"START+2*STEP, ... (no STEP: START, 2*START, 4*START, ...) up to MAX (default {SWEEP_MAX}), "
+                         "stopping after the first level that breaks the SLO (--slo-ttfa-p99-ms, no stream ran dry, "
+                         "every request ok); e.g. 64:32:512")
+    ap.add_argument("--slo-ttfa-p99-ms", type=float, default=500.0,
+                    help="--sweep's SLO: a level's TTFA p99 at most this (default %(default)s)")
     ap.add_argument("--requests-per-level", default="",
                     help="requests per level (default max(2*c, 8)): N for every level, C:N for the level of "
-                         "concurrency C, or both, e.g. '8,64:384' (a long c=64 level beside short others)")
+                         "concurrency C, or both, e.g. '8,64:384' (a long c=64 level beside short others); "
+                         "with --sweep the same for its levels")
     ap.add_argument("--frames", type=int, default=100, help="frames per request (default %(default)s = 4.64 s of audio)")
     ap.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at the end token")
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests, one at a time, before the sweep")
@@ -944,9 +1075,24 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--json", help="write the full result here")
     ap.add_argument("--markdown", help="also write the table here")
     a = ap.parse_args(argv)
-    levels = tuple(int(x) for x in a.concurrency.split(",") if x.strip())
-    if not levels or min(levels) < 1:
-        ap.error("--concurrency needs positive integers")
+    plan = None
+    if a.sweep is not None:
+        if a.concurrency is not None:
+            ap.error("--sweep and --concurrency are alternatives: give one of them")
+        try:
+            plan = parse_sweep(a.sweep)
+        except ValueError as e:
+            ap.error(str(e))
+        levels = ()
+    else:
+        try:
+            levels = tuple(int(x) for x in (a.concurrency or "1,4,16,64").split(",") if x.strip())
+        except ValueError:
+            levels = ()
+        if not levels or min(levels) < 1:
+            ap.error("--concurrency needs positive integers, e.g. 1,4,16")
+    if not a.slo_ttfa_p99_ms > 0:
+        ap.error("--slo-ttfa-p99-ms must be above 0")
     if not 0 <= a.clone_fraction <= 1:
         ap.error("--clone-fraction must be in [0, 1]")
     try:
@@ -960,7 +1106,7 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
                 clone_mode=a.clone_mode, fresh_references=a.fresh_references, ref_seconds=a.ref_seconds, ref_sample_rate=a.ref_sample_rate,
                 temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, first_chunk_frames=a.first_chunk_frames,
                 chunk_frames=a.chunk_frames, timeout=a.timeout, level_timeout=a.level_timeout, reuse_stream=a.reuse_stream,
-                seed=a.seed, procs=a.procs)
+                seed=a.seed, procs=a.procs, sweep=plan, slo_ttfa_p99_ms=a.slo_ttfa_p99_ms)
     if a.procs < 1:
         ap.error("--procs must be at least 1")
     return o, a

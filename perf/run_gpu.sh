@@ -8,8 +8,10 @@
 #              .gpu/tritonserver-min.tar.xz -> /tmp/s2tts_triton = S2TTS_TRITON_HOME, perf_analyzer's libraries);
 #              else the same steps here (plus .gpu/libb64-0d_*.deb via dpkg -x if the server's lib/ has no libb64)
 # 3. ckpt      full-size random checkpoint at $CKPT if missing (scripts/make_checkpoint.py --size full --device cuda)
-# 4. server    python3 -m s2tts.server --device cuda --set max_batch=64 --set max_seq_len=512 (+ $SETTINGS)
-# 5. loadgen   perf/loadgen.py over $CONCURRENCY, $FRAMES frames/request (ignore_eos), plain prompts
+# 4. server    python3 -m s2tts.server --device cuda (+ --set max_batch=$MAX_BATCH / max_seq_len=$MAX_SEQ_LEN when
+#              set, + $SETTINGS)
+# 5. loadgen   perf/loadgen.py over $CONCURRENCY, $FRAMES frames/request (ignore_eos), plain prompts; with $SWEEP a
+#              sweep instead (loadgen --sweep: levels grown until one breaks the SLO, the peak within it in summary.md)
 # 6. clone     perf/loadgen.py over $CLONE_CONCURRENCY, every request a voice clone (10 s reference, codes encoded once);
 #              then over $CLONE_FIRST_CONCURRENCY, every request a voice's first use (a reference clip never sent
 #              before: encoded by dac_encoder, its prefix prefilled)
@@ -20,9 +22,15 @@
 # Knobs (environment):      default
 #   OUT                     perf/out                 where the results go
 #   CKPT                    /tmp/s2-full             checkpoint directory (written if it has no config.json)
-#   MAX_BATCH, MAX_SEQ_LEN  64, 1024                 model repository settings
+#   MAX_BATCH, MAX_SEQ_LEN  "", ""                   model repository settings max_batch, max_seq_len; "" = the
+#                                                    server's own defaults (s2tts/settings.py: no --set passed)
 #   SETTINGS                ""                       more settings, "key=value key=value" (e.g. "chunk_frames=25 fast_ar=bls")
-#   CONCURRENCY             1,4,16,64                loadgen levels; "" skips the phase
+#   CONCURRENCY             1,4,16,64                loadgen levels; "" skips the phase (unless SWEEP is set)
+#   SWEEP                   ""                       START[:STEP[:MAX]] (e.g. 64:32:512): the plain loadgen phase
+#                                                    as a sweep instead of $CONCURRENCY (loadgen --sweep): levels
+#                                                    START, START+STEP, ... until one breaks the SLO; the peak
+#                                                    within the SLO and the level that broke it in summary.md
+#   SLO_TTFA_P99_MS         "" (loadgen's default)   the sweep's TTFA p99 limit (loadgen --slo-ttfa-p99-ms)
 #   FRAMES                  100                      frames per request (100 = 4.64 s of audio)
 #   CLONE_CONCURRENCY       1,16                     clone levels; "" skips the phase
 #   LIVE_CONCURRENCY        ""                       perf/live_load.py levels (text sessions fed at an LLM's pace,
@@ -34,7 +42,8 @@
 #                                                    threads on the same host slow the engine's); "" = any CPU
 #   LOADGEN_ARGS            ""                       extra loadgen options for both phases (e.g. "--requests-per-level
 #                                                    64:384": a long c=64 level, the others their default)
-#   DETERMINISM             0                        1 runs perf/determinism.py (16 requests, max_batch, 4 alone)
+#   DETERMINISM             0                        1 runs perf/determinism.py (16 requests, the server's
+#                                                    max_batch, 4 alone)
 #   CPU_USE                 1                        1: perf/cpu_use.py samples /proc during the plain loadgen
 #                                                    phase: CPU cores taken by tritonserver, each model's stub and
 #                                                    the load generator (a table in summary.md)
@@ -76,10 +85,12 @@ WORK="${WORK:-/tmp/s2tts_perf}"
 rm -rf "$WORK"
 mkdir -p "$WORK/details"
 CKPT="${CKPT:-/tmp/s2-full}"
-MAX_BATCH="${MAX_BATCH:-64}"
-MAX_SEQ_LEN="${MAX_SEQ_LEN:-1024}"
+MAX_BATCH="${MAX_BATCH:-}"
+MAX_SEQ_LEN="${MAX_SEQ_LEN:-}"
 SETTINGS="${SETTINGS:-}"
 CONCURRENCY="${CONCURRENCY-1,4,16,64}"
+SWEEP="${SWEEP:-}"
+SLO_TTFA_P99_MS="${SLO_TTFA_P99_MS:-}"
 FRAMES="${FRAMES:-100}"
 CLONE_CONCURRENCY="${CLONE_CONCURRENCY-1,16}"
 CLONE_FIRST_CONCURRENCY="${CLONE_FIRST_CONCURRENCY-${CLONE_CONCURRENCY:+1}}"
@@ -215,7 +226,9 @@ du -sh "$CKPT" || true
 
 # ------------------------------------------------------------------------------------------------ 4. server
 phase server
-SET_ARGS=(--set "max_batch=$MAX_BATCH" --set "max_seq_len=$MAX_SEQ_LEN")
+SET_ARGS=()
+[ -n "$MAX_BATCH" ] && SET_ARGS+=(--set "max_batch=$MAX_BATCH")
+[ -n "$MAX_SEQ_LEN" ] && SET_ARGS+=(--set "max_seq_len=$MAX_SEQ_LEN")
 for kv in $SETTINGS; do SET_ARGS+=(--set "$kv"); done
 if [ "$PROFILE" = 1 ]; then export S2TTS_PROFILE_DIR="$WORK/details/profile"; fi
 log "settings: device=$DEVICE ${SET_ARGS[*]}"
@@ -246,18 +259,23 @@ nvidia-smi --query-gpu=memory.used,memory.total --format=csv 2>/dev/null | tee "
 } >"$RES/summary.md"
 
 LG_FAIL=0
-if [ -n "$CONCURRENCY" ]; then
+if [ -n "$SWEEP$CONCURRENCY" ]; then
   phase loadgen
+  LEVEL_ARGS=(--concurrency "$CONCURRENCY") TITLE="plain prompts"
+  if [ -n "$SWEEP" ]; then
+    LEVEL_ARGS=(--sweep "$SWEEP" ${SLO_TTFA_P99_MS:+--slo-ttfa-p99-ms "$SLO_TTFA_P99_MS"})
+    TITLE="plain prompts, a sweep of levels $SWEEP"
+  fi
   CPU_PID=
   if [ "$CPU_USE" = 1 ]; then
     "$PY" perf/cpu_use.py --json "$WORK/details/cpu.json" --markdown "$WORK/cpu.md" >/dev/null 2>&1 &
     CPU_PID=$!
   fi
   # shellcheck disable=SC2086
-  "${ON_CLIENT_CPUS[@]}" "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" --concurrency "$CONCURRENCY" --frames "$FRAMES" --level-timeout "$LEVEL_TIMEOUT" \
+  "${ON_CLIENT_CPUS[@]}" "$PY" perf/loadgen.py --url "127.0.0.1:$GRPC_PORT" "${LEVEL_ARGS[@]}" --frames "$FRAMES" --level-timeout "$LEVEL_TIMEOUT" \
     --json "$RES/loadgen.json" --markdown "$WORK/loadgen.md" $LOADGEN_ARGS || LG_FAIL=1
   [ -n "$CPU_PID" ] && { kill -INT "$CPU_PID" 2>/dev/null; wait "$CPU_PID" || true; }
-  { echo "## loadgen, plain prompts"; echo; cat "$WORK/loadgen.md" 2>/dev/null || echo "(failed)"; echo
+  { echo "## loadgen, $TITLE"; echo; cat "$WORK/loadgen.md" 2>/dev/null || echo "(failed)"; echo
     if [ -s "$WORK/cpu.md" ]; then echo "### CPU use during these levels (perf/cpu_use.py)"; echo; cat "$WORK/cpu.md"; echo; fi
   } >>"$RES/summary.md"
 fi
@@ -290,7 +308,8 @@ fi
 # ------------------------------------------------------------------------------------------------ 7. determinism
 if [ "$DETERMINISM" = 1 ] && time_left determinism; then
   phase determinism
-  "$PY" perf/determinism.py --checkpoint "$CKPT" --device "${DEVICE%%,*}" --requests 16 --max-batch "$MAX_BATCH" \
+  DET_BATCH="${MAX_BATCH:-$("$PY" -c 'from s2tts.settings import SCHEMA; print(SCHEMA["max_batch"].default)')}"
+  "$PY" perf/determinism.py --checkpoint "$CKPT" --device "${DEVICE%%,*}" --requests 16 --max-batch "$DET_BATCH" \
     --alone 4 >"$RES/determinism.jsonl" 2>"$WORK/details/determinism.err" \
     || log "the determinism run failed (details.tar.gz: details/determinism.err)"
   { echo "## determinism (perf/determinism.py)"; echo; sed 's/^/    /' "$RES/determinism.jsonl"; echo; } >>"$RES/summary.md"

@@ -23,6 +23,7 @@
 # shellcheck source=perf/common.sh
 source "$(dirname "$0")/common.sh"  # strict mode, $ROOT as the working directory, $RES
 GPUS="${GPUS:-1 2 4}"
+export MAX_BATCH="${MAX_BATCH:-64}"  # run_gpu.sh's own default is the server's
 C_PER_GPU="${C_PER_GPU:-64}"
 DEVICE_TYPE="${DEVICE_TYPE:-cuda}"
 PY="${PYTHON:-python3}"

@@ -61,6 +61,57 @@ def test_stall_finds_the_first_late_chunk_and_the_silence():
         "0.01-0.04 s into the level's 27.5 s; chunks up to the late one, frames: 2/6, 2/4/8/8)")
 
 
+def _level(c, audio, p99, dry=0, errors=0, not_run=0, n=4):
+    """A level as loadgen.summarize writes it, with what the sweep reads."""
+    return {"concurrency": c, "requests": n, "ok": n - errors - not_run, "errors": errors, "not_run": not_run,
+            "audio_s_per_s": audio, "ttfa_ms_p50": p99 / 2, "ttfa_ms_p99": p99,
+            "stall_at_chunk": {"1": dry} if dry else {}, "error_samples": ["RuntimeError: full"] if errors else []}
+
+
+def test_sweep_plan_and_its_stop():
+    """--sweep's levels (a step, or doubling; none above MAX), the SLO's three ways to break, and the verdict: the peak
+    audio-s/s among the levels before the first that breaks it (not necessarily the last of them), that level and
+    why, and what ended the sweep."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    from loadgen import SWEEP_MAX, SweepPlan, parse_sweep, slo_breaks, sweep_markdown, sweep_summary
+
+    assert list(parse_sweep("64:32:200").levels()) == [64, 96, 128, 160, 192]
+    assert list(parse_sweep("16:16:16").levels()) == [16]
+    assert list(parse_sweep("8").levels())[:4] == [8, 16, 32, 64] and parse_sweep("8").max == SWEEP_MAX
+    assert parse_sweep("3:2") == SweepPlan(3, 2, SWEEP_MAX) and parse_sweep("5::20") == SweepPlan(5, None, 20)
+    for bad in ("", "x", "0", "4:0", "8:1:4", "1:2:3:4", ":2"):
+        with pytest.raises(ValueError, match="--sweep"):
+            parse_sweep(bad)
+
+    assert slo_breaks(_level(1, 2.0, 500.0), 500) == {}  # at the limit meets it
+    assert slo_breaks(_level(1, 2.0, 500.1, dry=2), 500) == {"ttfa_p99": "TTFA p99 500.1 ms > 500 ms",
+                                                             "underruns": "2 of 4 streams ran dry"}
+    assert slo_breaks(_level(1, 2.0, 10.0, errors=1, not_run=2), 500) == {
+        "requests": "1 of 4 requests failed, 2 not run (RuntimeError: full)"}
+
+    plan = SweepPlan(1, 1, 4)
+    levels = [_level(1, 3.0, 50.0), _level(2, 5.0, 90.0), _level(3, 4.0, 120.0), _level(4, 9.0, 700.0)]
+    sw = sweep_summary(levels, plan, 500)
+    assert sw["concurrencies"] == [1, 2, 3, 4] and sw["met"] == [1, 2, 3] and sw["stopped_by"] == "slo"
+    assert sw["peak"] == {"concurrency": 2, "audio_s_per_s": 5.0, "ttfa_ms_p50": 45.0, "ttfa_ms_p99": 90.0,
+                          "underruns": 0, "ok": 4, "requests": 4}
+    assert sw["broken"]["concurrency"] == 4 and sw["broken"]["reasons"] == {"ttfa_p99": "TTFA p99 700.0 ms > 500 ms"}
+    assert sw["plan"] == {"start": 1, "step": 1, "max": 4, "rule": "1, then +1 each, up to 4"}
+    assert sweep_markdown(sw).splitlines()[-1] == "| 2 | 5.0 | 45.0 | 90.0 | 0 | c=4: TTFA p99 700.0 ms > 500 ms |"
+
+    assert sweep_summary(levels[:3], plan, 500, done=False)["stopped_by"] is None  # still running
+    full = sweep_summary(levels[:3], SweepPlan(1, 1, 3), 500)
+    assert full["stopped_by"] == "max" and full["broken"] is None and full["peak"]["concurrency"] == 2
+    assert sweep_markdown(full).splitlines()[-1].endswith("| none up to c=3 (MAX reached) |")
+    failed = sweep_summary([_level(8, 1.0, 10.0), _level(16, 2.0, 10.0, errors=1)], SweepPlan(8, None, 64), 500)
+    assert failed["stopped_by"] == "requests" and failed["peak"]["concurrency"] == 8
+    assert failed["plan"]["rule"] == "8, then x2 each, up to 64"
+    first = sweep_summary([_level(1, 1.0, 10.0, dry=1)], plan, 500)
+    assert first["peak"] is None and first["met"] == [] and first["broken"]["reasons"] == {
+        "underruns": "1 of 4 streams ran dry"}
+    assert sweep_markdown(first).splitlines()[-1] == "| none | - | - | - | - | c=1: 1 of 4 streams ran dry |"
+
+
 def test_targets_table_reads_a_run(tmp_path):
     """perf/targets.py on a run_gpu.sh result directory: each target met or not by the numbers in its files."""
     sys.path.insert(0, str(ROOT / "perf"))
@@ -186,6 +237,98 @@ def test_loadgen_worker_processes(triton_server, tmp_path):
         assert lv["audio_s_per_s"] == pytest.approx(n * FRAMES * HOP / SR / lv["wall_s"], rel=0.01)
         # run by two processes (the level of one worker: in the loadgen process itself)
         assert len({q["pid"] for q in recs}) == min(2, lv["concurrency"]), recs
+
+
+def _sweep(url, out, sweep, slo_ms, requests):
+    """loadgen --sweep on the tiny server; every request one chunk (its first is all of it), so no stream can run dry
+    and only TTFA and failures can break the SLO. -> (the JSON, stdout)."""
+    p = _run([sys.executable, "perf/loadgen.py", "--url", url, "--sweep", sweep, "--slo-ttfa-p99-ms", str(slo_ms),
+              "--requests-per-level", requests, "--frames", str(FRAMES), "--first-chunk-frames", str(FRAMES),
+              "--chunk-frames", str(FRAMES), "--warmup", "0", "--warmup-frames", "4", "--timeout", "120",
+              "--json", str(out)], timeout=300)
+    return json.loads(out.read_text()), p.stdout
+
+
+def _check_sweep_against_its_levels(r, stdout):
+    """The sweep's verdict is the one its own levels give: each level before the broken one met the SLO, the peak is
+    the highest audio-s/s among them with their numbers, the broken level's numbers and reasons are its own; the
+    markdown's section has that row."""
+    sw, levels = r["sweep"], r["levels"]
+    slo = r["config"]["slo_ttfa_p99_ms"]
+    assert r["partial"] is False and sw["slo"]["ttfa_ms_p99_max"] == slo
+    assert sw["concurrencies"] == [lv["concurrency"] for lv in levels]
+    met = levels[:-1] if sw["broken"] else levels
+    assert sw["met"] == [lv["concurrency"] for lv in met]
+    for lv in met:
+        assert lv["ok"] == lv["requests"] and lv["ttfa_ms_p99"] <= slo and not lv["stall_at_chunk"], lv
+    if met:
+        best = max(met, key=lambda lv: lv["audio_s_per_s"])
+        assert sw["peak"] == {"concurrency": best["concurrency"], "audio_s_per_s": best["audio_s_per_s"],
+                              "ttfa_ms_p50": best["ttfa_ms_p50"], "ttfa_ms_p99": best["ttfa_ms_p99"], "underruns": 0,
+                              "ok": best["ok"], "requests": best["requests"]}
+        row = [str(best[k]) for k in ("concurrency", "audio_s_per_s", "ttfa_ms_p50", "ttfa_ms_p99")] + ["0"]
+    else:
+        assert sw["peak"] is None
+        row = ["none", "-", "-", "-", "-"]
+    section = stdout.split("### peak within the SLO")[1].strip().splitlines()
+    assert section[2].startswith("| c | audio-s/s |") and section[4].startswith("| " + " | ".join(row) + " | "), section
+    return section[4]
+
+
+def test_loadgen_sweep_finds_the_peak_within_the_slo(triton_server, tmp_path):
+    """--sweep on the tiny server, twice. A TTFA limit no request meets: the sweep stops after its first level (its
+    next would have been 2), which broke it by TTFA p99 alone, and no level met it. A limit every request meets: the
+    levels 1, 2, 3 all run (three requests each, two at c=1) and the sweep stops at MAX, the peak the best of them."""
+    strict, out = _sweep(triton_server.grpc_url, tmp_path / "strict.json", "1", 0.001, "2")
+    assert strict["config"]["sweep"] == {"start": 1, "step": None, "max": 1024}
+    assert strict["config"]["concurrency"] == []
+    (lv,) = strict["levels"]
+    assert lv["concurrency"] == 1 and lv["ok"] == lv["requests"] == 2, lv["error_samples"]
+    b = strict["sweep"]["broken"]
+    assert b["concurrency"] == 1 and b["reasons"] == {"ttfa_p99": f"TTFA p99 {lv['ttfa_ms_p99']} ms > 0.001 ms"}
+    assert b["ttfa_ms_p99"] == lv["ttfa_ms_p99"] and b["audio_s_per_s"] == lv["audio_s_per_s"]
+    assert strict["sweep"]["stopped_by"] == "slo" and strict["sweep"]["met"] == []
+    row = _check_sweep_against_its_levels(strict, out)
+    assert row.endswith(f"| c=1: TTFA p99 {lv['ttfa_ms_p99']} ms > 0.001 ms |"), row
+
+    lenient, out = _sweep(triton_server.grpc_url, tmp_path / "lenient.json", "1:1:3", 1e6, "3,1:2")
+    assert [(lv["concurrency"], lv["requests"]) for lv in lenient["levels"]] == [(1, 2), (2, 3), (3, 3)]
+    assert lenient["sweep"]["stopped_by"] == "max" and lenient["sweep"]["broken"] is None
+    assert lenient["sweep"]["met"] == [1, 2, 3]
+    row = _check_sweep_against_its_levels(lenient, out)
+    assert row.endswith("| none up to c=3 (MAX reached) |"), row
+    # the per-level table above the section is the --concurrency mode's, one row a level
+    assert "| 1 | 2/2 |" in out and "| 2 | 3/3 |" in out and "| 3 | 3/3 |" in out, out
+
+
+def test_run_gpu_sweep_with_the_servers_own_settings(tiny_ckpt, tmp_path):
+    """perf/run_gpu.sh on the CPU with SWEEP and no MAX_BATCH / MAX_SEQ_LEN: the server runs with its own defaults
+    (no --set for them; the models' parameters say so), the plain phase is the sweep (loadgen.json's "sweep" over
+    the levels SWEEP names) and summary.md has its section "peak within the SLO"."""
+    from servers import free_port
+
+    from s2tts.settings import SCHEMA
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "SWEEP": "1:1:2", "SLO_TTFA_P99_MS": "1000000", "FRAMES": "6",
+           "LOADGEN_ARGS": "--requests-per-level 2 --warmup 0 --first-chunk-frames 6 --chunk-frames 6",
+           "CLONE_CONCURRENCY": "", "PA": "0", "CPU_USE": "0", "DEVICE": "cpu", "CKPT": str(tiny_ckpt),
+           "CKPT_SIZE": "tiny", "PYTHON": sys.executable, "USE_CARRIED": "0", "WORK": str(tmp_path / "work"),
+           "GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port()),
+           "STOP_NOW": "1"}
+    for k in ("MAX_BATCH", "MAX_SEQ_LEN", "CONCURRENCY"):
+        env.pop(k, None)
+    _run(["bash", "perf/run_gpu.sh"], timeout=600, env=env)
+    r = json.loads((out / "loadgen.json").read_text())
+    for model in ("slow_ar", "s2pro"):
+        assert r["server"][model]["max_batch"] == str(SCHEMA["max_batch"].default), r["server"]
+        assert r["server"][model]["max_seq_len"] == str(SCHEMA["max_seq_len"].default), r["server"]
+    assert r["config"]["sweep"] == {"start": 1, "step": 1, "max": 2} and r["config"]["slo_ttfa_p99_ms"] == 1e6
+    assert [lv["concurrency"] for lv in r["levels"]] == [1, 2] and r["sweep"]["stopped_by"] == "max"
+    summary = (out / "summary.md").read_text()
+    assert "--set max_batch" not in summary and "--set max_seq_len" not in summary, summary
+    assert "## loadgen, plain prompts, a sweep of levels 1:1:2" in summary, summary
+    _check_sweep_against_its_levels(r, summary)
 
 
 def _perf_analyzer_runs() -> str | None:
