@@ -41,7 +41,28 @@ def fixed_order_dot() -> None:
     ti.InterpreterBuilder.create_dot = create_dot
 
 
+def nearest_bf16_casts() -> None:
+    """Make the interpreter's float32 -> bf16 casts round to nearest, ties to even, as a GPU's do.
+
+    The interpreter drops the low 16 bits (rounds toward zero): a kernel that rounds to bf16 would give other bits
+    under it than on a GPU and than PyTorch's casts, which round to nearest even. Here the cast is PyTorch's."""
+    from triton.runtime import interpreter as ti
+
+    cast_impl = ti.InterpreterBuilder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == ti.tl.float32 and dst_type.scalar == ti.tl.bfloat16:
+            data = np.asarray(src.data, dtype=np.float32)
+            wide = torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
+            out = wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+            return ti.TensorHandle(out, dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    ti.InterpreterBuilder.cast_impl = cast
+
+
 fixed_order_dot()
+nearest_bf16_casts()
 # `gemv_small` in wider column tiles than a GPU's (each column's sum is the same in any tile width; check_ops runs
 # the GPU's width too): the interpreter pays per program (256 columns: one program a product of the tiny model; 32 cost
 # the engine check 12-24 s more, 2 nearly 200 s)
