@@ -41,7 +41,28 @@ def fixed_order_dot() -> None:
     ti.InterpreterBuilder.create_dot = create_dot
 
 
+def nearest_bf16_casts() -> None:
+    """Make the interpreter's float32 -> bf16 casts round to nearest, ties to even, as a GPU's do.
+
+    The interpreter drops the low 16 bits (rounds toward zero): a kernel that rounds to bf16 would give other bits
+    under it than on a GPU and than PyTorch's casts, which round to nearest even. Here the cast is PyTorch's."""
+    from triton.runtime import interpreter as ti
+
+    cast_impl = ti.InterpreterBuilder.cast_impl
+
+    def cast(self, src, dst_type):
+        if src.dtype.scalar == ti.tl.float32 and dst_type.scalar == ti.tl.bfloat16:
+            data = np.asarray(src.data, dtype=np.float32)
+            wide = torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
+            out = wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+            return ti.TensorHandle(out, dst_type.scalar)
+        return cast_impl(self, src, dst_type)
+
+    ti.InterpreterBuilder.cast_impl = cast
+
+
 fixed_order_dot()
+nearest_bf16_casts()
 # `gemv_small` in wider column tiles than a GPU's (each column's sum is the same in any tile width; check_ops runs
 # the GPU's width too): the interpreter pays per program (256 columns: one program a product of the tiny model; 32 cost
 # the engine check 12-24 s more, 2 nearly 200 s)
@@ -120,6 +141,40 @@ def check_ops():
                                             1e-6, norm, kernels.short_keys_config(11, rows))
             assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v), (norm, rows)
             assert rel(got, want) < 1e-6, ("rope_attend_short", norm, rows, rel(got, want))
+    # ... in bf16 and fp16: upstream's bits (q/k normed by `torch.nn.RMSNorm`, rounded once after the weight, as the
+    # model's `HeadNorm`; then RoPE), the q that `qk_rope_cache` returns and the key both kernels write. Values k/8
+    # (|k| <= 64): their squares sum exactly in any order, so the kernels' mean square is torch's to the bit
+    from s2tts.ar.model import RMSNorm, apply_rope
+
+    for dt in (torch.bfloat16, torch.float16):
+        x = (torch.randint(-64, 65, (B, (H + 2 * KV) * D)) / 8).to(dt)
+        wq, wk = (torch.rand(D) * 1.5 + 0.25).to(dt), (torch.rand(D) * 1.5 + 0.25).to(dt)
+        r = rope[posr][:, None]  # [B, 1, D/2, 2]
+
+        def reference(norm_type):
+            outs = []
+            for w, cols, heads in ((wq, slice(0, H * D), H), (wk, slice(H * D, (H + KV) * D), KV)):
+                m = norm_type(D, 1e-6).to(dt)
+                m.weight.data = w
+                outs.append(apply_rope(m(x[:, cols].reshape(B, 1, heads, D)), r)[:, 0])
+            return outs
+
+        with torch.no_grad():
+            want_q, want_k = reference(torch.nn.RMSNorm)
+            twice_q, twice_k = reference(RMSNorm)  # the layer norms' two roundings
+        assert not torch.equal(twice_q, want_q) and not torch.equal(twice_k, want_k)  # the inputs tell the two apart
+        caches = [KVCache(kpool.to(dt), vpool.to(dt), table, BS) for _ in range(2)]
+        got_q = kernels.qk_rope_cache(x, wq, wk, rope, posr, slots, caches[0], H, KV, D, 1e-6, True)
+        assert torch.equal(got_q, want_q), (dt, int((got_q != want_q).sum()))
+        out = kernels.rope_attend_short(x, wq, wk, rope, posr, slots, caches[1], H, KV, D, 1e-6, True,
+                                        kernels.short_keys_config(11, B))
+        blk, off = table[slots, posr // BS].long(), posr % BS
+        for c in caches:
+            assert torch.equal(c.k[blk, :, off], want_k), dt
+            assert torch.equal(c.v[blk, :, off], x[:, (H + KV) * D :].reshape(B, KV, D)), dt
+        ref = kernels.decode_attention(got_q, caches[0], slots, posr, splits=1, lengths_add=1,
+                                       config=kernels.short_keys_config(11, B))
+        assert rel(out, ref) < 1e-6, ("rope_attend_short", dt, rel(out, ref))
     # rms norm (+ residual add) and silu*mul against the module code
     from s2tts.ar.model import RMSNorm
 

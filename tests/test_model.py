@@ -428,3 +428,55 @@ def test_dependent_launch_only_where_supported(tiny_ckpt):
     with kernels.dependent_launch(True):  # a pass's kernels (the runner checks support first)
         assert kernels.PDL is True
     assert kernels.PDL is False  # the codec's calls and the rest launch as usual
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.trace")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qk_norm_rounds_once_as_torch_rmsnorm(dtype):
+    """The q/k norms (`HeadNorm`) give `torch.nn.RMSNorm`'s bits (upstream's q/k norms: one rounding after the
+    weight), traced (the ONNX export's ops) too; the layer norms (`RMSNorm`) keep upstream's own two roundings."""
+    from s2tts.ar.model import HeadNorm, RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    D, eps = 128, 1e-6
+    x = (torch.randn(3, 5, 8, D, generator=gen) * torch.rand(3, 5, 8, 1, generator=gen) * 40).to(dtype)
+    w = (torch.rand(D, generator=gen) * 2 + 0.1).to(dtype)
+    ours, theirs = HeadNorm(D, eps).to(dtype), torch.nn.RMSNorm(D, eps=eps, dtype=dtype)
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        theirs.weight.copy_(w)
+        want = theirs(x)
+        assert want.dtype == dtype and torch.equal(ours(x), want)
+        assert torch.equal(torch.jit.trace(ours, (x,))(x), want)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        twice = normed.to(dtype) * w
+        assert (twice != want).any()  # the inputs tell one rounding from two
+        layer = RMSNorm(D, eps).to(dtype)
+        layer.weight.copy_(w)
+        assert torch.equal(layer(x), twice)
+
+
+def test_attention_heads_norm_q_and_k_as_torch_rmsnorm(tiny_ckpt):
+    """The slow AR's q/k in bf16 (the plain path: prompts, the exported graphs): projected, normed by
+    `torch.nn.RMSNorm` with the checkpoint's q/k norm weights, rotated; to the bit."""
+    from s2tts.ar.model import Attention, apply_rope, rope_table
+
+    cfg = S2Config.from_dir(tiny_ckpt).text
+    assert cfg.qk_norm
+    gen = torch.Generator().manual_seed(5)
+    att = Attention(cfg)
+    with torch.no_grad():
+        for p in att.parameters():
+            p.copy_(torch.rand(p.shape, generator=gen) * 2 - 0.5)
+    att = att.to(torch.bfloat16)
+    x = torch.randn(2, 7, cfg.dim, generator=gen).to(torch.bfloat16)
+    rope = rope_table(16, cfg.head_dim, cfg.rope_base)[torch.arange(7)].expand(2, 7, -1, -1)
+    with torch.no_grad():
+        q, k, v = att.heads(x, rope)
+        wq, wk, wv = att.wqkv(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        for got, w, norm, heads in ((q, wq, att.q_norm, cfg.n_head), (k, wk, att.k_norm, cfg.n_local_heads)):
+            ref = torch.nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps, dtype=torch.bfloat16)
+            ref.weight.copy_(norm.weight)
+            assert torch.equal(got, apply_rope(ref(w.view(2, 7, heads, cfg.head_dim)), rope))
+        assert torch.equal(v, wv.view(2, 7, cfg.n_local_heads, cfg.head_dim))

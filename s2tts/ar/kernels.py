@@ -245,8 +245,9 @@ def decode_attention(q: torch.Tensor, cache, slots: torch.Tensor, lengths: torch
 
 
 # ---- fused elementwise kernels of the decode step -------------------------------------------
-# Each reproduces the rounding of the plain PyTorch code it replaces (s2tts/ar/model.py): norms in
-# float32, cast to the activation dtype, then multiplied by the weight in that dtype.
+# Each reproduces the rounding of the plain PyTorch code it replaces (s2tts/ar/model.py): the layer norms
+# (`RMSNorm`) in float32, cast to the activation dtype, then multiplied by the weight in that dtype; the q/k norms
+# (`HeadNorm`, in `_rope_pairs`) multiplied by the weight in float32 too, rounded once.
 
 if triton is not None:
 
@@ -290,12 +291,12 @@ if triton is not None:
         tl.store(O + row * stride_o + cols, _swiglu(g, u, O.dtype.element_ty), mask=mask)
     @triton.jit
     def _rope_pairs(xe, xo, we, wo, cos, sin, inv, QK_NORM: tl.constexpr, dt: tl.constexpr):
-        """A head's pairs (even, odd), float32: normed (QK_NORM: times inv, rounded to dt, times the weight, rounded)
-        and rotated -> (even, odd) float32, not yet rounded (`_qk_rope_cache_kernel` and `_rope_attend_short_kernel`
-        round them as they store them: the same bits)."""
+        """A head's pairs (even, odd), float32: normed (QK_NORM: times inv, times the weight, rounded to dt once, as
+        `torch.nn.functional.rms_norm`: model.HeadNorm) and rotated -> (even, odd) float32, not yet rounded
+        (`_qk_rope_cache_kernel` and `_rope_attend_short_kernel` round them as they store them: the same bits)."""
         if QK_NORM:
-            xe = ((xe * inv).to(dt).to(tl.float32) * we).to(dt).to(tl.float32)
-            xo = ((xo * inv).to(dt).to(tl.float32) * wo).to(dt).to(tl.float32)
+            xe = (xe * inv * we).to(dt).to(tl.float32)
+            xo = (xo * inv * wo).to(dt).to(tl.float32)
         return xe * cos - xo * sin, xo * cos + xe * sin
 
     @triton.jit

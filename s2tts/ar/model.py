@@ -19,6 +19,9 @@ from . import kernels
 
 
 class RMSNorm(nn.Module):
+    """The layers' and the stacks' final norm, as upstream's own RMSNorm: normed in float32, rounded to the input's
+    dtype, then multiplied by the weight in that dtype (two roundings)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -31,6 +34,23 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.to(x.dtype) * self.weight
+
+
+class HeadNorm(nn.Module):
+    """The per-head q/k norm (qk_norm), as upstream's `torch.nn.RMSNorm`: `torch.nn.functional.rms_norm`, normed
+    and multiplied by the weight in float32, rounded once to the input's dtype. The Triton kernels that norm q/k
+    round as it does (`kernels.qk_rope_cache`, `kernels.rope_attend_short`)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_tracing():  # the ONNX export (opset 18 has no RMS norm): rms_norm's own ops, spelled out
+            xf = x.float()
+            return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 def rope_table(seq_len: int, head_dim: int, base: float) -> torch.Tensor:
@@ -98,8 +118,8 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(cfg.dim, cfg.q_size + 2 * cfg.kv_size, bias=False)
         self.wo = nn.Linear(cfg.q_size, cfg.dim, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.q_norm = HeadNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = HeadNorm(cfg.head_dim, cfg.norm_eps)
         self.cache: KVCache | None = None
         self.decode_kernel = False  # use the Triton decode-attention kernel for one-token steps (set by the engine)
         self.decode_splits = 1  # programs sharing one row's keys in that kernel (set by the engine per step)
