@@ -5,11 +5,15 @@ second it spends is the loop's own Python (routing, chunking, the codec's plan, 
     python perf/bench_host.py --streams 64,128 --seconds 5 --json host.json
 
 Each level keeps `--streams` requests live (a finished one is replaced at once, as under load), the engine making a
-frame for every live request at every step and ending a request after `--frames` frames; the codec answers each call
+frame for every live request at every step and ending a request after `--frames` frames (the first requests' ends
+spread evenly over that many steps, so that requests start and end at every step as a served load's do, not in
+waves); the codec answers each call
 with silence. It prints, per level, the passes a second, the host's milliseconds a pass (wall time; with the load's
 held codec calls and chunk sizes as the settings make them: `--set key=value` changes one) and the process's CPU
-milliseconds a pass (all its threads: steadier than wall time on a shared machine), and frames a second: what a GPU
-whose step took no time would let through. No model and no GPU: it runs on any machine.
+milliseconds a pass (all its threads: steadier than wall time on a shared machine), frames a second (what a GPU
+whose step took no time would let through), and the codec's calls as the served decoder would make them: calls a
+pass, streams a call, and the share of the frames a GPU would decode that is padding (streams padded to a batch
+bucket, final chunks to a prepared length). No model and no GPU: it runs on any machine.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from s2tts.ar.sampling import SamplingParams  # noqa: E402
 from s2tts.engine.config import EngineConfig  # noqa: E402
 from s2tts.engine.prompt import Prompt  # noqa: E402
 from s2tts.engine.scheduler import FINISH_CANCELLED, FINISH_LENGTH, Output  # noqa: E402
+from s2tts.codec.stream import SlotPool  # noqa: E402
 from s2tts.engine.service import EngineService  # noqa: E402
 
 C = 10  # codebooks, as S2 Pro's
@@ -52,9 +57,13 @@ class IdleEngine:
         self._cancel: set[str] = set()
         self.live: dict[str, int] = {}  # request id -> frames made
         self.codes = np.zeros((1, C), np.int32)
+        self.head_starts: list[int] = []  # frames the next submitted requests count as made already (the first wave)
+        self._start: dict = {}  # request id -> its head start
 
     def submit(self, rid, prompt, params):
         with self._lock:
+            if self.head_starts:
+                self._start[rid] = self.head_starts.pop(0)
             self._new.append(rid)
             self._lock.notify()
 
@@ -91,7 +100,7 @@ class IdleEngine:
             cancel, self._cancel = self._cancel, set()
         out = []
         for rid in new:
-            self.live[rid] = 0
+            self.live[rid] = self._start.pop(rid, 0)
         for rid in list(self.live):
             if rid in cancel:
                 del self.live[rid]
@@ -121,18 +130,50 @@ class IdleEngine:
 
 
 class SilentCodec:
-    """A stream decoder that decodes nothing: each job's audio is silence of its length."""
+    """A stream decoder that decodes nothing: each job's audio is silence of its length. It counts the calls the
+    served decoder would make of these jobs, as `codec.stream` groups them (one call a chunk length, a final chunk
+    padded to a prepared length, streams padded to the pool's batch bucket, at most `max_frames` frames a call):
+    how many streams a call holds and what share of the frames a GPU would decode is padding."""
 
-    def __init__(self, lengths):
+    def __init__(self, lengths, max_frames: int | None = None):
         self.lengths = sorted(lengths)
+        self.max_frames = max_frames
+        self.silence = np.zeros(0, np.float32)
+        self.calls = self.streams = self.frames = self.computed = 0
 
     def slices(self, n, final=False):
         return [n]
 
+    def _bucket(self, rows: int, n: int) -> list[int]:
+        """The batch buckets the pool decodes `rows` streams of `n` frames in (`SlotPool.warm`'s cap, then
+        `SlotPool.decode`'s bucket)."""
+        fit = [b for b in SlotPool.BUCKETS if self.max_frames is None or b * n <= self.max_frames] or [1]
+        cap, out = fit[-1], []
+        while rows > 0:
+            part = min(rows, cap)
+            out.append(next(b for b in SlotPool.BUCKETS if b >= part))
+            rows -= part
+        return out
+
     def decode_many(self, jobs, now, queued=None):
         if queued is not None:
             queued()
-        return {k: np.zeros(codes.shape[0] * 2048, np.float32) for k, _, codes, _, _ in jobs}
+        groups: dict[int, list[int]] = {}
+        for _, _, codes, _, final in jobs:
+            n = codes.shape[0]
+            if n:
+                at = next((L for L in self.lengths if L >= n), n) if final else n
+                groups.setdefault(at, []).append(n)
+        for at, ns in groups.items():
+            buckets = self._bucket(len(ns), at)
+            self.calls += len(buckets)
+            self.streams += len(ns)
+            self.frames += sum(ns)
+            self.computed += sum(buckets) * at
+        need = max((codes.shape[0] for _, _, codes, _, _ in jobs), default=0) * 2048
+        if self.silence.size < need:
+            self.silence = np.zeros(need, np.float32)
+        return {k: self.silence[: codes.shape[0] * 2048] for k, _, codes, _, _ in jobs}
 
     def close(self, sid):
         pass
@@ -154,8 +195,9 @@ def level(streams: int, seconds: float, frames: int, values: dict) -> dict:
     """One level: `streams` requests kept live for `seconds` -> its numbers."""
     config = EngineConfig.from_values(values, max_batch=streams, max_queued_requests=streams)
     engine = IdleEngine(config, frames)
-    codec = SilentCodec(EngineService.codec_lengths(values["first_chunk_frames"], values["chunk_frames"],
-                                                    config.codec_batch_steps))
+    K = config.codec_batch_steps
+    codec = SilentCodec(EngineService.codec_lengths(values["first_chunk_frames"], values["chunk_frames"], K),
+                        streams * K if K > 1 else None)
     svc = EngineService(engine, lambda codes, reason, stats, audio: (codes.shape[0], reason), lambda e: e,
                         name="host", frame_seconds=FRAME_SECONDS, codec=codec)
     svc.load.pace = lambda: 0.5  # under load, as at these levels on a GPU: held codec calls, the load's chunks
@@ -175,19 +217,26 @@ def level(streams: int, seconds: float, frames: int, values: dict) -> dict:
         submit()
 
     try:
+        engine.head_starts = [i * frames // streams for i in range(streams)]  # the first wave's ends spread out
         for _ in range(streams):
             submit()
         time.sleep(min(1.0, seconds / 4))  # the first wave's prompts and first chunks
         p0, e0, t0, c0 = svc.loop.passes, ended[0], time.perf_counter(), time.process_time()
+        k0 = (codec.calls, codec.streams, codec.frames, codec.computed)
         time.sleep(seconds)
         p1, e1, t1, c1 = svc.loop.passes, ended[0], time.perf_counter(), time.process_time()
+        calls, in_calls, frames, computed = (b - a for a, b in zip(k0, (codec.calls, codec.streams, codec.frames,
+                                                                        codec.computed)))
     finally:
         svc.shutdown()
     passes = p1 - p0
     return {"streams": streams, "seconds": round(t1 - t0, 2), "passes": passes, "passes_per_s": round(passes / (t1 - t0), 1),
             "host_ms_per_pass": round(1e3 * (t1 - t0) / max(1, passes), 3),
             "cpu_ms_per_pass": round(1e3 * (c1 - c0) / max(1, passes), 3),
-            "frames_per_s": round(passes * streams / (t1 - t0)), "requests_ended": e1 - e0}
+            "frames_per_s": round(passes * streams / (t1 - t0)), "requests_ended": e1 - e0,
+            "codec_calls_per_pass": round(calls / max(1, passes), 3),
+            "streams_per_codec_call": round(in_calls / max(1, calls), 1),
+            "codec_padding_share": round(1 - frames / computed, 3) if computed else None}
 
 
 def main(argv=None) -> int:

@@ -557,3 +557,24 @@ def test_host_bench_runs_the_serving_loop_over_an_idle_engine(tmp_path):
     assert 0.5 * row["passes"] * 8 / 12 <= row["requests_ended"] <= row["passes"] * 8 / 12 + 8, row
     assert row["host_ms_per_pass"] == pytest.approx(1e3 * row["seconds"] / row["passes"], rel=0.02)
     assert row["frames_per_s"] == pytest.approx(row["passes"] * 8 / row["seconds"], rel=0.01)
+    assert 0 < row["codec_calls_per_pass"] and 1 <= row["streams_per_codec_call"] <= 8, row
+    assert 0 <= row["codec_padding_share"] < 1, row
+
+
+def test_host_bench_counts_the_codec_calls_the_served_decoder_would_make():
+    """bench_host's silent codec groups a call's jobs as `codec.stream` does: one call a chunk length (a final chunk
+    at the next prepared length), streams padded to the pool's bucket, at most max_frames frames a call."""
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("bench_host", ROOT / "perf" / "bench_host.py")
+    bh = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bh)
+    codec = bh.SilentCodec([2, 8, 16], max_frames=40)
+    jobs = [(i, i, np.zeros((8, 10), np.int32), False, False) for i in range(6)]  # 6 x 8 frames: cap 4 a call
+    jobs += [(10, 10, np.zeros((3, 10), np.int32), False, True)]  # a final of 3 frames, decoded at 8: one more
+    out = codec.decode_many(jobs, 0.0)
+    assert {k: a.size for k, a in out.items()} == {**{i: 8 * 2048 for i in range(6)}, 10: 3 * 2048}
+    assert codec.calls == 2 and codec.streams == 7 and codec.frames == 51
+    assert codec.computed == (4 + 4) * 8  # 7 streams of 8 frames: calls of 4 and 3, the 3 padded to bucket 4
