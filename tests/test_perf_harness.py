@@ -134,14 +134,25 @@ def test_targets_table_reads_a_run(tmp_path):
         json.dumps({"mode": "batch_invariant", "changed": 0, "checked_alone": 4, "requests": 16, "max_batch": 64,
                     "step_ms_1": 6.6, "step_ms_64": 9.5}) + "\n")
     got = {t: (m, s) for t, m, s in rows(tmp_path)}
-    assert got["c=64 throughput >= 300 audio-s/s"] == ("151.5 audio-s/s over 384/384 requests", "NOT met")
+    assert got["c=64 throughput >= 450 audio-s/s"] == ("151.5 audio-s/s over 384/384 requests", "NOT met")
+    assert got["peak within the SLO >= 800 audio-s/s (a sweep)"] == ("-", "not run")
     assert got["c=64 TTFA p99 <= 1 s"][1] == "NOT met"
     assert got["no underrun at every level up to c=64"] == ("c=1: 0 of 8, c=16: 0 of 8, c=64: 1 of 384", "NOT met")
-    assert got["c=64 peak GPU memory <= 30 GB (all models)"] == ("29,000 MiB = 30.4 GB (the run's peak)", "NOT met")
-    assert got["c=1 TTFA p50 <= 45 ms"] == ("40.0 ms", "met") and got["c=1 RTF <= 0.15"][1] == "met"
+    assert got["c=1 TTFA p50 <= 15 ms"] == ("40.0 ms", "NOT met") and got["c=1 RTF <= 0.09"][1] == "NOT met"
     assert got["voice clone c=1, voice seen: TTFA p50 <= 50 ms"] == ("55.0 ms", "NOT met")
     assert got["voice clone c=1, first use of a 10 s reference: TTFA p50 <= 150 ms"] == ("111.0 ms", "met")
-    assert got["server ready <= 60 s"] == ("37.1 s", "met")
+    assert got["server ready <= 30 s"] == ("37.1 s", "NOT met")
+    # a sweep's peak, and the level that broke the SLO
+    sweep = {"peak": {"concurrency": 96, "audio_s_per_s": 812.5, "ttfa_ms_p99": 480.0}, "broken": {"concurrency": 128}}
+    (tmp_path / "loadgen.json").write_text(json.dumps({"levels": levels, "sweep": sweep}))
+    got = {t: (m, s) for t, m, s in rows(tmp_path)}
+    assert got["peak within the SLO >= 800 audio-s/s (a sweep)"] == (
+        "812.5 audio-s/s at c=96, TTFA p99 480.0 ms; first over the SLO: c=128", "met")
+    sweep["peak"] = None
+    (tmp_path / "loadgen.json").write_text(json.dumps({"levels": levels, "sweep": sweep}))
+    got = {t: (m, s) for t, m, s in rows(tmp_path)}
+    assert got["peak within the SLO >= 800 audio-s/s (a sweep)"] == ("no level within the SLO; first over the SLO: "
+                                                                     "c=128", "NOT met")
     assert got["first wave of 16: no stream waits on a first use (c=16 first traffic after c=1)"][1] == "met"
     m, s = got["seeded determinism (bf16, alone vs beside others), batch_invariant=true"]
     assert s == "met" and m.startswith("0 of 4 changed beside 15 others") and "9.5 at 64" in m
@@ -210,9 +221,9 @@ def test_loadgen_sweep(triton_server, tmp_path):
     t = _run([sys.executable, "perf/targets.py", str(tmp_path)], timeout=60).stdout
     got = {line.split(" | ")[0].lstrip("| "): line.rstrip(" |").split(" | ")[1:] for line in t.splitlines()[2:]}
     lv1 = r["levels"][0]
-    assert got["c=1 TTFA p50 <= 45 ms"] == [f"{lv1['ttfa_ms_p50']} ms", "met" if lv1["ttfa_ms_p50"] <= 45 else "NOT met"]
-    assert got["c=64 throughput >= 300 audio-s/s"] == ["-", "not run"]
-    assert got["server ready <= 60 s"][1] == "not run" and got["no underrun at every level up to c=64"][1] == "not run"
+    assert got["c=1 TTFA p50 <= 15 ms"] == [f"{lv1['ttfa_ms_p50']} ms", "met" if lv1["ttfa_ms_p50"] <= 15 else "NOT met"]
+    assert got["c=64 throughput >= 450 audio-s/s"] == ["-", "not run"]
+    assert got["server ready <= 30 s"][1] == "not run" and got["no underrun at every level up to c=64"][1] == "not run"
 
 
 def test_loadgen_worker_processes(triton_server, tmp_path):
