@@ -1,6 +1,6 @@
 """How a stream's frames become audio chunks: `Chunker` (frames first, growing with the measured pace so playback
 does not run dry), `PaceMeter` (seconds of work a second of audio, across streams) and what puts a server under load
-(`LOAD_PACE`, `LOAD_SLOTS`). slow_ar's engine service and dac_decoder plan chunks with them; s2pro measures the
+(`LOAD_PACE`, `LOAD_SLOTS`, `LOAD_STREAMS`). slow_ar's engine service and dac_decoder plan chunks with them; s2pro measures the
 pace."""
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ LOAD_PACE = 0.35
 # pace alone stops counting a full batch as load once the pipeline is fast enough, and a full batch whose pace sits
 # at the threshold would drop out of load on some steps, admitting streams with the short first chunks that run dry
 LOAD_SLOTS = 0.75
+# ... or from this many streams whatever the slots: `max_batch` is sized to the GPU's memory, which can hold more
+# streams than its decode keeps real time, and from this many on one held codec call pays for itself (the share
+# above of an H200's 64-slot engine, where the held calls were measured)
+LOAD_STREAMS = 48
 
 
 class Chunker:
@@ -100,16 +104,20 @@ class Chunker:
             return []
         out = []
         k = self.next_size()
+        if self.n_pending < k:
+            return out
+        allf = np.concatenate(self.pending, axis=0) if len(self.pending) > 1 else self.pending[0]
+        at = 0
         while self.n_pending >= k:
-            allf = np.concatenate(self.pending, axis=0)
-            out.append(allf[:k])
+            out.append(allf[at : at + k])
             if not self.emitted:
                 self.first_sent = k
-            self.pending = [allf[k:]] if allf.shape[0] > k else []
+            at += k
             self.n_pending -= k
             self.emitted += 1
             self.sent += k
             k = self.next_size()
+        self.pending = [allf[at:]] if allf.shape[0] > at else []
         return out
 
     def flush(self) -> np.ndarray | None:
@@ -155,8 +163,8 @@ class LoadMeter:
     `under_load()`: from the moment the pace reaches `LOAD_PACE` (a wave of arrivals: its first chunks already
     count) until the pace averaged over about a second falls below 0.8 of that (a held codec call itself lowers the
     pace and makes single passes vary: hence the margin and the average); and whenever requests holding a slot or
-    waiting for one (`slots_wanted()`) fill `LOAD_SLOTS` of the `max_batch` slots, counted when asked (a wave of
-    requests coming back after a wave of finals is load from its first frames)."""
+    waiting for one (`slots_wanted()`) fill `LOAD_SLOTS` of the `max_batch` slots or number `LOAD_STREAMS`, counted
+    when asked (a wave of requests coming back after a wave of finals is load from its first frames)."""
 
     def __init__(self, frame_seconds: float | None, max_batch: int, slots_wanted: Callable[[], int],
                  report_ttl_s: float = 5.0):
@@ -188,7 +196,7 @@ class LoadMeter:
         return self._state is not None and (self._state[2] or self._full())
 
     def _full(self) -> bool:
-        return self.slots_wanted() >= LOAD_SLOTS * self.max_batch
+        return self.slots_wanted() >= min(LOAD_SLOTS * self.max_batch, LOAD_STREAMS)
 
     def pace(self) -> float:
         own = 1.0 if self.step_s is None or not self.frame_seconds else self.step_s / self.frame_seconds

@@ -383,7 +383,8 @@ class EngineService:
         if not self._ready():
             return
         step = self._step()
-        items = [item for o in step.outputs for item in self._route(o)]
+        recs = self.table.get_many([int(o.request_id) for o in step.outputs])
+        items = [item for o, rec in zip(step.outputs, recs) for item in self._route(o, rec)]
         if self.codec is not None:
             items = self._decode_audio(items)
         self._hand_out(items)
@@ -457,9 +458,9 @@ class EngineService:
             log.warning("%s: engine step failed (%s: %s); the requests it touched end with an error", self.name,
                         type(fault).__name__, fault)
 
-    def _route(self, o: Output) -> list[Outgoing]:
-        """One request's output -> what to send: its completed chunks, and its final item or error when it ended."""
-        rec = self.table.get(int(o.request_id))
+    def _route(self, o: Output, rec: Tracked | None) -> list[Outgoing]:
+        """One request's output (`rec`: its entry in the table, None once gone) -> what to send: its completed
+        chunks, and its final item or error when it ended."""
         st = self._states.pop(o.request_id, None) if o.finished else None
         if rec is None or rec.closed:  # ended elsewhere (shutdown, unhealthy): make sure the engine lets go too
             if not o.finished:

@@ -237,6 +237,12 @@ class RequestTable:
         with self._lock:
             return self._live.get(iid)
 
+    def get_many(self, iids: list[int]) -> list[Tracked | None]:
+        """`get` of each, under one hold of the table's lock (a pass's outputs)."""
+        with self._lock:
+            live = self._live
+            return [live.get(i) for i in iids]
+
     def by_client(self, client_id: str) -> Tracked | None:
         with self._lock:
             iid = self._by_client.get(client_id)
