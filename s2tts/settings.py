@@ -164,7 +164,7 @@ SETTINGS: tuple[Setting, ...] = (
             "chunk is `first_chunk_frames` and every later one `chunk_frames`"),
     Setting("load_chunk_frames", int, 8, ("slow_ar", "s2pro"), "with `adaptive_chunks`, under load (from a measured pace of "
             "0.35 s of work a second of audio until its one-second average falls below 0.28; with codec_in_engine also "
-            "while requests fill three quarters of `max_batch`) a stream's first chunk is at least this many frames "
+            "while requests fill three quarters of `max_batch`, or number 48) a stream's first chunk is at least this many frames "
             "(rounded up to a chunk length), so that more audio is in hand while the next is made: fewer streams run "
             "dry under load, their first audio later; 0: off", min=0, max=4096),
     Setting("stream_idle_timeout_s", float, 60.0, ("slow_ar",), "a stream whose reader (s2pro) takes none of its "

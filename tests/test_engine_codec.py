@@ -516,6 +516,14 @@ def test_load_turns_on_at_once_and_off_after_a_second_of_light_steps(monkeypatch
     assert not meter.under_load()
     wanted[0] = 5  # more waiting than slots
     assert passes(0.1, 0.01)
+    # a batch sized to a large GPU's memory: LOAD_STREAMS streams are load however many slots are free
+    many = LoadMeter(frame_seconds=2048 / 44100, max_batch=4 * chunking.LOAD_STREAMS, slots_wanted=lambda: wanted[0])
+    many.pace = lambda: 0.1
+    wanted[0] = chunking.LOAD_STREAMS - 1
+    many.observe(0.01)
+    assert not many.under_load()
+    wanted[0] = chunking.LOAD_STREAMS
+    assert many.under_load()
     fixed = LoadMeter(frame_seconds=None, max_batch=4, slots_wanted=lambda: 0)
     fixed.pace = lambda: 0.9
     fixed.observe(0.5)
