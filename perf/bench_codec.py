@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from s2tts.perf_tools import exit_now  # noqa: E402
+
 
 def timed(fn, iters=10, warmup=2, queued=False):
     """Median milliseconds of `iters` calls after `warmup`. `queued`: each call queued behind a GPU sleep first, so
@@ -232,3 +234,4 @@ def profile_decode(codec, cfg, batch: int, n: int, out: Path) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)

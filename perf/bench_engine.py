@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from s2tts.perf_tools import exit_now  # noqa: E402
+
 FPS = 44100 / 2048  # frames per second of audio
 
 
@@ -322,3 +324,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    exit_now(0)

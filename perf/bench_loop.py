@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from loadgen import GpuMonitor, _stall  # noqa: E402 - the same rule as the Triton load generator
-from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir, served_model_and_codec  # noqa: E402
+from s2tts.perf_tools import checkpoint_arguments, checkpoint_dir, exit_now, served_model_and_codec  # noqa: E402
 
 
 class _Client:
@@ -316,4 +316,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main() or 0)

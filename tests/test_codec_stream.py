@@ -267,7 +267,7 @@ def test_the_served_decoder_opens_with_the_device_as_settings_name_it(tiny_ckpt)
     # where its making went, for the log line (seconds; GPU memory only on a GPU)
     from s2tts.codec.stream import making_line
 
-    assert list(dec.making) == ["weights", "fp32 fallback", "kernels chosen", "stream slots", "warm-up and CUDA graphs"]
+    assert list(dec.making) == ["weights", "fp32 fallback", "kernels chosen", "stream slots", "warm-up"]
     assert all(sec >= 0 and mib is None for sec, mib in dec.making.values()), dec.making
     line = making_line(dec.making)
     assert line.startswith("; made in: weights ") and " s, fp32 fallback " in line and "MiB" not in line, line

@@ -254,8 +254,9 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
     making.mark("kernels chosen")
     decoder = StreamDecoder(codec, idle_timeout_s=idle_timeout_s, fallback=fallback, pool_size=pool_size)
     making.mark("stream slots")
-    graphs = decoder.pool.warm(lengths, max(1, max_batch), max_frames) if decoder.pool is not None else 0
-    making.mark("warm-up and CUDA graphs")
+    graphs = decoder.pool.warm(lengths, max(1, max_batch), max_frames, mark=making.mark) \
+        if decoder.pool is not None else 0
+    making.mark("warm-up")
     decoder.making = making.parts
     return decoder, dtype, graphs
 
@@ -418,13 +419,15 @@ class SlotPool:
             return
         self.graphs[(Bp, n)] = (graph, bufs)
 
-    def warm(self, lengths: list[int], max_batch: int, max_frames: int | None = None) -> int:
+    def warm(self, lengths: list[int], max_batch: int, max_frames: int | None = None,
+             mark: Callable[[str], None] | None = None) -> int:
         """Prepare these chunk lengths: on a GPU, capture a graph for each with every batch bucket up to
         `max_batch` (other shapes run eagerly); a stream's final chunk of another length is padded to the next one
         (the codec is causal: the frames added change no sample of the real ones). `max_frames`: the most frames
         one call decodes (streams x length; at least one bucket a length): a call of more streams runs as several
         (`cap`), so that the graphs' memory (the activations of their largest call: ~6 GB for S2 Pro at 64 x 16
-        frames in fp16) follows the frames a held call decodes, not the longest length. -> graphs made."""
+        frames in fp16) follows the frames a held call decodes, not the longest length. `mark(part)`: called as
+        each part of a GPU's warm-up ends (the compiles side by side, the captures). -> graphs made."""
         self.lengths = sorted(set(lengths))
         buckets = []
         for b in self.BUCKETS:  # up to the first that holds max_batch
@@ -437,10 +440,17 @@ class SlotPool:
         if self.use_graphs:
             torch.cuda.set_device(self.device)  # capture on this device (the current one is per thread)
             # the largest first: the smaller captures reuse the blocks it freed in the shared pool
-            for n in reversed(self.lengths):
-                for Bp in reversed(buckets):
-                    if Bp <= self.cap[n]:
-                        self._capture(Bp, n)
+            shapes = [(Bp, n) for n in reversed(self.lengths) for Bp in reversed(buckets) if Bp <= self.cap[n]]
+            # every shape's kernels compiled first, side by side (at most twice the largest call's frames at once),
+            # then captured one by one with their kernels at hand
+            jit.compile_ahead([(Bp * n, lambda Bp=Bp, n=n: self._body(self._buffers(Bp, n))) for Bp, n in shapes],
+                          2 * max(Bp * n for Bp, n in shapes), self.device)
+            if mark is not None:
+                mark("kernels compiled side by side")
+            for Bp, n in shapes:
+                self._capture(Bp, n)
+            if mark is not None:
+                mark("CUDA graphs")
             torch.cuda.empty_cache()  # the eager warm-up runs' blocks, outside the graphs' pool, back to the driver
         return len(self.graphs)
 

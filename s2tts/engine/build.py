@@ -59,10 +59,12 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
                  v.gpu_memory_utilization, v.gpu_memory_utilization * torch.cuda.mem_get_info(device)[1] / (1 << 30))
     service = EngineService(engine, make_response, make_error, name=name, on_unhealthy=on_unhealthy, on_tick=on_tick,
                             frame_seconds=codec_frame_seconds(v.checkpoint), codec=codec, direct_send=direct_send)
-    log.info("%s ready in %.1f s (weights %.1f s, codec %.1f s, engine and its CUDA graphs %.1f s; the GPU kernels' "
+    warm = "".join(f", {k} {v:.1f} s" for k, v in engine.runner.warm_s.items())
+    log.info("%s ready in %.1f s (weights %.1f s, codec %.1f s, engine and its CUDA graphs %.1f s%s; the GPU kernels' "
              "first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d "
              "kv_cache=%d tokens in blocks of %d cuda_graphs=%s prefix_cache=%d MiB batch_invariant=%s "
-             "adaptive_chunks=%s codec_in_engine=%s launch_ahead=%s dependent_launch=%s", name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, engine.device,
+             "adaptive_chunks=%s codec_in_engine=%s launch_ahead=%s dependent_launch=%s", name, t3 - t0, t1 - t0, t2 - t1, t3 - t2, warm,
+             engine.device,
              engine.dtype, v.ar_weights, engine.max_batch, engine.max_seq_len, engine.kv_capacity_tokens,
              engine.blocks.block_size, sorted(engine.graphs), engine.prefix_cache.max_bytes >> 20,
              engine.batch_invariant, v.adaptive_chunks, codec is not None, service.launch_ahead,

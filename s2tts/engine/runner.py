@@ -18,6 +18,7 @@ request's.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -177,6 +178,7 @@ class ModelRunner:
         self.sample_sizes = (max_batch,) if self.apart else self._buckets(max_batch)
         self.h_sel = torch.zeros(self.row_sizes[-1] + 1, s2.text.dim, dtype=self.dtype, device=dev)
         self.graphs: dict[tuple[int, int], tuple] = {}  # (rows, decode splits) -> captured pass over the slow AR
+        self.warm_s: dict[str, float] = {}  # seconds of each part of the graphs' making (a GPU's)
         self.sample_graphs: dict[int, tuple] = {}  # rows -> captured sampling + fast AR
         self.passes = 0  # passes over the slow AR's weights so far
         if cuda_graphs is None:
@@ -438,6 +440,34 @@ class ModelRunner:
         rows) it saves nothing and the step's pieces take a little longer."""
         return kernels.dependent_launch(self.dependent_launch and rows <= kernels.GEMV_SMALL_ROWS)
 
+    def _compile_ahead(self) -> None:
+        """Every pass and sampling the graphs will hold run once side by side (`gpu.jit.compile_ahead`), so that
+        their kernels' first compiles overlap, each split's passes together (the split is the model's, one at a
+        time). Passes of up to `kernels.GEMV_SMALL_ROWS` rows are left to their capture: their launch mode (`_launch_mode`)
+        is a process-wide switch that passes of more rows, beside them, would turn off."""
+        dev, many = self.device, [s for s in self.row_sizes if s > kernels.GEMV_SMALL_ROWS]
+        if not many:
+            return
+
+        def inference(fn):
+            def run():
+                with torch.inference_mode():
+                    fn()
+            return run
+
+        for split in sorted({self._split_for(k, s) for s in many for k in (1, self.max_seq_len)}):
+            self._use_split(split)
+            sizes = [s for s in many if split in (self._split_for(1, s), self._split_for(self.max_seq_len, s))]
+            jit.compile_ahead([(s, inference(lambda s=s: self._slow_core(self._pass_io(s, dev)))) for s in sizes],
+                              2 * max(sizes), dev)
+        samples = [s for s in self.sample_sizes if s > kernels.GEMV_SMALL_ROWS]
+        if samples:
+            def sample(size):
+                io = torch.zeros(3, size, dtype=torch.int64, device=dev)
+                io[0] = self.scratch
+                self._sample_core(io)
+            jit.compile_ahead([(s, inference(lambda s=s: sample(s))) for s in samples], 2 * max(samples), dev)
+
     def _capture_graphs(self) -> None:
         """Capture a pass per row bucket (and way of splitting keys) and sampling per batch bucket, on the scratch
         slot, sharing one memory pool, on the runner's own capture stream (`gpu.cuda_graphs.own_stream`: the codec's
@@ -450,6 +480,9 @@ class ModelRunner:
             with torch.inference_mode():
                 return capture_graph(fn, stream, pool)
 
+        t0 = time.monotonic()
+        self._compile_ahead()
+        t1 = time.monotonic()
         for size in sorted(self.row_sizes, reverse=True):
             io = self._pass_io(size, dev)
             for split in sorted({self._split_for(1, size), self._split_for(self.max_seq_len, size)}):
@@ -461,3 +494,4 @@ class ModelRunner:
             graph, out = capture(lambda: self._sample_core(io)[:2])
             self.sample_graphs[size] = (graph, io, out)
         torch.cuda.synchronize(dev)
+        self.warm_s = {"kernels compiled side by side": t1 - t0, "CUDA graphs": time.monotonic() - t1}
