@@ -441,17 +441,10 @@ class SlotPool:
             torch.cuda.set_device(self.device)  # capture on this device (the current one is per thread)
             # the largest first: the smaller captures reuse the blocks it freed in the shared pool
             shapes = [(Bp, n) for n in reversed(self.lengths) for Bp in reversed(buckets) if Bp <= self.cap[n]]
-            # every shape's kernels compiled first, side by side, then captured one by one with their kernels at hand;
-            # the largest call alone first: its memory a frame sets how many frames may be in flight at once (half
-            # of what the device has free)
-            big = max(shapes, key=lambda s: s[0] * s[1])
-            torch.cuda.reset_peak_memory_stats(self.device)
-            before = torch.cuda.memory_allocated(self.device)
-            self._body(self._buffers(*big))
-            per_frame = max(1, (torch.cuda.max_memory_allocated(self.device) - before) // (big[0] * big[1]))
-            budget = max(big[0] * big[1], torch.cuda.mem_get_info(self.device)[0] // 2 // per_frame)
-            jit.compile_ahead([(Bp * n, lambda Bp=Bp, n=n: self._body(self._buffers(Bp, n))) for Bp, n in shapes
-                               if (Bp, n) != big], budget, self.device)
+            # every shape's kernels compiled first, side by side (at most twice the largest call's frames at once),
+            # then captured one by one with their kernels at hand
+            jit.compile_ahead([(Bp * n, lambda Bp=Bp, n=n: self._body(self._buffers(Bp, n))) for Bp, n in shapes],
+                          2 * max(Bp * n for Bp, n in shapes), self.device)
             if mark is not None:
                 mark("kernels compiled side by side")
             for Bp, n in shapes:

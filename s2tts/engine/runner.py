@@ -459,14 +459,14 @@ class ModelRunner:
             self._use_split(split)
             sizes = [s for s in many if split in (self._split_for(1, s), self._split_for(self.max_seq_len, s))]
             jit.compile_ahead([(s, inference(lambda s=s: self._slow_core(self._pass_io(s, dev)))) for s in sizes],
-                              sum(sizes), dev)  # a pass's activations are small beside the weights: all at once
+                              2 * max(sizes), dev)
         samples = [s for s in self.sample_sizes if s > kernels.GEMV_SMALL_ROWS]
         if samples:
             def sample(size):
                 io = torch.zeros(3, size, dtype=torch.int64, device=dev)
                 io[0] = self.scratch
                 self._sample_core(io)
-            jit.compile_ahead([(s, inference(lambda s=s: sample(s))) for s in samples], sum(samples), dev)
+            jit.compile_ahead([(s, inference(lambda s=s: sample(s))) for s in samples], 2 * max(samples), dev)
 
     def _capture_graphs(self) -> None:
         """Capture a pass per row bucket (and way of splitting keys) and sampling per batch bucket, on the scratch
