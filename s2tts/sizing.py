@@ -75,7 +75,8 @@ def batch_for_gpu(total: int, weights: int, token_bytes: int, util: float = GPU_
 def with_gpu_sizes(settings: dict[str, str], gpu_memory: Callable[[], int | None] = gpu_memory_bytes
                    ) -> tuple[dict[str, str], str | None]:
     """`settings` (as given: key -> text) with the sizes of `SIZED` it leaves unset decided from the engines' GPU,
-    and a line saying what was decided (None when nothing was: a CPU, no GPU memory to read, every size given).
+    and a line saying what was decided (None when nothing was to decide: a CPU, every size given; a line saying
+    so when the GPU's memory could not be read).
     Raises ValueError when the weights leave no room for `GPU_BATCHES[0]` streams and max_batch is not given."""
     def given(key: str) -> bool:
         return settings.get(key) not in (None, "")
@@ -85,7 +86,8 @@ def with_gpu_sizes(settings: dict[str, str], gpu_memory: Callable[[], int | None
         return settings, None
     total = gpu_memory()
     if total is None:
-        return settings, None
+        return settings, ("sizes: no GPU's memory could be read (nvidia-smi), so max_batch and the admission limits "
+                          "keep their CPU defaults (docs/SETTINGS.md): set them, and a KV size, for this GPU")
     out, decided = dict(settings), []
     util = float(settings["gpu_memory_utilization"]) if given("gpu_memory_utilization") else GPU_MEMORY_UTILIZATION
     if not given("max_batch"):

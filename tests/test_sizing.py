@@ -89,7 +89,8 @@ def test_a_cpu_or_an_unreadable_gpu_keeps_the_defaults(tiny_ckpt):
     cpu = {"checkpoint": str(tiny_ckpt), "device": "cpu"}
     assert sizing.with_gpu_sizes(cpu, gpu_memory=lambda: pytest.fail("a CPU asks no GPU")) == (cpu, None)
     cuda = {"checkpoint": str(tiny_ckpt), "device": "cuda"}
-    assert sizing.with_gpu_sizes(cuda, gpu_memory=lambda: None) == (cuda, None)
+    kept, line = sizing.with_gpu_sizes(cuda, gpu_memory=lambda: None)
+    assert kept == cuda and "no GPU's memory could be read" in line and "set them" in line
     v = schema.resolve(cpu)
     assert v["max_batch"] == schema.SCHEMA["max_batch"].default
     assert v["max_concurrent_requests"] == schema.SCHEMA["max_concurrent_requests"].default
