@@ -18,7 +18,6 @@ from typing import Any
 
 from .errors import S2Error, invalid
 from .layout import Layout
-from .sizing import STREAM_KV_TOKENS
 
 MODELS = ("s2pro", "slow_ar", "fast_ar", "dac_encoder", "dac_decoder")
 _TRUE = {"1", "true", "yes", "on"}
@@ -308,10 +307,11 @@ def resolve(given: dict[str, Any]) -> dict[str, Any]:
 
 
 KV_SIZES = ("kv_cache_tokens", "kv_cache_memory_gb", "gpu_memory_utilization")  # at most one sizes the KV cache
+STREAM_KV_TOKENS = 2048  # KV-cache tokens a stream is counted at when sizing (a 10 s voice prompt, ~60 s of speech)
 
 
 def default_kv_tokens(v) -> int:
-    """The KV cache's size when no setting sizes it: `max_batch` x `sizing.STREAM_KV_TOKENS` tokens, at least one
+    """The KV cache's size when no setting sizes it: `max_batch` x `STREAM_KV_TOKENS` tokens, at least one
     request of `max_seq_len` (`v`: settings as a dict or as `model_values`)."""
     get = v.get if isinstance(v, dict) else lambda k: getattr(v, k)
     return max(get("max_seq_len"), get("max_batch") * STREAM_KV_TOKENS)

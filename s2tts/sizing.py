@@ -21,10 +21,10 @@ from typing import Callable
 
 from .checkpoint_config import S2Config
 from .layout import Layout
+from .settings import SCHEMA, STREAM_KV_TOKENS
 
 GPU_MEMORY_UTILIZATION = 0.9  # the share of the GPU an engine's process takes unless a setting sizes its KV cache
 GPU_BATCHES = (16, 32, 64, 128)  # the max_batch values a GPU may get, the largest that fits
-STREAM_KV_TOKENS = 2048  # KV-cache tokens a stream is counted at when sizing (a 10 s voice prompt and ~60 s of speech)
 CODEC_STREAM_BYTES = 64 << 20  # the in-engine codec's memory a stream: two state slots and its share of the graphs
 ENGINE_RESERVE_GIB = 1.5  # what an engine keeps beside weights, codec and KV: CUDA graphs' pool, activations, context
 ADMITTED_PER_SLOT = 2  # requests the server admits per KV slot: one decoding, one waiting for the slot
@@ -88,24 +88,26 @@ def with_gpu_sizes(settings: dict[str, str], gpu_memory: Callable[[], int | None
     if total is None:
         return settings, ("sizes: no GPU's memory could be read (nvidia-smi), so max_batch and the admission limits "
                           "keep their CPU defaults (docs/SETTINGS.md): set them, and a KV size, for this GPU")
+    def value(key: str):  # a given setting as the schema reads it (a bad one: the schema's error), else its default
+        return SCHEMA[key].parse(settings[key]) if given(key) else SCHEMA[key].default
+
     out, decided = dict(settings), []
-    util = float(settings["gpu_memory_utilization"]) if given("gpu_memory_utilization") else GPU_MEMORY_UTILIZATION
+    util = value("gpu_memory_utilization") or GPU_MEMORY_UTILIZATION
     if not given("max_batch"):
         cfg = S2Config.from_dir(settings["checkpoint"]).text
-        b = batch_for_gpu(total, weights_bytes(settings["checkpoint"]), kv_token_bytes(cfg, settings.get("dtype", "bf16")),
-                          util)
+        b = batch_for_gpu(total, weights_bytes(settings["checkpoint"]), kv_token_bytes(cfg, value("dtype")), util)
         if b is None:
             raise ValueError(f"the checkpoint's weights leave no room for {GPU_BATCHES[0]} streams in {util:g} of this "
                              f"GPU's {total / (1 << 30):.1f} GiB: set max_batch (and a KV size) by hand, or raise "
                              "gpu_memory_utilization")
         out["max_batch"] = str(b)
         decided.append(f"max_batch={b}")
-    batch = int(out["max_batch"])
+    batch = b if not given("max_batch") else value("max_batch")
     if not given("max_concurrent_requests"):
         out["max_concurrent_requests"] = str(ADMITTED_PER_SLOT * batch * layout.replicas)
         decided.append(f"max_concurrent_requests={out['max_concurrent_requests']}")
     if not given("max_queued_requests"):
-        per_engine = -(-int(out["max_concurrent_requests"]) // layout.replicas)
+        per_engine = -(-SCHEMA["max_concurrent_requests"].parse(out["max_concurrent_requests"]) // layout.replicas)
         out["max_queued_requests"] = str(max(0, per_engine - batch))
         decided.append(f"max_queued_requests={out['max_queued_requests']}")
     if not any(given(k) for k in ("kv_cache_tokens", "kv_cache_memory_gb", "gpu_memory_utilization")):

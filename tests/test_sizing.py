@@ -18,7 +18,7 @@ GIB = 1 << 30
 
 def stream_bytes(ckpt) -> int:
     cfg = S2Config.from_dir(ckpt).text
-    return sizing.STREAM_KV_TOKENS * sizing.kv_token_bytes(cfg, "bf16") + sizing.CODEC_STREAM_BYTES
+    return schema.STREAM_KV_TOKENS * sizing.kv_token_bytes(cfg, "bf16") + sizing.CODEC_STREAM_BYTES
 
 
 def gpu_holding(ckpt, streams: int, util: float = sizing.GPU_MEMORY_UTILIZATION) -> int:
@@ -94,6 +94,14 @@ def test_a_cpu_or_an_unreadable_gpu_keeps_the_defaults(tiny_ckpt):
     v = schema.resolve(cpu)
     assert v["max_batch"] == schema.SCHEMA["max_batch"].default
     assert v["max_concurrent_requests"] == schema.SCHEMA["max_concurrent_requests"].default
+
+
+def test_a_bad_given_size_gets_the_schemas_error(tiny_ckpt):
+    from s2tts.errors import S2Error
+
+    with pytest.raises(S2Error, match="max_batch='many' is not a valid int"):
+        sizing.with_gpu_sizes({"checkpoint": str(tiny_ckpt), "device": "cuda", "max_batch": "many"},
+                              gpu_memory=lambda: 80 * GIB)
 
 
 def test_a_gpu_too_small_for_the_weights_says_what_to_set(tiny_ckpt):
