@@ -424,6 +424,7 @@ def test_scale_gpus_script_on_the_cpu(tiny_ckpt, tmp_path):
            "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"), "GRPC_PORT": str(free_port()),
            "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port()),
            "STOP_NOW": "1",  # each run's server killed once its results are written: no graceful unload to wait for
+           "CPU_USE": "0",  # no /proc sampler beside the load (tests/test_cpu_use.py checks it)
            # the server and the load generator pinned (taskset) to the CPUs this test may use
            "SERVER_CPUS": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
            "CLIENT_CPUS": str(min(os.sched_getaffinity(0)))}
@@ -537,7 +538,8 @@ def test_compare_script_runs_both_trees_and_prints_their_tables(tiny_ckpt, tmp_p
     env = {**os.environ, "OUT": str(out), "BASE_DIR": str(base), "BASE_REV": "HEAD", "LEVELS": "1", "REQUESTS": "1:1",
            "FRAMES": "4", "DEVICE": "cpu", "CKPT": str(tiny_ckpt), "CKPT_SIZE": "tiny", "PYTHON": sys.executable,
            "USE_CARRIED": "0", "MAX_BATCH": "2", "MAX_SEQ_LEN": "1024", "WORK": str(tmp_path / "work"),
-           "GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port())}
+           "GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port()),
+           "CPU_USE": "0"}
     p = _run(["bash", "perf/compare_gpu.sh", "serve"], timeout=600, env=env)
     for tree in ("final", "base"):
         assert f"== {tree} serve rc=0" in p.stdout, p.stdout + (out / tree / "serve.log").read_text()[-3000:]
