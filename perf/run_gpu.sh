@@ -308,7 +308,9 @@ fi
 # ------------------------------------------------------------------------------------------------ 7. determinism
 if [ "$DETERMINISM" = 1 ] && time_left determinism; then
   phase determinism
-  DET_BATCH="${MAX_BATCH:-$("$PY" -c 'from s2tts.settings import SCHEMA; print(SCHEMA["max_batch"].default)')}"
+  # the server's max_batch: as given, else as the launcher sizes it (s2tts.sizing), else the schema's
+  DET_BATCH="${MAX_BATCH:-$("$PY" -c 'import sys; from s2tts.settings import SCHEMA; from s2tts.sizing import with_gpu_sizes
+print(with_gpu_sizes({"checkpoint": sys.argv[1], "device": sys.argv[2]})[0].get("max_batch") or SCHEMA["max_batch"].default)' "$CKPT" "$DEVICE")}"
   "$PY" perf/determinism.py --checkpoint "$CKPT" --device "${DEVICE%%,*}" --requests 16 --max-batch "$DET_BATCH" \
     --alone 4 >"$RES/determinism.jsonl" 2>"$WORK/details/determinism.err" \
     || log "the determinism run failed (details.tar.gz: details/determinism.err)"

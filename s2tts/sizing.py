@@ -21,7 +21,7 @@ from typing import Callable
 
 from .checkpoint_config import S2Config
 from .layout import Layout
-from .settings import SCHEMA, STREAM_KV_TOKENS
+from .settings import KV_SIZES, SCHEMA, STREAM_KV_TOKENS
 
 GPU_MEMORY_UTILIZATION = 0.9  # the share of the GPU an engine's process takes unless a setting sizes its KV cache
 GPU_BATCHES = (16, 32, 64, 128)  # the max_batch values a GPU may get, the largest that fits
@@ -58,9 +58,10 @@ def weights_bytes(checkpoint: str | Path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
-def kv_token_bytes(cfg, dtype: str) -> int:
-    """Bytes of one token's keys and values in every layer of the slow AR (`cfg`: its ARConfig), in `dtype`."""
-    return 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * (4 if dtype == "fp32" else 2)
+def kv_token_bytes(cfg, value_bytes: int) -> int:
+    """Bytes of one token's keys and values in every layer of the slow AR (`cfg`: its ARConfig), `value_bytes` a
+    value."""
+    return 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * value_bytes
 
 
 def batch_for_gpu(total: int, weights: int, token_bytes: int, util: float = GPU_MEMORY_UTILIZATION) -> int | None:
@@ -95,7 +96,7 @@ def with_gpu_sizes(settings: dict[str, str], gpu_memory: Callable[[], int | None
     util = value("gpu_memory_utilization") or GPU_MEMORY_UTILIZATION
     if not given("max_batch"):
         cfg = S2Config.from_dir(settings["checkpoint"]).text
-        b = batch_for_gpu(total, weights_bytes(settings["checkpoint"]), kv_token_bytes(cfg, value("dtype")), util)
+        b = batch_for_gpu(total, weights_bytes(settings["checkpoint"]), kv_token_bytes(cfg, 4 if value("dtype") == "fp32" else 2), util)
         if b is None:
             raise ValueError(f"the checkpoint's weights leave no room for {GPU_BATCHES[0]} streams in {util:g} of this "
                              f"GPU's {total / (1 << 30):.1f} GiB: set max_batch (and a KV size) by hand, or raise "
@@ -110,7 +111,7 @@ def with_gpu_sizes(settings: dict[str, str], gpu_memory: Callable[[], int | None
         per_engine = -(-SCHEMA["max_concurrent_requests"].parse(out["max_concurrent_requests"]) // layout.replicas)
         out["max_queued_requests"] = str(max(0, per_engine - batch))
         decided.append(f"max_queued_requests={out['max_queued_requests']}")
-    if not any(given(k) for k in ("kv_cache_tokens", "kv_cache_memory_gb", "gpu_memory_utilization")):
+    if not any(given(k) for k in KV_SIZES):
         out["gpu_memory_utilization"] = str(GPU_MEMORY_UTILIZATION)
         decided.append(f"gpu_memory_utilization={GPU_MEMORY_UTILIZATION:g}")
     line = (f"sizes from the GPU ({total / (1 << 30):.1f} GiB, the smallest an engine uses): " + " ".join(decided)

@@ -316,19 +316,20 @@ def test_pool_sized_by_a_share_of_the_gpu(model, tiny_ckpt):
     refuse it beside either other size, and leave kv_cache_tokens unset with it."""
     from s2tts import settings
     from s2tts.engine.runner import ModelRunner
-    from s2tts.engine.build import GRAPHS_AND_CONTEXT_GIB, kv_gib_for_utilization
+    from s2tts.engine.build import kv_gib_for_utilization
+    from s2tts.sizing import ENGINE_RESERVE_GIB
     from s2tts.errors import S2Error
 
     cfg, G = model.s2.text, 1 << 30
     per = ModelRunner.kv_token_bytes(cfg, torch.bfloat16)
     gib = kv_gib_for_utilization(0.5, 80 * G, 12 * G, cfg, torch.bfloat16, 4096)
-    assert gib == pytest.approx(40 - 12 - GRAPHS_AND_CONTEXT_GIB)
+    assert gib == pytest.approx(40 - 12 - ENGINE_RESERVE_GIB)
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.1 gives this engine 8.0 GiB of its GPU's 80.0 GiB, "
                                          r"and it already holds 12.0 GiB .* raise gpu_memory_utilization to at least "
                                          r"0.17 or lower max_seq_len"):
         kv_gib_for_utilization(0.1, 80 * G, 12 * G, cfg, torch.bfloat16, 4096)
     # the least share it names is enough: one request of max_seq_len fits
-    least = (12 * G + 4096 * per) / (80 * G) + GRAPHS_AND_CONTEXT_GIB / 80
+    least = (12 * G + 4096 * per) / (80 * G) + ENGINE_RESERVE_GIB / 80
     assert kv_gib_for_utilization(least + 1e-6, 80 * G, 12 * G, cfg, torch.bfloat16, 4096) * G >= 4096 * per
     base = {"checkpoint": str(tiny_ckpt)}
     for other in ({"kv_cache_tokens": "4096"}, {"kv_cache_memory_gb": "1"}):

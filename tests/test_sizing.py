@@ -18,7 +18,7 @@ GIB = 1 << 30
 
 def stream_bytes(ckpt) -> int:
     cfg = S2Config.from_dir(ckpt).text
-    return schema.STREAM_KV_TOKENS * sizing.kv_token_bytes(cfg, "bf16") + sizing.CODEC_STREAM_BYTES
+    return schema.STREAM_KV_TOKENS * sizing.kv_token_bytes(cfg, 2) + sizing.CODEC_STREAM_BYTES
 
 
 def gpu_holding(ckpt, streams: int, util: float = sizing.GPU_MEMORY_UTILIZATION) -> int:
@@ -29,7 +29,7 @@ def gpu_holding(ckpt, streams: int, util: float = sizing.GPU_MEMORY_UTILIZATION)
 
 def test_the_batch_is_the_largest_that_fits(tiny_ckpt):
     cfg = S2Config.from_dir(tiny_ckpt).text
-    w, t = sizing.weights_bytes(tiny_ckpt), sizing.kv_token_bytes(cfg, "bf16")
+    w, t = sizing.weights_bytes(tiny_ckpt), sizing.kv_token_bytes(cfg, 2)
     assert w > 0 and t == 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * 2
     for b in sizing.GPU_BATCHES:
         assert sizing.batch_for_gpu(gpu_holding(tiny_ckpt, b), w, t) == b

@@ -72,11 +72,6 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     return service
 
 
-# room an engine keeps beside its weights, codec and KV pool under gpu_memory_utilization: its CUDA graphs' memory
-# pool and activations (the largest pass: max_batch + max_prefill_tokens rows) and the CUDA context
-GRAPHS_AND_CONTEXT_GIB = ENGINE_RESERVE_GIB
-
-
 def kv_pool_gib(v, model, device, name: str, with_codec: bool = False) -> float | None:
     """The KV pool's GiB under `gpu_memory_utilization` (None on a CPU: the default pool), from what this process
     already holds on the engine's GPU (`device`: the weights, the codec) -> `kv_gib_for_utilization`."""
@@ -89,22 +84,22 @@ def kv_pool_gib(v, model, device, name: str, with_codec: bool = False) -> float 
                                  v.max_seq_len, v.kv_block_tokens or v.max_seq_len)
     log.info("%s: gpu_memory_utilization=%g of %.1f GiB: %.1f GiB held (weights%s), %.1f GiB kept for CUDA graphs, "
              "activations and the context: a KV cache of %.2f GiB", name, v.gpu_memory_utilization, total / (1 << 30),
-             held / (1 << 30), " and codec" if with_codec else "", GRAPHS_AND_CONTEXT_GIB, gib)
+             held / (1 << 30), " and codec" if with_codec else "", ENGINE_RESERVE_GIB, gib)
     return gib
 
 
 def kv_gib_for_utilization(util: float, total: int, held: int, cfg, dtype, max_seq_len: int, block: int = 1) -> float:
     """GiB for the KV pool when an engine may take `util` of a GPU of `total` bytes and already holds `held` (its
-    weights and codec), keeping `GRAPHS_AND_CONTEXT_GIB`. ValueError naming the least utilization that works when
+    weights and codec), keeping `ENGINE_RESERVE_GIB`. ValueError naming the least utilization that works when
     that is not one request of `max_seq_len` tokens in whole blocks of `block` (as `ModelRunner.kv_tokens_in`
     counts them; the slow AR's `cfg`, the cache in `dtype`)."""
     one = -(-max_seq_len // block) * block * ModelRunner.kv_token_bytes(cfg, dtype)
-    gib = (util * total - held) / (1 << 30) - GRAPHS_AND_CONTEXT_GIB
+    gib = (util * total - held) / (1 << 30) - ENGINE_RESERVE_GIB
     if gib * (1 << 30) < one:
-        least = (held + one) / total + GRAPHS_AND_CONTEXT_GIB * (1 << 30) / total
+        least = (held + one) / total + ENGINE_RESERVE_GIB * (1 << 30) / total
         raise ValueError(f"gpu_memory_utilization={util:g} gives this engine {util * total / (1 << 30):.1f} GiB of "
                          f"its GPU's {total / (1 << 30):.1f} GiB, and it already holds {held / (1 << 30):.1f} GiB "
-                         f"(weights and codec) and keeps {GRAPHS_AND_CONTEXT_GIB:g} GiB for its CUDA graphs: no room "
+                         f"(weights and codec) and keeps {ENGINE_RESERVE_GIB:g} GiB for its CUDA graphs: no room "
                          f"for one request of max_seq_len={max_seq_len} in its KV cache; raise gpu_memory_utilization "
                          f"to at least {min(1.0, least + 0.005):.2f} or lower max_seq_len")
     return gib

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import sizing
 from ..ar import kernels
 from ..ar.model import S2Model, use_invariant_linears, use_triton_kernels
 from ..ar.sampling import RAS_WINDOW, sample, sample_semantic
@@ -79,7 +80,7 @@ class ModelRunner:
     @staticmethod
     def kv_token_bytes(cfg, dtype) -> int:
         """Bytes of one token's keys and values in every layer of the slow AR."""
-        return 2 * cfg.n_layer * cfg.n_local_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
+        return sizing.kv_token_bytes(cfg, torch.empty((), dtype=dtype).element_size())
 
     @classmethod
     def kv_tokens_in(cls, gib: float, cfg, dtype, block: int, max_seq_len: int) -> int:
@@ -349,8 +350,7 @@ class ModelRunner:
         """Code 0 and the fast AR for the rows h_sel[:len(reqs)] -> (frame [B, C], end [B])."""
         B = len(reqs)
         size = self._bucket(self.sample_sizes, B) if self.pad_rows or self.apart else B
-        io = torch.zeros(3, size, dtype=torch.int64)
-        io[0] = self.scratch
+        io = self._sample_io(size, "cpu")
         io[0, :B], io[1, :B], io[2, :B] = torch.tensor([r.slot for r in reqs]), torch.tensor(steps), torch.tensor(remember)
         graph = self.sample_graphs.get(size)
         if graph is not None:
@@ -440,6 +440,16 @@ class ModelRunner:
         rows) it saves nothing and the step's pieces take a little longer."""
         return kernels.dependent_launch(self.dependent_launch and rows <= kernels.GEMV_SMALL_ROWS)
 
+    def _splits(self, size: int) -> set:
+        """The ways of splitting the keys a pass of `size` rows is captured with (one graph each)."""
+        return {self._split_for(1, size), self._split_for(self.max_seq_len, size)}
+
+    def _sample_io(self, size: int, device) -> torch.Tensor:
+        """Sampling's rows, all padding: [3, size] = slot (the scratch slot), step, remember."""
+        io = torch.zeros(3, size, dtype=torch.int64, device=device)
+        io[0] = self.scratch
+        return io
+
     def _compile_ahead(self) -> None:
         """Every pass and sampling the graphs will hold run once side by side (`gpu.jit.compile_ahead`), so that
         their kernels' first compiles overlap, each split's passes together (the split is the model's, one at a
@@ -455,18 +465,15 @@ class ModelRunner:
                     fn()
             return run
 
-        for split in sorted({self._split_for(k, s) for s in many for k in (1, self.max_seq_len)}):
+        for split in sorted({split for s in many for split in self._splits(s)}):
             self._use_split(split)
-            sizes = [s for s in many if split in (self._split_for(1, s), self._split_for(self.max_seq_len, s))]
+            sizes = [s for s in many if split in self._splits(s)]
             jit.compile_ahead([(s, inference(lambda s=s: self._slow_core(self._pass_io(s, dev)))) for s in sizes],
                               2 * max(sizes), dev)
         samples = [s for s in self.sample_sizes if s > kernels.GEMV_SMALL_ROWS]
         if samples:
-            def sample(size):
-                io = torch.zeros(3, size, dtype=torch.int64, device=dev)
-                io[0] = self.scratch
-                self._sample_core(io)
-            jit.compile_ahead([(s, inference(lambda s=s: sample(s))) for s in samples], 2 * max(samples), dev)
+            jit.compile_ahead([(s, inference(lambda s=s: self._sample_core(self._sample_io(s, dev)))) for s in samples],
+                              2 * max(samples), dev)
 
     def _capture_graphs(self) -> None:
         """Capture a pass per row bucket (and way of splitting keys) and sampling per batch bucket, on the scratch
@@ -485,12 +492,11 @@ class ModelRunner:
         t1 = time.monotonic()
         for size in sorted(self.row_sizes, reverse=True):
             io = self._pass_io(size, dev)
-            for split in sorted({self._split_for(1, size), self._split_for(self.max_seq_len, size)}):
+            for split in sorted(self._splits(size)):
                 self._use_split(split)  # one graph per way of splitting the keys (they share io)
                 self.graphs[(size, split)] = (capture(lambda: self._slow_core(io))[0], io)
         for size in sorted(self.sample_sizes, reverse=True):
-            io = torch.zeros(3, size, dtype=torch.int64, device=dev)
-            io[0] = self.scratch
+            io = self._sample_io(size, dev)
             graph, out = capture(lambda: self._sample_core(io)[:2])
             self.sample_graphs[size] = (graph, io, out)
         torch.cuda.synchronize(dev)
