@@ -17,7 +17,9 @@
 Each level runs a fixed number of requests (--requests-per-level: default max(2*c, 8), N, or C:N per level) from c closed-loop
 workers; every request has its own prompt text (unique in the run), its own seed, and generates exactly
 --frames frames (`ignore_eos`; the gateway path cannot ask for that, see --http-ignore-eos). Before the
-first level --warmup requests run alone; before each level every worker runs one short request (--warmup-frames).
+first level --warmup requests run alone; before each level every worker runs one short request (--warmup-frames),
+and then the workers' first requests start spread over one request's time (ramp_delay; --no-ramp: all at once, a
+burst of c that identical requests keep in phase for the whole level).
 
 The levels: --concurrency lists them; --sweep START[:STEP[:MAX]] grows them instead (START, START+STEP, ...; no STEP:
 doubling) up to MAX and stops at the first level that breaks the SLO: its TTFA p99 over --slo-ttfa-p99-ms, a stream
@@ -28,6 +30,8 @@ Per level (client-side; the units as perf/README.md defines them):
   TTFA      request sent -> first non-empty audio, ms: mean / p50 / p90 / p99
   RTF       each request's wall time / its own audio seconds, averaged (also p50, p99)
   audio_s_per_s, req_per_s, frames_per_s   totals over the level's wall time (first send -> last end)
+  audio_s_per_s_steady   the audio that arrived while every worker was loaded (from the last worker's first send
+                  to the first worker's last end), over that window: the rate without the ramp and the drain
   stall_fraction  share of requests whose audio would underrun if played from its first chunk's arrival;
                   stall_at_chunk (the first late chunk's index: requests) and dry_ms_max (longest silence)
   gpu_mem_peak_mib  peak memory.used summed over visible GPUs during the level (pynvml, else nvidia-smi;
@@ -268,6 +272,9 @@ class Record:
     max_gap_s: float | None = None  # largest gap between chunk arrivals
     server: dict = field(default_factory=dict)  # the model's final stats (gRPC only)
     pid: int = 0  # the client process that ran it (`--procs`)
+    worker: int = 0  # the worker that ran it (0..c-1 across processes)
+    arrivals: list = field(default_factory=list)  # each chunk's arrival, seconds since the level started
+    chunk_audio_s: list = field(default_factory=list)  # each chunk's audio seconds, in order
 
     @property
     def rtf(self) -> float | None:
@@ -418,6 +425,8 @@ class HttpWorker:
 
 def _finish(rec: Record, arrivals, durations, o) -> None:
     rec.pid = os.getpid()
+    rec.arrivals = [round(rec.t_send + t, 5) for t in arrivals]
+    rec.chunk_audio_s = [round(d, 6) for d in durations]
     if rec.sample_rate:
         rec.audio_s = rec.samples / rec.sample_rate
     rec.frames = int(rec.server.get("frames", round(rec.samples / HOP))) if rec.ok else 0
@@ -489,19 +498,36 @@ def make_worker(o: "Options", refs: dict):
     return GrpcWorker(o.url, o.model, o, refs)
 
 
-def run_workers(workers: list, warm_jobs: list[Job], barrier, start, clock, next_job, o: "Options"):
-    """Each worker in a thread of its own: its warm-up job (if any), then `barrier` (the level's start), then jobs
-    from `next_job()` (None: none left) until the deadline. `start()` runs in the calling thread once the threads
-    are started (it passes the barrier itself, or returns at once when another process does); `clock()` -> (t0,
-    deadline), read after the barrier. -> (records, warm-up errors)."""
+def ramp_delay(rank: int, c: int, warm_s: float | None, o: "Options") -> float:
+    """Seconds after the level's start at which worker `rank` of `c` sends its first request (`--ramp`): the
+    workers' first requests spread evenly over one request's time, estimated from the worker's own warm-up request
+    (its wall time scaled by frames / warm-up frames), so that the level's requests start and end at every step as a
+    steady load's do, not in waves of c at once (identical requests started together stay in phase). 0 without a
+    ramp or a warm-up."""
+    if not o.ramp or warm_s is None or c <= 1:
+        return 0.0
+    return rank / c * warm_s * o.frames / max(1, o.warmup_frames)
+
+
+def run_workers(workers: list, warm_jobs: list[Job], barrier, start, clock, next_job, o: "Options",
+                ranks: list[int] | None = None, c: int | None = None):
+    """Each worker in a thread of its own: its warm-up job (if any), then `barrier` (the level's start), then, from
+    its `ramp_delay` on, jobs from `next_job()` (None: none left) until the deadline. `start()` runs in the calling
+    thread once the threads are started (it passes the barrier itself, or returns at once when another process
+    does); `clock()` -> (t0, deadline), read after the barrier. `ranks`: each worker's index among the level's `c`
+    workers (default: these alone). -> (records, warm-up errors)."""
     records: list[Record] = []
     warm_errors: list[str] = []
     lock = threading.Lock()
+    ranks = list(range(len(workers))) if ranks is None else ranks
+    c = len(workers) if c is None else c
 
     def loop(k: int):
         w = workers[k]
+        warm_s = None
         if warm_jobs:
             r = w.run(warm_jobs[k], time.perf_counter())
+            warm_s = r.total_s if r.ok else None
             if not r.ok:
                 with lock:
                     warm_errors.append(r.error or "?")
@@ -510,11 +536,13 @@ def run_workers(workers: list, warm_jobs: list[Job], barrier, start, clock, next
         except threading.BrokenBarrierError:
             return
         t0, deadline = clock()
+        time.sleep(max(0.0, t0 + ramp_delay(ranks[k], c, warm_s, o) - time.perf_counter()))
         while time.perf_counter() < deadline:
             job = next_job()
             if job is None:
                 return
             r = w.run(job, t0)
+            r.worker = ranks[k]
             with lock:
                 records.append(r)
 
@@ -534,10 +562,10 @@ def run_workers(workers: list, warm_jobs: list[Job], barrier, start, clock, next
     return records, warm_errors
 
 
-def _level_process(o: "Options", refs: dict, count: int, warm_jobs: list[Job], jobs, barrier, clock_values,
-                   out) -> None:
+def _level_process(o: "Options", refs: dict, ranks: list[int], c: int, warm_jobs: list[Job], jobs, barrier,
+                   clock_values, out) -> None:
     """A process's share of a level's workers (`--procs`): `count` workers, their warm-up jobs (or none), then jobs
-    from the shared queue; its records and warm-up errors into `out`. The parent passes the barrier when every
+    from the shared queue (`ranks`: their indexes among the level's `c`); its records and warm-up errors into `out`. The parent passes the barrier when every
     worker waits at it, after writing the level's start and deadline (time.perf_counter: CLOCK_MONOTONIC, one
     clock for every process)."""
     def next_job():
@@ -547,9 +575,9 @@ def _level_process(o: "Options", refs: dict, count: int, warm_jobs: list[Job], j
             return None
 
     try:
-        workers = [make_worker(o, refs) for _ in range(count)]
+        workers = [make_worker(o, refs) for _ in ranks]
         records, warm_errors = run_workers(workers, warm_jobs, barrier, lambda: None,
-                                           lambda: (clock_values[0], clock_values[1]), next_job, o)
+                                           lambda: (clock_values[0], clock_values[1]), next_job, o, ranks, c)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which counts the level's requests
         records, warm_errors = [], [f"worker process: {type(e).__name__}: {e}"[:300]]
     out.put((records, warm_errors))
@@ -590,6 +618,7 @@ class Options:
     procs: int = 1  # processes a level's workers are split over (each its own GIL): 1 = this process's threads
     sweep: "SweepPlan | None" = None  # levels grown until one breaks the SLO, instead of `concurrency`
     slo_ttfa_p99_ms: float = 500.0  # the sweep's SLO: TTFA p99 at most this, no stream ran dry, every request ok
+    ramp: bool = True  # each level's first requests spread over one request's time (`ramp_delay`), not sent at once
 
 
 class Sweep:
@@ -670,9 +699,9 @@ class Sweep:
             pending.put(j)
         barrier = ctx.Barrier(c + 1)
         clock_values = ctx.Array("d", 2, lock=False)
-        counts = [len(range(k, c, procs)) for k in range(procs)]  # workers of each process
+        ranks = [list(range(k, c, procs)) for k in range(procs)]  # the workers of each process
         shares = [warm_jobs[k::procs] for k in range(procs)]  # their warm-up jobs (none without level warm-up)
-        ps = [ctx.Process(target=_level_process, args=(o, self.refs, counts[k], shares[k], pending, barrier,
+        ps = [ctx.Process(target=_level_process, args=(o, self.refs, ranks[k], c, shares[k], pending, barrier,
                                                        clock_values, out), daemon=True, name=f"loadgen-{k}")
               for k in range(procs)]
         for p in ps:
@@ -789,8 +818,26 @@ def _r(x, nd=4):
     return None if x is None else round(float(x), nd)
 
 
+def steady(records: list[Record]) -> tuple[float, float, float] | None:
+    """The level's steady window: from the last worker's first send (every worker loaded) to the first worker's last
+    end (from then on the load drains). -> (start s, end s, audio-s/s of the chunks that arrived in it), None when
+    the window is empty (too few requests a worker)."""
+    first, last = {}, {}
+    for r in records:
+        first[r.worker] = min(first.get(r.worker, r.t_send), r.t_send)
+        last[r.worker] = max(last.get(r.worker, 0.0), r.t_send + (r.total_s or 0.0))
+    if not first:
+        return None
+    t_s, t_e = max(first.values()), min(last.values())
+    if t_e <= t_s:
+        return None
+    audio = sum(d for r in records if r.ok for t, d in zip(r.arrivals, r.chunk_audio_s) if t_s <= t <= t_e)
+    return t_s, t_e, audio / (t_e - t_s)
+
+
 def summarize(c: int, n: int, records: list[Record], wall: float, gstats: dict, warm_errors: list[str], o: Options) -> dict:
     ok = [r for r in records if r.ok]
+    window = steady(records)
     ttfa = [r.ttfa_s * 1e3 for r in ok if r.ttfa_s is not None]
     rtf = [r.rtf for r in ok if r.rtf is not None]
     audio = sum(r.audio_s for r in ok)
@@ -812,6 +859,9 @@ def summarize(c: int, n: int, records: list[Record], wall: float, gstats: dict, 
         "server_ttfa_ms_mean": _r(np.mean(stv) * 1e3, 2) if stv else None,
         "rtf_mean": _r(np.mean(rtf)) if rtf else None, "rtf_p50": _r(_pct(rtf, 50)), "rtf_p99": _r(_pct(rtf, 99)),
         "audio_s_per_s": _r(audio / span, 3), "req_per_s": _r(len(ok) / span, 3), "frames_per_s": _r(frames / span, 2),
+        # every worker loaded (`steady`): the level's rate without its start and its drain
+        "audio_s_per_s_steady": _r(window[2], 3) if window else None,
+        "steady_window_s": [_r(window[0], 3), _r(window[1], 3)] if window else None,
         "audio_s_per_request_mean": _r(audio / len(ok)) if ok else None,
         "frames_per_request_mean": _r(frames / len(ok), 2) if ok else None,
         "frames_short": sum(r.frames < o.frames for r in ok),
@@ -854,7 +904,8 @@ def ttfa_parts(ok: list[Record]) -> dict:
 
 
 COLUMNS = [("c", "concurrency"), ("reqs ok/n", None), ("TTFA mean ms", "ttfa_ms_mean"), ("TTFA p50 ms", "ttfa_ms_p50"),
-           ("TTFA p99 ms", "ttfa_ms_p99"), ("RTF mean", "rtf_mean"), ("audio-s/s", "audio_s_per_s"), ("req/s", "req_per_s"),
+           ("TTFA p99 ms", "ttfa_ms_p99"), ("RTF mean", "rtf_mean"), ("audio-s/s", "audio_s_per_s"),
+           ("audio-s/s steady", "audio_s_per_s_steady"), ("req/s", "req_per_s"),
            ("frames/s", "frames_per_s"), ("stalls", "stall_fraction"), ("peak GPU MiB", "gpu_mem_peak_mib")]
 
 
@@ -986,7 +1037,8 @@ def sweep_summary(levels: list[dict], plan: SweepPlan, ttfa_p99_ms: float, done:
     ended the sweep ("stopped_by": "requests" when a request failed, else "slo", or "max" when every level met it;
     None while it runs)."""
     def row(lv):
-        return {"concurrency": lv["concurrency"], "audio_s_per_s": lv["audio_s_per_s"], "ttfa_ms_p50": lv["ttfa_ms_p50"],
+        return {"concurrency": lv["concurrency"], "audio_s_per_s": lv["audio_s_per_s"],
+                "audio_s_per_s_steady": lv.get("audio_s_per_s_steady"), "ttfa_ms_p50": lv["ttfa_ms_p50"],
                 "ttfa_ms_p99": lv["ttfa_ms_p99"], "underruns": underruns(lv), "ok": lv["ok"], "requests": lv["requests"]}
 
     met, broken = [], None
@@ -1008,7 +1060,7 @@ def sweep_markdown(sw: dict) -> str:
     """The section "peak within the SLO": one row, the peak level's numbers and the first level over the SLO."""
     head = (f"### peak within the SLO (TTFA p99 <= {sw['slo']['ttfa_ms_p99_max']:g} ms, no stream ran dry, every "
             f"request ok; levels {sw['plan']['rule']})")
-    cols = ["c", "audio-s/s", "TTFA p50 ms", "TTFA p99 ms", "underruns", "first level over the SLO"]
+    cols = ["c", "audio-s/s", "audio-s/s steady", "TTFA p50 ms", "TTFA p99 ms", "underruns", "first level over the SLO"]
     b = sw["broken"]
     if b:
         over = f"c={b['concurrency']}: " + "; ".join(b["reasons"].values())
@@ -1016,8 +1068,8 @@ def sweep_markdown(sw: dict) -> str:
         over = f"none up to c={sw['concurrencies'][-1]}" + (" (MAX reached)" if sw["stopped_by"] == "max" else "") \
             if sw["concurrencies"] else "none run"
     p = sw["peak"]
-    cells = ([str(p[k]) for k in ("concurrency", "audio_s_per_s", "ttfa_ms_p50", "ttfa_ms_p99", "underruns")] if p
-             else ["none"] + ["-"] * 4)
+    cells = ([str(p.get(k)) for k in ("concurrency", "audio_s_per_s", "audio_s_per_s_steady", "ttfa_ms_p50",
+                                       "ttfa_ms_p99", "underruns")] if p else ["none"] + ["-"] * 5)
     over = over.replace("|", "/")  # an error text inside the table's cell
     return "\n".join([head, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols),
                       "| " + " | ".join(cells + [over]) + " |"])
@@ -1050,6 +1102,9 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     ap.add_argument("--warmup", type=int, default=2, help="warm-up requests, one at a time, before the sweep")
     ap.add_argument("--warmup-frames", type=int, default=16, help="frames of each worker's warm-up request per level")
     ap.add_argument("--no-level-warmup", action="store_true", help="no per-worker warm-up request before each level")
+    ap.add_argument("--no-ramp", action="store_true",
+                    help="every worker's first request at the level's start (a burst of c requests, which identical "
+                         "requests keep in phase), rather than spread over one request's time (ramp_delay)")
     ap.add_argument("--clone-fraction", type=float, default=0.0, help="share of voice-clone requests, 0..1")
     ap.add_argument("--clone-mode", choices=["codes", "audio", "mixed"], default="codes",
                     help="codes: reference encoded once via dac_encoder (HTTP: a registered voice); audio: the waveform "
@@ -1102,7 +1157,7 @@ def parse_args(argv=None) -> tuple[Options, argparse.Namespace]:
     o = Options(url=a.url, model=a.model, encoder_model=a.encoder_model, target=a.target, http_model=a.http_model,
                 api_key=a.api_key, http_ignore_eos=a.http_ignore_eos, concurrency=levels,
                 requests_per_level=per_level, level_requests=level_requests, frames=a.frames, ignore_eos=not a.no_ignore_eos, warmup=a.warmup,
-                warmup_frames=a.warmup_frames, level_warmup=not a.no_level_warmup, clone_fraction=a.clone_fraction,
+                warmup_frames=a.warmup_frames, level_warmup=not a.no_level_warmup, ramp=not a.no_ramp, clone_fraction=a.clone_fraction,
                 clone_mode=a.clone_mode, fresh_references=a.fresh_references, ref_seconds=a.ref_seconds, ref_sample_rate=a.ref_sample_rate,
                 temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, first_chunk_frames=a.first_chunk_frames,
                 chunk_frames=a.chunk_frames, timeout=a.timeout, level_timeout=a.level_timeout, reuse_stream=a.reuse_stream,

@@ -93,11 +93,11 @@ def test_sweep_plan_and_its_stop():
     levels = [_level(1, 3.0, 50.0), _level(2, 5.0, 90.0), _level(3, 4.0, 120.0), _level(4, 9.0, 700.0)]
     sw = sweep_summary(levels, plan, 500)
     assert sw["concurrencies"] == [1, 2, 3, 4] and sw["met"] == [1, 2, 3] and sw["stopped_by"] == "slo"
-    assert sw["peak"] == {"concurrency": 2, "audio_s_per_s": 5.0, "ttfa_ms_p50": 45.0, "ttfa_ms_p99": 90.0,
-                          "underruns": 0, "ok": 4, "requests": 4}
+    assert sw["peak"] == {"concurrency": 2, "audio_s_per_s": 5.0, "audio_s_per_s_steady": None, "ttfa_ms_p50": 45.0,
+                          "ttfa_ms_p99": 90.0, "underruns": 0, "ok": 4, "requests": 4}
     assert sw["broken"]["concurrency"] == 4 and sw["broken"]["reasons"] == {"ttfa_p99": "TTFA p99 700.0 ms > 500 ms"}
     assert sw["plan"] == {"start": 1, "step": 1, "max": 4, "rule": "1, then +1 each, up to 4"}
-    assert sweep_markdown(sw).splitlines()[-1] == "| 2 | 5.0 | 45.0 | 90.0 | 0 | c=4: TTFA p99 700.0 ms > 500 ms |"
+    assert sweep_markdown(sw).splitlines()[-1] == "| 2 | 5.0 | None | 45.0 | 90.0 | 0 | c=4: TTFA p99 700.0 ms > 500 ms |"
 
     assert sweep_summary(levels[:3], plan, 500, done=False)["stopped_by"] is None  # still running
     full = sweep_summary(levels[:3], SweepPlan(1, 1, 3), 500)
@@ -109,7 +109,33 @@ def test_sweep_plan_and_its_stop():
     first = sweep_summary([_level(1, 1.0, 10.0, dry=1)], plan, 500)
     assert first["peak"] is None and first["met"] == [] and first["broken"]["reasons"] == {
         "underruns": "1 of 4 streams ran dry"}
-    assert sweep_markdown(first).splitlines()[-1] == "| none | - | - | - | - | c=1: 1 of 4 streams ran dry |"
+    assert sweep_markdown(first).splitlines()[-1] == "| none | - | - | - | - | - | c=1: 1 of 4 streams ran dry |"
+
+
+def test_ramp_and_steady_window():
+    """The ramp spreads a level's first requests over one request's time, estimated from each worker's warm-up (none
+    without a ramp, a warm-up or company); the steady window runs from the last worker's first send to the first
+    worker's last end and counts the audio of the chunks that arrived in it, over its length."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    from loadgen import Options, Record, ramp_delay, steady
+
+    o = Options(frames=100, warmup_frames=20)
+    assert [ramp_delay(k, 4, 0.2, o) for k in range(4)] == pytest.approx([0.0, 0.25, 0.5, 0.75])  # 0.2 s x 100/20
+    assert ramp_delay(3, 4, None, o) == 0.0 and ramp_delay(0, 1, 0.2, o) == 0.0
+    assert ramp_delay(3, 4, 0.2, Options(frames=100, warmup_frames=20, ramp=False)) == 0.0
+
+    def rec(worker, t_send, total, arrivals, audio=0.5, ok=True):
+        return Record(0, "plain", ok=ok, worker=worker, t_send=t_send, total_s=total, arrivals=arrivals,
+                      chunk_audio_s=[audio] * len(arrivals))
+
+    records = [rec(0, 0.0, 1.0, [0.2, 0.9]), rec(0, 1.0, 1.0, [1.2, 1.9]),  # worker 0: ends last at 2.0
+               rec(1, 0.5, 1.0, [0.7, 1.4]), rec(1, 1.5, 2.0, [1.8, 3.4]),  # worker 1: first sent at 0.5, ends 3.5
+               rec(1, 1.6, 0.1, [1.65], audio=9.0, ok=False)]  # a failed request's audio is not counted
+    t_s, t_e, rate = steady(records)
+    assert (t_s, t_e) == (0.5, 2.0)
+    assert rate == pytest.approx(0.5 * 6 / 1.5)  # the chunks at 0.7, 0.9, 1.2, 1.4, 1.8, 1.9
+    assert steady([rec(0, 0.0, 1.0, [0.5]), rec(1, 2.0, 1.0, [2.5])]) is None  # worker 1 started after 0 ended
+    assert steady([]) is None
 
 
 def test_targets_table_reads_a_run(tmp_path):
@@ -214,6 +240,16 @@ def test_loadgen_sweep(triton_server, tmp_path):
             assert sv["to_engine_s"] + sv["engine_first_audio_s"] <= sv["ttfa_s"] + 1e-3 and sv["ttfa_s"] <= q["ttfa_s"]
             assert sum(q["chunk_frames"]) == FRAMES and len(q["chunk_frames"]) == q["chunks"]
             assert 0 <= q["t_send"] <= lv["wall_s"]
+            assert q["arrivals"] == sorted(q["arrivals"]) and len(q["arrivals"]) == q["chunks"]
+            assert q["t_send"] < q["arrivals"][0] <= q["t_send"] + q["total_s"] + 1e-3
+            assert sum(q["chunk_audio_s"]) == pytest.approx(q["audio_s"], abs=1e-4)
+        # the ramp: at c=2 the second worker's first request after the first worker's; the steady window from it
+        first = {w: min(q["t_send"] for q in lv["records"] if q["worker"] == w) for w in range(lv["concurrency"])}
+        if lv["concurrency"] == 2:
+            assert first[1] > first[0]
+        if lv["steady_window_s"] is not None:
+            assert lv["steady_window_s"][0] == pytest.approx(max(first.values()), abs=1e-3)
+            assert lv["audio_s_per_s_steady"] > 0
     assert kinds == {"plain", "clone_codes", "clone_audio"}, kinds
 
     # the targets table from this run's own file: c=1 measured (a tiny model on a CPU meets none of the speed
@@ -275,12 +311,14 @@ def _check_sweep_against_its_levels(r, stdout):
     if met:
         best = max(met, key=lambda lv: lv["audio_s_per_s"])
         assert sw["peak"] == {"concurrency": best["concurrency"], "audio_s_per_s": best["audio_s_per_s"],
-                              "ttfa_ms_p50": best["ttfa_ms_p50"], "ttfa_ms_p99": best["ttfa_ms_p99"], "underruns": 0,
-                              "ok": best["ok"], "requests": best["requests"]}
-        row = [str(best[k]) for k in ("concurrency", "audio_s_per_s", "ttfa_ms_p50", "ttfa_ms_p99")] + ["0"]
+                              "audio_s_per_s_steady": best["audio_s_per_s_steady"], "ttfa_ms_p50": best["ttfa_ms_p50"],
+                              "ttfa_ms_p99": best["ttfa_ms_p99"], "underruns": 0, "ok": best["ok"],
+                              "requests": best["requests"]}
+        row = [str(best[k]) for k in ("concurrency", "audio_s_per_s", "audio_s_per_s_steady", "ttfa_ms_p50",
+                                      "ttfa_ms_p99")] + ["0"]
     else:
         assert sw["peak"] is None
-        row = ["none", "-", "-", "-", "-"]
+        row = ["none", "-", "-", "-", "-", "-"]
     section = stdout.split("### peak within the SLO")[1].strip().splitlines()
     assert section[2].startswith("| c | audio-s/s |") and section[4].startswith("| " + " | ".join(row) + " | "), section
     return section[4]

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""The AR's matrix products alone, at a decode step's row counts: each form the model can run them in, timed on the
+GPU at every weight shape of S2 Pro's layers, and the step's sum of them (36 slow layers once, 4 fast layers for
+each of the 9 codebooks).
+
+    python perf/bench_products.py --rows 1,16,32,64,128 --json products.json
+
+Forms: `cublas` (F.linear in bf16), `kernel` (`ar.kernels.linear`, the row-invariant split-K kernel, in its
+default tiling and in each `--tiling`), and with `--fp8` the FP8 weights' forms: `fp8_kernel` (the same kernel,
+weight widened in registers, at `Fp8Linear`'s tiling for that row count) and `fp8_cublas` (`kernels.fp8_matmul`:
+the activations quantized too, cuBLAS's FP8 product). Each timing is a CUDA graph of one product over each of
+`--copies` weight copies in turn (their bytes many times the L2, so every call reads its weight from memory);
+median of the replays, per product. Prints one table: microseconds a product, and the weight's bytes over that
+time (TB/s); the last rows sum a step's products per form, with the best form per shape and row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from s2tts.perf_tools import exit_now  # noqa: E402
+
+DIM, HEADS, KV_HEADS, HEAD_DIM, FFN = 2560, 32, 8, 128, 9728  # S2 Pro's slow and fast AR layers alike
+SHAPES = {  # name: [N, K] of one layer's weight
+    "wqkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, DIM),
+    "wo": (DIM, HEADS * HEAD_DIM),
+    "w13": (2 * FFN, DIM),
+    "w2": (DIM, FFN),
+}
+PER_STEP = 36 + 4 * 9  # each shape's products in a decode step: the slow AR's layers once, the fast AR's per codebook
+
+
+def tiling(text: str) -> tuple[str, dict]:
+    """'NAME=key=value,...' -> (NAME, overrides of kernels.GEMV_CONFIG)."""
+    name, _, rest = text.partition("=")
+    return name, {k: int(v) for k, v in (kv.split("=", 1) for kv in rest.split(",") if kv)}
+
+
+def time_us(fn, iters: int) -> float:
+    """Median microseconds of one replay of a graph of `fn` (`fn` runs its products over every copy once)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_tbps(gib: float = 2.0) -> float:
+    """A device-to-device copy's bandwidth (bytes read + written a second, TB/s): the memory's ceiling here."""
+    n = int(gib * 2**30) // 2
+    a, b = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_(), torch.empty(n, dtype=torch.bfloat16,
+                                                                                   device="cuda")
+    us = time_us(lambda: b.copy_(a), 10)
+    return 2 * a.numel() * 2 / us / 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,16,32,64,128")
+    ap.add_argument("--copies", type=int, default=6, help="weight copies a graph cycles through")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--tiling", action="append", default=[],
+                    help="NAME=key=value,...: the kernel also with kernels.GEMV_CONFIG's keys overridden (programs, "
+                         "block_n, block_k, num_warps, num_stages, max_block_m, swap); repeat for more")
+    ap.add_argument("--fp8", action="store_true", help="also the FP8 weights' forms")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+
+    from s2tts.ar import kernels
+    from s2tts.ar.model import Fp8Linear
+
+    torch.manual_seed(0)
+    rows = [int(r) for r in args.rows.split(",")]
+    base = dict(kernels.GEMV_CONFIG)
+    tilings = [("kernel", {})] + [tiling(t) for t in args.tiling]
+    results = []
+    ceiling = copy_tbps()
+    print(f"copy: {ceiling:.2f} TB/s", flush=True)
+    for shape, (N, K) in SHAPES.items():
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(args.copies)]
+        w8 = [kernels.quantize_fp8(w) for w in ws] if args.fp8 else []
+        for M in rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            forms = {"cublas": lambda: [F.linear(x, w) for w in ws],
+                     "cublaslt": lambda: _blas("cublaslt", lambda: [F.linear(x, w) for w in ws])}
+            for name, over in tilings:
+                forms[name] = lambda over=over: _with(kernels.GEMV_CONFIG, base, over,
+                                                      lambda: [kernels.linear(x, w, max_rows=1 << 30) for w in ws])
+            if args.fp8:
+                forms["fp8_kernel"] = lambda: [kernels.linear(x, q, scale=s, wide_rows=Fp8Linear.WIDE_ROWS)
+                                               for q, s in w8]
+                forms["fp8_cublas"] = lambda: [kernels.fp8_matmul(x, q, s) for q, s in w8]
+            ref = F.linear(x.float(), ws[0].float())
+            for form, fn in forms.items():
+                try:
+                    out = fn()[0].float()
+                    err = float((out - ref).norm() / ref.norm())
+                    us = time_us(fn, args.iters) / args.copies
+                except Exception as e:  # noqa: BLE001 - a tiling that does not fit (shared memory): noted, skipped
+                    print(json.dumps({"shape": shape, "rows": M, "form": form, "error": str(e)[:200]}), flush=True)
+                    continue
+                wbytes = N * K * (1 if form.startswith("fp8") else 2)
+                r = {"shape": shape, "N": N, "K": K, "rows": M, "form": form, "us": round(us, 2),
+                     "tbps": round(wbytes / us / 1e6, 3), "rel_err": round(err, 5)}
+                results.append(r)
+                print(json.dumps(r), flush=True)
+        del ws, w8
+        torch.cuda.empty_cache()
+    _table(results, rows, ceiling)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_tbps": ceiling, "results": results}, indent=2))
+    return 0
+
+
+def _blas(library: str, fn):
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        return fn()
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+
+
+def _with(config: dict, base: dict, over: dict, fn):
+    config.clear()
+    config.update(base, **over)
+    try:
+        return fn()
+    finally:
+        config.clear()
+        config.update(base)
+
+
+def _table(results: list[dict], rows: list[int], ceiling: float) -> None:
+    forms = list(dict.fromkeys(r["form"] for r in results))
+    at = {(r["shape"], r["rows"], r["form"]): r for r in results}
+    print(f"\ncopy ceiling {ceiling:.2f} TB/s; us a product (TB/s of its weight)\n")
+    print("| shape | rows | " + " | ".join(forms) + " |\n|" + "---|" * (len(forms) + 2))
+    for shape in SHAPES:
+        for M in rows:
+            cells = [f"{at[(shape, M, f)]['us']:.1f} ({at[(shape, M, f)]['tbps']:.2f})" if (shape, M, f) in at
+                     else "" for f in forms]
+            print(f"| {shape} | {M} | " + " | ".join(cells) + " |")
+    print("\nA step's products (ms): each form alone, and the best form of each shape")
+    print("| rows | " + " | ".join(forms) + " | best of bf16 forms | best of all |\n|" + "---|" * (len(forms) + 3))
+    for M in rows:
+        def step_ms(fs):  # the step's products, each shape in the fastest of `fs` timed at M rows
+            per = [[at[(s, M, f)]["us"] for f in fs if (s, M, f) in at] for s in SHAPES]
+            return f"{sum(min(p) for p in per) * PER_STEP / 1e3:.2f}" if all(per) else ""
+        bf16 = [f for f in forms if not f.startswith("fp8")]
+        print(f"| {M} | " + " | ".join(step_ms([f]) for f in forms) + f" | {step_ms(bf16)} | {step_ms(forms)} |")
+
+
+if __name__ == "__main__":
+    rc = main()
+    exit_now(rc)
