@@ -177,10 +177,11 @@ if triton is not None:
         tl.store(O + b * stride_ob + h * stride_oh + d, out.to(O.dtype.element_ty), mask=d * 0 + length > per)
 
 
-# `decode_attention`'s tiling: keys a tile, warps a program, Triton's software-pipeline stages for its tile loop (3:
-# Triton's default), and whether a tile's values are read beside its keys; the tiling that read the slow AR's keys
-# fastest on a GPU. A cache of fewer positions than a tile takes `short_keys_config`.
-DECODE_ATTENTION_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 3, "kv_together": 0}
+# `decode_attention`'s tiling: keys a tile, warps a program, Triton's software-pipeline stages for its tile loop (2:
+# one tile loaded ahead; the output bits do not depend on it), and whether a tile's values are read beside its keys;
+# the tiling that read the slow AR's keys fastest on a GPU (perf/STATUS.md). A cache of fewer positions than a tile
+# takes `short_keys_config`.
+DECODE_ATTENTION_CONFIG = {"block_n": 64, "num_warps": 4, "num_stages": 2, "kv_together": 0}
 
 
 SHORT_KEYS = True  # `short_keys_config` in use (perf/bench_engine.py's variants turn it off: short_keys=0)
