@@ -595,6 +595,31 @@ def test_compare_script_runs_both_trees_and_prints_their_tables(tiny_ckpt, tmp_p
     assert none.returncode == 2 and "the base tree needs" in none.stderr, none.stderr
 
 
+def test_compare_sweep_serves_a_tree_and_prints_its_sweep(tiny_ckpt, tmp_path):
+    """perf/compare_sweep.sh on the CPU with this tree alone (TREES=final): its server started on the given ports,
+    swept by loadgen (a lenient SLO: one level, two requests) and stopped; the table printed last is the sweep's own.
+    Asked for the base tree without one, it says what it needs."""
+    from servers import free_port
+
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "TREES": "final", "DEVICE": "cpu", "CKPT": str(tiny_ckpt),
+           "PYTHON": sys.executable, "USE_CARRIED": "0", "SWEEP": "1:1:1", "REQUESTS": "2",
+           "LOADGEN_ARGS": "--frames 4 --warmup 0 --slo-ttfa-p99-ms 1000000 --timeout 120",
+           "FINAL_SETTINGS": "--set max_batch=2", "GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()),
+           "METRICS_PORT": str(free_port())}
+    p = _run(["bash", "perf/compare_sweep.sh"], timeout=400, env=env)
+    r = json.loads((out / "sweep_final.json").read_text())
+    (lv,) = r["levels"]
+    assert lv["concurrency"] == 1 and lv["ok"] == 2 and r["sweep"]["peak"]["concurrency"] == 1, lv["error_samples"]
+    assert r["server"]  # the models' parameters read from the server it started
+    table = p.stdout.split("== final")[1]
+    assert f"| 1 | 2/2 | {lv['ttfa_ms_mean']} |" in table, p.stdout
+    assert "tritonserver ready in" in p.stdout and (out / "work_final" / "tritonserver.log").is_file()
+    none = subprocess.run(["bash", "perf/compare_sweep.sh"], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "TREES": "final base", "BASE_DIR": str(tmp_path / "missing")})
+    assert none.returncode == 2 and "the base tree needs" in none.stderr, none.stderr
+
+
 def test_host_bench_runs_the_serving_loop_over_an_idle_engine(tmp_path):
     """perf/bench_host.py: the loop's own Python at 8 streams, an engine and a codec that do nothing. Requests of 12
     frames end (their final responses reach their responders) and are replaced, about one for every 12 frames the
