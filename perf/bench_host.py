@@ -135,9 +135,9 @@ class SilentCodec:
     padded to a prepared length, streams padded to the pool's batch bucket, at most `max_frames` frames a call):
     how many streams a call holds and what share of the frames a GPU would decode is padding."""
 
-    def __init__(self, lengths, max_frames: int | None = None):
-        self.lengths = sorted(lengths)
-        self.max_frames = max_frames
+    def __init__(self, lengths, max_batch: int, max_frames: int | None = None):
+        self.lengths = sorted(set(lengths))
+        self.caps = SlotPool.call_caps(self.lengths, SlotPool.batch_buckets(SlotPool.BUCKETS, max_batch), max_frames)
         self.silence = np.zeros(0, np.float32)
         self.calls = self.streams = self.frames = self.computed = 0
 
@@ -145,13 +145,12 @@ class SilentCodec:
         return [n]
 
     def _bucket(self, rows: int, n: int) -> list[int]:
-        """The batch buckets the pool decodes `rows` streams of `n` frames in (`SlotPool.warm`'s cap, then
-        `SlotPool.decode`'s bucket)."""
-        fit = [b for b in SlotPool.BUCKETS if self.max_frames is None or b * n <= self.max_frames] or [1]
-        cap, out = fit[-1], []
+        """The batches the pool decodes `rows` streams of `n` frames in: calls of at most its cap for n
+        (`SlotPool.call_caps`), each at its bucket (`SlotPool.bucket_for`)."""
+        cap, out = self.caps.get(n) or rows, []
         while rows > 0:
             part = min(rows, cap)
-            out.append(next(b for b in SlotPool.BUCKETS if b >= part))
+            out.append(SlotPool.bucket_for(SlotPool.BUCKETS, part))
             rows -= part
         return out
 
@@ -162,7 +161,7 @@ class SilentCodec:
         for _, _, codes, _, final in jobs:
             n = codes.shape[0]
             if n:
-                at = next((L for L in self.lengths if L >= n), n) if final else n
+                at = SlotPool.padded_to(self.lengths, n) if final else n
                 groups.setdefault(at, []).append(n)
         for at, ns in groups.items():
             buckets = self._bucket(len(ns), at)
@@ -196,7 +195,7 @@ def level(streams: int, seconds: float, frames: int, values: dict) -> dict:
     config = EngineConfig.from_values(values, max_batch=streams, max_queued_requests=streams)
     engine = IdleEngine(config, frames)
     K = config.codec_batch_steps
-    codec = SilentCodec(EngineService.codec_lengths(values["first_chunk_frames"], values["chunk_frames"], K),
+    codec = SilentCodec(EngineService.codec_lengths(values["first_chunk_frames"], values["chunk_frames"], K), streams,
                         streams * K if K > 1 else None)
     svc = EngineService(engine, lambda codes, reason, stats, audio: (codes.shape[0], reason), lambda e: e,
                         name="host", frame_seconds=FRAME_SECONDS, codec=codec)

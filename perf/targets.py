@@ -22,10 +22,14 @@ from pathlib import Path
 PEAK_TARGET = 800  # audio-s/s at the highest concurrency a sweep finds within its SLO
 
 
-def levels(path: Path) -> dict[int, dict]:
-    if not path.is_file():
-        return {}
-    return {lv["concurrency"]: lv for lv in json.loads(path.read_text()).get("levels", [])}
+def loadgen_result(path: Path) -> dict:
+    """A loadgen JSON ({} when the phase did not run)."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def levels(result: dict) -> dict[int, dict]:
+    """A loadgen result's levels by concurrency."""
+    return {lv["concurrency"]: lv for lv in result.get("levels", [])}
 
 
 def _status(ok: bool | None) -> str:
@@ -52,8 +56,9 @@ def _determinism(path: Path) -> dict[str, dict]:
 
 
 def rows(res: Path) -> list[tuple[str, str, str]]:
-    plain, clone = levels(res / "loadgen.json"), levels(res / "loadgen_clone.json")
-    first_use = levels(res / "loadgen_clone_first.json")  # every reference new to the server (see the doc)
+    run = loadgen_result(res / "loadgen.json")
+    plain, clone = levels(run), levels(loadgen_result(res / "loadgen_clone.json"))
+    first_use = levels(loadgen_result(res / "loadgen_clone_first.json"))  # every reference new to the server (see the doc)
     out = []
 
     def level_row(target, c, text, ok, levels=plain):
@@ -63,7 +68,7 @@ def rows(res: Path) -> list[tuple[str, str, str]]:
     def ttfa_p50(limit_ms):
         return lambda lv: lv["ttfa_ms_p50"] is not None and lv["ttfa_ms_p50"] <= limit_ms
 
-    sweep = json.loads((res / "loadgen.json").read_text()).get("sweep") if (res / "loadgen.json").is_file() else None
+    sweep = run.get("sweep")
     if sweep is None:
         out.append((f"peak within the SLO >= {PEAK_TARGET} audio-s/s (a sweep)", "-", _status(None)))
     else:

@@ -647,7 +647,7 @@ def test_host_bench_counts_the_codec_calls_the_served_decoder_would_make():
     spec = importlib.util.spec_from_file_location("bench_host", ROOT / "perf" / "bench_host.py")
     bh = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bh)
-    codec = bh.SilentCodec([2, 8, 16], max_frames=40)
+    codec = bh.SilentCodec([2, 8, 16], max_batch=64, max_frames=40)
     jobs = [(i, i, np.zeros((8, 10), np.int32), False, False) for i in range(6)]  # 6 x 8 frames: cap 4 a call
     jobs += [(10, 10, np.zeros((3, 10), np.int32), False, True)]  # a final of 3 frames, decoded at 8: one more
     out = codec.decode_many(jobs, 0.0)

@@ -365,6 +365,34 @@ class SlotPool:
         self.cap: dict[int, int] = {}  # chunk length -> the most streams one call decodes (`warm`'s max_frames)
         self._host: torch.Tensor | None = None  # page-locked: a call's audio on its way to the host (GPU)
 
+    # The pool's shape rules, pure functions of its buckets and lengths (perf/bench_host.py counts calls by them)
+    @staticmethod
+    def batch_buckets(buckets: tuple[int, ...], max_batch: int) -> list[int]:
+        """The batch buckets a pool warmed for `max_batch` streams a call holds: up to the first that holds it."""
+        out = []
+        for b in buckets:
+            out.append(b)
+            if b >= max_batch:
+                break
+        return out
+
+    @staticmethod
+    def call_caps(lengths: list[int], buckets: list[int], max_frames: int | None) -> dict[int, int]:
+        """Chunk length -> the most streams one call decodes: the largest bucket within `max_frames` frames (at
+        least the smallest bucket)."""
+        return {n: max([b for b in buckets if max_frames is None or b * n <= max_frames] or buckets[:1])
+                for n in lengths}
+
+    @staticmethod
+    def bucket_for(buckets: tuple[int, ...], rows: int) -> int:
+        """The batch a call of `rows` streams runs at: the first bucket that holds them (rows itself past the last)."""
+        return next((b for b in buckets if b >= rows), rows)
+
+    @staticmethod
+    def padded_to(lengths: list[int], n: int) -> int:
+        """The length a final chunk of n frames decodes at: the first prepared length that holds it (n past them)."""
+        return next((L for L in lengths if L >= n), n)
+
     def take(self) -> int | None:
         return self.free.pop() if self.free else None
 
@@ -429,13 +457,8 @@ class SlotPool:
         frames in fp16) follows the frames a held call decodes, not the longest length. `mark(part)`: called as
         each part of a GPU's warm-up ends (the compiles side by side, the captures). -> graphs made."""
         self.lengths = sorted(set(lengths))
-        buckets = []
-        for b in self.BUCKETS:  # up to the first that holds max_batch
-            buckets.append(b)
-            if b >= max_batch:
-                break
-        self.cap = {n: max([b for b in buckets if max_frames is None or b * n <= max_frames] or buckets[:1])
-                    for n in self.lengths}
+        buckets = self.batch_buckets(self.BUCKETS, max_batch)
+        self.cap = self.call_caps(self.lengths, buckets, max_frames)
         self.old_rows = {dt: t.new_zeros(buckets[-1], t.shape[1]) for dt, t in self.rows.items()}
         if self.use_graphs:
             torch.cuda.set_device(self.device)  # capture on this device (the current one is per thread)
@@ -456,7 +479,7 @@ class SlotPool:
 
     def padded(self, n: int) -> int:
         """The length a final chunk of n frames decodes at."""
-        return next((L for L in self.lengths if L >= n), n)
+        return self.padded_to(self.lengths, n)
 
     def decode(self, slots: list[int], codes: torch.Tensor, keep: list[bool], queued=None):
         """See `_decode`; on a GPU, with the pool's device current (graphs replay on the current device)."""
@@ -480,7 +503,7 @@ class SlotPool:
                 parts.append((audio, finite, {k: v.clone() for k, v in old.items()}))  # the next call reuses the buffer
             return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
                     {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]})
-        Bp = next((b for b in self.BUCKETS if b >= B), B)
+        Bp = self.bucket_for(self.BUCKETS, B)
         idx = torch.tensor(slots + [self.scratch] * (Bp - B), dtype=torch.int64)
         kp = torch.tensor(keep + [False] * (Bp - B), dtype=torch.bool)
         graph, bufs = self.graphs.get((Bp, n)) or (None, self._buffers(Bp, n))
