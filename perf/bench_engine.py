@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from s2tts.perf_tools import exit_now  # noqa: E402
+from s2tts.perf_tools import exit_now, graph_time_ms  # noqa: E402
 
 FPS = 44100 / 2048  # frames per second of audio
 
@@ -32,29 +32,6 @@ FPS = 44100 / 2048  # frames per second of audio
 def config_overrides(text: str) -> dict:
     """'block_n=128,num_warps=8' -> {"block_n": 128, "num_warps": 8}: kernel tiling overrides given on a command line."""
     return {k: int(v) for k, v in (kv.split("=") for kv in text.split(",") if kv)}
-
-
-def graph_time_ms(fn, iters=50, calls=1) -> float:
-    """Median time of one call of fn, `calls` calls of it captured in a CUDA graph (fn must be capturable)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def run_engine(model, residual, batch, frames, graphs: bool, max_seq: int, prompts, dependent_launch=None,

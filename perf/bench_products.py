@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from s2tts.perf_tools import exit_now  # noqa: E402
+from s2tts.perf_tools import exit_now, graph_time_ms  # noqa: E402
 
 DIM, HEADS, KV_HEADS, HEAD_DIM, FFN = 2560, 32, 8, 128, 9728  # S2 Pro's slow and fast AR layers alike
 SHAPES = {  # name: [N, K] of one layer's weight
@@ -45,25 +45,8 @@ def tiling(text: str) -> tuple[str, dict]:
 
 
 def time_us(fn, iters: int) -> float:
-    """Median microseconds of one replay of a graph of `fn` (`fn` runs its products over every copy once)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    """Median microseconds of one replay of a CUDA graph of `fn` (`fn` runs its products over every copy once)."""
+    return graph_time_ms(fn, iters) * 1e3
 
 
 def copy_tbps(gib: float = 2.0) -> float:
@@ -163,12 +146,17 @@ def _table(results: list[dict], rows: list[int], ceiling: float) -> None:
             print(f"| {shape} | {M} | " + " | ".join(cells) + " |")
     print("\nA step's products (ms): each form alone, and the best form of each shape")
     print("| rows | " + " | ".join(forms) + " | best of bf16 forms | best of all |\n|" + "---|" * (len(forms) + 3))
+    bf16 = [f for f in forms if not f.startswith("fp8")]
     for M in rows:
-        def step_ms(fs):  # the step's products, each shape in the fastest of `fs` timed at M rows
-            per = [[at[(s, M, f)]["us"] for f in fs if (s, M, f) in at] for s in SHAPES]
-            return f"{sum(min(p) for p in per) * PER_STEP / 1e3:.2f}" if all(per) else ""
-        bf16 = [f for f in forms if not f.startswith("fp8")]
-        print(f"| {M} | " + " | ".join(step_ms([f]) for f in forms) + f" | {step_ms(bf16)} | {step_ms(forms)} |")
+        cells = [step_ms(results, M, [f]) for f in forms] + [step_ms(results, M, bf16), step_ms(results, M, forms)]
+        print(f"| {M} | " + " | ".join("" if v is None else f"{v:.2f}" for v in cells) + " |")
+
+
+def step_ms(results: list[dict], rows: int, forms: list[str]) -> float | None:
+    """A decode step's products at `rows` rows, ms: each shape's PER_STEP products in the fastest of `forms` timed for
+    it; None when some shape has none of them timed."""
+    per = [[r["us"] for r in results if r["shape"] == s and r["rows"] == rows and r["form"] in forms] for s in SHAPES]
+    return sum(min(p) for p in per) * PER_STEP / 1e3 if all(per) else None
 
 
 if __name__ == "__main__":

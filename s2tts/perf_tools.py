@@ -1,5 +1,5 @@
 """What the perf tools share: locating and running `perf_analyzer` (shipped in the tritonclient==2.51.0 manylinux
-wheel), and the checkpoint a script runs on."""
+wheel), the checkpoint a script runs on, timing a CUDA graph's replays, and ending a GPU run."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 import tritonclient
 
 from .ar.loading import load_model
@@ -68,6 +69,29 @@ def checkpoint_dir(args) -> Path:
     if args.make_full and not (ck / "config.json").is_file():
         write_checkpoint(ck, "full", seed=0, device=args.device)
     return ck
+
+
+def graph_time_ms(fn, iters: int = 50, calls: int = 1) -> float:
+    """Median milliseconds of one call of fn, `calls` calls of it captured in a CUDA graph (fn must be capturable)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return sorted(times)[len(times) // 2]
 
 
 def exit_now(rc: int = 0) -> None:

@@ -138,6 +138,23 @@ def test_ramp_and_steady_window():
     assert steady([]) is None
 
 
+def test_products_step_sum_takes_each_shapes_fastest_form():
+    """bench_products' step sum: per shape the fastest of the forms asked for (a form that failed for a shape is
+    left out), times the step's products of that shape; none when a shape has none of them."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    from bench_products import PER_STEP, SHAPES, step_ms
+
+    us = {"cublas": 10.0, "kernel": 12.0, "fp8_kernel": 7.0}
+    results = [{"shape": s, "rows": 64, "form": f, "us": v + i} for i, s in enumerate(SHAPES) for f, v in us.items()
+               if not (s == "w2" and f == "fp8_kernel")]
+    per_shape = sum(range(len(SHAPES)))
+    assert step_ms(results, 64, ["cublas"]) == pytest.approx((10.0 * len(SHAPES) + per_shape) * PER_STEP / 1e3)
+    assert step_ms(results, 64, ["cublas", "kernel"]) == step_ms(results, 64, ["cublas"])
+    best = (7.0 * (len(SHAPES) - 1) + 10.0 + per_shape) * PER_STEP / 1e3  # w2 has no fp8 timing: its cuBLAS one
+    assert step_ms(results, 64, ["cublas", "fp8_kernel"]) == pytest.approx(best)
+    assert step_ms(results, 64, ["fp8_kernel"]) is None and step_ms(results, 1, ["cublas"]) is None
+
+
 def test_targets_table_reads_a_run(tmp_path):
     """perf/targets.py on a run_gpu.sh result directory: each target met or not by the numbers in its files."""
     sys.path.insert(0, str(ROOT / "perf"))
