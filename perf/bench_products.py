@@ -28,14 +28,17 @@ import torch.nn.functional as F  # noqa: E402
 
 from s2tts.perf_tools import exit_now, graph_time_ms  # noqa: E402
 
-DIM, HEADS, KV_HEADS, HEAD_DIM, FFN = 2560, 32, 8, 128, 9728  # S2 Pro's slow and fast AR layers alike
+from s2tts.random_checkpoint import CODEBOOKS, SIZES  # noqa: E402
+
+_SLOW, _FAST = SIZES["full"]["text"], SIZES["full"]["audio"]  # the full-size checkpoint's layers (both ARs alike)
 SHAPES = {  # name: [N, K] of one layer's weight
-    "wqkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, DIM),
-    "wo": (DIM, HEADS * HEAD_DIM),
-    "w13": (2 * FFN, DIM),
-    "w2": (DIM, FFN),
+    "wqkv": ((_SLOW["n_head"] + 2 * _SLOW["n_local_heads"]) * _SLOW["head_dim"], _SLOW["dim"]),
+    "wo": (_SLOW["dim"], _SLOW["n_head"] * _SLOW["head_dim"]),
+    "w13": (2 * _SLOW["intermediate_size"], _SLOW["dim"]),
+    "w2": (_SLOW["dim"], _SLOW["intermediate_size"]),
 }
-PER_STEP = 36 + 4 * 9  # each shape's products in a decode step: the slow AR's layers once, the fast AR's per codebook
+# each shape's products in a decode step: the slow AR's layers once, the fast AR's once for each residual codebook
+PER_STEP = _SLOW["n_layer"] + _FAST["n_layer"] * (CODEBOOKS - 1)
 
 
 def tiling(text: str) -> tuple[str, dict]:

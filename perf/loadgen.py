@@ -564,10 +564,10 @@ def run_workers(workers: list, warm_jobs: list[Job], barrier, start, clock, next
 
 def _level_process(o: "Options", refs: dict, ranks: list[int], c: int, warm_jobs: list[Job], jobs, barrier,
                    clock_values, out) -> None:
-    """A process's share of a level's workers (`--procs`): `count` workers, their warm-up jobs (or none), then jobs
-    from the shared queue (`ranks`: their indexes among the level's `c`); its records and warm-up errors into `out`. The parent passes the barrier when every
-    worker waits at it, after writing the level's start and deadline (time.perf_counter: CLOCK_MONOTONIC, one
-    clock for every process)."""
+    """A process's share of a level's workers (`--procs`): the workers of `ranks` (their indexes among the level's
+    `c`), their warm-up jobs (or none), then jobs from the shared queue; its records and warm-up errors into `out`.
+    The parent passes the barrier when every worker waits at it, after writing the level's start and deadline
+    (time.perf_counter: CLOCK_MONOTONIC, one clock for every process)."""
     def next_job():
         try:
             return jobs.get(timeout=1.0)

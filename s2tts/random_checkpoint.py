@@ -38,6 +38,7 @@ Streaming audio arrives in chunks; each chunk is decoded as soon as its frames e
 system user assistant speaker reference text speech the of and to in is that it for on with as was
 """
 
+CODEBOOKS = 10  # codebooks a frame, as S2 Pro's: the semantic one and 9 residual ones (every size)
 SIZES = {
     "tiny": dict(
         base_vocab=None, semantic=64, residual=32,
@@ -84,7 +85,7 @@ def make_config(size: str, special_ids: dict[str, int]) -> dict:
     common = dict(rope_base=1e6, norm_eps=1e-6, attention_qkv_bias=False, attention_o_bias=False)
     text = dict(model_type="fish_qwen3", vocab_size=vocab_size, tie_word_embeddings=True, attention_qk_norm=True,
                 **common, **spec["text"])
-    audio = dict(model_type="fish_qwen3_audio_decoder", vocab_size=spec["semantic"], num_codebooks=10,
+    audio = dict(model_type="fish_qwen3_audio_decoder", vocab_size=spec["semantic"], num_codebooks=CODEBOOKS,
                  max_seq_len=11, text_dim=spec["text"]["dim"], tie_word_embeddings=False, attention_qk_norm=False,
                  **common, **spec["audio"])
     return dict(
