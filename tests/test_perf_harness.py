@@ -671,3 +671,19 @@ def test_host_bench_counts_the_codec_calls_the_served_decoder_would_make():
     assert {k: a.size for k, a in out.items()} == {**{i: 8 * 2048 for i in range(6)}, 10: 3 * 2048}
     assert codec.calls == 2 and codec.streams == 7 and codec.frames == 51
     assert codec.computed == (4 + 4) * 8  # 7 streams of 8 frames: calls of 4 and 3, the 3 padded to bucket 4
+
+
+def test_cold_start_builds_slow_ar_as_served_and_reports_its_parts(tiny_ckpt, tmp_path):
+    """perf/cold_start.py on the CPU: slow_ar's engine built from a rendered repository's settings (the tiny
+    checkpoint, the settings given), its parts and compiles written (none on a CPU: no kernel compiles there), and a
+    bad --variant refused before anything is built."""
+    out = tmp_path / "cold.json"
+    p = _run([sys.executable, "perf/cold_start.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
+              "--set", "max_batch=3", "--json", str(out)], timeout=300)
+    got = json.loads(out.read_text())
+    assert got["ready_s"] > 0 and got["compiles"] == 0 and got["settings"] == ["max_batch=3"], got
+    assert any("slow_ar ready in" in line and "max_batch=3 " in line for line in got["log"]), got["log"]
+    assert "0 Triton compiles" in p.stdout
+    bad = subprocess.run([sys.executable, "perf/cold_start.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
+                          "--variant", "s2tts.codec.kernels.NO_SUCH_TABLE"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "give MODULE.NAME=VALUE" in bad.stderr

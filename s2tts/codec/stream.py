@@ -464,10 +464,9 @@ class SlotPool:
             torch.cuda.set_device(self.device)  # capture on this device (the current one is per thread)
             # the largest first: the smaller captures reuse the blocks it freed in the shared pool
             shapes = [(Bp, n) for n in reversed(self.lengths) for Bp in reversed(buckets) if Bp <= self.cap[n]]
-            # every shape's kernels compiled first, side by side (at most twice the largest call's frames at once),
-            # then captured one by one with their kernels at hand
-            jit.compile_ahead([(Bp * n, lambda Bp=Bp, n=n: self._body(self._buffers(Bp, n))) for Bp, n in shapes],
-                          2 * max(Bp * n for Bp, n in shapes), self.device)
+            # every shape's kernels compiled first, all at once (each shape's decode run with its launches turned
+            # into compiles), then captured one by one with their kernels at hand
+            jit.compile_only([lambda Bp=Bp, n=n: self._body(self._buffers(Bp, n)) for Bp, n in shapes])
             if mark is not None:
                 mark("kernels compiled side by side")
             for Bp, n in shapes:

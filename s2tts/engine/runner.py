@@ -451,10 +451,10 @@ class ModelRunner:
         return io
 
     def _compile_ahead(self) -> None:
-        """Every pass and sampling the graphs will hold run once side by side (`gpu.jit.compile_ahead`), so that
-        their kernels' first compiles overlap, each split's passes together (the split is the model's, one at a
-        time). Passes of up to `kernels.GEMV_SMALL_ROWS` rows are left to their capture: their launch mode (`_launch_mode`)
-        is a process-wide switch that passes of more rows, beside them, would turn off."""
+        """Every pass and sampling the graphs will hold compiled ahead: the slow AR's passes as compiles alone, all
+        at once (`gpu.jit.compile_only`), sampling run once side by side (`gpu.jit.compile_ahead`: its draws must
+        see real values). Passes of up to `kernels.GEMV_SMALL_ROWS` rows are left to their capture: their launch
+        mode (`_launch_mode`) is a process-wide switch that passes of more rows, beside them, would turn off."""
         dev, many = self.device, [s for s in self.row_sizes if s > kernels.GEMV_SMALL_ROWS]
         if not many:
             return
@@ -465,11 +465,16 @@ class ModelRunner:
                     fn()
             return run
 
-        for split in sorted({split for s in many for split in self._splits(s)}):
-            self._use_split(split)
-            sizes = [s for s in many if split in self._splits(s)]
-            jit.compile_ahead([(s, inference(lambda s=s: self._slow_core(self._pass_io(s, dev)))) for s in sizes],
-                              2 * max(sizes), dev)
+        def slow_pass(s, split):
+            def run():
+                self._use_split(split)
+                with torch.inference_mode():
+                    self._slow_core(self._pass_io(s, dev))
+            return run
+
+        # the slow AR's passes compile without running (nothing of theirs steers the host); sampling runs for real
+        jit.compile_only([slow_pass(s, split) for split in sorted({sp for s in many for sp in self._splits(s)})
+                          for s in many if split in self._splits(s)])
         samples = [s for s in self.sample_sizes if s > kernels.GEMV_SMALL_ROWS]
         if samples:
             jit.compile_ahead([(s, inference(lambda s=s: self._sample_core(self._sample_io(s, dev)))) for s in samples],

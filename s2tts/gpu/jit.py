@@ -1,6 +1,7 @@
 """Triton, where it is installed, and what every kernel module asks of it: whether kernels can run, whether they
 run in Triton's interpreter (the CPU tests), whether they may use inline PTX, operands laid out for row kernels, and
-warm-up calls run side by side so that their kernels' first compiles overlap (`compile_ahead`)."""
+warm-up calls run side by side so that their kernels' first compiles overlap (`compile_ahead`), each kernel
+compiled once however many threads launch it first (`one_compile_a_key`)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,74 @@ def unit_rows(x2: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
+class _OneCompileAKey:
+    """`triton.compiler.compile` made to compile a kernel variant once when several threads launch it at the same
+    time: Triton's JIT compiles on every thread that finds a variant missing from its in-memory cache, so warm-ups
+    side by side compiled the kernels they share several times over (perf/STATUS.md, "A cold start"). A second
+    thread waits for the first's compile, then reads its result from Triton's file cache; other variants compile
+    side by side as before."""
+
+    def __init__(self, compile_fn: Callable):
+        self.compile_fn, self.locks, self.lock = compile_fn, {}, threading.Lock()
+
+    @staticmethod
+    def key(src, target, options) -> str | None:
+        try:
+            return f"{src.hash()}|{target!r}|{sorted((options or {}).items())!r}"
+        except Exception:  # noqa: BLE001 - a source without a hash (IR text): compiled as Triton would
+            return None
+
+    def __call__(self, src, target=None, options=None, **kwargs):
+        key = self.key(src, target, options)
+        if key is None:
+            return self.compile_fn(src, target=target, options=options, **kwargs)
+        with self.lock:
+            lock = self.locks.setdefault(key, threading.Lock())
+        with lock:
+            return self.compile_fn(src, target=target, options=options, **kwargs)
+
+
+def one_compile_a_key() -> None:
+    """Install `_OneCompileAKey` (once a process) where a kernel's first launch takes its compiler from
+    (`triton.compiler.compile`); the interpreter compiles nothing."""
+    if triton is None or interpreted():
+        return
+    import triton.compiler as compiler
+
+    if not isinstance(compiler.compile, _OneCompileAKey):
+        compiler.compile = _OneCompileAKey(compiler.compile)
+
+
+one_compile_a_key()  # before any kernel of this package launches (each takes its compiler at its first launch)
+
+
 COMPILE_THREADS = 8  # threads that run warm-up calls at once: Triton compiles a kernel mostly outside the GIL
+
+
+def compile_only(calls: list[Callable[[], object]], threads: int = 2 * COMPILE_THREADS) -> None:
+    """Run each of `calls` once, in this thread, with every Triton kernel launch turned into its compile alone (no
+    kernel runs), the compiles queued to `threads` threads (Triton's `AsyncCompileMode`: each variant once) so that
+    a call never waits for one; returns once every variant has compiled. What the calls compute is garbage, so only
+    for calls whose results steer no host decision and reach nothing that checks their values (the codec's decode;
+    not sampling). No other thread of the process may launch a Triton kernel meanwhile: the switch is Triton's
+    `JITFunction.run`, process-wide. Without a GPU (or in the interpreter) nothing compiles: the calls are not run."""
+    if triton is None or interpreted() or not calls or not torch.cuda.is_available():
+        return
+    from triton.runtime.jit import JITFunction
+
+    run = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="compile-only") as pool:
+        with triton.AsyncCompileMode(pool):  # its end waits for every compile it queued
+            JITFunction.run = compile_instead
+            try:
+                for fn in calls:
+                    fn()
+            finally:
+                JITFunction.run = run
 
 
 def compile_ahead(calls: list[tuple[int, Callable[[], object]]], budget: int, device: torch.device | None = None,
