@@ -32,12 +32,22 @@ sys.path.insert(0, str(ROOT))
 
 
 class CompileLog:
-    """Every Triton compile of this process: (kernel, start, seconds, the part of the start it fell in)."""
+    """Every Triton compile of this process: (kernel, seconds, the part of the start it fell in)."""
 
     def __init__(self):
-        self.records: list[tuple[str, float, float, str]] = []
+        self.records: list[tuple[str, float, str]] = []
         self.part = "before the codec"
         self.lock = threading.Lock()
+
+    def within(self, fn, part: str):
+        """fn, its compiles counted in this part of the current one ("captures" -> `part`)."""
+        def call(*a, **k):
+            outer, self.part = self.part, self.part.replace("captures", part)
+            try:
+                return fn(*a, **k)
+            finally:
+                self.part = outer
+        return call
 
     def wrap(self, compile_fn):
         def compile(src, *args, **kwargs):
@@ -47,18 +57,18 @@ class CompileLog:
             finally:
                 name = getattr(getattr(src, "fn", None), "__name__", None) or type(src).__name__
                 with self.lock:
-                    self.records.append((name, t, time.perf_counter() - t, self.part))
+                    self.records.append((name, time.perf_counter() - t, self.part))
         return compile
 
     def summary(self, top: int) -> dict:
         parts, kernels = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
-        for name, _, s, part in self.records:
+        for name, s, part in self.records:
             parts[part][0] += 1
             parts[part][1] += s
             kernels[name][0] += 1
             kernels[name][1] += s
         slow = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
-        return {"compiles": len(self.records), "compile_s": round(sum(r[2] for r in self.records), 2),
+        return {"compiles": len(self.records), "compile_s": round(sum(r[1] for r in self.records), 2),
                 "by_part": {p: {"compiles": n, "compile_s": round(s, 2)} for p, (n, s) in parts.items()},
                 "kernels": {k: {"compiles": n, "compile_s": round(s, 2)} for k, (n, s) in slow}}
 
@@ -113,27 +123,9 @@ def main() -> int:
 
     for v in args.variant:
         set_variant(v)
-    ahead = jit.compile_ahead
-
-    def compile_ahead(*a, **k):  # the compiles of the side-by-side warm-ups, apart from the captures' own
-        part, compiles.part = compiles.part, compiles.part.replace("captures", "side by side")
-        try:
-            return ahead(*a, **k)
-        finally:
-            compiles.part = part
-
-    jit.compile_ahead = compile_ahead
-    only = getattr(jit, "compile_only", None)  # (absent from older trees, which this tool can measure too)
-
-    def compile_only(*a, **k):  # the compiles queued without running the kernels
-        part, compiles.part = compiles.part, compiles.part.replace("captures", "compiles alone")
-        try:
-            return only(*a, **k)
-        finally:
-            compiles.part = part
-
-    if only is not None:
-        jit.compile_only = compile_only
+    jit.compile_ahead = compiles.within(jit.compile_ahead, "side by side")  # the warm-ups', apart from the captures'
+    if hasattr(jit, "compile_only"):  # (absent from older trees, which this tool can measure too)
+        jit.compile_only = compiles.within(jit.compile_only, "compiles alone")
     engine_codec = build._engine_codec
 
     def codec(*a, **k):

@@ -1,7 +1,8 @@
 """Triton, where it is installed, and what every kernel module asks of it: whether kernels can run, whether they
 run in Triton's interpreter (the CPU tests), whether they may use inline PTX, operands laid out for row kernels, and
-warm-up calls run side by side so that their kernels' first compiles overlap (`compile_ahead`), each kernel
-compiled once however many threads launch it first (`one_compile_a_key`)."""
+warm-ups whose launches only compile, queued side by side (`compile_only`), warm-up calls run side by side so that
+their kernels' first compiles overlap (`compile_ahead`), and each kernel variant compiled once however many threads
+launch it first (`one_compile_a_key`)."""
 
 from __future__ import annotations
 
