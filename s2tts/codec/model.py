@@ -32,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..ar import kernels as ar_kernels  # the AR's fused norm and SwiGLU serve the codec's transformers too
 from ..gpu import jit
@@ -42,6 +43,11 @@ log = logging.getLogger("s2tts")
 
 RESIDUAL_DILATIONS = (1, 3, 9)
 RESIDUAL_KERNEL = 7
+# On a GPU, the ConvNeXt blocks' depthwise convolutions and the window attention run in PyTorch's own kernels rather
+# than cuDNN's, whose first call of each shape plans it (a cold start warms every shape the served calls decode):
+# DEPTHWISE_CUDNN True, ATTENTION_BACKENDS None give cuDNN and PyTorch's own choice of attention back.
+DEPTHWISE_CUDNN = False
+ATTENTION_BACKENDS: Optional[tuple[str, ...]] = ("EFFICIENT_ATTENTION", "MATH")  # torch.nn.attention.SDPBackend names
 
 
 # --------------------------------------------------------------------------- config
@@ -311,6 +317,9 @@ class CausalConv1d(nn.Module):
         c = self.conv
         if self.phase_plan and _phases_pay(x, c.weight, c.dilation[0]):
             return conv1d_phases(x, c.weight, c.bias if bias else None, c.dilation[0])
+        if c.groups > 1 and x.is_cuda and not DEPTHWISE_CUDNN:
+            with torch.backends.cudnn.flags(enabled=False):
+                return F.conv1d(x, c.weight, c.bias if bias else None, c.stride, 0, c.dilation, c.groups)
         return F.conv1d(x, c.weight, c.bias if bias else None, c.stride, 0, c.dilation, c.groups)
 
 
@@ -446,7 +455,11 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         k = torch.cat([k_cache, k], dim=2)  # [B, H, W-1+T, D]
         v = torch.cat([v_cache, v], dim=2)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if q.is_cuda and ATTENTION_BACKENDS is not None:
+            with sdpa_kernel([getattr(SDPBackend, b) for b in ATTENTION_BACKENDS]):
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         keep = k_cache.shape[2]
         return self.wo(y), k[:, :, k.shape[2] - keep :], v[:, :, v.shape[2] - keep :]
