@@ -1,64 +1,11 @@
-"""`gpu.jit.compile_ahead`: warm-up calls run side by side within a weight budget, each once, a failing one counted
-and left to the caller (the GPU's kernels' first compiles overlap this way; here plain functions stand for them)."""
+"""How a start compiles the GPU's kernels (`gpu.jit`, `gpu.compile_workers`): each variant once however many threads
+launch it, in worker processes, and warm-ups that only compile (none on a CPU)."""
 
 from __future__ import annotations
 
 import threading
 
-from s2tts.gpu.jit import compile_ahead
-
-
-def test_calls_run_once_side_by_side_within_the_budget():
-    lock, state, ran = threading.Lock(), {"weight": 0, "most": 0}, []
-    together = threading.Barrier(2, timeout=30)  # the two light calls pass it only if they run at once
-
-    def call(name, weight, meet=False):
-        def fn():
-            with lock:
-                state["weight"] += weight
-                state["most"] = max(state["most"], state["weight"])
-            try:
-                if meet:
-                    together.wait()
-                ran.append(name)
-            finally:
-                with lock:
-                    state["weight"] -= weight
-        return weight, fn
-
-    calls = [call("a", 3, meet=True), call("b", 3, meet=True), call("heavy", 50)] + [call(f"c{i}", 4) for i in range(8)]
-    assert compile_ahead(calls, budget=10, threads=4) == 0
-    assert sorted(ran) == sorted(["a", "b", "heavy"] + [f"c{i}" for i in range(8)])
-    assert state["most"] == 50  # the heavy call ran alone; the light ones never passed the budget together
-    assert state["weight"] == 0
-
-
-def test_a_failing_call_is_counted_and_the_rest_run():
-    ran = []
-
-    def boom():
-        raise MemoryError("out of memory")
-
-    calls = [(1, boom), (1, lambda: ran.append(1)), (1, boom), (1, lambda: ran.append(2))]
-    assert compile_ahead(calls, budget=2, threads=2) == 2
-    assert sorted(ran) == [1, 2]
-
-
-def test_light_calls_never_pass_the_budget_together():
-    lock, state = threading.Lock(), {"weight": 0, "most": 0}
-
-    def fn(w):
-        def run():
-            with lock:
-                state["weight"] += w
-                state["most"] = max(state["most"], state["weight"])
-            threading.Event().wait(0.01)
-            with lock:
-                state["weight"] -= w
-        return w, run
-
-    assert compile_ahead([fn(3) for _ in range(12)], budget=7, threads=6) == 0
-    assert 3 <= state["most"] <= 6
+import pytest
 
 
 class _Source:
@@ -122,3 +69,58 @@ def test_compile_only_runs_nothing_where_nothing_compiles():
     ran = []
     compile_only([lambda: ran.append(1)])
     assert ran == []
+
+
+def _probe_source():
+    """A real kernel variant (`ar.kernels._pdl_probe_kernel`, PDL off) for an H100/H200 target, and its options."""
+    pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from s2tts.ar import kernels
+
+    src = ASTSource(kernels._pdl_probe_kernel, {"X": "*fp32", "PDL": "constexpr"}, {(1,): False})
+    return src, GPUTarget("cuda", 90, 32), {"num_warps": 1}
+
+
+def test_a_worker_process_compiles_a_variant_into_the_cache_this_process_reads(tmp_path, monkeypatch):
+    """`gpu.compile_workers`: a worker compiles a real kernel (for sm_90; Triton compiles without a GPU) into
+    Triton's file cache, and this process's own compile of the same variant then compiles nothing: it finds the
+    worker's there. A source no worker can reach by name, and a worker that has died, leave the compile here."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.compiler import compiler
+
+    from s2tts.gpu.compile_workers import CompileWorkers
+
+    staged = []  # a compile in this process that misses the cache adds its stages (ttir ... cubin)
+    real_stages = CUDABackend.add_stages
+    monkeypatch.setattr(CUDABackend, "add_stages", lambda self, *a, **k: staged.append(1) or real_stages(self, *a, **k))
+    src, target, options = _probe_source()
+    workers = CompileWorkers(1, ("s2tts.ar.kernels",))
+    try:
+        assert workers.compile(src, target, options)
+        cubins = sorted(p.name for p in (tmp_path / "cache").rglob("*.cubin"))
+        assert cubins == ["_pdl_probe_kernel.cubin"], cubins
+        kernel = compiler.compile(src, target=target, options=options)
+        assert kernel.asm["cubin"] and kernel.name == "_pdl_probe_kernel" and staged == []
+
+        from s2tts.gpu import jit  # the guard every kernel's first launch compiles through hands it to the workers
+
+        monkeypatch.setattr(jit, "_WORKERS", workers)
+        assert jit._OneCompileAKey(compiler.compile)(src, target=target, options={"num_warps": 8}).name
+        assert staged == [] and workers.compiled == 2
+        monkeypatch.setattr(jit, "_WORKERS", None)
+
+        class Elsewhere:  # not a module-level kernel: no worker can find it
+            fn = object()
+        assert not workers.compile(Elsewhere(), target, options)
+        workers.procs[0].kill()
+        workers.procs[0].wait()
+        assert not workers.compile(src, target, {"num_warps": 2})  # its place is taken by this process
+        assert not workers.compile(src, target, {"num_warps": 4})  # and stays so
+        assert workers.compiled == 2
+        compiler.compile(src, target=target, options={"num_warps": 2})  # not in the cache: compiled here
+        assert staged == [1]
+    finally:
+        workers.close()

@@ -4,6 +4,7 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -417,17 +418,22 @@ def test_padded_row_buckets_match_exact_shapes(model, prompts):
 
 def test_dependent_launch_only_where_supported(tiny_ckpt):
     """`dependent_launch` (programmatic dependent launch of the decode step's Triton kernels) asks; the device
-    decides: a CPU engine asked for it runs without it, and the kernels launch as usual (`kernels.PDL` off)."""
+    decides: a CPU engine asked for it runs without it, and the kernels launch as usual (`kernels.launching_dependent()` off); the mode is a thread's own."""
     from s2tts.ar import kernels
 
     model = load_model(tiny_ckpt, "cpu", "fp32")
     for asked in (None, True, False):
         eng = Engine(model, RESIDUAL, EngineConfig(max_batch=2, max_seq_len=64, dependent_launch=asked))
-        assert eng.runner.dependent_launch is False and kernels.PDL is False
+        assert eng.runner.dependent_launch is False and kernels.launching_dependent() is False
     assert kernels.pdl_supported(torch.device("cpu")) is False
+    seen = []
     with kernels.dependent_launch(True):  # a pass's kernels (the runner checks support first)
-        assert kernels.PDL is True
-    assert kernels.PDL is False  # the codec's calls and the rest launch as usual
+        assert kernels.launching_dependent() is True and kernels._pdl() == {"PDL": True, "launch_pdl": True}
+        beside = threading.Thread(target=lambda: seen.append((kernels.launching_dependent(), kernels._pdl())))
+        beside.start()
+        beside.join()
+    assert seen == [(False, {"PDL": False})]  # a warm-up in another thread launches in its own mode
+    assert kernels.launching_dependent() is False  # the codec's calls and the rest launch as usual
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.trace")

@@ -19,25 +19,32 @@ after one that does not take part waits as usual.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
-from ..gpu.jit import tl, triton, unit_rows
+from ..gpu.jit import compiling_only, tl, triton, unit_rows
 
-PDL = False  # the decode step's kernels launched with programmatic dependent launch (set by `dependent_launch`)
+# whether this thread's launches of the decode step's kernels use programmatic dependent launch (`dependent_launch`):
+# a thread's own, so that a pass's mode never reaches another thread's launches (a codec's, a warm-up's)
+_LAUNCH = threading.local()
+
+
+def launching_dependent() -> bool:
+    """Whether this thread is within `dependent_launch(True)`."""
+    return getattr(_LAUNCH, "pdl", False)
 
 
 @contextlib.contextmanager
 def dependent_launch(on: bool):
-    """Within it, the decode step's kernels launch with programmatic dependent launch when `on` (the caller checked
-    `pdl_supported`); outside (the codec's calls, other passes) as usual. Kernels captured in a CUDA graph keep
-    the way they were launched then."""
-    global PDL
-    before, PDL = PDL, bool(on)
+    """Within it, this thread launches the decode step's kernels with programmatic dependent launch when `on` (the
+    caller checked `pdl_supported`); outside (the codec's calls, other passes) as usual. Kernels captured in a CUDA
+    graph keep the way they were launched then."""
+    before, _LAUNCH.pdl = launching_dependent(), bool(on)
     try:
         yield
     finally:
-        PDL = before
+        _LAUNCH.pdl = before
 
 
 def pdl_supported(device) -> bool:
@@ -59,7 +66,7 @@ def pdl_supported(device) -> bool:
 def _pdl() -> dict:
     """The arguments of a launch of a kernel that takes part in programmatic dependent launch: its PDL constant (the
     waits it compiles in) and, with it on, the launch option."""
-    return {"PDL": True, "launch_pdl": True} if PDL else {"PDL": False}
+    return {"PDL": True, "launch_pdl": True} if launching_dependent() else {"PDL": False}
 
 
 if triton is not None:
@@ -603,7 +610,8 @@ def choose(logits, temperature, top_p, top_k, seed, step, stream: int, sort: boo
     if sort and V > SORT_IN_KERNEL:
         raise ValueError(f"choose(sort=True) takes rows of at most {SORT_IN_KERNEL} logits, not {V}")
     sl = unit_rows(logits)
-    out = torch.empty(B, dtype=torch.int64, device=sl.device)
+    # a warm-up that only compiles (`gpu.jit.compile_only`) runs no kernel: its draws are rank 0, an index in range
+    out = (torch.zeros if compiling_only() else torch.empty)(B, dtype=torch.int64, device=sl.device)
     _choose_kernel[(B,)](sl, temperature.float().contiguous(), top_p.float().contiguous(), top_k.contiguous(),
                          seed.contiguous(), step.contiguous(), out, sl.stride(0), V, stream,
                          BLOCK=triton.next_power_of_2(V), SORT=sort,

@@ -17,6 +17,7 @@ moved to fp32, keep a state of their own (`StreamState`) and run eagerly, as eve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -243,20 +244,22 @@ def open_stream_decoder(checkpoint, device, codec_dtype: str, pool_size: int, id
     decoder on `device` (`auto`: fp16 on a GPU), with the fp32 codec as its fallback when that is not fp32, and a
     pool of `pool_size` stream slots warmed for these chunk lengths at up to `max_batch` streams a call, at most
     `max_frames` frames a call (`SlotPool.warm`; CUDA graphs on a GPU). The caller sets the process's fp32 precision
-    (TF32) first. -> (decoder, dtype, graphs captured)."""
+    (TF32) first. Its kernels compile in worker processes (`gpu.jit.compile_workers`, those of a caller's if it holds
+    them). -> (decoder, dtype, graphs captured)."""
     dtype = codec_dtype_for(codec_dtype, device, "decoder")
     making = _Making(device)
-    codec = load_codec_from_dir(checkpoint, device, dtype).drop_encoding()
-    making.mark("weights")
-    fallback = None if dtype == "fp32" else load_codec_from_dir(checkpoint, device, "fp32").drop_encoding()
-    making.mark("fp32 fallback")
-    tune_for_device(device, codec, fallback)
-    making.mark("kernels chosen")
-    decoder = StreamDecoder(codec, idle_timeout_s=idle_timeout_s, fallback=fallback, pool_size=pool_size)
-    making.mark("stream slots")
-    graphs = decoder.pool.warm(lengths, max(1, max_batch), max_frames, mark=making.mark) \
-        if decoder.pool is not None else 0
-    making.mark("warm-up")
+    with jit.compile_workers(device) if pool_size else contextlib.nullcontext():
+        codec = load_codec_from_dir(checkpoint, device, dtype).drop_encoding()
+        making.mark("weights")
+        fallback = None if dtype == "fp32" else load_codec_from_dir(checkpoint, device, "fp32").drop_encoding()
+        making.mark("fp32 fallback")
+        tune_for_device(device, codec, fallback)
+        making.mark("kernels chosen")
+        decoder = StreamDecoder(codec, idle_timeout_s=idle_timeout_s, fallback=fallback, pool_size=pool_size)
+        making.mark("stream slots")
+        graphs = decoder.pool.warm(lengths, max(1, max_batch), max_frames, mark=making.mark) \
+            if decoder.pool is not None else 0
+        making.mark("warm-up")
     decoder.making = making.parts
     return decoder, dtype, graphs
 

@@ -14,6 +14,7 @@ from ..ar.loading import load_model
 from ..codec.loading import codec_codebook_sizes, codec_frame_seconds
 from ..codec.stream import making_line, open_stream_decoder
 from ..errors import S2Error
+from ..gpu import jit
 from ..layout import Layout
 from ..settings import default_kv_tokens
 from ..sizing import ENGINE_RESERVE_GIB
@@ -42,16 +43,17 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
     `kv_cache_memory_gb` or `gpu_memory_utilization`: `kv_pool_gib`) and CUDA graphs. `fast_ar`: a `HostFastAR`
     replacing the in-process fast AR (slow_ar's fast_ar=bls)."""
     t0 = time.perf_counter()
-    model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
-    device = next(model.parameters()).device
-    t1 = time.perf_counter()
-    codec = _engine_codec(v, device, name) if codec_here(v, device) else None  # before the KV pool takes the rest
-    t2 = time.perf_counter()
-    config = EngineConfig.from_values(v)
-    if v.gpu_memory_utilization is not None:  # the pool in GiB from what the GPU has left (a CPU: the default pool)
-        config = config.replace(kv_cache_tokens=None, kv_cache_memory_gb=kv_pool_gib(v, model, device, name,
-                                                                                     codec is not None))
-    engine = Engine(model, codec_codebook_sizes(v.checkpoint)[1], config, fast_ar=fast_ar)
+    with jit.compile_workers(v.device):  # started first: their imports overlap the weights' loading
+        model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
+        device = next(model.parameters()).device
+        t1 = time.perf_counter()
+        codec = _engine_codec(v, device, name) if codec_here(v, device) else None  # before the KV pool takes the rest
+        t2 = time.perf_counter()
+        config = EngineConfig.from_values(v)
+        if v.gpu_memory_utilization is not None:  # the pool in GiB from what the GPU has left (a CPU: the default)
+            config = config.replace(kv_cache_tokens=None, kv_cache_memory_gb=kv_pool_gib(v, model, device, name,
+                                                                                         codec is not None))
+        engine = Engine(model, codec_codebook_sizes(v.checkpoint)[1], config, fast_ar=fast_ar)
     t3 = time.perf_counter()
     if v.gpu_memory_utilization is not None and device.type == "cuda":
         log.info("%s: with its KV cache and CUDA graphs this process holds %.1f GiB of the GPU (PyTorch's; "

@@ -451,19 +451,10 @@ class ModelRunner:
         return io
 
     def _compile_ahead(self) -> None:
-        """Every pass and sampling the graphs will hold compiled ahead: the slow AR's passes as compiles alone, all
-        at once (`gpu.jit.compile_only`), sampling run once side by side (`gpu.jit.compile_ahead`: its draws must
-        see real values). Passes of up to `kernels.GEMV_SMALL_ROWS` rows are left to their capture: their launch
-        mode (`_launch_mode`) is a process-wide switch that passes of more rows, beside them, would turn off."""
-        dev, many = self.device, [s for s in self.row_sizes if s > kernels.GEMV_SMALL_ROWS]
-        if not many:
-            return
-
-        def inference(fn):
-            def run():
-                with torch.inference_mode():
-                    fn()
-            return run
+        """Every pass and sampling the graphs will hold compiled ahead, as compiles alone, all at once
+        (`gpu.jit.compile_only`; sampling's draws are rank 0 meanwhile), each launching in its own pass's mode
+        (`_launch_mode`)."""
+        dev = self.device
 
         def slow_pass(s, split):
             def run():
@@ -472,13 +463,15 @@ class ModelRunner:
                     self._slow_core(self._pass_io(s, dev))
             return run
 
-        # the slow AR's passes compile without running (nothing of theirs steers the host); sampling runs for real
-        jit.compile_only([slow_pass(s, split) for split in sorted({sp for s in many for sp in self._splits(s)})
-                          for s in many if split in self._splits(s)])
-        samples = [s for s in self.sample_sizes if s > kernels.GEMV_SMALL_ROWS]
-        if samples:
-            jit.compile_ahead([(s, inference(lambda s=s: self._sample_core(self._sample_io(s, dev)))) for s in samples],
-                              2 * max(samples), dev)
+        def sampling(s):
+            def run():
+                with torch.inference_mode():
+                    self._sample_core(self._sample_io(s, dev))
+            return run
+
+        # nothing of either steers the host, and nothing they leave behind is read before the graphs' own runs
+        jit.compile_only([slow_pass(s, split) for s in self.row_sizes for split in sorted(self._splits(s))]
+                         + [sampling(s) for s in self.sample_sizes])
 
     def _capture_graphs(self) -> None:
         """Capture a pass per row bucket (and way of splitting keys) and sampling per batch bucket, on the scratch

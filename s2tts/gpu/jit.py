@@ -1,11 +1,12 @@
 """Triton, where it is installed, and what every kernel module asks of it: whether kernels can run, whether they
-run in Triton's interpreter (the CPU tests), whether they may use inline PTX, operands laid out for row kernels, and
-warm-ups whose launches only compile, queued side by side (`compile_only`), warm-up calls run side by side so that
-their kernels' first compiles overlap (`compile_ahead`), and each kernel variant compiled once however many threads
-launch it first (`one_compile_a_key`)."""
+run in Triton's interpreter (the CPU tests), whether they may use inline PTX, operands laid out for row kernels,
+warm-ups whose launches only compile, queued side by side (`compile_only`), those compiles in worker processes
+(`compile_workers`), and each kernel variant compiled once however many threads launch it first
+(`one_compile_a_key`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -64,7 +65,41 @@ class _OneCompileAKey:
         with self.lock:
             lock = self.locks.setdefault(key, threading.Lock())
         with lock:
+            workers = _WORKERS
+            if workers is not None and target is not None:  # then the compile below reads the worker's from the cache
+                workers.compile(src, target, options, kwargs.get("_env_vars"))
             return self.compile_fn(src, target=target, options=options, **kwargs)
+
+
+_WORKERS = None  # the CompileWorkers of `compile_workers`, while one is open
+COMPILE_THREADS = 16  # threads that queue `compile_only`'s compiles (a variant each), and the most worker processes
+COMPILE_WORKERS = None  # `compile_workers`' processes: None, a core each (at most COMPILE_THREADS); 0: none
+
+
+@contextlib.contextmanager
+def compile_workers(device):
+    """Within it, the kernels this process compiles for `device` (a setting's, `auto` too; on a GPU, elsewhere
+    nothing changes) compile in COMPILE_WORKERS worker processes (`gpu.compile_workers`), so that a start's compiles
+    use every core. Each worker holds the kernel modules imported (~0.5 GB of host memory) until the end. -> the
+    `CompileWorkers`, or None."""
+    global _WORKERS
+    n = COMPILE_WORKERS
+    if n is None:
+        n = min(COMPILE_THREADS, max(1, len(os.sched_getaffinity(0))))
+    from .device import resolve_device
+
+    if triton is None or interpreted() or resolve_device(device).type != "cuda" or _WORKERS is not None or n < 1:
+        yield None
+        return
+    from .compile_workers import CompileWorkers
+
+    workers = CompileWorkers(n, ("s2tts.ar.kernels", "s2tts.codec.kernels"))
+    _WORKERS = workers
+    try:
+        yield workers
+    finally:
+        _WORKERS = None
+        workers.close()
 
 
 def one_compile_a_key() -> None:
@@ -81,63 +116,36 @@ def one_compile_a_key() -> None:
 one_compile_a_key()  # before any kernel of this package launches (each takes its compiler at its first launch)
 
 
-COMPILE_THREADS = 8  # threads that run warm-up calls at once: Triton compiles a kernel mostly outside the GIL
+_COMPILING_ONLY = threading.local()  # `on` in the thread running `compile_only`'s calls
 
 
-def compile_only(calls: list[Callable[[], object]], threads: int = 2 * COMPILE_THREADS) -> None:
-    """Run each of `calls` once, in this thread, with every Triton kernel launch turned into its compile alone (no
-    kernel runs), the compiles queued to `threads` threads (Triton's `AsyncCompileMode`: each variant once) so that
-    a call never waits for one; returns once every variant has compiled. What the calls compute is garbage, so only
-    for calls whose results steer no host decision and reach nothing that checks their values (the codec's decode;
-    not sampling). No other thread of the process may launch a Triton kernel meanwhile: the switch is Triton's
-    `JITFunction.run`, process-wide. Without a GPU (or in the interpreter) nothing compiles: the calls are not run."""
+def compiling_only() -> bool:
+    """Whether this thread is running `compile_only`'s calls (its Triton launches compile, run nothing)."""
+    return getattr(_COMPILING_ONLY, "on", False)
+
+
+def compile_only(calls: list[Callable[[], object]], threads: int = COMPILE_THREADS) -> None:
+    """Run each of `calls` once, in this thread, with every Triton kernel launch of this thread turned into its
+    compile alone (no kernel runs), the compiles queued to `threads` threads (Triton's `AsyncCompileMode`: each
+    variant once) so that a call never waits for one; returns once every variant has compiled. What the calls
+    compute is garbage, so only for calls whose results steer no host decision and reach nothing that checks their
+    values; a kernel whose output indexes others (`ar.kernels.choose`: sampling's draws) gives zeros meanwhile
+    (`compiling_only`). Other threads launch as usual; one such window at a time. Without a GPU (or in the
+    interpreter) nothing compiles: the calls are not run."""
     if triton is None or interpreted() or not calls or not torch.cuda.is_available():
         return
     from triton.runtime.jit import JITFunction
 
     run = JITFunction.run
 
-    def compile_instead(self, *args, grid, warmup, **kwargs):
-        return run(self, *args, grid=grid, warmup=True, **kwargs)
+    def compile_here(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=warmup or compiling_only(), **kwargs)
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="compile-only") as pool:
         with triton.AsyncCompileMode(pool):  # its end waits for every compile it queued
-            JITFunction.run = compile_instead
+            JITFunction.run, _COMPILING_ONLY.on = compile_here, True
             try:
                 for fn in calls:
                     fn()
             finally:
-                JITFunction.run = run
-
-
-def compile_ahead(calls: list[tuple[int, Callable[[], object]]], budget: int, device: torch.device | None = None,
-                  threads: int = COMPILE_THREADS) -> int:
-    """Run each `(weight, fn)` of `calls` once, up to `threads` at a time and at most `budget` weight in flight (a
-    call heavier than the budget runs alone), so that the first compiles of the Triton kernels they launch (seconds
-    each, one after another on one thread) happen side by side; what they compute is thrown away. `device`: made
-    current in each thread. A call that raises (out of memory, say) is left to the caller's own warm-up, which
-    runs every shape again. -> the calls that raised."""
-    cond, state = threading.Condition(), {"weight": 0, "failed": 0}
-
-    def run(weight: int, fn: Callable[[], object]) -> None:
-        with cond:
-            cond.wait_for(lambda: state["weight"] == 0 or state["weight"] + weight <= budget)
-            state["weight"] += weight
-        try:
-            if device is not None and device.type == "cuda":
-                torch.cuda.set_device(device)
-            fn()
-        except Exception:  # noqa: BLE001 - the caller's warm-up runs this shape again and reports what fails
-            with cond:
-                state["failed"] += 1
-        finally:
-            with cond:
-                state["weight"] -= weight
-                cond.notify_all()
-
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="compile-ahead") as pool:
-        for f in [pool.submit(run, w, fn) for w, fn in calls]:
-            f.result()
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return state["failed"]
+                JITFunction.run, _COMPILING_ONLY.on = run, False
