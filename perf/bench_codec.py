@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from s2tts.perf_tools import exit_now  # noqa: E402
+from s2tts.perf_tools import exit_now, set_variant  # noqa: E402
 
 
 def timed(fn, iters=10, warmup=2, queued=False):
@@ -59,7 +59,11 @@ def main():
                                       "the largest batch, as PyTorch ops and with the codec's Triton kernels")
     ap.add_argument("--no-phases", action="store_true",
                     help="run every dilated convolution as one (never as its phases, `codec.conv1d_phases`)")
+    ap.add_argument("--variant", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                    help="a module attribute set first (a kernel table, a switch), as perf/cold_start.py's")
     args = ap.parse_args()
+    for v in args.variant:
+        set_variant(v)
     if args.no_phases:
         from s2tts.codec import model as codec_module
 

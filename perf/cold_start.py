@@ -3,20 +3,20 @@
 graphs) built in this process exactly as the served model builds it (`engine.build.serve_engine` on the settings a
 rendered repository gives slow_ar), with Triton's kernel cache in a fresh folder (every kernel compiled: a fresh
 machine's start) unless --cache names one, and every Triton compile recorded: which kernel, how long, in which
-part of the start.
+part of the start (those compiled in worker processes, `gpu.compile_workers`, also as "<part> in workers": from
+the request to the answer).
 
     python3 perf/cold_start.py --checkpoint /tmp/s2-full --json cold.json
     python3 perf/cold_start.py --checkpoint /tmp/s2-full --set max_batch=64 --cache /tmp/tcache   # twice: warm
 
-Prints the start's parts (the server's own "ready in" figures), the compiles by part and the kernels that took
-longest. --variant MODULE.NAME=VALUE sets a module attribute first (a kernel table, say) to see what it changes.
+Prints the start's parts (the server's own "ready in" figures), the compiles by part (and how many ran at once) and
+the kernels that took longest; --stacks also where the main thread spent each part. --variant MODULE.NAME=VALUE
+sets a module attribute first (a kernel table, a switch) to see what it changes.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import json
 import logging
 import os
@@ -32,10 +32,11 @@ sys.path.insert(0, str(ROOT))
 
 
 class CompileLog:
-    """Every Triton compile of this process: (kernel, seconds, the part of the start it fell in)."""
+    """Every Triton compile of this process: (kernel, seconds, the part of the start it fell in, its start on
+    `time.perf_counter`)."""
 
     def __init__(self):
-        self.records: list[tuple[str, float, str]] = []
+        self.records: list[tuple[str, float, str, float]] = []
         self.part = "before the codec"
         self.lock = threading.Lock()
 
@@ -49,6 +50,19 @@ class CompileLog:
                 self.part = outer
         return call
 
+    def workers(self, compile_fn):
+        """`CompileWorkers.compile` recorded as a compile in a worker (its part + " in workers"), from its request
+        to its answer."""
+        def compile(workers, src, *args, **kwargs):
+            t = time.perf_counter()
+            done = compile_fn(workers, src, *args, **kwargs)
+            if done:
+                name = getattr(getattr(src, "fn", None), "__name__", None) or type(src).__name__
+                with self.lock:
+                    self.records.append((name, time.perf_counter() - t, self.part + " in workers", t))
+            return done
+        return compile
+
     def wrap(self, compile_fn):
         def compile(src, *args, **kwargs):
             t = time.perf_counter()
@@ -57,29 +71,69 @@ class CompileLog:
             finally:
                 name = getattr(getattr(src, "fn", None), "__name__", None) or type(src).__name__
                 with self.lock:
-                    self.records.append((name, time.perf_counter() - t, self.part))
+                    self.records.append((name, time.perf_counter() - t, self.part, t))
         return compile
 
+    @staticmethod
+    def busy_s(spans: list[tuple[float, float]]) -> float:
+        """The time within which at least one of the (start, end) spans ran."""
+        busy, reach = 0.0, float("-inf")
+        for a, b in sorted(spans):
+            busy += max(0.0, b - max(a, reach))
+            reach = max(reach, b)
+        return busy
+
     def summary(self, top: int) -> dict:
-        parts, kernels = defaultdict(lambda: [0, 0.0]), defaultdict(lambda: [0, 0.0])
-        for name, s, part in self.records:
+        """Compiles and their summed seconds by part and by kernel; each part's `busy_s` (the wall time in which a
+        compile of it ran) and `threads` (summed over busy: how many compiled at once on average)."""
+        parts, kernels = defaultdict(lambda: [0, 0.0, []]), defaultdict(lambda: [0, 0.0])
+        for name, s, part, t in self.records:
             parts[part][0] += 1
             parts[part][1] += s
+            parts[part][2].append((t, t + s))
             kernels[name][0] += 1
             kernels[name][1] += s
         slow = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+
+        def part(n, s, spans):
+            busy = self.busy_s(spans)
+            return {"compiles": n, "compile_s": round(s, 2), "busy_s": round(busy, 2),
+                    "threads": round(s / busy, 2) if busy else 0.0}
         return {"compiles": len(self.records), "compile_s": round(sum(r[1] for r in self.records), 2),
-                "by_part": {p: {"compiles": n, "compile_s": round(s, 2)} for p, (n, s) in parts.items()},
+                "by_part": {p: part(*v) for p, v in parts.items()},
                 "kernels": {k: {"compiles": n, "compile_s": round(s, 2)} for k, (n, s) in slow}}
 
 
-def set_variant(text: str) -> None:
-    """'s2tts.codec.kernels.CONV_NWC_BY_SHAPE=False' -> that module attribute set (a literal value)."""
-    target, eq, value = text.partition("=")
-    module, dot, name = target.rpartition(".")
-    if not (eq and dot):
-        raise SystemExit(f"--variant {text!r}: give MODULE.NAME=VALUE, e.g. s2tts.codec.kernels.CONV_NWC_BY_SHAPE=False")
-    setattr(importlib.import_module(module), name, ast.literal_eval(value))
+class Stacks:
+    """Where the main thread is, sampled every `interval` s by part of the start (`CompileLog.part`): its innermost
+    frame and the innermost frame of this package's code above it."""
+
+    def __init__(self, log: CompileLog, interval: float = 0.005):
+        self.log, self.interval, self.main = log, interval, threading.main_thread().ident
+        self.counts: dict[str, dict[tuple[str, str], int]] = defaultdict(lambda: defaultdict(int))
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.done.wait(self.interval):
+            f = sys._current_frames().get(self.main)
+            if f is None:
+                continue
+            inner, ours = f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}", "-"
+            while f is not None:
+                if f"{os.sep}s2tts{os.sep}" in f.f_code.co_filename:
+                    ours = f"{Path(f.f_code.co_filename).name}:{f.f_code.co_name}:{f.f_lineno}"
+                    break
+                f = f.f_back
+            self.counts[self.log.part][(inner, ours)] += 1
+
+    def stop(self, top: int) -> dict:
+        """-> {part: [[seconds, innermost frame, this package's frame], ...]}, the most seconds first."""
+        self.done.set()
+        self.thread.join()
+        return {part: [[round(n * self.interval, 2), *k] for k, n in sorted(c.items(), key=lambda kv: -kv[1])[:top]]
+                for part, c in self.counts.items()}
 
 
 def slow_ar_values(checkpoint: str, device: str, given: dict[str, str]):
@@ -108,6 +162,7 @@ def main() -> int:
     ap.add_argument("--cache", help="Triton's kernel cache folder (default: a new one, so every kernel compiles)")
     ap.add_argument("--variant", action="append", default=[], metavar="MODULE.NAME=VALUE")
     ap.add_argument("--top", type=int, default=12, help="kernels listed, the longest compiling first")
+    ap.add_argument("--stacks", action="store_true", help="sample where the main thread is, by part of the start")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -119,13 +174,22 @@ def main() -> int:
     triton.compiler.compile = compiles.wrap(triton.compiler.compile)
     from s2tts.engine import build
     from s2tts.gpu import jit
-    from s2tts.perf_tools import exit_now
+    from s2tts import perf_tools
+
+    set_variant = getattr(perf_tools, "set_variant", None)  # (absent from older trees: no --variant there)
+    if args.variant and set_variant is None:
+        raise SystemExit("--variant: this tree's s2tts.perf_tools has no set_variant")
 
     for v in args.variant:
         set_variant(v)
-    jit.compile_ahead = compiles.within(jit.compile_ahead, "side by side")  # the warm-ups', apart from the captures'
+    if hasattr(jit, "compile_ahead"):  # (older trees: warm-ups run side by side)
+        jit.compile_ahead = compiles.within(jit.compile_ahead, "side by side")  # apart from the captures'
     if hasattr(jit, "compile_only"):  # (absent from older trees, which this tool can measure too)
         jit.compile_only = compiles.within(jit.compile_only, "compiles alone")
+    if hasattr(jit, "compile_workers"):
+        from s2tts.gpu.compile_workers import CompileWorkers
+
+        CompileWorkers.compile = compiles.workers(CompileWorkers.compile)
     engine_codec = build._engine_codec
 
     def codec(*a, **k):
@@ -146,28 +210,34 @@ def main() -> int:
     logging.getLogger("s2tts").setLevel(logging.INFO)
     v = slow_ar_values(args.checkpoint, args.device, dict(s.split("=", 1) for s in args.set))
     imports_s = time.perf_counter() - started
+    stacks = Stacks(compiles) if args.stacks else None
     t = time.perf_counter()
     service = build.serve_engine(v, lambda *a, **k: None, lambda e: None, "slow_ar")
     ready_s = time.perf_counter() - t
+    where = stacks.stop(args.top) if stacks else {}
     runner = service.engine.runner
     out = {"imports_and_render_s": round(imports_s, 2), "ready_s": round(ready_s, 2),
            "engine_warm_s": {k: round(s, 2) for k, s in runner.warm_s.items()},
            "codec_making_s": {k: round(s, 2) for k, (s, _) in (service.codec.making if service.codec else {}).items()},
            "graphs": len(runner.graphs) + len(runner.sample_graphs), "cache": os.environ["TRITON_CACHE_DIR"],
            "variants": args.variant, "settings": args.set, **compiles.summary(args.top),
-           "log": [s for s in lines if "ready in" in s or "codec in the engine" in s]}
+           "log": [s for s in lines if "ready in" in s or "codec in the engine" in s], "stacks": where}
     print(f"ready in {ready_s:.1f} s (imports and settings {imports_s:.1f} s); engine {out['engine_warm_s']}; codec "
           f"{out['codec_making_s']}")
     print(f"{out['compiles']} Triton compiles, {out['compile_s']:.1f} s of compiling (summed over threads)")
-    print("| part | compiles | compile s |\n|---|---|---|")
+    print("| part | compiles | compile s | wall s compiling | at once |\n|---|---|---|---|---|")
     for part, d in out["by_part"].items():
-        print(f"| {part} | {d['compiles']} | {d['compile_s']:.1f} |")
+        print(f"| {part} | {d['compiles']} | {d['compile_s']:.1f} | {d['busy_s']:.1f} | {d['threads']:.1f} |")
     print("| kernel | compiles | compile s |\n|---|---|---|")
     for name, d in out["kernels"].items():
         print(f"| {name} | {d['compiles']} | {d['compile_s']:.1f} |")
+    for part, rows in where.items():
+        print(f"| {part}: main thread's s | innermost frame | this package's frame |\n|---|---|---|")
+        for sec, inner, ours in rows:
+            print(f"| {sec:.2f} | {inner} | {ours} |")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
-    exit_now(0)
+    perf_tools.exit_now(0)
 
 
 if __name__ == "__main__":

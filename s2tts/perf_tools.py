@@ -94,6 +94,19 @@ def graph_time_ms(fn, iters: int = 50, calls: int = 1) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def set_variant(text: str) -> None:
+    """A perf tool's `--variant MODULE.NAME=VALUE`: that module attribute set to the literal VALUE (a kernel table, a
+    switch) before anything is built; SystemExit naming the form otherwise."""
+    import ast
+    import importlib
+
+    target, eq, value = text.partition("=")
+    module, dot, name = target.rpartition(".")
+    if not (eq and dot):
+        raise SystemExit(f"--variant {text!r}: give MODULE.NAME=VALUE, e.g. s2tts.codec.kernels.CONV_NWC_BY_SHAPE=False")
+    setattr(importlib.import_module(module), name, ast.literal_eval(value))
+
+
 def exit_now(rc: int = 0) -> None:
     """End a GPU benchmark with `rc` once its results are written, without the interpreter's teardown: with several
     engines' CUDA graphs and Triton's loaded modules in one process, that teardown (freeing them after the CUDA

@@ -558,14 +558,19 @@ def test_bench_loop_script_on_the_cpu(tiny_ckpt, tmp_path):
 
 def test_codec_bench_served_path_on_the_cpu(tiny_ckpt, tmp_path):
     """perf/bench_codec.py --served-only on the CPU: the decoder the servers open, one call of two streams' chunks
-    timed, its audio seconds a second from the chunk's frames."""
+    timed, its audio seconds a second from the chunk's frames; --variant sets a module's switch, and names its form
+    when given another."""
     out = tmp_path / "codec.json"
     _run([sys.executable, "perf/bench_codec.py", "--checkpoint", str(tiny_ckpt), "--served-only", "--device", "cpu",
-          "--chunk", "4", "--batches", "2", "--paths", "served", "--json", str(out)], timeout=300)
+          "--chunk", "4", "--batches", "2", "--paths", "served", "--variant", "s2tts.codec.model.DEPTHWISE_CUDNN=True",
+          "--json", str(out)], timeout=300)
     made, call = json.loads(out.read_text())
     assert made["path"] == call["path"] == "served" and made["graphs"] == 0, made
     assert call["batch"] == 2 and call["chunk_frames"] == 4 and call["wall_ms"] > 0, call
     assert call["audio_s_per_s"] == pytest.approx(2 * 4 * HOP / SR / (call["wall_ms"] / 1e3), rel=0.05, abs=0.06), call
+    bad = subprocess.run([sys.executable, "perf/bench_codec.py", "--checkpoint", str(tiny_ckpt), "--served-only",
+                          "--variant", "DEPTHWISE_CUDNN"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "give MODULE.NAME=VALUE" in bad.stderr
 
 
 def test_determinism_script_on_the_cpu(tiny_ckpt):
@@ -675,15 +680,32 @@ def test_host_bench_counts_the_codec_calls_the_served_decoder_would_make():
 
 def test_cold_start_builds_slow_ar_as_served_and_reports_its_parts(tiny_ckpt, tmp_path):
     """perf/cold_start.py on the CPU: slow_ar's engine built from a rendered repository's settings (the tiny
-    checkpoint, the settings given), its parts and compiles written (none on a CPU: no kernel compiles there), and a
-    bad --variant refused before anything is built."""
+    checkpoint, the settings given), its parts and compiles written (none on a CPU: no kernel compiles there), where
+    its main thread was by part, and a bad --variant refused before anything is built."""
     out = tmp_path / "cold.json"
     p = _run([sys.executable, "perf/cold_start.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
-              "--set", "max_batch=3", "--json", str(out)], timeout=300)
+              "--set", "max_batch=3", "--stacks", "--json", str(out)], timeout=300)
     got = json.loads(out.read_text())
     assert got["ready_s"] > 0 and got["compiles"] == 0 and got["settings"] == ["max_batch=3"], got
+    rows = [r for part in got["stacks"].values() for r in part]  # where the main thread was, sampled
+    assert rows and all(sec > 0 and isinstance(inner, str) and isinstance(ours, str) for sec, inner, ours in rows)
+    assert set(got["stacks"]) <= {"before the codec", "codec: captures", "engine: captures"}, got["stacks"]
     assert any("slow_ar ready in" in line and "max_batch=3 " in line for line in got["log"]), got["log"]
     assert "0 Triton compiles" in p.stdout
     bad = subprocess.run([sys.executable, "perf/cold_start.py", "--checkpoint", str(tiny_ckpt), "--device", "cpu",
                           "--variant", "s2tts.codec.kernels.NO_SUCH_TABLE"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "give MODULE.NAME=VALUE" in bad.stderr
+
+
+def test_cold_start_reports_how_many_compiles_ran_at_once():
+    """cold_start.py's compile log: a part's wall time compiling counts overlapping compiles once, and its compiles
+    at once are their summed seconds over that time."""
+    sys.path.insert(0, str(ROOT / "perf"))
+    from cold_start import CompileLog
+
+    log = CompileLog()
+    log.records = [("a", 2.0, "p", 0.0), ("b", 1.0, "p", 1.0), ("c", 1.0, "p", 5.0), ("a", 3.0, "q", 0.5)]
+    got = log.summary(top=1)
+    assert got["by_part"] == {"p": {"compiles": 3, "compile_s": 4.0, "busy_s": 3.0, "threads": 1.33},
+                              "q": {"compiles": 1, "compile_s": 3.0, "busy_s": 3.0, "threads": 1.0}}
+    assert got["compiles"] == 4 and got["kernels"] == {"a": {"compiles": 2, "compile_s": 5.0}}
