@@ -124,3 +124,5 @@ def test_a_worker_process_compiles_a_variant_into_the_cache_this_process_reads(t
         assert staged == [1]
     finally:
         workers.close()
+    for p in workers.procs:  # each ends once its input has
+        assert p.wait(timeout=120) is not None
