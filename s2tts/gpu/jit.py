@@ -80,8 +80,8 @@ COMPILE_WORKERS = None  # `compile_workers`' processes: None, a core each (at mo
 def compile_workers(device):
     """Within it, the kernels this process compiles for `device` (a setting's, `auto` too; on a GPU, elsewhere
     nothing changes) compile in COMPILE_WORKERS worker processes (`gpu.compile_workers`), so that a start's compiles
-    use every core. Each worker holds the kernel modules imported (~0.5 GB of host memory) until the end. -> the
-    `CompileWorkers`, or None."""
+    use every core. Each worker imports the kernel modules (PyTorch with them) and lives until the end of the block.
+    -> the `CompileWorkers`, or None."""
     global _WORKERS
     n = COMPILE_WORKERS
     if n is None:
