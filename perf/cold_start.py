@@ -50,6 +50,12 @@ class CompileLog:
                 self.part = outer
         return call
 
+    def add(self, src, started: float, part: str) -> None:
+        """A compile of `src` from `started` until now, in `part`."""
+        name = getattr(getattr(src, "fn", None), "__name__", None) or type(src).__name__
+        with self.lock:
+            self.records.append((name, time.perf_counter() - started, part, started))
+
     def workers(self, compile_fn):
         """`CompileWorkers.compile` recorded as a compile in a worker (its part + " in workers"), from its request
         to its answer."""
@@ -57,9 +63,7 @@ class CompileLog:
             t = time.perf_counter()
             done = compile_fn(workers, src, *args, **kwargs)
             if done:
-                name = getattr(getattr(src, "fn", None), "__name__", None) or type(src).__name__
-                with self.lock:
-                    self.records.append((name, time.perf_counter() - t, self.part + " in workers", t))
+                self.add(src, t, self.part + " in workers")
             return done
         return compile
 
@@ -69,9 +73,7 @@ class CompileLog:
             try:
                 return compile_fn(src, *args, **kwargs)
             finally:
-                name = getattr(getattr(src, "fn", None), "__name__", None) or type(src).__name__
-                with self.lock:
-                    self.records.append((name, time.perf_counter() - t, self.part, t))
+                self.add(src, t, self.part)
         return compile
 
     @staticmethod

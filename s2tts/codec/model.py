@@ -22,6 +22,7 @@ Shapes: B batch, C channels, T samples or frames, F codec frames, H heads, D hea
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -317,10 +318,9 @@ class CausalConv1d(nn.Module):
         c = self.conv
         if self.phase_plan and _phases_pay(x, c.weight, c.dilation[0]):
             return conv1d_phases(x, c.weight, c.bias if bias else None, c.dilation[0])
-        if c.groups > 1 and x.is_cuda and not DEPTHWISE_CUDNN:
-            with torch.backends.cudnn.flags(enabled=False):
-                return F.conv1d(x, c.weight, c.bias if bias else None, c.stride, 0, c.dilation, c.groups)
-        return F.conv1d(x, c.weight, c.bias if bias else None, c.stride, 0, c.dilation, c.groups)
+        own = c.groups > 1 and x.is_cuda and not DEPTHWISE_CUDNN  # PyTorch's depthwise kernel, not cuDNN's
+        with torch.backends.cudnn.flags(enabled=False) if own else contextlib.nullcontext():
+            return F.conv1d(x, c.weight, c.bias if bias else None, c.stride, 0, c.dilation, c.groups)
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -455,10 +455,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         k = torch.cat([k_cache, k], dim=2)  # [B, H, W-1+T, D]
         v = torch.cat([v_cache, v], dim=2)
-        if q.is_cuda and ATTENTION_BACKENDS is not None:
-            with sdpa_kernel([getattr(SDPBackend, b) for b in ATTENTION_BACKENDS]):
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
+        own = q.is_cuda and ATTENTION_BACKENDS is not None
+        with sdpa_kernel([getattr(SDPBackend, b) for b in ATTENTION_BACKENDS]) if own else contextlib.nullcontext():
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         keep = k_cache.shape[2]

@@ -3,8 +3,9 @@
 Threads compile side by side only where Triton's compiler lets go of the interpreter lock, so a start's many
 compiles in one process share about one core for their Python part (perf/STATUS.md, "A cold start"). A worker
 process compiles a kernel variant, and builds its launcher, into Triton's file cache (the folder the server's own
-compiles use); the compile that asked for it, and its first launch, then find them there. Triton has no such pool of its own (PyTorch's inductor has one for
-the kernels it generates, not for a package's `@triton.jit` functions), hence this module.
+compiles use); the compile that asked for it, and its first launch, then find them there. Triton has no such pool
+of its own (PyTorch's inductor has one for the kernels it generates, not for a package's `@triton.jit` functions),
+hence this module.
 
 `CompileWorkers.compile` asks a worker for one variant (a kernel a worker cannot reach by its module's name, or one
 whose source differs there, compiles in this process as before). Run as a module, this is a worker: it reads
@@ -26,10 +27,14 @@ from typing import BinaryIO
 _LEN = struct.Struct("<Q")
 
 
-def _send(f: BinaryIO, obj) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+def _write(f: BinaryIO, data: bytes) -> None:
+    """One message (pickled bytes), its length first."""
     f.write(_LEN.pack(len(data)) + data)
     f.flush()
+
+
+def _send(f: BinaryIO, obj) -> None:
+    _write(f, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _recv(f: BinaryIO):
@@ -76,7 +81,7 @@ class CompileWorkers:
         self.idle: queue.Queue = queue.Queue()
         for p in self.procs:
             self.idle.put(p)
-        self.compiled = self.refused = 0
+        self.compiled = 0  # variants the workers compiled
         self.lock = threading.Lock()
 
     def compile(self, src, target, options, env_vars=None) -> bool:
@@ -90,25 +95,21 @@ class CompileWorkers:
             self.idle.put(None)
             return False
         try:
-            p.stdin.write(_LEN.pack(len(req)) + req)
-            p.stdin.flush()
+            _write(p.stdin, req)
             error = _recv(p.stdout)
         except (OSError, EOFError, pickle.UnpicklingError):
             p.kill()
             self.idle.put(None)
             return False
         self.idle.put(p)
-        with self.lock:
-            if error is None:
+        if error is None:
+            with self.lock:
                 self.compiled += 1
-            else:
-                self.refused += 1
         return error is None
 
     def close(self) -> None:
         """End the workers without waiting for them (a compile still running in one is abandoned): each ends at the
-        end of its input, reaped by a thread of its own (a worker's exit, its imports torn down, took ~0.7 s of a
-        start)."""
+        end of its input, reaped by a thread of its own, so that a start does not wait for their teardown."""
         for p in self.procs:
             try:
                 p.stdin.close()

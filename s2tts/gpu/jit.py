@@ -14,6 +14,8 @@ from typing import Callable
 
 import torch
 
+from .device import resolve_device
+
 try:
     import triton
     import triton.language as tl
@@ -86,8 +88,6 @@ def compile_workers(device):
     n = COMPILE_WORKERS
     if n is None:
         n = min(COMPILE_THREADS, max(1, len(os.sched_getaffinity(0))))
-    from .device import resolve_device
-
     if triton is None or interpreted() or resolve_device(device).type != "cuda" or _WORKERS is not None or n < 1:
         yield None
         return
