@@ -209,6 +209,9 @@ SETTINGS: tuple[Setting, ...] = (
             "unloads s2pro instead of s2pro reloading slow_ar. Off by default: s2pro's per-request Python then shares "
             "one interpreter lock with the engine thread, which under load costs more than the crossings save "
             "(perf/STATUS.md)"),
+    Setting("pull_groups", bool, True, ("s2pro",), "s2pro takes the later chunks of all its requests from slow_ar in "
+            "one call (each answer holds every chunk ready) instead of one call a chunk: slow_ar then sends one response "
+            "a pass, not one a chunk, which under load its engine thread's Python would hold up"),
     Setting("max_concurrent_requests", int, 64, ("s2pro",), "requests s2pro serves at once (all its instances "
             "together); more are refused at once with `unavailable` (gateway: 503 + Retry-After); on a GPU, unless set, twice "
             "`max_batch` for each engine", min=1, max=100000),

@@ -543,16 +543,20 @@ def test_slow_ar_queue_limit(harness_factory):
     assert any(b'"queue_s": 0.0' not in s for s in stats)
 
 
-def test_killed_slow_ar_mid_stream(harness_factory):
-    h = harness_factory(stall_timeout_s=1)
+@pytest.mark.parametrize("pull_groups", [True, False])
+def test_killed_slow_ar_mid_stream(harness_factory, pull_groups):
+    h = harness_factory(stall_timeout_s=1, pull_groups=pull_groups)
     req = h.request("s2pro", _tts_inputs(max_new_tokens=500, ignore_eos=np.array([True])), "victim")
     while not req.sender.responses:
         time.sleep(0.01)
-    # killed while the victim's worker waits inside slow_ar's call (its pull waiting for the next chunk), not while
-    # it decodes or sends a chunk between two calls: that worker is the one given up below
+    # killed while the victim's later chunks are awaited inside slow_ar's call (its own pull, or s2pro's group pull
+    # with the victim's worker reading the relay's inbox), not while it decodes or sends a chunk between two calls
     pulls, deadline = h.models["slow_ar"].streams, time.time() + 30
-    while not any(st._waiting is not None for st in list(pulls._streams.values())):
-        assert time.time() < deadline, "the victim's worker never waited in slow_ar's call"
+    relay = h.models["s2pro"].downstream.relay
+    while not (any(g.waiting is not None for g in list(pulls._groups.values())) and
+               any(b.reading for b in list(relay._inboxes.values())) if pull_groups else
+               any(st._waiting is not None for st in list(pulls._streams.values()))):
+        assert time.time() < deadline, "the victim's chunks were never awaited in slow_ar's call"
         time.sleep(0.001)
     h.kill("slow_ar")
     err = _one_final(_wait(req, 30))
@@ -562,10 +566,17 @@ def test_killed_slow_ar_mid_stream(harness_factory):
                                       or h.models["s2pro"].service.recovering):
         time.sleep(0.05)
     assert ("slow_ar", "unload") in h.calls and h.calls.count(("slow_ar", "load")) == 2
-    assert _one_final(_wait(h.request("s2pro", _tts_inputs("After recovery."), "next"))) is None
+    after = _wait(h.request("s2pro", _tts_inputs("After recovery.", max_new_tokens=40,
+                                                 ignore_eos=np.array([True])), "next"))
+    assert _one_final(after) is None and sum(r.get("codes").shape[0] for r in after.sender.responses) == 40
+    s2, deadline = h.models["s2pro"].service, time.time() + 10
+    if pull_groups:
+        # the victim's worker read the relay's inbox, which the failure ended: nobody was left in the dead call but
+        # the relay's thread, and the request after recovery read its chunks through a new one
+        assert s2.status()["workers_given_up"] == 0 and relay.fetches > 0
+        return
     # the victim's worker, still in the dead process's call, is given up: another serves in its place, and s2pro's
     # unload does not wait for it
-    s2, deadline = h.models["s2pro"].service, time.time() + 10
     while s2.status()["workers_given_up"] < 1 and time.time() < deadline:
         time.sleep(0.05)
     assert s2.status()["workers_given_up"] == 1
@@ -639,6 +650,135 @@ def test_pull_stream_order_waiting_read_and_abandonment():
     # a waiting reader that its client cancelled cancels the stream
     c = hub.open("c", _Reader(cancelled=True))
     assert c.is_cancelled()
+
+
+def test_pull_group_answers_every_stream_of_a_reader_in_one_pull(monkeypatch):
+    from s2tts.serving import pull
+    from s2tts.serving.pull import PullStreams
+
+    hub = PullStreams("slow_ar", make_error=lambda e: ("error", e.code), idle_timeout_s=0.3, group_wait_s=0.2,
+                      nbytes=len)
+    fa, fb = _Reader(), _Reader()
+    a, b = hub.open("a", fa, group="g", tag=1), hub.open("b", fb, group="g", tag=2)
+    other = hub.open("c", _Reader(), group="h", tag=1)  # another reader's group: never in g's answers
+    a.send("a1", False)  # a stream's first response goes to the request that opened it
+    a.send("a2", False), a.send("a3", False), other.send("c1", False), other.send("c2", False)
+    g1 = _Reader()
+    hub.pull_group("g", g1)  # responses queued: answered at once, in order
+    assert fa.got == ["a1"] and g1.got == [[(1, "a2", False), (1, "a3", False)]]
+    g2, g3 = _Reader(), _Reader()
+    hub.pull_group("g", g2)  # nothing queued: waits
+    hub.pull_group("g", g3)  # a second group read while one waits is refused
+    assert g2.got == [] and g3.got == [("error", "invalid_argument")]
+    b.send("b1", False)  # to its opener
+    b.send("b2", False), a.send("a4", True), b.send("b3", False)
+    assert g2.got == []  # held until the producer has sent what it had
+    hub.flush()
+    assert fb.got == ["b1"] and len(g2.got) == 1
+    got = g2.got[0]
+    assert [r for t, r, _ in got if t == 1] == ["a4"] and [r for t, r, _ in got if t == 2] == ["b2", "b3"]
+    assert [f for t, _, f in got if t == 1] == [True] and a.finished and not b.finished
+    hub.flush()  # nothing new, no group read waiting: nothing sent
+    assert len(g2.got) == 1
+    # a group read that waited group_wait_s is answered with nothing, so that its reader can look again
+    g4 = _Reader()
+    hub.pull_group("g", g4)
+    time.sleep(0.3)
+    assert hub.sweep() == 2 and g4.got == [[]]  # a (read to its end) dropped; b and c left
+    # while group reads come, a grouped stream is read: not abandoned however long since its own last pull
+    for _ in range(4):
+        time.sleep(0.1)
+        hub.pull_group("g", r := _Reader())
+        hub.close()  # (answers the waiting read with nothing)
+        assert r.got == [[]]
+    assert not b.is_cancelled() and other.is_cancelled()  # h's streams were never read after their first
+    # an answer is bounded by the responses' bytes (the first always goes); the rest come with the next read at once
+    monkeypatch.setattr(pull, "GROUP_MAX_BYTES", 5)
+    b.send("x" * 4, False), b.send("y" * 4, False), b.send("z" * 4, True)
+    hub.pull_group("g", r1 := _Reader()), hub.pull_group("g", r2 := _Reader())
+    assert [i[1] for i in r1.got[0]] == ["x" * 4, "y" * 4] and [i[1] for i in r2.got[0]] == ["z" * 4]
+    # an answer that cannot be delivered abandons the streams whose responses it held
+    d = hub.open("d", _Reader(), group="k", tag=7)
+    d.send("d1", False), d.send("d2", False)
+
+    class Gone(_Reader):
+        def send(self, response, final):
+            raise RuntimeError("the reader went away")
+
+    hub.pull_group("k", Gone())
+    assert d.is_cancelled()
+    # at shutdown a waiting group read is answered
+    hub.pull_group("g", last := _Reader())
+    hub.close()
+    assert last.got == [[]]
+
+
+def test_pull_relay_hands_each_stream_its_own_items_in_order():
+    """s2pro's relay over a real `PullStreams` as the fetch's far side: producers on threads, readers on threads,
+    every stream's items arrive whole and in order in its own inbox, in fewer group reads than items."""
+    import queue as q
+    import threading
+
+    from s2tts.frontend.pull_relay import PullRelay
+    from s2tts.serving.pull import PullStreams
+
+    hub = PullStreams("slow_ar", make_error=lambda e: e, idle_timeout_s=30)
+
+    class Answer:
+        def __init__(self):
+            self.q = q.Queue()
+
+        def send(self, response, final):
+            self.q.put(response)
+
+        def is_cancelled(self):
+            return False
+
+    def fetch(engine, group):
+        ans = Answer()
+        hub.pull_group(group, ans)
+        got = ans.q.get(timeout=10)
+        if isinstance(got, Exception):
+            raise got
+        return [(tag, item) for tag, item, _final in got]
+
+    relay = PullRelay(fetch)
+    N, ITEMS = 6, 12
+    opened = [relay.open("slow_ar") for _ in range(N)]
+    streams = [hub.open(f"r{i}", Answer(), group=relay.group, tag=key) for i, (key, _) in enumerate(opened)]
+
+    def produce(i, s):
+        for k in range(ITEMS):
+            last = k == ITEMS - 1
+            s.send((np.full((1, 1), 100 * i + k), None, "end" if last else "", None), last)
+            hub.flush()
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=produce, args=(i, s)) for i, s in enumerate(streams)]
+    for t in threads:
+        t.start()
+    got = []
+    for i, (key, inbox) in enumerate(opened):
+        items = []
+        while not items or not items[-1][2]:
+            items.append(inbox.get())
+        got.append([int(it[0][0, 0]) for it in items])
+        relay.close(key)
+    for t in threads:
+        t.join()
+    # the first item of each stream went to the request that opened it (slow_ar's answer to the submit)
+    assert got == [[100 * i + k for k in range(1, ITEMS)] for i in range(N)]
+    assert 0 < relay.fetches < N * (ITEMS - 1)
+    # an engine that failed: whoever reads from it gets the error, and a later reader a thread of its own
+    key, inbox = relay.open("slow_ar")
+    relay.failed("slow_ar", errors.unavailable("slow_ar failed"))
+    assert isinstance(inbox.get(), errors.S2Error)
+    key2, inbox2 = relay.open("slow_ar")
+    s = hub.open("late", Answer(), group=relay.group, tag=key2)
+    s.send("first", False), s.send((np.zeros((1, 1)), None, "end", None), True)
+    hub.flush()
+    assert inbox2.get()[2] == "end"
+    relay.shutdown()
 
 
 def test_long_text_is_spoken_segment_after_segment_in_one_seamless_stream(harness_factory):

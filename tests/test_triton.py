@@ -80,6 +80,28 @@ def test_concurrent_streams_match_alone(triton_server):
     assert not np.array_equal(alone[0].codes[:, :3], alone[1].codes[:, :3])
 
 
+def test_later_chunks_come_in_group_reads(triton_server):
+    """s2pro reads the later chunks of all its requests from slow_ar in group reads (`pull_groups`, the default):
+    streams made side by side arrive whole and in order, in fewer reads of slow_ar than later chunks."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from servers import pipeline_calls
+
+    url = triton_server.metrics_url
+    before = settled(lambda: read_metrics(url), every_s=0.5, tries=40)
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(lambda i: synth(triton_server, text=f"Read side by side, number {i}.", seed=20 + i,
+                                              max_new_tokens=24, ignore_eos=True, first_chunk_frames=2,
+                                              chunk_frames=2), range(4)))
+    assert all(r.stats["frames"] == 24 and sum(c.audio.size for c in r.chunks) == 24 * FRAME for r in results)
+    assert all([c.sequence for c in r.chunks] == list(range(len(r.chunks))) for r in results)
+    later = sum(len(r.chunks) - 1 for r in results)
+    after = settled(lambda: read_metrics(url), every_s=0.5, tries=40)
+    reads = pipeline_calls(after, "slow_ar_next_group")[0] - pipeline_calls(before, "slow_ar_next_group")[0]
+    waits = pipeline_calls(after, "slow_ar_next_chunk")[0] - pipeline_calls(before, "slow_ar_next_chunk")[0]
+    assert waits >= later and 0 < reads < later, (reads, later)
+
+
 def test_live_streams_keep_flowing_while_a_burst_waits_for_slots(triton_server):
     """8 long streams on the 8 slots, then 40 more requests that wait for a slot. Each waiting request holds a
     thread of the Python backend's pool in s2pro (its call to slow_ar waits there), and s2pro's responses and its

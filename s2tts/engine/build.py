@@ -36,12 +36,12 @@ def codec_here(v, device) -> bool:
 def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2Error], Any], name: str,
                  on_unhealthy: Callable[[str], None] | None = None,
                  on_tick: Callable[["EngineService"], None] | None = None, fast_ar=None,
-                 direct_send: bool = False) -> EngineService:
+                 direct_send: bool = False, on_sent: Callable[[], None] | None = None) -> EngineService:
     """An `EngineService` built from a model's settings `v` (`settings.model_values`): the AR weights on `v.device`,
     with `codec_in_engine` the served stream decoder on the same device (warmed for the chunk lengths the chunker
     makes and the slices held calls decode), then the `Engine` with its KV pool (sized by `kv_cache_tokens`,
     `kv_cache_memory_gb` or `gpu_memory_utilization`: `kv_pool_gib`) and CUDA graphs. `fast_ar`: a `HostFastAR`
-    replacing the in-process fast AR (slow_ar's fast_ar=bls)."""
+    replacing the in-process fast AR (slow_ar's fast_ar=bls); `on_sent`: as `EngineService`'s."""
     t0 = time.perf_counter()
     with jit.compile_workers(v.device):  # started first: their imports overlap the weights' loading
         model = load_model(v.checkpoint, v.device, v.dtype, weights=v.ar_weights)
@@ -60,7 +60,8 @@ def serve_engine(v, make_response: Callable[..., Any], make_error: Callable[[S2E
                  "gpu_memory_utilization=%g: %.1f GiB)", name, torch.cuda.memory_reserved(device) / (1 << 30),
                  v.gpu_memory_utilization, v.gpu_memory_utilization * torch.cuda.mem_get_info(device)[1] / (1 << 30))
     service = EngineService(engine, make_response, make_error, name=name, on_unhealthy=on_unhealthy, on_tick=on_tick,
-                            frame_seconds=codec_frame_seconds(v.checkpoint), codec=codec, direct_send=direct_send)
+                            frame_seconds=codec_frame_seconds(v.checkpoint), codec=codec, direct_send=direct_send,
+                            on_sent=on_sent)
     warm = "".join(f", {k} {v:.1f} s" for k, v in engine.runner.warm_s.items())
     log.info("%s ready in %.1f s (weights %.1f s, codec %.1f s, engine and its CUDA graphs %.1f s%s; the GPU kernels' "
              "first compile falls in the last two): device=%s dtype=%s ar_weights=%s max_batch=%d max_seq_len=%d "

@@ -185,13 +185,15 @@ class EngineService:
     def __init__(self, engine: Engine, make_response: Callable[..., Any], make_error: Callable[[S2Error], Any],
                  name: str = "slow_ar", on_unhealthy: Callable[[str], None] | None = None,
                  on_tick: Callable[["EngineService"], None] | None = None, frame_seconds: float | None = None,
-                 codec=None, direct_send: bool = False, limit: int | None = None):
+                 codec=None, direct_send: bool = False, limit: int | None = None,
+                 on_sent: Callable[[], None] | None = None):
         """The loop reads `engine.config` (`EngineConfig`). `frame_seconds` (audio per frame): with
         `adaptive_chunks`, chunks grow by the measured pace; None: fixed chunks. `codec` (a
         `codec.stream.StreamDecoder`): decode audio here. `direct_send`: responders that only hand a response to
         another thread of this process (s2pro holding the engine): the engine thread sends each response itself
         (the sender thread then only polls for cancels and reports). `limit`: the most requests in flight (default
-        `max_batch` + `max_queued_requests`). `on_tick(service)` is called from the sender thread every poll.
+        `max_batch` + `max_queued_requests`). `on_tick(service)` is called from the sender thread every poll, `on_sent()` each time
+        it has sent everything queued (a transport that answers several requests' responses together sends them then).
 
         `launch_ahead` (None: on a GPU): the engine keeps two steps in flight (`Engine.step_ahead`), except while
         the codec here decodes each chunk at once (light load) and a request in flight has yet to send audio (its
@@ -203,7 +205,7 @@ class EngineService:
         on_gpu = engine.device.type == "cuda"
         self.engine, self.codec, self.name = engine, codec, name
         self.make_response, self.direct_send = make_response, direct_send
-        self.on_unhealthy, self.on_tick = on_unhealthy, on_tick
+        self.on_unhealthy, self.on_tick, self.on_sent = on_unhealthy, on_tick, on_sent
         self.C = engine.s2.num_codebooks
         self.launch_ahead = on_gpu if c.launch_ahead is None else c.launch_ahead
         self.codec_concurrent = on_gpu if c.codec_concurrent is None else c.codec_concurrent
@@ -628,13 +630,12 @@ class EngineService:
 
     # ---- handing out, and the pass recorded ----------------------------------------------------------
     def _hand_out(self, items: list[Outgoing]) -> None:
-        """Each item to the sender thread (or sent here, `direct_send`), in order; a request's first audio and the
-        time from its last frame to its final response noted."""
+        """The pass's items to the sender thread in one hand-off (or sent here, `direct_send`), in order; a request's
+        first audio and the time from its last frame to its final response noted."""
         now = time.monotonic()
         for item in items:
             st = item.rec.state
             if item.kind == "error":
-                self._give(item, now)
                 continue
             if st.first_audio_s is None:
                 st.first_audio_s = now - st.arrived
@@ -642,13 +643,11 @@ class EngineService:
                 self.loop.tails.append(now - st.last_frame_at)
                 if st.counts is not None and st.counts.ended_at is not None:
                     self.loop.final_waits.append(self.loop.passes - st.counts.ended_at)
-            self._give(item, now)
-
-    def _give(self, item: Outgoing, now: float) -> None:
         if self.direct_send:
-            self._deliver(item, now)
-        else:
-            self.outbox.put((item, now))
+            for item in items:
+                self._deliver(item, now)
+        elif items:
+            self.outbox.put((items, now))
 
     def _record(self, step: _Step) -> None:
         """A decoding pass without a fault sets the pace and load, and its numbers join the loop's statistics."""
@@ -691,11 +690,13 @@ class EngineService:
     # ---- the sender thread ------------------------------------------------------------------------
     def _send_pass(self) -> None:
         try:
-            item, put_at = self.outbox.get(timeout=self.config.cancel_poll_s)
+            items, put_at = self.outbox.get(timeout=self.config.cancel_poll_s)
         except queue.Empty:
-            item = None
-        if item is not None:
+            items = ()
+        for item in items:
             self._deliver(item, put_at)
+        if items and self.on_sent is not None and self.outbox.empty():
+            self.on_sent()
         now = time.monotonic()
         if now - self._last_poll >= self.config.cancel_poll_s:
             self._last_poll = now

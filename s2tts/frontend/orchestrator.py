@@ -89,6 +89,9 @@ class Downstream(Protocol):
         """`model` runs inside this process (`frontend.local_engine.LocalEngines`): it is never reloaded on its own; its
         fault unloads this process's model instead. Optional (default: False)."""
 
+    def failed(self, model: str) -> None:
+        """`model` failed: whatever this process waits on from it ends with `unavailable`. Optional."""
+
 
 class Cancelled(Exception):
     pass
@@ -702,6 +705,7 @@ class TTSService:
                 return
             self.recovering[model] = self.last_reload[model] = time.monotonic()
         log.error("%s: %s failed (%s): ending the requests that wait on it and reloading it", self.name, model, reason)
+        getattr(self.down, "failed", lambda m: None)(model)
         role = role_of(model)
         phases = {ENGINE: ("generating",), DECODER: ("generating", "decoding"), ENCODER: ("encoding",)}[role]
         for rec in self.table.live():

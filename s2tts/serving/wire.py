@@ -40,3 +40,36 @@ def decode_fields(arr, fields) -> dict:
         else:
             out[f] = int(v)
     return out
+
+
+# a group pull's answer (slow_ar's `control`="next_group"): `items` [m, len(GROUP_COLUMNS)] int64, a row an item in
+# order, its codes and audio the next `frames` rows and `samples` samples of the answer's; its stats the next `stats`
+# numbers of `stats` (STATS_FIELDS on a final item), an error the next `error` bytes of `error_text` (UTF-8, the
+# error's wire form)
+GROUP_COLUMNS = ("key", "frames", "samples", "finish", "stats", "error")
+
+
+def encode_group(items) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[(key, frames, samples, finish reason, encoded stats, error wire text or "")] -> (items, stats, error_text)."""
+    rows, stats, text = [], [], []
+    for key, frames, samples, reason, st, err in items:
+        msg = err.encode() if err else b""
+        rows.append((key, frames, samples, FINISH_CODES[reason], st.size, len(msg)))
+        stats.append(st.astype(np.float32).reshape(-1))
+        text.append(msg)
+    return (np.array(rows, np.int64).reshape(-1, len(GROUP_COLUMNS)),
+            np.concatenate(stats) if stats else np.zeros(0, np.float32),
+            np.frombuffer(b"".join(text), np.uint8).copy())
+
+
+def decode_group(items, stats, error_text) -> list[tuple[int, int, int, str, dict | None, str | None]]:
+    """`encode_group`'s arrays -> [(key, frames, samples, finish reason, stats dict or None, error text or None)]."""
+    out, at_s, at_e = [], 0, 0
+    text = np.asarray(error_text, np.uint8).tobytes()
+    stats = np.asarray(stats, np.float32).reshape(-1)
+    for key, frames, samples, finish, ns, ne in np.asarray(items, np.int64).reshape(-1, len(GROUP_COLUMNS)).tolist():
+        st = decode_fields(stats[at_s:at_s + ns], STATS_FIELDS) if ns else None
+        err = text[at_e:at_e + ne].decode(errors="replace") if ne else None
+        at_s, at_e = at_s + ns, at_e + ne
+        out.append((key, frames, samples, FINISH_NAMES.get(finish, ""), st, err))
+    return out

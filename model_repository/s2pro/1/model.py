@@ -29,12 +29,13 @@ from s2tts.serving import triton_io as tio
 from s2tts.serving.metrics import Metrics
 from s2tts.serving.process import reload_model, setup_logging, unload_self
 from s2tts.checkpoint_config import S2Config
-from s2tts.serving.wire import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields
+from s2tts.serving.wire import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, decode_group
 from s2tts.engine.build import serve_engine
 from s2tts.frontend.instances import run_dir
 from s2tts.frontend.local_engine import LocalEngines, local_error, local_response
 from s2tts.frontend.orchestrator import TTSService
 from s2tts.frontend.prompt_builder import PromptBuilder
+from s2tts.frontend.pull_relay import PullRelay
 from s2tts.frontend.request import Limits, TTSRequest
 from s2tts.layout import ENGINE
 from s2tts.serving.call_times import CallTimes
@@ -57,12 +58,16 @@ class BLSDownstream:
 
     Every call carries a timeout (`timeout_s`, Triton's request timeout): Triton applies it while a request waits in
     a queue, not while a model runs it, so a call into a model process that died can still wait; `TTSService` ends
-    such a request from its supervisor and replaces the waiting worker."""
+    such a request from its supervisor and replaces the waiting worker.
 
-    def __init__(self, num_codebooks: int, times: CallTimes, timeout_s: float):
+    `pull_groups`: a request's later chunks come through `PullRelay` (one group pull of slow_ar for all of this
+    process's requests) instead of a `control`="next" call each."""
+
+    def __init__(self, num_codebooks: int, times: CallTimes, timeout_s: float, pull_groups: bool):
         self.C = num_codebooks
         self.times = times
         self.timeout_us = int(timeout_s * 1e6)
+        self.relay = PullRelay(self._next_group) if pull_groups else None
 
     def encode(self, audio, sample_rate, tag):
         req = pb_utils.InferenceRequest(
@@ -101,20 +106,66 @@ class BLSDownstream:
             tio.tensor("codec_start", np.array([codec[1]])),
             tio.tensor("codec_final", np.array([codec[2]])),
         ]
-        what = "slow_ar_first_chunk"
-        while True:
-            with self.times.timed(what):
+        key, inbox = self.relay.open(engine) if self.relay is not None else (None, None)
+        if key is not None:
+            inputs += [tio.string_tensor("pull_group", self.relay.group), tio.tensor("pull_key", np.array([key], np.int64))]
+        try:
+            with self.times.timed("slow_ar_first_chunk"):
                 resp = self._slow_ar(engine, label or rid, inputs)
-            what = "slow_ar_next_chunk"
-            _raise_for(resp, engine)
-            codes = pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().reshape(-1, self.C)
-            reason = FINISH_NAMES.get(int(pb_utils.get_output_tensor_by_name(resp, "finish_reason").as_numpy().reshape(-1)[0]), "")
-            stats = pb_utils.get_output_tensor_by_name(resp, "stats").as_numpy()
-            audio = pb_utils.get_output_tensor_by_name(resp, "audio").as_numpy().reshape(-1)
-            yield codes, audio if audio.size else None, reason, decode_fields(stats, STATS_FIELDS) if stats.size else None
-            if reason:
-                return
-            inputs = [tio.string_tensor("request_id", rid), tio.string_tensor("control", "next")]
+            while True:
+                _raise_for(resp, engine)
+                codes = pb_utils.get_output_tensor_by_name(resp, "codes").as_numpy().reshape(-1, self.C)
+                reason = FINISH_NAMES.get(int(pb_utils.get_output_tensor_by_name(resp, "finish_reason").as_numpy().reshape(-1)[0]), "")
+                stats = pb_utils.get_output_tensor_by_name(resp, "stats").as_numpy()
+                audio = pb_utils.get_output_tensor_by_name(resp, "audio").as_numpy().reshape(-1)
+                if reason and key is not None:  # its last: nothing more comes through the relay (closed before the
+                    self.relay.close(key)  # yield, which its reader may never resume)
+                    key = None
+                yield codes, audio if audio.size else None, reason, decode_fields(stats, STATS_FIELDS) if stats.size else None
+                if reason:
+                    return
+                if inbox is not None:
+                    break
+                with self.times.timed("slow_ar_next_chunk"):
+                    resp = self._slow_ar(engine, label or rid, [tio.string_tensor("request_id", rid),
+                                                                tio.string_tensor("control", "next")])
+            while True:  # the later chunks, from the relay's group pulls
+                with self.times.timed("slow_ar_next_chunk"):
+                    item = inbox.get()
+                if isinstance(item, Exception) or item[2]:  # its last (the relay let go of it)
+                    key = None
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item[2]:
+                    return
+        finally:
+            if key is not None:
+                self.relay.close(key)
+
+    def _next_group(self, engine, group):
+        """One group pull (`PullRelay`'s fetch): [(pull key, (codes, audio or None, reason, stats) or S2Error)]."""
+        with self.times.timed("slow_ar_next_group"):
+            resp = pb_utils.InferenceRequest(
+                model_name=engine, request_id=group, timeout=self.timeout_us,
+                inputs=[tio.string_tensor("request_id", group), tio.string_tensor("control", "next_group")],
+                requested_output_names=["codes", "stats", "audio", "items", "error_text"]).exec()
+        _raise_for(resp, engine)
+        out = lambda name: pb_utils.get_output_tensor_by_name(resp, name).as_numpy()  # noqa: E731
+        codes, audio = out("codes").reshape(-1, self.C), out("audio").reshape(-1)
+        items, at_f, at_a = [], 0, 0
+        for key, frames, samples, reason, stats, err in decode_group(out("items"), out("stats"), out("error_text")):
+            if err is not None:
+                items.append((key, errors.parse(err)))
+                continue
+            a = audio[at_a:at_a + samples] if samples else None
+            items.append((key, (codes[at_f:at_f + frames], a, reason, stats)))
+            at_f, at_a = at_f + frames, at_a + samples
+        return items
+
+    def failed(self, model):
+        if self.relay is not None:
+            self.relay.failed(model, errors.unavailable(f"{model} failed while this request read its chunks; retry"))
 
     def control(self, engine, rid, what):
         with self.times.timed("slow_ar_" + what.split("=")[0]):
@@ -167,7 +218,7 @@ class TritonPythonModel:
         # log line every 10 s)
         self.times = CallTimes("s2pro", self.log.info,
                                observe=lambda call, s: self.metrics.observe("s2tts_pipeline_call_seconds", s, call=call))
-        downstream = BLSDownstream(self.s2.num_codebooks, self.times, v.request_timeout_s)
+        downstream = BLSDownstream(self.s2.num_codebooks, self.times, v.request_timeout_s, v.pull_groups)
         self.engine_metrics = None
         if v.engine_in_s2pro:  # the engine in this process (rendering left slow_ar out): no BLS call per chunk
             self.engine_metrics = Metrics(ENGINE, families_of=self.metrics)
@@ -283,4 +334,6 @@ class TritonPythonModel:
         if isinstance(self.downstream, LocalEngines):
             self.downstream.shutdown()
             self.engine_metrics.close()
+        elif self.downstream.relay is not None:  # its threads out of their calls before this process ends
+            self.downstream.relay.shutdown(timeout=5)
         self.metrics.close()

@@ -4,7 +4,11 @@ A thin adapter: tensors in, `s2tts.engine.service.EngineService` does the rest (
 engine thread, one sender thread, every request ending in exactly one final response).
 A generation request carries `request_id` (the caller's id: its stream, cancellation, status,
 log lines) and is answered with its first chunk; `control`="next" with that id answers the
-next chunk (`s2tts.serving.pull.PullStreams`), until the one with a finish reason. Without a
+next chunk (`s2tts.serving.pull.PullStreams`), until the one with a finish reason. A generation request
+that names a `pull_group` (s2pro's, one per process) and a `pull_key` (its number there) leaves its later chunks
+to that group: `control`="next_group" with the group's name as `request_id` answers every chunk queued in any of
+its streams, in one response (their codes and audio one after another, `items`, `stats` and `error_text` saying
+whose each is: `s2tts.serving.wire.encode_group`). Without a
 `request_id` the answer is the whole generation, in one response. `control`="cancel" cancels
 that request; `control`="status" answers with the engine's health and where that request is
 (waiting / live / unknown) in `stats`; `control`="pace=R" (from s2pro) tells the chunker the
@@ -18,6 +22,7 @@ and every answer carries its chunk's audio, decoded in the engine's loop (`Engin
 
 import itertools
 import json
+from typing import NamedTuple
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -27,11 +32,38 @@ from s2tts.serving import triton_io as tio
 from s2tts.serving.metrics import Metrics
 from s2tts.serving.process import setup_logging, unload_self
 from s2tts.engine import HostFastAR
-from s2tts.serving.wire import FINISH_CODES, STATS_FIELDS, STATUS_FIELDS, encode_fields
+from s2tts.serving.wire import FINISH_CODES, GROUP_COLUMNS, STATS_FIELDS, STATUS_FIELDS, encode_fields, encode_group
 from s2tts.engine.service import CodecStream
 from s2tts.engine.build import serve_engine
 from s2tts.engine.prompt import Prompt
 from s2tts.serving.pull import PullStreams
+
+
+class Reply(NamedTuple):
+    """One response as the engine's service makes it, turned into Triton's when it is sent (alone or in a group)."""
+
+    codes: np.ndarray
+    reason: str
+    stats: np.ndarray  # encoded (`wire.encode_fields`), or empty
+    audio: np.ndarray | None
+
+
+class Rendered:
+    """A request's response sender that turns what it is given (a `Reply`, a group's list of them, an `S2Error`)
+    into Triton's response with `render`."""
+
+    def __init__(self, sender, render):
+        self.sender, self.render = sender, render
+
+    def send(self, response, final: bool) -> None:
+        self.sender.send(self.render(response), final)
+
+    def is_cancelled(self) -> bool:
+        return self.sender.is_cancelled()
+
+
+def _reply_bytes(item) -> int:
+    return item.codes.nbytes + (item.audio.nbytes if item.audio is not None else 0) if isinstance(item, Reply) else 0
 
 
 class BLSFastAR(HostFastAR):
@@ -55,25 +87,33 @@ class TritonPythonModel:
         self.name = args.get("model_name", "slow_ar")
         self.log = setup_logging(self.name)
         v = self.values = settings.model_values(cfg, "slow_ar")  # (a request's defaults among them)
-        self.streams = PullStreams(self.name, tio.s2_error_response, idle_timeout_s=v.stream_idle_timeout_s)
+        # the service's responses stay as made (`Reply`, `S2Error`) until a sender renders them
+        self.streams = PullStreams(self.name, lambda err: err, idle_timeout_s=v.stream_idle_timeout_s,
+                                   nbytes=_reply_bytes)
         self._anonymous = itertools.count(1)
         self.metrics = Metrics(self.name)
-        self.service = serve_engine(v, self._response, tio.s2_error_response, self.name, on_unhealthy=self._unload,
-                                    on_tick=self._report, fast_ar=BLSFastAR() if v.fast_ar == "bls" else None)
+        self.service = serve_engine(v, self._response, lambda err: err, self.name, on_unhealthy=self._unload,
+                                    on_tick=self._report, fast_ar=BLSFastAR() if v.fast_ar == "bls" else None,
+                                    on_sent=self.streams.flush)
         self.C = self.service.C
         if self.service.codec is not None:
             self.metrics.declare("s2tts_codec_batch_size")
 
     def execute(self, requests):
         for request in requests:
-            sender = tio.TritonResponder(request)
+            triton = tio.TritonResponder(request)
+            sender = Rendered(triton, self._render)
             label = rid = request.request_id() or ""  # Triton's request id names the request in log lines
             try:
                 rid = tio.scalar(request, "request_id", str, "") or rid  # ... and this one keys its stream
                 control = tio.scalar(request, "control", str, "")
+                if control == "next_group":
+                    self.streams.pull_group(rid, Rendered(triton, self._render_group))
+                    continue
                 if control:
                     self._control(control, rid, sender)
                     continue
+                group, tag = tio.scalar(request, "pull_group", str, ""), tio.scalar(request, "pull_key", int, 0)
                 prompt, params, first, size, codec_stream = self._parse(request)
             except Exception as e:  # noqa: BLE001 - never let one request take the model down
                 err = errors.from_exception(e, self.name)
@@ -83,7 +123,7 @@ class TritonPythonModel:
             if not rid:  # nobody can pull more: the whole generation in one answer
                 rid = f"<whole {next(self._anonymous)}>"
                 first = size = params.max_new_tokens + 1
-            stream = self.streams.open(rid, sender)
+            stream = self.streams.open(rid, sender, group, tag)
             if stream is not None:
                 self.service.submit(rid, stream, prompt, params, first, size, codec_stream, label=label)
         return None
@@ -147,16 +187,46 @@ class TritonPythonModel:
                                    tio.scalar(request, "codec_final", bool, True)) if sid else None
         return prompt, params, first, size, codec_stream
 
-    def _response(self, codes, reason, stats, audio=None, raw_stats=None):
-        """Every answer carries all four outputs (a request-response model answers what was asked); `audio` is
-        empty unless the codec runs here."""
+    def _response(self, codes, reason, stats, audio=None, raw_stats=None) -> Reply:
+        """The service's `make_response`: a `Reply`, rendered when sent; `audio` is None unless the codec runs here."""
         if raw_stats is None:
             raw_stats = encode_fields(stats, STATS_FIELDS) if stats is not None else np.zeros(0, np.float32)
+        return Reply(codes, reason, raw_stats, audio)
+
+    def _render(self, reply):
+        """One answer (a `Reply` or an `S2Error`) as Triton's response: every answer carries all six outputs (a
+        request-response model answers what was asked); `audio` is empty unless the codec runs here."""
+        if not isinstance(reply, Reply):
+            return tio.s2_error_response(reply)
+        return self._outputs(reply.codes, reply.reason, reply.stats, reply.audio)
+
+    def _render_group(self, items):
+        """A group pull's answer: its (pull key, `Reply` or `S2Error`, final) items' codes and audio one after
+        another, `items` / `stats` / `error_text` saying whose each is (`wire.encode_group`); or the `S2Error`
+        that refused the pull."""
+        if not isinstance(items, list):
+            return tio.s2_error_response(items)
+        rows, codes, audio = [], [], []
+        for key, r, _final in items:
+            if isinstance(r, Reply):
+                codes.append(r.codes)
+                if r.audio is not None:
+                    audio.append(r.audio)
+                rows.append((key, r.codes.shape[0], 0 if r.audio is None else r.audio.size, r.reason, r.stats, ""))
+            else:
+                rows.append((key, 0, 0, "", np.zeros(0, np.float32), r.wire()))
+        table, stats, text = encode_group(rows)
+        return self._outputs(np.concatenate(codes) if codes else np.zeros((0, self.C), np.int32), "", stats,
+                             np.concatenate(audio) if audio else None, table, text)
+
+    def _outputs(self, codes, reason, stats, audio, items=None, error_text=None):
         return pb_utils.InferenceResponse(output_tensors=[
             tio.tensor("codes", np.ascontiguousarray(codes, dtype=np.int32)),
             tio.tensor("finish_reason", np.array([FINISH_CODES[reason]], np.int32)),
-            tio.tensor("stats", raw_stats),
-            tio.tensor("audio", np.zeros(0, np.float32) if audio is None else np.ascontiguousarray(audio, np.float32))])
+            tio.tensor("stats", stats),
+            tio.tensor("audio", np.zeros(0, np.float32) if audio is None else np.ascontiguousarray(audio, np.float32)),
+            tio.tensor("items", np.zeros((0, len(GROUP_COLUMNS)), np.int64) if items is None else items),
+            tio.tensor("error_text", np.zeros(0, np.uint8) if error_text is None else error_text)])
 
     def _report(self, service):
         self.metrics.report_engine(service, streams_open=self.streams.sweep())
@@ -168,4 +238,5 @@ class TritonPythonModel:
         n = self.service.shutdown()
         if n:
             self.log.info("slow_ar: %d requests in flight ended at shutdown", n)
+        self.streams.close()
         self.metrics.close()

@@ -1,0 +1,143 @@
+"""s2pro's side of group pulls (`pull_groups`): the later chunks of every request this process reads from one engine
+model, taken in one call and handed to each request's inbox.
+
+    relay = PullRelay(fetch, on_wait=times.add)
+    key, inbox = relay.open("slow_ar")   # before the request is submitted with pull_group=relay.group, pull_key=key
+    ...                                  # its first chunk comes as the submit's answer, the rest from `inbox.get()`
+    relay.close(key)
+
+One thread per engine model runs `fetch(engine, group) -> [(key, item)]` (slow_ar's `control`="next_group": every
+chunk queued for this process's streams, waiting while none is) for as long as some request of that engine reads,
+and puts each item in its request's inbox; an item is what `Downstream.generate` yields, or the `S2Error` that ends
+the stream. A chunk then costs the engine's process one response a pass instead of one a chunk, and this process
+one call. A failed fetch ends, with its error, the requests already reading; `failed(engine)` (the engine died)
+does that from outside and leaves a thread still waiting in the dead process's call behind: the next reader
+starts a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import secrets
+import threading
+import time
+from typing import Any, Callable
+
+from .. import errors
+from ..errors import S2Error
+
+log = logging.getLogger("s2tts")
+
+RETRY_S = (0.05, 1.0)  # after a failed fetch, before the next (while requests still read): doubled each time up to
+# the second
+
+
+class Inbox:
+    """One request's items from the relay, in order."""
+
+    def __init__(self, engine: str, epoch: int):
+        self.engine, self.epoch = engine, epoch
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.reading = False  # its first chunk came: it waits on this inbox now (a failed fetch ends it)
+
+    def get(self) -> Any:
+        self.reading = True
+        return self.items.get()
+
+
+class PullRelay:
+    def __init__(self, fetch: Callable[[str, str], list[tuple[int, Any]]], group: str | None = None):
+        """`fetch(engine, group)`: one group pull of `engine`; `group`: this process's name there (default: a new
+        random one, so that a restarted process never reads another's streams)."""
+        self.fetch = fetch
+        self.group = group or f"s2pro-{secrets.token_hex(6)}"
+        self._keys = itertools.count(1)
+        self._lock = threading.Condition()
+        self._inboxes: dict[int, Inbox] = {}
+        self._epoch: dict[str, int] = {}  # engine -> the epoch of its current thread
+        self._threads: dict[str, threading.Thread] = {}
+        self.stop = threading.Event()
+        self.fetches = 0  # group pulls made (all engines)
+
+    def open(self, engine: str) -> tuple[int, Inbox]:
+        """A key and an inbox for a request about to be submitted to `engine` (its pull_key)."""
+        with self._lock:
+            key, epoch = next(self._keys), self._epoch.setdefault(engine, 0)
+            inbox = self._inboxes[key] = Inbox(engine, epoch)
+            t = self._threads.get(engine)
+            if t is None or not t.is_alive():
+                t = self._threads[engine] = threading.Thread(target=self._run, args=(engine, epoch), daemon=True,
+                                                             name=f"s2tts-relay-{engine}")
+                t.start()
+            self._lock.notify_all()
+        return key, inbox
+
+    def close(self, key: int) -> None:
+        """The request no longer reads: what still comes for it is dropped."""
+        with self._lock:
+            self._inboxes.pop(key, None)
+
+    def failed(self, engine: str, err: S2Error) -> None:
+        """`engine` died: every request reading from it gets `err`; later readers get a thread of their own."""
+        with self._lock:
+            self._epoch[engine] = self._epoch.get(engine, 0) + 1
+            self._threads.pop(engine, None)
+            ended = [(k, b) for k, b in self._inboxes.items() if b.engine == engine]
+            for k, _ in ended:
+                del self._inboxes[k]
+            self._lock.notify_all()
+        for _, b in ended:
+            b.items.put(err)
+
+    def shutdown(self, timeout: float = 0.0) -> None:
+        """No more fetches; waits up to `timeout` for the threads to leave the calls they are in."""
+        self.stop.set()
+        with self._lock:
+            self._lock.notify_all()
+            threads = list(self._threads.values())
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    def _current(self, engine: str, epoch: int) -> bool:
+        return not self.stop.is_set() and self._epoch.get(engine) == epoch
+
+    def _run(self, engine: str, epoch: int) -> None:
+        retry = RETRY_S[0]
+        while True:
+            with self._lock:
+                while self._current(engine, epoch) and not any(b.engine == engine for b in self._inboxes.values()):
+                    self._lock.wait()
+                if not self._current(engine, epoch):
+                    return
+            try:
+                items = self.fetch(engine, self.group)
+                self.fetches += 1
+            except Exception as e:  # noqa: BLE001 - the engine failed: those waiting on it end with its error
+                err = errors.from_exception(e, engine)
+                if retry == RETRY_S[0] and not self.stop.is_set():
+                    log.info("relay %s: a group read of %s failed (%s)", self.group, engine, err.wire())
+                with self._lock:
+                    if not self._current(engine, epoch):
+                        return
+                    ended = [(k, b) for k, b in self._inboxes.items() if b.engine == engine and b.reading]
+                    for k, _ in ended:
+                        del self._inboxes[k]
+                for _, b in ended:
+                    b.items.put(err)
+                self.stop.wait(retry)
+                retry = min(RETRY_S[1], 2 * retry)
+                continue
+            retry = RETRY_S[0]
+            with self._lock:
+                if not self._current(engine, epoch):
+                    return
+                for key, item in items:
+                    b = self._inboxes.get(key)
+                    if b is None:
+                        continue  # its reader left (cancelled, drained elsewhere)
+                    b.items.put(item)
+                    if isinstance(item, S2Error) or item[2]:  # its last
+                        del self._inboxes[key]
