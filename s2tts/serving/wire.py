@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 
+# every answer of slow_ar carries each of these (a group answer's two last not empty), and every BLS call to it asks
+# for each: Triton 24.10's Python stub crashes sending an answer to a BLS call that did not ask for all its outputs
+SLOW_AR_OUTPUTS = ("codes", "finish_reason", "stats", "audio", "items", "error_text")
 FINISH_CODES = {"": 0, "end": 1, "length": 2, "cancelled": 3}
 FINISH_NAMES = {v: k for k, v in FINISH_CODES.items()}
 # the final response's `stats`; first_frame_s / first_audio_s: seconds from the request's arrival here to its first
@@ -42,10 +45,10 @@ def decode_fields(arr, fields) -> dict:
     return out
 
 
-# a group pull's answer (slow_ar's `control`="next_group"): `items` [m, len(GROUP_COLUMNS)] int64, a row an item in
+# a group pull's answer (slow_ar's `control`="next_group"): `items` [m, len(GROUP_COLUMNS)] int32, a row an item in
 # order, its codes and audio the next `frames` rows and `samples` samples of the answer's; its stats the next `stats`
-# numbers of `stats` (STATS_FIELDS on a final item), an error the next `error` bytes of `error_text` (UTF-8, the
-# error's wire form)
+# numbers of `stats` (STATS_FIELDS on a final item), an error the next `error` bytes of `error_text` (int32 [-1], a
+# byte each: the UTF-8 of the error's wire form). int32 and float32 alone, the types slow_ar's answers always had
 GROUP_COLUMNS = ("key", "frames", "samples", "finish", "stats", "error")
 
 
@@ -57,17 +60,17 @@ def encode_group(items) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         rows.append((key, frames, samples, FINISH_CODES[reason], st.size, len(msg)))
         stats.append(st.astype(np.float32).reshape(-1))
         text.append(msg)
-    return (np.array(rows, np.int64).reshape(-1, len(GROUP_COLUMNS)),
+    return (np.array(rows, np.int32).reshape(-1, len(GROUP_COLUMNS)),
             np.concatenate(stats) if stats else np.zeros(0, np.float32),
-            np.frombuffer(b"".join(text), np.uint8).copy())
+            np.frombuffer(b"".join(text), np.uint8).astype(np.int32))
 
 
 def decode_group(items, stats, error_text) -> list[tuple[int, int, int, str, dict | None, str | None]]:
     """`encode_group`'s arrays -> [(key, frames, samples, finish reason, stats dict or None, error text or None)]."""
     out, at_s, at_e = [], 0, 0
-    text = np.asarray(error_text, np.uint8).tobytes()
+    text = np.asarray(error_text).astype(np.uint8).tobytes()
     stats = np.asarray(stats, np.float32).reshape(-1)
-    for key, frames, samples, finish, ns, ne in np.asarray(items, np.int64).reshape(-1, len(GROUP_COLUMNS)).tolist():
+    for key, frames, samples, finish, ns, ne in np.asarray(items).reshape(-1, len(GROUP_COLUMNS)).tolist():
         st = decode_fields(stats[at_s:at_s + ns], STATS_FIELDS) if ns else None
         err = text[at_e:at_e + ne].decode(errors="replace") if ne else None
         at_s, at_e = at_s + ns, at_e + ne

@@ -29,7 +29,7 @@ from s2tts.serving import triton_io as tio
 from s2tts.serving.metrics import Metrics
 from s2tts.serving.process import reload_model, setup_logging, unload_self
 from s2tts.checkpoint_config import S2Config
-from s2tts.serving.wire import FINISH_NAMES, STATS_FIELDS, STATUS_FIELDS, decode_fields, decode_group
+from s2tts.serving.wire import FINISH_NAMES, SLOW_AR_OUTPUTS, STATS_FIELDS, STATUS_FIELDS, decode_fields, decode_group
 from s2tts.engine.build import serve_engine
 from s2tts.frontend.instances import run_dir
 from s2tts.frontend.local_engine import LocalEngines, local_error, local_response
@@ -147,9 +147,8 @@ class BLSDownstream:
         """One group pull (`PullRelay`'s fetch): [(pull key, (codes, audio or None, reason, stats) or S2Error)]."""
         with self.times.timed("slow_ar_next_group"):
             resp = pb_utils.InferenceRequest(
-                model_name=engine, request_id=group, timeout=self.timeout_us,
-                inputs=[tio.string_tensor("request_id", group), tio.string_tensor("control", "next_group")],
-                requested_output_names=["codes", "stats", "audio", "items", "error_text"]).exec()
+                model_name=engine, request_id=group, timeout=self.timeout_us, requested_output_names=list(SLOW_AR_OUTPUTS),
+                inputs=[tio.string_tensor("request_id", group), tio.string_tensor("control", "next_group")]).exec()
         _raise_for(resp, engine)
         out = lambda name: pb_utils.get_output_tensor_by_name(resp, name).as_numpy()  # noqa: E731
         codes, audio = out("codes").reshape(-1, self.C), out("audio").reshape(-1)
@@ -177,7 +176,7 @@ class BLSDownstream:
 
     def _slow_ar(self, engine, rid, inputs):
         return pb_utils.InferenceRequest(model_name=engine, inputs=inputs, request_id=rid, timeout=self.timeout_us,
-                                         requested_output_names=["codes", "finish_reason", "stats", "audio"]).exec()
+                                         requested_output_names=list(SLOW_AR_OUTPUTS)).exec()
 
     def decode(self, decoder, sid, frames, start, final, label=""):
         req = pb_utils.InferenceRequest(

@@ -220,13 +220,14 @@ class TritonPythonModel:
                              np.concatenate(audio) if audio else None, table, text)
 
     def _outputs(self, codes, reason, stats, audio, items=None, error_text=None):
+        """Every answer's outputs (`wire.SLOW_AR_OUTPUTS`): `items` and `error_text` empty but in a group answer."""
         return pb_utils.InferenceResponse(output_tensors=[
             tio.tensor("codes", np.ascontiguousarray(codes, dtype=np.int32)),
             tio.tensor("finish_reason", np.array([FINISH_CODES[reason]], np.int32)),
             tio.tensor("stats", stats),
             tio.tensor("audio", np.zeros(0, np.float32) if audio is None else np.ascontiguousarray(audio, np.float32)),
-            tio.tensor("items", np.zeros((0, len(GROUP_COLUMNS)), np.int64) if items is None else items),
-            tio.tensor("error_text", np.zeros(0, np.uint8) if error_text is None else error_text)])
+            tio.tensor("items", np.zeros((0, len(GROUP_COLUMNS)), np.int32) if items is None else items),
+            tio.tensor("error_text", np.zeros(0, np.int32) if error_text is None else error_text)])
 
     def _report(self, service):
         self.metrics.report_engine(service, streams_open=self.streams.sweep())
