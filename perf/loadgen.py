@@ -872,6 +872,7 @@ def summarize(c: int, n: int, records: list[Record], wall: float, gstats: dict, 
         "stall_at_chunk": dict(sorted(Counter(r.stall_at_chunk for r in ok if r.stall_at_chunk is not None).items())),
         "dry_ms_max": _r(max((r.dry_s for r in ok), default=0.0) * 1e3, 1),
         "ttfa_parts_ms_p50": ttfa_parts(ok),
+        **first_chunk_relay(ok),
         **gstats,
         "warmup_errors": len(warm_errors),
         "error_samples": sorted(set(errs))[:5] + sorted(set(warm_errors))[:2],
@@ -901,6 +902,15 @@ def ttfa_parts(ok: list[Record]) -> dict:
             out["at the client"] = _r(_pct(arrived, 50), 1)
         out["received"] = _r(_pct([r.ttfa_s * 1e3 for r in ok if r.ttfa_s is not None], 50), 1)
     return out
+
+
+def first_chunk_relay(ok: list[Record]) -> dict:
+    """`first_chunk_relay_ms_p50` / `_p99`: from slow_ar handing a request's first chunk to its sender to s2pro's
+    send of it (the rest of s2pro's time to first audio, the request's crossing into slow_ar included); {} when the
+    server reports none."""
+    v = [(s["ttfa_s"] - s["to_engine_s"] - s["engine_first_audio_s"]) * 1e3 for s in (r.server for r in ok)
+         if all(isinstance(s.get(k), (int, float)) for k in ("ttfa_s", "to_engine_s", "engine_first_audio_s"))]
+    return {"first_chunk_relay_ms_p50": _r(_pct(v, 50), 1), "first_chunk_relay_ms_p99": _r(_pct(v, 99), 1)} if v else {}
 
 
 COLUMNS = [("c", "concurrency"), ("reqs ok/n", None), ("TTFA mean ms", "ttfa_ms_mean"), ("TTFA p50 ms", "ttfa_ms_p50"),
@@ -949,6 +959,9 @@ def chunk_notes(result: dict) -> str:
                          + ")")
         if lv.get("ttfa_parts_ms_p50"):
             line += "; first audio, p50 ms: " + ", ".join(f"{k} {v}" for k, v in lv["ttfa_parts_ms_p50"].items())
+        if lv.get("first_chunk_relay_ms_p99") is not None:
+            line += (f"; first chunk from slow_ar's sender to s2pro's send {lv['first_chunk_relay_ms_p50']} ms p50, "
+                     f"{lv['first_chunk_relay_ms_p99']} p99")
         out.append(line)
     return "\n".join(out)
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,6 +239,10 @@ def test_loadgen_sweep(triton_server, tmp_path):
         # each request's first audio reached the client process after s2pro sent it and before a worker read it
         assert parts["first frame"] <= parts["first chunk out of slow_ar"] <= parts["sent by s2pro"] \
             <= parts["at the client"] <= parts["received"]
+        relay = [(q["server"]["ttfa_s"] - q["server"]["to_engine_s"] - q["server"]["engine_first_audio_s"]) * 1e3
+                 for q in lv["records"]]  # each request's first chunk, from slow_ar's sender to s2pro's send
+        assert lv["first_chunk_relay_ms_p50"] == pytest.approx(float(np.percentile(relay, 50)), abs=0.06)
+        assert lv["first_chunk_relay_ms_p50"] <= lv["first_chunk_relay_ms_p99"] <= max(relay) + 0.06
         assert 0 <= lv["stall_fraction"] <= 1
         assert sum(lv["stall_at_chunk"].values()) == round(lv["stall_fraction"] * n) and lv["dry_ms_max"] >= 0
         if r["gpu"]["monitor"] == "n/a":
@@ -663,8 +668,6 @@ def test_host_bench_counts_the_codec_calls_the_served_decoder_would_make():
     """bench_host's silent codec groups a call's jobs as `codec.stream` does: one call a chunk length (a final chunk
     at the next prepared length), streams padded to the pool's bucket, at most max_frames frames a call."""
     import importlib.util
-
-    import numpy as np
 
     spec = importlib.util.spec_from_file_location("bench_host", ROOT / "perf" / "bench_host.py")
     bh = importlib.util.module_from_spec(spec)
