@@ -228,12 +228,20 @@ def test_a_model_is_busy_only_while_an_instance_reloads_it(tmp_path):
         inside.set()
         assert release.wait(30)
 
-    t = threading.Thread(target=gates[0].run, args=("slow_ar", reload, time.time()))
+    gated = threading.Event()
+    t = threading.Thread(target=gates[0].run, args=("slow_ar", reload, time.time(), gated))
     t.start()
-    assert inside.wait(10)
+    assert inside.wait(10) and gated.is_set()  # the gate was seen before the reload began
     assert gates[1].busy("slow_ar") and not gates[1].busy("slow_ar_1")
+    # a second instance that comes meanwhile says at once that the reload is seen by all, then waits for its end
+    waiting = threading.Event()
+    t2 = threading.Thread(target=gates[1].run, args=("slow_ar", lambda: pytest.fail("reloaded twice"),
+                                                      time.time() - 60, waiting))
+    t2.start()
+    assert waiting.wait(10) and t2.is_alive()
     release.set()
     t.join(10)
+    t2.join(10)
     assert not gates[1].busy("slow_ar")
     assert not gates[1].run("slow_ar", lambda: pytest.fail("reloaded twice"), time.time())  # just done: no second
 

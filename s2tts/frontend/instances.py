@@ -156,11 +156,20 @@ class ReloadGate:
         except OSError:
             return False
 
-    def run(self, model: str, reload: Callable[[], None], noticed: float) -> bool:
+    def run(self, model: str, reload: Callable[[], None], noticed: float,
+            gated: threading.Event | None = None) -> bool:
         """`reload()` unless another instance finished reloading `model` after `noticed` - `within_s` (wall-clock
-        seconds): True when it ran here."""
+        seconds): True when it ran here. `gated` is set once `busy(model)` is true for every instance (this one holds
+        the lock, or another does and this one waits for it)."""
         with open(self.dir / f"reload-{model}.lock", "a+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+            try:  # released when the file closes (or the process dies)
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # another instance reloads it: busy for all already; wait for its end
+                if gated is not None:
+                    gated.set()
+                fcntl.flock(f, fcntl.LOCK_EX)
+            if gated is not None:
+                gated.set()
             stamp = self.dir / f"reloaded-{model}"
             try:
                 done = float(stamp.read_text())

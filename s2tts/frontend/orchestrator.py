@@ -59,6 +59,8 @@ from .session import SessionEnded, TextSession
 
 log = logging.getLogger("s2tts")
 
+RELOAD_GATE_WAIT_S = 1.0  # at most, for another instance to see this one's reload before its requests end
+
 
 class Downstream(Protocol):
     def encode(self, audio: np.ndarray, sample_rate: int, tag: str) -> np.ndarray:
@@ -705,6 +707,11 @@ class TTSService:
                 return
             self.recovering[model] = self.last_reload[model] = time.monotonic()
         log.error("%s: %s failed (%s): ending the requests that wait on it and reloading it", self.name, model, reason)
+        # the other instances see the reload before any request here ends (and would be placed on the model again)
+        gated = threading.Event()
+        threading.Thread(target=self._reload, args=(model, gated), name=f"s2tts-reload-{model}", daemon=True).start()
+        if self.reload_gate is not None:
+            gated.wait(RELOAD_GATE_WAIT_S)
         getattr(self.down, "failed", lambda m: None)(model)
         role = role_of(model)
         phases = {ENGINE: ("generating",), DECODER: ("generating", "decoding"), ENCODER: ("encoding",)}[role]
@@ -712,14 +719,13 @@ class TTSService:
             w: Work = rec.state
             if w.phase in phases and model in (w.engine, w.decoder, ENCODER):
                 self._abort(rec, errors.unavailable(f"{model} failed while serving this request ({reason}); retry"))
-        threading.Thread(target=self._reload, args=(model,), name=f"s2tts-reload-{model}", daemon=True).start()
 
-    def _reload(self, model: str) -> None:
+    def _reload(self, model: str, gated: threading.Event) -> None:
         t0, noticed = time.monotonic(), time.time()
         try:
             if self.reload_gate is None:
                 self.down.reload(model)
-            elif not self.reload_gate.run(model, lambda: self.down.reload(model), noticed):
+            elif not self.reload_gate.run(model, lambda: self.down.reload(model), noticed, gated):
                 log.warning("%s: %s was reloaded by another %s instance", self.name, model, self.name)
                 return
             log.warning("%s: %s reloaded in %.1f s", self.name, model, time.monotonic() - t0)
