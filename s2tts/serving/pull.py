@@ -40,7 +40,7 @@ class PullStream:
     (perf/STATUS.md, decisions), while its request-response BLS calls are safe.
 
     A pull that finds a response queued is answered at once; otherwise it waits for the next one. Whatever
-    the reader does not take stays queued (responses are small: codes). A stream of a `PullGroup` hands its
+    the reader does not take stays queued (a chunk: its codes and audio). A stream of a `PullGroup` hands its
     first response to the request that opened it and queues the rest for its group's pulls (a pull of its own
     still works). `abandoned` (no pull for `idle_timeout_s` while responses wait, or a pull that could not be
     answered) makes `is_cancelled` true, so the producer stops."""
