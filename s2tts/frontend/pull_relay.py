@@ -1,7 +1,7 @@
 """s2pro's side of group pulls (`pull_groups`): the later chunks of every request this process reads from one engine
 model, taken in one call and handed to each request's inbox.
 
-    relay = PullRelay(fetch, on_wait=times.add)
+    relay = PullRelay(fetch)                # fetch(engine, group): one group pull (s2pro's BLSDownstream._next_group)
     key, inbox = relay.open("slow_ar")   # before the request is submitted with pull_group=relay.group, pull_key=key
     ...                                  # its first chunk comes as the submit's answer, the rest from `inbox.get()`
     relay.close(key)
@@ -37,8 +37,8 @@ RETRY_S = (0.05, 1.0)  # after a failed fetch, before the next (while requests s
 class Inbox:
     """One request's items from the relay, in order."""
 
-    def __init__(self, engine: str, epoch: int):
-        self.engine, self.epoch = engine, epoch
+    def __init__(self, engine: str):
+        self.engine = engine
         self.items: queue.SimpleQueue = queue.SimpleQueue()
         self.reading = False  # its first chunk came: it waits on this inbox now (a failed fetch ends it)
 
@@ -65,7 +65,7 @@ class PullRelay:
         """A key and an inbox for a request about to be submitted to `engine` (its pull_key)."""
         with self._lock:
             key, epoch = next(self._keys), self._epoch.setdefault(engine, 0)
-            inbox = self._inboxes[key] = Inbox(engine, epoch)
+            inbox = self._inboxes[key] = Inbox(engine)
             t = self._threads.get(engine)
             if t is None or not t.is_alive():
                 t = self._threads[engine] = threading.Thread(target=self._run, args=(engine, epoch), daemon=True,
@@ -84,12 +84,16 @@ class PullRelay:
         with self._lock:
             self._epoch[engine] = self._epoch.get(engine, 0) + 1
             self._threads.pop(engine, None)
-            ended = [(k, b) for k, b in self._inboxes.items() if b.engine == engine]
-            for k, _ in ended:
-                del self._inboxes[k]
+            ended = self._take(engine, reading_only=False)
             self._lock.notify_all()
-        for _, b in ended:
+        for b in ended:
             b.items.put(err)
+
+    def _take(self, engine: str, reading_only: bool) -> list[Inbox]:
+        """The inboxes of `engine` (those whose request reads already, with `reading_only`), let go of; the caller
+        holds the lock and puts the error in each."""
+        ended = [k for k, b in self._inboxes.items() if b.engine == engine and (b.reading or not reading_only)]
+        return [self._inboxes.pop(k) for k in ended]
 
     def shutdown(self, timeout: float = 0.0) -> None:
         """No more fetches; waits up to `timeout` for the threads to leave the calls they are in."""
@@ -122,10 +126,8 @@ class PullRelay:
                 with self._lock:
                     if not self._current(engine, epoch):
                         return
-                    ended = [(k, b) for k, b in self._inboxes.items() if b.engine == engine and b.reading]
-                    for k, _ in ended:
-                        del self._inboxes[k]
-                for _, b in ended:
+                    ended = self._take(engine, reading_only=True)
+                for b in ended:
                     b.items.put(err)
                 self.stop.wait(retry)
                 retry = min(RETRY_S[1], 2 * retry)
