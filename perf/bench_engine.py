@@ -193,9 +193,8 @@ def main():
     ap.add_argument("--weights", default="dtype",
                     help="comma-separated load_model weights forms to time in turn: dtype (bf16), fp8 (ar_weights=fp8)")
     ap.add_argument("--fp8-config", action="append", default=[],
-                    help="the FP8 kernel's tiling at every row count for the fp8 runs: kernels.GEMV_FP8_CONFIG with "
-                         "these overrides, e.g. 'swap=1,block_n=128', also in place of GEMV_FP8_WIDE_CONFIG (repeat: "
-                         "one set of fp8 rows each; without it, the server's two tilings)")
+                    help="the FP8 kernel's tiling for the fp8 runs: kernels.GEMV_FP8_CONFIG with these overrides, e.g. "
+                         "'swap=1,block_n=128' (repeat: one set of fp8 rows each; without it, the server's)")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=key=value,...: run every batch once per variant, in one process (keys: pdl=0|1, "
                          "small_rows=N for kernels.GEMV_SMALL_ROWS, small_block_n, small_block_k, small_num_warps, "
@@ -225,15 +224,11 @@ def main():
         print(f"wrote full-size checkpoint in {time.perf_counter() - t:.1f} s", flush=True)
     residual = codec_codebook_sizes(ck)[1]
     rows = []
-    fp8_base, wide_base = dict(kernels.GEMV_FP8_CONFIG), dict(kernels.GEMV_FP8_WIDE_CONFIG)
+    fp8_base = dict(kernels.GEMV_FP8_CONFIG)
     runs = [(w, c) for w in args.weights.split(",") for c in ((args.fp8_config or [""]) if w == "fp8" else [""])]
     for weights, cfg in runs:
-        over = config_overrides(cfg)
-        # an override sets one tiling for every row count; none: the two the server uses
-        for c, base in ((kernels.GEMV_FP8_CONFIG, fp8_base),
-                        (kernels.GEMV_FP8_WIDE_CONFIG, fp8_base if over else wide_base)):
-            c.clear()
-            c.update(base, **over)
+        kernels.GEMV_FP8_CONFIG.clear()
+        kernels.GEMV_FP8_CONFIG.update(fp8_base, **config_overrides(cfg))
         t = time.perf_counter()
         model = load_model(ck, "cuda", "bf16", weights=weights)
         torch.cuda.synchronize()

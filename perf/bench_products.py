@@ -6,9 +6,12 @@ each of the 9 codebooks).
     python perf/bench_products.py --rows 1,16,32,64,128 --json products.json
 
 Forms: `cublas` (F.linear in bf16), `kernel` (`ar.kernels.linear`, the row-invariant split-K kernel, in its
-default tiling and in each `--tiling`), and with `--fp8` the FP8 weights' forms: `fp8_kernel` (the same kernel,
-weight widened in registers, at `Fp8Linear`'s tiling for that row count) and `fp8_cublas` (`kernels.fp8_matmul`:
-the activations quantized too, cuBLAS's FP8 product). Each timing is a CUDA graph of one product over each of
+default tiling and in each `--tiling`), `small` (`ar.kernels.gemv_small`, at up to its rows, in its tiling and
+each `--small-tiling`), and with `--fp8` the FP8 weights' forms: `fp8_kernel` (the same kernel, weight widened in
+registers, in its tiling and in each `--fp8-tiling`), `fp8_small` (`gemv_small` with
+FP8 weights), `fp8_cublas` (`kernels.fp8_matmul`: the activations quantized too, then cuBLAS's FP8 product) and
+`fp8_mm` (that product alone, the activations quantized beforehand: what quantizing them inside the kernel before
+would leave). Each timing is a CUDA graph of one product over each of
 `--copies` weight copies in turn (their bytes many times the L2, so every call reads its weight from memory);
 median of the replays, per product. Prints one table: microseconds a product, and the weight's bytes over that
 time (TB/s); the last rows sum a step's products per form, with the best form per shape and row count.
@@ -69,17 +72,24 @@ def main(argv=None) -> int:
     ap.add_argument("--tiling", action="append", default=[],
                     help="NAME=key=value,...: the kernel also with kernels.GEMV_CONFIG's keys overridden (programs, "
                          "block_n, block_k, num_warps, num_stages, max_block_m, swap); repeat for more")
+    ap.add_argument("--small-tiling", action="append", default=[],
+                    help="NAME=key=value,...: gemv_small also with kernels.GEMV_SMALL_CONFIG's keys overridden (block_n, "
+                         "block_k, num_warps, num_stages), bf16 and (with --fp8) FP8 weights; repeat for more")
+    ap.add_argument("--fp8-tiling", action="append", default=[],
+                    help="NAME=key=value,...: the FP8 kernel also with GEMV_FP8_CONFIG's keys overridden at every row "
+                         "count (as --tiling); repeat for more")
     ap.add_argument("--fp8", action="store_true", help="also the FP8 weights' forms")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
     from s2tts.ar import kernels
-    from s2tts.ar.model import Fp8Linear
 
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
-    base = dict(kernels.GEMV_CONFIG)
+    base, small_base, fp8_base = dict(kernels.GEMV_CONFIG), dict(kernels.GEMV_SMALL_CONFIG), dict(kernels.GEMV_FP8_CONFIG)
     tilings = [("kernel", {})] + [tiling(t) for t in args.tiling]
+    smalls = [("small", {})] + [(f"small:{n}", o) for n, o in map(tiling, args.small_tiling)]
+    fp8_tilings = [(f"fp8_kernel:{n}", o) for n, o in map(tiling, args.fp8_tiling)]
     results = []
     for shape, (N, K) in SHAPES.items():
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K**-0.5 for _ in range(args.copies)]
@@ -91,10 +101,25 @@ def main(argv=None) -> int:
             for name, over in tilings:
                 forms[name] = lambda over=over: _with(kernels.GEMV_CONFIG, base, over,
                                                       lambda: [kernels.linear(x, w, max_rows=1 << 30) for w in ws])
+            for name, over in smalls if M <= kernels.GEMV_SMALL_ROWS else []:
+                forms[name] = lambda over=over: _with(kernels.GEMV_SMALL_CONFIG, small_base, over,
+                                                      lambda: [kernels.gemv_small(x, w) for w in ws])
+                if args.fp8:
+                    forms["fp8_" + name] = lambda over=over: _with(
+                        kernels.GEMV_SMALL_CONFIG, small_base, over, lambda: [kernels.gemv_small(x, q, scale=s)
+                                                                              for q, s in w8])
             if args.fp8:
-                forms["fp8_kernel"] = lambda: [kernels.linear(x, q, scale=s, wide_rows=Fp8Linear.WIDE_ROWS)
-                                               for q, s in w8]
+                forms["fp8_kernel"] = lambda: [kernels.linear(x, q, scale=s) for q, s in w8]
+                for name, over in fp8_tilings:
+                    forms[name] = lambda over=over: _with(kernels.GEMV_FP8_CONFIG, fp8_base, over,
+                                                          lambda: [kernels.linear(x, q, scale=s) for q, s in w8])
                 forms["fp8_cublas"] = lambda: [kernels.fp8_matmul(x, q, s) for q, s in w8]
+                if kernels.fp8_matmul_available(x.device):
+                    x8, xs = kernels.quantize_rows_fp8(x, -(-M // 16) * 16)
+                    forms["fp8_mm"] = lambda x8=x8, xs=xs: [torch._scaled_mm(x8, q.t(), scale_a=xs,
+                                                                              scale_b=s[None, :],
+                                                                              out_dtype=torch.bfloat16)[:M]
+                                                            for q, s in w8]
             ref = F.linear(x.float(), ws[0].float())
             for form, fn in forms.items():
                 try:

@@ -109,9 +109,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("dtype", str, "bf16", ("slow_ar", "fast_ar", "s2pro"), "AR weights/activations", choices=("bf16", "fp16", "fp32")),
     Setting("ar_weights", str, "dtype", ("slow_ar", "s2pro"), "`dtype`: the AR's matrices in `dtype`; `fp8`: slow_ar's "
             "layers' matrices (both ARs; embeddings, norms and heads stay, and the `fast_ar` model of fast_ar=bls keeps "
-            "`dtype`) in FP8 e4m3 with a scale per output row: half the weight bytes a step reads, so shorter steps at a "
-            "few streams and longer ones at many (a setting for latency, perf/STATUS.md). Check its effect on speech "
-            "with the real checkpoint first (perf/fp8_effect.py)", choices=("dtype", "fp8")),
+            "`dtype`) in FP8 e4m3 with a scale per output row: half the weight bytes a step of up to 16 streams reads, "
+            "so shorter steps there; a pass of more rows multiplies by the same weights widened to `dtype` (a copy "
+            "kept beside them on a GPU: 1.5 times `dtype`'s weight memory), as fast as `dtype` (a setting for "
+            "latency, perf/STATUS.md). Check its effect on speech with the real checkpoint first (perf/fp8_effect.py)", choices=("dtype", "fp8")),
     Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "codec precision; `auto`: fp16 "
             "for the decoder on a GPU (a chunk whose audio or state is not finite is decoded again in fp32 and its "
             "stream stays fp32), fp32 for the encoder and on a CPU. `fp32` is the exact one; `bf16` is no faster than "

@@ -44,8 +44,7 @@ def test_fp8_weights_are_the_layer_matrices_only(tiny_ckpt):
 def test_fp8_many_rows_take_the_widened_weight_where_cublas_has_no_fp8(tiny_ckpt):
     """With the kernels on, passes of more than `kernel_rows` rows (prompts) leave the row kernel: cuBLAS's FP8
     product on a GPU that has one, else the weight widened (here, on the CPU; the kernel is never reached, so no
-    Triton is needed). batch_invariant raises `kernel_rows` so that every pass stays on the kernel, in one tiling
-    (`wide_rows` None: no wide tiling above WIDE_ROWS rows)."""
+    Triton is needed). batch_invariant raises `kernel_rows` so that every pass stays on the kernel."""
     from s2tts.ar.model import use_invariant_linears
 
     torch.manual_seed(0)
@@ -57,11 +56,64 @@ def test_fp8_many_rows_take_the_widened_weight_where_cublas_has_no_fp8(tiny_ckpt
     assert float((lin(x) - ref).norm() / ref.norm()) < 1e-6
     model = load_model(tiny_ckpt, "cpu", "fp32", weights="fp8")
     mats = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert mats and all(m.kernel_rows == Fp8Linear.KERNEL_ROWS and m.wide_rows == Fp8Linear.WIDE_ROWS for m in mats)
-    use_invariant_linears(model, 1000)  # batch_invariant: one tiling of the kernel for every pass
-    assert all(m.kernel_rows == 1000 and m.wide_rows is None for m in mats)
+    assert mats and all(m.kernel_rows == Fp8Linear.KERNEL_ROWS and not m.invariant for m in mats)
+    use_invariant_linears(model, 1000)  # batch_invariant: the kernel for every pass
+    assert all(m.kernel_rows == 1000 and m.invariant for m in mats)
     use_invariant_linears(model, 0)
-    assert all(m.kernel_rows == Fp8Linear.KERNEL_ROWS and m.wide_rows == Fp8Linear.WIDE_ROWS for m in mats)
+    assert all(m.kernel_rows == Fp8Linear.KERNEL_ROWS and not m.invariant for m in mats)
+
+
+def test_fp8_passes_take_the_faster_form(tiny_ckpt, monkeypatch):
+    """With the kernels on, a pass multiplies by the FP8 weight at one row (`gemv_small`) and from 3 to `FP8_ROWS`
+    rows (`kernels.linear`), and otherwise, up to `KERNEL_ROWS`, by `dense`, the FP8 weight widened once to the
+    layer's dtype (`gemv_small` at 2 rows, cuBLAS above): the same function either way. batch_invariant keeps one
+    form (the kernel) and no copy; without the kernels there is no copy either."""
+    from s2tts.ar import kernels
+    from s2tts.ar.model import use_invariant_linears, use_triton_kernels
+
+    calls = []
+
+    def product(name):
+        def run(x, w, *a, scale=None, **k):
+            calls.append((name, x.shape[0], w.dtype))
+            return x @ (w.float() * (scale[:, None] if scale is not None else 1)).T
+        return run
+
+    monkeypatch.setattr(kernels, "linear", product("linear"))
+    monkeypatch.setattr(kernels, "gemv_small", product("small"))
+    model = load_model(tiny_ckpt, "cpu", "fp32", weights="fp8")
+    mats = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert all(m.dense is None for m in mats)  # on a CPU, no copy until the kernels are on
+    use_triton_kernels(model)
+    lin = model.slow.layers[0].attention.wo
+    assert all(m.dense is not None and m.dense.dtype == torch.float32 for m in mats)
+    want = lin.weight.float() * lin.scale[:, None]
+    assert float((lin.dense - want).abs().max()) == 0.0 and "dense" not in "".join(model.state_dict())
+    f8, dense = torch.float8_e4m3fn, torch.float32
+    for rows, form in ((1, ("small", f8)), (2, ("small", dense)), (3, ("linear", f8)),
+                       (Fp8Linear.FP8_ROWS, ("linear", f8)), (Fp8Linear.FP8_ROWS + 1, None),
+                       (Fp8Linear.KERNEL_ROWS, None)):
+        calls.clear()
+        x = torch.randn(rows, lin.in_features)
+        ref = x @ want.T
+        assert float((lin(x) - ref).norm() / ref.norm()) < 1e-6, rows
+        assert calls == ([(form[0], rows, form[1])] if form else []), rows  # none: cuBLAS (F.linear)
+    w13 = model.slow.layers[0].feed_forward.w13  # the SwiGLU in gemv_small's last step in either form
+    for rows, weight in ((1, f8), (2, dense)):
+        calls.clear()
+        x = torch.randn(rows, w13.in_features)
+        w13.gated(x)
+        assert calls == [("small", rows, weight)], rows
+    use_invariant_linears(model, 1000)
+    assert all(m.dense is None for m in mats)
+    for rows in (1, 2, Fp8Linear.FP8_ROWS + 1):
+        calls.clear()
+        lin(torch.randn(rows, lin.in_features))
+        assert calls == [("linear", rows, f8)]  # one form at every row count
+    use_invariant_linears(model, 0)
+    assert all(m.dense is not None for m in mats)
+    use_triton_kernels(model, False)
+    assert all(m.dense is None for m in mats)
 
 
 def test_fp8_weights_value_is_checked(tiny_ckpt):

@@ -632,9 +632,6 @@ GEMV_ROWS = 16  # `linear`'s default: the kernel up to this many rows, cuBLAS ab
 GEMV_CONFIG = {"programs": 264, "block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 4, "max_block_m": 128,
                "swap": 0}
 GEMV_FP8_CONFIG = dict(GEMV_CONFIG)  # the same kernel with FP8 weights (`linear(..., scale=)`)
-# FP8 weights at more rows (`linear(..., wide_rows=)`): the tile as (W x^T)^T, 128 columns, 8 warps: faster than the
-# narrow tile at 64 rows, slower at 1-16.
-GEMV_FP8_WIDE_CONFIG = dict(GEMV_CONFIG, swap=1, block_n=128, num_warps=8)
 
 if triton is not None:
 
@@ -719,17 +716,54 @@ def fp8_matmul_available(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(X, Q, S, M, K, stride_xm, stride_qm, FP8: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (row m of the padded rows): scale = max(|x[m]|, 1e-12) / FP8, q[m] = clamp(x[m] / scale) in FP8;
+        rows past M (padding) are zeros. In float32, the numbers of the torch ops it replaces."""
+        row = tl.program_id(0)
+        k = tl.arange(0, BLOCK)
+        width = tl.where(row < M, K, 0)  # a padding row reads nothing
+        x = tl.load(X + row.to(tl.int64) * stride_xm + k, mask=k < width, other=0.0).to(tl.float32)
+        # as torch's ops: a tensor over a number is a product with its reciprocal, over a tensor a rounded division
+        s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) * (1.0 / FP8)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8), FP8)
+        tl.store(Q + row.to(tl.int64) * stride_qm + k, q.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"), mask=k < K)
+        tl.store(S + row, s)
+
+
+def quantize_rows_fp8(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [rows, K], fp32 scale [rows, 1]): each row scaled so that its largest magnitude is
+    FP8's largest (x ~= q * scale), in one kernel; `rows` >= M pads with zero rows (scale 1e-12 / FP8_MAX)."""
+    M, K = x.shape
+    rows = M if rows is None else rows
+    if triton is None:
+        xs = x.abs().amax(1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+        q = (x.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        pad = rows - M
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, K)])
+            xs = torch.cat([xs, xs.new_full((pad, 1), 1e-12 / FP8_MAX)])
+        return q, xs
+    x = unit_rows(x)
+    q = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    block = triton.next_power_of_2(K)
+    _quantize_rows_kernel[(rows,)](x, q, s, M, K, x.stride(0), q.stride(0), FP8=FP8_MAX, BLOCK=block,
+                                   num_warps=8 if block >= 4096 else 4)
+    return q, s
+
+
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ (weight [N, K] (FP8) * scale[N, None]).T -> [..., N] in x's dtype by cuBLAS's FP8 tensor-core
-    product: each row of x quantized to FP8 with a scale of its own (|x| max / FP8_MAX). For many rows, where the
-    product is compute-bound; not row-invariant (cuBLAS tiles by the row count)."""
+    product: each row of x quantized to FP8 with a scale of its own (|x| max / FP8_MAX, `quantize_rows_fp8`). For
+    many rows, where the product is compute-bound; not row-invariant (cuBLAS tiles by the row count)."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    if M % 16:  # rows padded to a multiple of 16 (a pass of 513 rows broke a CUDA graph's capture)
-        x2 = torch.nn.functional.pad(x2, (0, 0, 0, 16 - M % 16))
-    xs = x2.abs().amax(1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    x8 = (x2.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    # rows padded to a multiple of 16 (a pass of 513 rows broke a CUDA graph's capture)
+    x8, xs = quantize_rows_fp8(x2, -(-M // 16) * 16)
     y = torch._scaled_mm(x8, weight.t(), scale_a=xs, scale_b=scale.float()[None, :], out_dtype=x.dtype)
     return y[:M].reshape(*x.shape[:-1], weight.shape[0])
 
@@ -743,13 +777,12 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, scale: torch.Tensor | None = None,
-           wide_rows: int | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, scale: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """x [..., K] @ weight[N, K].T -> [..., N] (as F.linear without bias): the row-invariant kernel up to `max_rows`
     rows, cuBLAS above (or without Triton). With `scale` [N] (fp32), `weight` is FP8 (e4m3), column n of the result
     is multiplied by scale[n], and the kernel takes every number of rows (the weight is widened in registers, never
-    in memory: half the bytes of bf16 a call); above `wide_rows` rows in GEMV_FP8_WIDE_CONFIG's tiling (a row's
-    result then differs from the same row's among fewer rows: None keeps one tiling at every row count)."""
+    in memory: half the bytes of bf16 a call), in GEMV_FP8_CONFIG's tiling."""
     K = x.shape[-1]
     x2 = x.reshape(-1, K)
     M, N = x2.shape[0], weight.shape[0]
@@ -760,8 +793,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
     if M == 0:
         return x.new_empty(*x.shape[:-1], N)
     x2 = unit_rows(x2)
-    cfg = GEMV_CONFIG if scale is None else \
-        GEMV_FP8_WIDE_CONFIG if wide_rows is not None and M > wide_rows else GEMV_FP8_CONFIG
+    cfg = GEMV_CONFIG if scale is None else GEMV_FP8_CONFIG
     bn, bk, split, k_per = gemv_plan(N, K, cfg)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     p = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else y
@@ -786,7 +818,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, max_rows: int = GEMV_ROWS, sca
 GEMV_SMALL_ROWS = 2  # `gemv_small` takes up to this many rows; the model sends it its products of so many
 # Tiling, the fastest in the decode step: 2 columns a program, 512 lanes along K at any row count, 2 warps, 4 weight
 # tiles in flight (Triton's software pipeline). At one row it beats cuBLAS, at 2 it is even, at 4 cuBLAS is faster:
-# hence products of up to 2 rows only (a stream's own, and the fast AR's first call of one stream).
+# hence products of up to 2 rows only (a stream's own, and the fast AR's first call of one stream). Its many small
+# programs each read their first weight tile before waiting for the kernel before (dependent launch): wider tiles,
+# faster alone (perf/bench_products.py's `small` forms), make the step slower.
 GEMV_SMALL_CONFIG = {"block_n": 2, "block_k": 512, "num_warps": 2, "num_stages": 4}
 # A layer's SwiGLU in the last step of its w1 | w3 product where `gemv_small` makes that product (the weight's gate
 # and up rows interleaved, a program's two columns a pair): one kernel fewer a layer at one or two rows

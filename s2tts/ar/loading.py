@@ -110,7 +110,10 @@ def load_model(path: str | Path, device="cpu", dtype: str | torch.dtype = "bf16"
     if "slow" in parts:
         model.slow.build_head()
     if weights == "fp8":
+        del tensors, state  # the loaded matrices, replaced: their memory back to the device for the KV pool
         use_fp8_weights(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return model.eval().requires_grad_(False)
 
 

@@ -482,56 +482,87 @@ def use_invariant_linears(model: nn.Module, max_rows: int) -> None:
     for m in model.modules():
         if isinstance(m, Fp8Linear):
             m.kernel_rows = max(max_rows, Fp8Linear.KERNEL_ROWS)
-            m.wide_rows = None if max_rows else Fp8Linear.WIDE_ROWS
             m.invariant = bool(max_rows)
+            m.keep_dense(m.kernel and not m.invariant)
         if isinstance(m, SlowAR):
             m.head_rows = max_rows
 
 
 class Fp8Linear(nn.Module):
     """A bias-free linear layer whose weight is FP8 (e4m3) with a scale per output row (`kernels.quantize_fp8`):
-    half the bytes of bf16 that a decode step reads. With `kernel` (GPU, or the Triton interpreter) the product runs
-    in `kernels.linear`, the weight widened in registers; without it the weight is widened in memory first."""
+    half the bytes of bf16 that a decode step reads. With `kernel` (GPU, or the Triton interpreter) each pass takes
+    the faster form for its rows (`fp8_at`): the FP8 weight widened in registers, in `kernels.gemv_small` at one row
+    and in `kernels.linear` from 3 to `FP8_ROWS` rows; at 2 rows (where both FP8 kernels are slower than bf16's
+    `gemv_small`) and up to `KERNEL_ROWS` rows the same weight widened once to the layer's dtype (`dense`, kept
+    beside it: 1.5 times bf16's weight memory in all), as a `KernelLinear` multiplies it; above, cuBLAS's FP8
+    product. Without `kernel` the weight is widened in memory for each product."""
 
-    KERNEL_ROWS = 256  # above this many rows (prompt passes) cuBLAS's FP8 product is faster
-    WIDE_ROWS = 32  # above this many rows the kernel's wide tiling (`kernels.GEMV_FP8_WIDE_CONFIG`)
+    FP8_ROWS = 16  # up to this many rows the FP8 kernels (cuBLAS's bf16 product is as fast from 24 on)
+    KERNEL_ROWS = 256  # above this many rows (prompt passes) cuBLAS's FP8 product
+
+    @classmethod
+    def fp8_at(cls, rows: int) -> bool:
+        """Whether a pass of `rows` rows multiplies by the FP8 weight (with the kernels, not batch_invariant)."""
+        return rows == 1 or 2 < rows <= cls.FP8_ROWS
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
 
         w8, scale = kernels.quantize_fp8(weight)
         self.out_features, self.in_features = w8.shape
+        self.dtype = weight.dtype  # the activations' (and `dense`'s)
         self.weight = nn.Parameter(w8, requires_grad=False)
         self.register_buffer("scale", scale)
+        self.register_buffer("dense", None, persistent=False)
         self.kernel = False
         self.kernel_rows = self.KERNEL_ROWS  # use_invariant_linears raises it: every pass through the kernel
-        self.wide_rows: int | None = self.WIDE_ROWS  # and sets None: one tiling at every row count
-        self.invariant = False  # and sets this: no `gemv_small` (its sums are not row-invariant)
+        self.invariant = False  # and sets this: one form, no `gemv_small` (its sums are not row-invariant), no `dense`
+
+    def keep_dense(self, on: bool) -> None:
+        """Keep (or drop) `dense`, the FP8 weight widened to the layer's dtype: the same function, in cuBLAS."""
+        if not on:
+            self.dense = None
+        elif self.dense is None:
+            self.dense = (self.weight.float() * self.scale[:, None]).to(self.dtype)
 
     def forward(self, x):
         if self.takes_gemv_small(x):
             return kernels.gemv_small(x, self.weight, scale=self.scale)
-        if self.kernel and x.numel() <= self.kernel_rows * self.in_features:
-            return kernels.linear(x, self.weight, scale=self.scale, wide_rows=self.wide_rows)
-        # many rows (prompt passes): the product is compute-bound, where the kernel (weight widened tile by tile)
-        # runs at about half cuBLAS's bf16 speed. cuBLAS's FP8 product instead, the activations in FP8 too (a scale
-        # per row); where there is none, the weight widened.
+        rows = x.numel() // self.in_features
+        if self.kernel and (self.fp8_at(rows) if not self.invariant else rows <= self.kernel_rows):
+            return kernels.linear(x, self.weight, scale=self.scale)
+        if self.takes_dense_small(x):
+            return kernels.gemv_small(x, self.dense)
+        if self.dense is not None and rows <= self.kernel_rows:
+            return F.linear(x, self.dense)
+        # many rows (prompt passes): the product is compute-bound, where cuBLAS's FP8 product (the activations in
+        # FP8 too, a scale per row) is faster than either; where there is none, the weight widened.
         if self.kernel and kernels.fp8_matmul_available(x.device):
             return kernels.fp8_matmul(x, self.weight, self.scale)
-        return F.linear(x, (self.weight.float() * self.scale[:, None]).to(x.dtype))
+        return F.linear(x, self.dense if self.dense is not None else
+                        (self.weight.float() * self.scale[:, None]).to(x.dtype))
 
     def takes_gemv_small(self, x) -> bool:
-        """Whether the product of `x` runs in `kernels.gemv_small`."""
-        return self.kernel and not self.invariant and _few_rows(x, self.in_features)
+        """Whether the product of `x` runs in `kernels.gemv_small` with the FP8 weight."""
+        return self.kernel and not self.invariant and x.numel() == self.in_features
+
+    def takes_dense_small(self, x) -> bool:
+        """Whether the product of `x` runs in `kernels.gemv_small` with `dense` (a few rows the FP8 form does not take)."""
+        return (self.dense is not None and not self.invariant and _few_rows(x, self.in_features)
+                and not self.fp8_at(x.numel() // self.in_features))
 
     def gated(self, x):
-        """As `KernelLinear.gated`."""
+        """As `KernelLinear.gated`, with the SwiGLU in `gemv_small`'s last step in either form."""
+        if kernels.SWIGLU_IN_PRODUCT and self.takes_dense_small(x):
+            return kernels.gemv_small(x, self.dense, swiglu=True)
         return _gated(self, x, self.scale)
 
 
 def use_fp8_weights(model: nn.Module) -> None:
     """Every matrix of both ARs' layers (q|k|v, o, w1|w3, w2) as FP8 with a scale per output row (`Fp8Linear`);
-    embeddings, norms and the output heads stay as loaded. Not undone: load the model again for the original."""
+    embeddings, norms and the output heads stay as loaded. On a GPU each keeps its `dense` form from the start (the
+    kernels' default there), so that what a server sizes its KV pool from holds it. Not undone: load the model
+    again for the original."""
     for m in list(model.modules()):
         if isinstance(m, FeedForward):
             m.fuse_weights()
@@ -540,7 +571,10 @@ def use_fp8_weights(model: nn.Module) -> None:
                             (block.feed_forward, "w2")):
             lin = getattr(owner, name)
             if isinstance(lin, nn.Linear):
-                setattr(owner, name, Fp8Linear(lin.weight.data))
+                fp8 = Fp8Linear(lin.weight.data)
+                setattr(owner, name, fp8)
+                del lin
+                fp8.keep_dense(fp8.weight.is_cuda)
 
 
 def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
@@ -560,6 +594,7 @@ def use_triton_kernels(model: nn.Module, on: bool = True) -> None:
             m.head_kernel = on
         if isinstance(m, Fp8Linear):
             m.kernel = on
+            m.keep_dense(on and not m.invariant)
     for m in _kernel_linears(model):  # products of a few rows (a decode step at a few streams) in `gemv_small`
         m.small = on
 
