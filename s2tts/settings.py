@@ -221,8 +221,9 @@ SETTINGS: tuple[Setting, ...] = (
             "whose Python shares one interpreter lock, so with several engines a process each keeps their chunks "
             "from waiting for it. The instances share `max_concurrent_requests` and the text sessions (text for a "
             "session another instance holds is relayed to it over a Unix socket)", min=1, max=64),
-    Setting("first_chunk_frames", int, 2, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk "
-            "(1 frame = 2048 samples = 46 ms): fewer make the first audio sooner, in more and smaller chunks", min=1),
+    Setting("first_chunk_frames", int, 1, ("s2pro", "dac_decoder", "slow_ar"), "default frames in the first audio chunk "
+            "(1 frame = 2048 samples = 46 ms): fewer make the first audio sooner, in more and smaller chunks (under "
+            "load first chunks grow to `load_chunk_frames` whatever this is)", min=1),
     Setting("chunk_frames", int, 16, ("s2pro", "dac_decoder", "slow_ar"), "default frames in later chunks (the largest, "
             "with `adaptive_chunks`); unset: 16 for each engine `device` lists (at most `max_chunk_frames`): s2pro "
             "relays every engine's chunks at a fixed cost a response, so with more engines its chunks grow", min=1),

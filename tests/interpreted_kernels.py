@@ -41,28 +41,41 @@ def fixed_order_dot() -> None:
     ti.InterpreterBuilder.create_dot = create_dot
 
 
-def nearest_bf16_casts() -> None:
-    """Make the interpreter's float32 -> bf16 casts round to nearest, ties to even, as a GPU's do.
+def nearest_casts() -> None:
+    """Make the interpreter's float32 -> bf16 and float32 -> FP8 (e4m3) casts round to nearest, ties to even, as a
+    GPU's do.
 
-    The interpreter drops the low 16 bits (rounds toward zero): a kernel that rounds to bf16 would give other bits
-    under it than on a GPU and than PyTorch's casts, which round to nearest even. Here the cast is PyTorch's."""
+    The interpreter drops the low 16 bits of a bf16 cast (rounds toward zero) and misrounds FP8 casts by up to a
+    power of two: a kernel that rounds would give other bits under it than on a GPU and than PyTorch's casts, which
+    round to nearest even. Here the cast is PyTorch's."""
     from triton.runtime import interpreter as ti
 
-    cast_impl = ti.InterpreterBuilder.cast_impl
+    cast_impl, fp_to_fp = ti.InterpreterBuilder.cast_impl, ti.InterpreterBuilder.create_fp_to_fp
+    torch_types = {ti.tl.bfloat16: (torch.bfloat16, torch.int16, np.uint16),
+                   ti.tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8, np.uint8)}
+
+    def nearest(src, dst_type):
+        to, bits, np_bits = torch_types[dst_type.scalar]
+        data = np.asarray(src.data, dtype=np.float32)
+        wide = torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
+        return ti.TensorHandle(wide.to(to).view(bits).numpy().view(np_bits).reshape(data.shape), dst_type.scalar)
 
     def cast(self, src, dst_type):
         if src.dtype.scalar == ti.tl.float32 and dst_type.scalar == ti.tl.bfloat16:
-            data = np.asarray(src.data, dtype=np.float32)
-            wide = torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
-            out = wide.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
-            return ti.TensorHandle(out, dst_type.scalar)
+            return nearest(src, dst_type)
         return cast_impl(self, src, dst_type)
 
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # (FP8 casts; a kernel asks for ties to even)
+        if src.dtype.scalar == ti.tl.float32 and dst_type.scalar == ti.tl.float8e4nv:
+            return nearest(src, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    ti.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
     ti.InterpreterBuilder.cast_impl = cast
 
 
 fixed_order_dot()
-nearest_bf16_casts()
+nearest_casts()
 # `gemv_small` in wider column tiles than a GPU's (each column's sum is the same in any tile width; check_ops runs
 # the GPU's width too): the interpreter pays per program (256 columns: one program a product of the tiny model; 32 cost
 # the engine check 12-24 s more, 2 nearly 200 s)
@@ -387,6 +400,18 @@ def check_invariant(ckpt):
         assert rel(full8, x @ (w8.float() * scale[:, None]).T) < 1e-6
         assert all(torch.equal(kernels.linear(x[i : i + 1], w8, scale=scale)[0], full8[i]) for i in (0, 15, 16, 36))
     kernels.GEMV_CONFIG["swap"] = kernels.GEMV_FP8_CONFIG["swap"] = 0
+    # the activations' quantization of cuBLAS's FP8 product (`fp8_matmul`) in one kernel: the numbers of the torch
+    # operations it replaced on a GPU, bit for bit (where a tensor over a number is a product with its float32
+    # reciprocal), rows padded with zeros
+    for rows, k, dt in ((3, 300, torch.bfloat16), (5, 1500, torch.float32)):
+        xq = torch.randn(rows, k).to(dt) * 3
+        xq[1] = 0  # an all-zero row: the least scale
+        q8, qs = kernels.quantize_rows_fp8(xq, 16)
+        want_s = xq.abs().amax(1, keepdim=True).float().clamp(min=1e-12) * torch.tensor(1 / kernels.FP8_MAX)
+        want_q = (xq.float() / want_s).clamp(-kernels.FP8_MAX, kernels.FP8_MAX).to(torch.float8_e4m3fn)
+        assert q8.shape == (16, k) and qs.shape == (16, 1) and torch.equal(qs[:rows], want_s), (rows, dt)
+        assert torch.equal(q8[:rows].view(torch.uint8), want_q.view(torch.uint8)), (rows, dt)
+        assert not q8[rows:].view(torch.uint8).any() and torch.all(qs[rows:] > 0)
     pb = PromptBuilder.from_dir(ckpt)
     prompts = [pb.build(t) for t in ("Invariant one.", "The second one, a little longer.")]
     model = load_model(ckpt, "cpu", "fp32")
