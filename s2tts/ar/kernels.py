@@ -729,23 +729,18 @@ if triton is not None:
         # as torch's ops: a tensor over a number is a product with its reciprocal, over a tensor a rounded division
         s = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) * (1.0 / FP8)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8), FP8)
-        tl.store(Q + row.to(tl.int64) * stride_qm + k, q.to(Q.dtype.element_ty, fp_downcast_rounding="rtne"), mask=k < K)
+        q = q.to(Q.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(Q + row.to(tl.int64) * stride_qm + k, q, mask=k < K)
         tl.store(S + row, s)
 
 
 def quantize_rows_fp8(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [rows, K], fp32 scale [rows, 1]): each row scaled so that its largest magnitude is
-    FP8's largest (x ~= q * scale), in one kernel; `rows` >= M pads with zero rows (scale 1e-12 / FP8_MAX)."""
+    FP8's largest (x ~= q * scale), in one kernel; `rows` >= M pads with zero rows (the least scale)."""
+    if triton is None:
+        raise RuntimeError("quantize_rows_fp8 needs the `triton` package")
     M, K = x.shape
     rows = M if rows is None else rows
-    if triton is None:
-        xs = x.abs().amax(1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-        q = (x.float() / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        pad = rows - M
-        if pad:
-            q = torch.cat([q, q.new_zeros(pad, K)])
-            xs = torch.cat([xs, xs.new_full((pad, 1), 1e-12 / FP8_MAX)])
-        return q, xs
     x = unit_rows(x)
     q = torch.empty(rows, K, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
