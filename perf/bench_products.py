@@ -73,8 +73,8 @@ def main(argv=None) -> int:
                     help="NAME=key=value,...: the kernel also with kernels.GEMV_CONFIG's keys overridden (programs, "
                          "block_n, block_k, num_warps, num_stages, max_block_m, swap); repeat for more")
     ap.add_argument("--small-tiling", action="append", default=[],
-                    help="NAME=key=value,...: gemv_small also with kernels.GEMV_SMALL_CONFIG's keys overridden (block_n, "
-                         "block_k, num_warps, num_stages), bf16 and (with --fp8) FP8 weights; repeat for more")
+                    help="NAME=key=value,...: gemv_small also with kernels.GEMV_SMALL_CONFIG's keys overridden "
+                         "(block_n, block_k, num_warps, num_stages), bf16 and (with --fp8) FP8 weights; repeat for more")
     ap.add_argument("--fp8-tiling", action="append", default=[],
                     help="NAME=key=value,...: the FP8 kernel also with GEMV_FP8_CONFIG's keys overridden at every row "
                          "count (as --tiling); repeat for more")
@@ -86,7 +86,8 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     rows = [int(r) for r in args.rows.split(",")]
-    base, small_base, fp8_base = dict(kernels.GEMV_CONFIG), dict(kernels.GEMV_SMALL_CONFIG), dict(kernels.GEMV_FP8_CONFIG)
+    base, small_base = dict(kernels.GEMV_CONFIG), dict(kernels.GEMV_SMALL_CONFIG)
+    fp8_base = dict(kernels.GEMV_FP8_CONFIG)
     tilings = [("kernel", {})] + [tiling(t) for t in args.tiling]
     smalls = [("small", {})] + [(f"small:{n}", o) for n, o in map(tiling, args.small_tiling)]
     fp8_tilings = [(f"fp8_kernel:{n}", o) for n, o in map(tiling, args.fp8_tiling)]

@@ -112,7 +112,8 @@ SETTINGS: tuple[Setting, ...] = (
             "`dtype`) in FP8 e4m3 with a scale per output row: half the weight bytes a step of up to 16 streams reads, "
             "so shorter steps there; a pass of more rows multiplies by the same weights widened to `dtype` (a copy "
             "kept beside them on a GPU: 1.5 times `dtype`'s weight memory), as fast as `dtype` (a setting for "
-            "latency, perf/STATUS.md). Check its effect on speech with the real checkpoint first (perf/fp8_effect.py)", choices=("dtype", "fp8")),
+            "latency, perf/STATUS.md). Check its effect on speech with the real checkpoint first (perf/fp8_effect.py)",
+            choices=("dtype", "fp8")),
     Setting("codec_dtype", str, "auto", ("dac_encoder", "dac_decoder", "slow_ar", "s2pro"), "codec precision; `auto`: fp16 "
             "for the decoder on a GPU (a chunk whose audio or state is not finite is decoded again in fp32 and its "
             "stream stays fp32), fp32 for the encoder and on a CPU. `fp32` is the exact one; `bf16` is no faster than "

@@ -441,13 +441,15 @@ class KernelLinear(nn.Linear):
     def forward(self, x):
         if self.invariant_rows:
             return kernels.linear(x, self.weight, self.invariant_rows)
-        if self.takes_gemv_small(x):
-            return kernels.gemv_small(x, self.weight)
+        small = self.small_form(x)
+        if small is not None:
+            return kernels.gemv_small(x, small[0], scale=small[1])
         return F.linear(x, self.weight)
 
-    def takes_gemv_small(self, x) -> bool:
-        """Whether the product of `x` runs in `kernels.gemv_small`."""
-        return not self.invariant_rows and self.small and _few_rows(x, self.in_features)
+    def small_form(self, x) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, FP8 scale or None) when the product of `x` runs in `kernels.gemv_small`, else None."""
+        few = not self.invariant_rows and self.small and _few_rows(x, self.in_features)
+        return (self.weight, None) if few else None
 
     def gated(self, x):
         """silu(gate) * up of a gate / up interleaved weight (`FeedForward.fuse_weights`): `_gated`."""
@@ -459,11 +461,12 @@ def _few_rows(x, in_features: int) -> bool:
     return 0 < x.numel() <= kernels.GEMV_SMALL_ROWS * in_features
 
 
-def _gated(linear, x, scale=None):
+def _gated(linear, x):
     """silu(gate) * up of `linear`'s gate / up interleaved weight: in the product's kernel where `gemv_small` makes
-    the product (`kernels.SWIGLU_IN_PRODUCT`; `scale`: an FP8 weight's), else the product, then `kernels.silu_mul`."""
-    if kernels.SWIGLU_IN_PRODUCT and linear.takes_gemv_small(x):
-        return kernels.gemv_small(x, linear.weight, scale=scale, swiglu=True)
+    the product (`kernels.SWIGLU_IN_PRODUCT`; `linear.small_form`), else the product, then `kernels.silu_mul`."""
+    small = linear.small_form(x) if kernels.SWIGLU_IN_PRODUCT else None
+    if small is not None:
+        return kernels.gemv_small(x, small[0], scale=small[1], swiglu=True)
     return kernels.silu_mul(linear(x), interleaved=True)
 
 
@@ -526,13 +529,12 @@ class Fp8Linear(nn.Module):
             self.dense = (self.weight.float() * self.scale[:, None]).to(self.dtype)
 
     def forward(self, x):
-        if self.takes_gemv_small(x):
-            return kernels.gemv_small(x, self.weight, scale=self.scale)
+        small = self.small_form(x)
+        if small is not None:
+            return kernels.gemv_small(x, small[0], scale=small[1])
         rows = x.numel() // self.in_features
         if self.kernel and (self.fp8_at(rows) if not self.invariant else rows <= self.kernel_rows):
             return kernels.linear(x, self.weight, scale=self.scale)
-        if self.takes_dense_small(x):
-            return kernels.gemv_small(x, self.dense)
         if self.dense is not None and rows <= self.kernel_rows:
             return F.linear(x, self.dense)
         # many rows (prompt passes): the product is compute-bound, where cuBLAS's FP8 product (the activations in
@@ -542,20 +544,18 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.dense if self.dense is not None else
                         (self.weight.float() * self.scale[:, None]).to(x.dtype))
 
-    def takes_gemv_small(self, x) -> bool:
-        """Whether the product of `x` runs in `kernels.gemv_small` with the FP8 weight."""
-        return self.kernel and not self.invariant and x.numel() == self.in_features
-
-    def takes_dense_small(self, x) -> bool:
-        """Whether the product of `x` runs in `kernels.gemv_small` with `dense` (a few rows the FP8 form does not take)."""
-        return (self.dense is not None and not self.invariant and _few_rows(x, self.in_features)
-                and not self.fp8_at(x.numel() // self.in_features))
+    def small_form(self, x) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """As `KernelLinear.small_form`: the FP8 weight and its scale where `fp8_at` says so, else `dense` (there is
+        none under batch_invariant: its sums are not row-invariant)."""
+        if not (self.kernel and not self.invariant and _few_rows(x, self.in_features)):
+            return None
+        if self.fp8_at(x.numel() // self.in_features):
+            return self.weight, self.scale
+        return None if self.dense is None else (self.dense, None)
 
     def gated(self, x):
-        """As `KernelLinear.gated`, with the SwiGLU in `gemv_small`'s last step in either form."""
-        if kernels.SWIGLU_IN_PRODUCT and self.takes_dense_small(x):
-            return kernels.gemv_small(x, self.dense, swiglu=True)
-        return _gated(self, x, self.scale)
+        """As `KernelLinear.gated`."""
+        return _gated(self, x)
 
 
 def use_fp8_weights(model: nn.Module) -> None:
