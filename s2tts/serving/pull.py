@@ -29,6 +29,8 @@ class PullGroup:
         self.since = 0.0  # when it came
         self.last_pull = time.monotonic()
         self.ready = False  # a response was queued since the last answer
+        self.due = False  # ... and its producer's pass is sent (`flush`) or an answer left some: a pull takes them
+        # at once (a pull that comes in the middle of a pass waits for its end, so that one answer takes it whole)
 
 
 class PullStream:
@@ -192,8 +194,8 @@ class PullStreams:
                                          "read one response at a time", "control"))
 
     def pull_group(self, group: str, reader: Responder) -> None:
-        """Every response queued in `group`'s streams to `reader`, now or (while none is) when one comes or
-        `group_wait_s` has passed; an error if a group pull is already waiting."""
+        """Every response queued in `group`'s streams to `reader`: now if they are due (their producer's pass is
+        sent), else when it is (`flush`) or `group_wait_s` has passed; an error if a group pull is already waiting."""
         self.sweep()
         with self._lock:
             g = self._groups.get(group) or self._groups.setdefault(group, PullGroup(group))
@@ -205,15 +207,20 @@ class PullStreams:
         if busy:
             self._answer(reader, invalid(f"group {group!r}: a group read is already waiting; read one at a time",
                                          "control"))
-        elif any(s._items for s in list(g.streams.values())):
+        elif g.due:
             self._answer_group(g)
 
     def flush(self) -> None:
-        """Answer each waiting group pull whose streams have queued responses since its last answer."""
+        """The producer has sent what it had: answer each waiting group pull whose streams have queued responses
+        since its last answer; a group with none waiting gives them to its next pull at once."""
         with self._lock:
-            groups = [g for g in self._groups.values() if g.ready and g.waiting is not None]
+            groups = [g for g in self._groups.values() if g.ready]
         for g in groups:
-            self._answer_group(g)
+            with g.lock:
+                g.due = g.ready
+                waiting = g.waiting is not None
+            if waiting:
+                self._answer_group(g)
 
     def _answer_group(self, g: PullGroup, empty: bool = False) -> None:
         with g.lock:
@@ -226,7 +233,7 @@ class PullStreams:
                     break
                 took, room = s._take(room, self.nbytes)
                 items += took
-            g.ready = any(s._items for s in g.streams.values())  # the rest go with the next group pull, at once
+            g.ready = g.due = any(s._items for s in g.streams.values())  # the rest go with the next pull, at once
         try:
             reader.send(items, True)
         except Exception as e:  # noqa: BLE001 - the reader is gone with what it was given: its streams stop
