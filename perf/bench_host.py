@@ -13,7 +13,9 @@ held codec calls and chunk sizes as the settings make them: `--set key=value` ch
 milliseconds a pass (all its threads: steadier than wall time on a shared machine), frames a second (what a GPU
 whose step took no time would let through), and the codec's calls as the served decoder would make them: calls a
 pass, streams a call, and the share of the frames a GPU would decode that is padding (streams padded to a batch
-bucket, final chunks to a prepared length). No model and no GPU: it runs on any machine.
+bucket, final chunks to a prepared length). No model and no GPU: it runs on any machine. `--step-ms` gives the
+idle engine's step a GPU's duration, so that the passes come at a served load's rate and the codec's calls are
+planned as a served load's are (the finished requests' calls between held ones then come about once a pass).
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ FRAME_SECONDS = 2048 / 44100
 class IdleEngine:
     """What `EngineService` asks of an `Engine`, answered at once: every live request gets a frame a step."""
 
-    def __init__(self, config: EngineConfig, frames: int):
-        self.config, self.frames = config, frames
+    def __init__(self, config: EngineConfig, frames: int, step_s: float = 0.0):
+        self.config, self.frames, self.step_s = config, frames, step_s
         self.max_batch = config.max_batch
         self.device = type("Device", (), {"type": "cpu"})()
         self.s2 = type("S2", (), {"num_codebooks": C})()
@@ -95,6 +97,8 @@ class IdleEngine:
         return len(self.live) + len(self._new)
 
     def step(self):
+        if self.step_s:
+            time.sleep(self.step_s)
         with self._lock:
             new, self._new = self._new, []
             cancel, self._cancel = self._cancel, set()
@@ -190,10 +194,10 @@ class Responder:
         return False
 
 
-def level(streams: int, seconds: float, frames: int, values: dict) -> dict:
+def level(streams: int, seconds: float, frames: int, values: dict, step_s: float = 0.0) -> dict:
     """One level: `streams` requests kept live for `seconds` -> its numbers."""
     config = EngineConfig.from_values(values, max_batch=streams, max_queued_requests=streams)
-    engine = IdleEngine(config, frames)
+    engine = IdleEngine(config, frames, step_s)
     K = config.codec_batch_steps
     codec = SilentCodec(EngineService.codec_lengths(values["first_chunk_frames"], values["chunk_frames"], K), streams,
                         streams * K if K > 1 else None)
@@ -243,12 +247,14 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="64,128", help="levels, comma-separated (default %(default)s)")
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds measured a level (default %(default)s)")
     ap.add_argument("--frames", type=int, default=100, help="frames a request (default %(default)s)")
+    ap.add_argument("--step-ms", type=float, default=0.0, help="the idle engine's step takes this long (a GPU's step: "
+                    "the passes then come at a served load's rate; default %(default)s)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting (docs/SETTINGS.md)")
     ap.add_argument("--json", help="also write the levels here")
     a = ap.parse_args(argv)
     given = dict(kv.split("=", 1) for kv in a.set)
     values = settings.resolve({"checkpoint": "-", **given})
-    rows = [level(int(s), a.seconds, a.frames, values) for s in a.streams.split(",") if s.strip()]
+    rows = [level(int(s), a.seconds, a.frames, values, a.step_ms / 1e3) for s in a.streams.split(",") if s.strip()]
     for r in rows:
         print(json.dumps(r))
     if a.json:

@@ -678,17 +678,18 @@ def test_scale_sweep_sweeps_each_layout_and_tables_their_peaks(tiny_ckpt, tmp_pa
 
 
 def test_host_bench_runs_the_serving_loop_over_an_idle_engine(tmp_path):
-    """perf/bench_host.py: the loop's own Python at 8 streams, an engine and a codec that do nothing. Requests of 12
-    frames end (their final responses reach their responders) and are replaced, about one for every 12 frames the
-    passes made, and the times it reports agree with its counts."""
+    """perf/bench_host.py: the loop's own Python at 8 streams, an engine and a codec that do nothing (its step 1 ms
+    long, `--step-ms`). Requests of 12 frames end (their final responses reach their responders) and are replaced,
+    about one for every 12 frames the passes made, and the times it reports agree with its counts."""
     out = tmp_path / "host.json"
     p = _run([sys.executable, "perf/bench_host.py", "--streams", "8", "--seconds", "1", "--frames", "12",
-              "--json", str(out)], timeout=120)
+              "--step-ms", "1", "--json", str(out)], timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     (row,) = json.loads(out.read_text())["levels"]
     assert row["streams"] == 8 and row["passes"] > 12, row
     assert 0.5 * row["passes"] * 8 / 12 <= row["requests_ended"] <= row["passes"] * 8 / 12 + 8, row
     assert row["host_ms_per_pass"] == pytest.approx(1e3 * row["seconds"] / row["passes"], rel=0.02)
+    assert row["host_ms_per_pass"] >= 1  # each pass's step slept 1 ms
     assert row["frames_per_s"] == pytest.approx(row["passes"] * 8 / row["seconds"], rel=0.01)
     assert 0 < row["codec_calls_per_pass"] and 1 <= row["streams_per_codec_call"] <= 8, row
     assert 0 <= row["codec_padding_share"] < 1, row
