@@ -719,6 +719,128 @@ def test_pull_group_answers_every_stream_of_a_reader_in_one_pull(monkeypatch):
     assert last.got == [[]]
 
 
+def test_group_answers_end_at_a_pass_and_take_turns_under_the_byte_bound(monkeypatch):
+    """A pass sent while no group read waits is due to the next read at once, but only until the producer's next
+    pass begins: a read that comes in that pass waits for its flush and takes both passes, never half of one. When
+    the byte bound cuts an answer, the next starts at another stream, so that no stream waits behind the others."""
+    from s2tts.serving import pull
+    from s2tts.serving.pull import PullStreams
+
+    hub = PullStreams("slow_ar", make_error=lambda e: ("error", e.code), group_wait_s=5, nbytes=len)
+    a, b = (hub.open(k, _Reader(), group="g", tag=t) for k, t in (("a", 1), ("b", 2)))
+    a.send("a0", False), b.send("b0", False)  # (the first responses, to their openers)
+    a.send("a1", False), b.send("b1", False), hub.flush()  # a pass sent, nobody reading
+    a.send("a2", False)  # the next pass begins
+    hub.pull_group("g", r := _Reader())
+    assert r.got == []  # held to that pass's end
+    b.send("b2", False), hub.flush()
+    assert sorted(i[1] for i in r.got[0]) == ["a1", "a2", "b1", "b2"]
+    monkeypatch.setattr(pull, "GROUP_MAX_BYTES", 4)  # an answer holds one 4-byte response
+    for k in range(3):
+        a.send(f"a{k}xx", False), b.send(f"b{k}xx", False)
+    hub.flush()
+    firsts = []
+    for _ in range(6):
+        hub.pull_group("g", r := _Reader())
+        (item,) = r.got[0]
+        firsts.append(item[0])
+    assert firsts.count(1) == firsts.count(2) == 3 and firsts[:2] in ([1, 2], [2, 1]), firsts
+
+
+def test_a_group_read_of_a_group_swept_as_it_came_is_answered():
+    """A group read that finds its group without streams (the first read after an idle spell) while the producer's
+    thread sweeps groups with neither streams nor a read: the sweep cannot drop the group between the read's finding
+    it and waiting on it, so the streams opened next in that group answer it (it waited on a dropped group, which
+    nothing would ever answer)."""
+    import threading
+
+    from s2tts.serving import pull
+    from s2tts.serving.pull import PullStreams
+
+    hub = PullStreams("slow_ar", make_error=lambda e: ("error", e.code), group_wait_s=5)
+    sweeps: list[threading.Thread] = []
+
+    class SweptLock:  # a group's lock whose first taking lets a sweep run on another thread first
+        def __init__(self):
+            self.inner = threading.Lock()
+
+        def __enter__(self):
+            if not sweeps:
+                sweeps.append(threading.Thread(target=hub.sweep))
+                sweeps[0].start()
+                sweeps[0].join(0.5)  # (blocked while the read holds the table's lock, as it must be)
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            return self.inner.__exit__(*exc)
+
+    class Group(pull.PullGroup):
+        def __init__(self, key):
+            super().__init__(key)
+            self.lock = SweptLock()
+
+    pull.PullGroup, real = Group, pull.PullGroup
+    try:
+        hub.pull_group("g", r := _Reader())
+    finally:
+        pull.PullGroup = real
+    sweeps[0].join(5)
+    assert not sweeps[0].is_alive()
+    s = hub.open("a", _Reader(), group="g", tag=1)
+    s.send("a0", False), s.send("a1", False)
+    hub.flush()
+    assert r.got == [[(1, "a1", False)]]
+
+
+def test_a_failed_group_read_ends_every_request_of_its_engine_and_a_refused_one_none():
+    """The relay's fetch failing: an answer it lost may have held chunks of any request of that engine, so all of
+    them end with its error, the ones still busy with their first chunk too; a read refused because another of the
+    group waits took nothing, and ends none; a thread left behind by `failed` hands out what its read got."""
+    import queue as q
+    import threading
+
+    from s2tts.frontend.pull_relay import PullRelay
+
+    calls: q.Queue = q.Queue()  # each fetch: (its thread, the queue its answer comes from)
+
+    def fetch(engine, group):
+        mine: q.Queue = q.Queue()
+        calls.put((threading.current_thread(), mine))
+        got = mine.get(timeout=10)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def answer(got):
+        thread, mine = calls.get(timeout=10)
+        mine.put(got)
+        return thread
+
+    relay = PullRelay(fetch)
+    (k1, b1), (k2, b2) = relay.open("slow_ar"), relay.open("slow_ar")
+    b1.reading = True  # one reads already, the other has yet to take its first chunk
+    answer(errors.invalid("group g: a group read is already waiting; read one at a time", "control"))
+    answer([(k1, ("c1", None, "", None))])
+    assert b1.get() == ("c1", None, "", None)  # the refusal ended nobody
+    answer(errors.unavailable("slow_ar stopped answering"))
+    assert isinstance(b1.get(), errors.S2Error) and isinstance(b2.get(), errors.S2Error)
+    # a thread left behind in a process that still answers: what its read gets reaches its requests
+    k3, b3 = relay.open("slow_ar")
+    old_thread, old = calls.get(timeout=10)  # its read waits
+    relay.failed("slow_ar", errors.unavailable("slow_ar failed"))
+    assert isinstance(b3.get(), errors.S2Error)
+    k4, b4 = relay.open("slow_ar")  # a new reader, a new thread; the old read answers with k4's chunk
+    new_thread, new = calls.get(timeout=10)
+    assert new_thread is not old_thread
+    old.put([(k4, ("c4", None, "end", None))])
+    assert b4.get() == ("c4", None, "end", None)
+    old_thread.join(5)
+    assert not old_thread.is_alive()  # it left once it had handed them out
+    relay.shutdown()
+    new.put([])
+    new_thread.join(5)
+
+
 def test_pull_relay_hands_each_stream_its_own_items_in_order():
     """s2pro's relay over a real `PullStreams` as the fetch's far side, a producer on a thread: every stream's items
     arrive whole and in order in its own inbox, a pass's items of all streams in one group read."""

@@ -10,9 +10,10 @@ One thread per engine model runs `fetch(engine, group) -> [(key, item)]` (slow_a
 chunk queued for this process's streams, waiting while none is) for as long as some request of that engine reads,
 and puts each item in its request's inbox; an item is what `Downstream.generate` yields, or the `S2Error` that ends
 the stream. A chunk then costs the engine's process one response a pass instead of one a chunk, and this process
-one call. A failed fetch ends, with its error, the requests already reading; `failed(engine)` (the engine died)
-does that from outside and leaves a thread still waiting in the dead process's call behind: the next reader
-starts a new one.
+one call. A failed fetch ends, with its error, every request of that engine here (the answer it lost may have
+held any of their chunks), unless another read of the group was waiting there (it took nothing: tried again);
+`failed(engine)` (the engine died) ends them from outside and leaves a thread still waiting in the dead process's
+call behind: the next reader starts a new one, and one left behind still hands out what its last read gets.
 """
 
 from __future__ import annotations
@@ -34,13 +35,19 @@ RETRY_S = (0.05, 1.0)  # after a failed fetch, before the next (while requests s
 # the second
 
 
+def _another_waits(err: S2Error) -> bool:
+    """Whether a group read was refused because another read of the group waits in that process already (slow_ar's
+    `serving.pull.PullStreams.pull_group`: invalid_argument on `control`): it took nothing."""
+    return err.code == "invalid_argument" and err.param == "control"
+
+
 class Inbox:
     """One request's items from the relay, in order."""
 
     def __init__(self, engine: str):
         self.engine = engine
         self.items: queue.SimpleQueue = queue.SimpleQueue()
-        self.reading = False  # its first chunk came: it waits on this inbox now (a failed fetch ends it)
+        self.reading = False  # its first chunk came: it waits on this inbox now
 
     def get(self) -> Any:
         self.reading = True
@@ -84,15 +91,14 @@ class PullRelay:
         with self._lock:
             self._epoch[engine] = self._epoch.get(engine, 0) + 1
             self._threads.pop(engine, None)
-            ended = self._take(engine, reading_only=False)
+            ended = self._take(engine)
             self._lock.notify_all()
         for b in ended:
             b.items.put(err)
 
-    def _take(self, engine: str, reading_only: bool) -> list[Inbox]:
-        """The inboxes of `engine` (those whose request reads already, with `reading_only`), let go of; the caller
-        holds the lock and puts the error in each."""
-        ended = [k for k, b in self._inboxes.items() if b.engine == engine and (b.reading or not reading_only)]
+    def _take(self, engine: str) -> list[Inbox]:
+        """The inboxes of `engine`, let go of; the caller holds the lock and puts the error in each."""
+        ended = [k for k, b in self._inboxes.items() if b.engine == engine]
         return [self._inboxes.pop(k) for k in ended]
 
     def shutdown(self, timeout: float = 0.0) -> None:
@@ -119,14 +125,17 @@ class PullRelay:
             try:
                 items = self.fetch(engine, self.group)
                 self.fetches += 1
-            except Exception as e:  # noqa: BLE001 - the engine failed: those waiting on it end with its error
+            except Exception as e:  # noqa: BLE001 - the engine failed: its requests here end with its error
                 err = errors.from_exception(e, engine)
                 if retry == RETRY_S[0] and not self.stop.is_set():
                     log.info("relay %s: a group read of %s failed (%s)", self.group, engine, err.wire())
                 with self._lock:
                     if not self._current(engine, epoch):
                         return
-                    ended = self._take(engine, reading_only=True)
+                    # an answer that did not arrive may have held any of their chunks, so every request reading
+                    # from that engine ends; but a read refused because another waits there (a thread `failed`
+                    # left behind in a live process) took none: it is tried again
+                    ended = [] if _another_waits(err) else self._take(engine)
                 for b in ended:
                     b.items.put(err)
                 self.stop.wait(retry)
@@ -134,8 +143,8 @@ class PullRelay:
                 continue
             retry = RETRY_S[0]
             with self._lock:
-                if not self._current(engine, epoch):
-                    return
+                # (a thread `failed` left behind hands out what its last read got all the same: its keys are this
+                # relay's, so each item still goes to its own request)
                 for key, item in items:
                     b = self._inboxes.get(key)
                     if b is None:

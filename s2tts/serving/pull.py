@@ -29,8 +29,10 @@ class PullGroup:
         self.since = 0.0  # when it came
         self.last_pull = time.monotonic()
         self.ready = False  # a response was queued since the last answer
-        self.due = False  # ... and its producer's pass is sent (`flush`) or an answer left some: a pull takes them
-        # at once (a pull that comes in the middle of a pass waits for its end, so that one answer takes it whole)
+        self.due = False  # ... and its producer's pass is sent (`flush`, until the next pass's first response) or
+        # an answer left some: a pull takes them at once (one that comes during a pass waits for its end: an answer
+        # always ends at the end of a pass)
+        self.turn = 0  # the answers so far: each starts at the next stream, so that the byte bound favours none
 
 
 class PullStream:
@@ -69,8 +71,8 @@ class PullStream:
             reader, self._waiting = self._waiting, None
             if reader is None:
                 self._items.append((response, final))
-                if self.group is not None:
-                    self.group.ready = True  # answered by `PullStreams.flush`
+                if self.group is not None:  # answered by `PullStreams.flush`, at the end of the producer's pass
+                    self.group.ready, self.group.due = True, False
                 return
         self._deliver(reader, response, final)
 
@@ -197,13 +199,13 @@ class PullStreams:
         """Every response queued in `group`'s streams to `reader`: now if they are due (their producer's pass is
         sent), else when it is (`flush`) or `group_wait_s` has passed; an error if a group pull is already waiting."""
         self.sweep()
-        with self._lock:
+        with self._lock:  # (a group without streams and without a waiting pull is swept: both locks held here)
             g = self._groups.get(group) or self._groups.setdefault(group, PullGroup(group))
-        with g.lock:
-            g.last_pull = time.monotonic()
-            busy = g.waiting is not None
-            if not busy:
-                g.waiting, g.since = reader, g.last_pull
+            with g.lock:
+                g.last_pull = time.monotonic()
+                busy = g.waiting is not None
+                if not busy:
+                    g.waiting, g.since = reader, g.last_pull
         if busy:
             self._answer(reader, invalid(f"group {group!r}: a group read is already waiting; read one at a time",
                                          "control"))
@@ -227,8 +229,12 @@ class PullStreams:
             reader, g.waiting, g.ready = g.waiting, None, False
             if reader is None:
                 return
-            items, room = [], GROUP_MAX_BYTES
-            for s in () if empty else list(g.streams.values()):
+            items, room, streams = [], GROUP_MAX_BYTES, list(g.streams.values())
+            if streams:
+                g.turn += 1
+                at = g.turn % len(streams)
+                streams = streams[at:] + streams[:at]
+            for s in () if empty else streams:
                 if room <= 0:
                     break
                 took, room = s._take(room, self.nbytes)
