@@ -136,6 +136,30 @@ def test_fp16_chunk_that_overflows_is_decoded_again_in_fp32(tiny_ckpt, caplog, p
     assert not np.isfinite(bare.decode_many([(0, "h", hot[:, 4:8].T, False, False)], now=1.0)[0]).all()
 
 
+@pytest.mark.parametrize("pool_size", [0, 4])
+def test_a_chunk_not_finite_in_fp32_either_ends_its_stream_alone(tiny_ckpt, pool_size):
+    """A chunk whose audio overflows in fp16 and in the fp32 redo too: its stream alone ends with an error (and its
+    state goes); the stream decoded beside it in the same call gets the audio it gets alone."""
+    fp16 = _overflowing_codec(tiny_ckpt, "fp16")
+    broken = load_codec_from_dir(tiny_ckpt, "cpu", "fp32")
+    w = dict(broken.named_parameters())["quantizer.semantic_quantizer.quantizers.0.codebook.weight"]
+    with torch.no_grad():
+        w[HOT] = float("inf")  # (a row no float32 decode of it survives)
+    gen = np.random.default_rng(2)
+    cool = np.concatenate([gen.integers(0, HOT, (1, 4)), gen.integers(0, 32, (9, 4))]).T
+    hot = cool.copy()
+    hot[1, 0] = HOT
+    alone = StreamDecoder(fp16, fallback=broken, pool_size=pool_size)
+    want = alone.decode_many([("c", "c", cool, True, True)], now=0.0)["c"]
+    dec = StreamDecoder(fp16, fallback=broken, pool_size=pool_size)
+    got = dec.decode_many([("h", "h", hot, True, False), ("c", "c", cool, True, False)], now=0.0)
+    assert isinstance(got["h"], S2Error) and got["h"].code == "internal" and "not finite" in got["h"].message
+    np.testing.assert_array_equal(got["c"], want)
+    assert set(dec.states) == {"c"}
+    if pool_size:
+        assert len(dec.pool.free) == pool_size - 1  # the failed stream's slot given back
+
+
 def test_pool_slots_are_reused_from_a_fresh_state(tiny_ckpt):
     """A slot a finished stream gave back holds its last state: the next stream on it (even one whose first chunk
     is empty) starts from a fresh state, and its audio equals a whole decode. Streams past the pool's size run on

@@ -564,3 +564,60 @@ def test_graph_owners_get_streams_no_other_owner_has(monkeypatch):
     gone = held.pop(3).stream_id  # an owner gone (an engine let go): its stream is free again
     gc.collect()
     assert graphs.own_stream("cuda").stream_id == gone
+
+
+def test_a_cancel_during_admission_reaches_the_engine(model, prompts, tiny_ckpt, codec):
+    """A cancel that comes while the request is being admitted (in the service's table, its engine request still
+    being made) reaches the engine: the request ends `cancelled`, not after its 200 frames (an abort the engine
+    took before the request it names was lost)."""
+    from s2tts.ar.sampling import SamplingParams
+
+    svc = _service(model, tiny_ckpt, StreamDecoder(codec))
+    sch, entered = svc.engine.scheduler, threading.Event()
+    real = sch.make_request
+
+    def slow(*a):  # (the window between the table and the engine, held open)
+        entered.set()
+        time.sleep(0.3)
+        return real(*a)
+
+    sch.make_request = slow
+    r = _Responder()
+    sp = SamplingParams(seed=1, max_new_tokens=200, ignore_end=True)
+    t = threading.Thread(target=svc.submit, args=("x", r, prompts.build("Cancelled as it comes."), sp, 2, 2))
+    try:
+        t.start()
+        assert entered.wait(30) and svc.cancel("x")
+        t.join(30)
+        _wait([r])
+    finally:
+        svc.shutdown()
+    assert r.finals == 1 and r.sent[-1][2] == "cancelled"
+    assert sum(s[1].shape[0] for s in r.sent) < 200
+
+
+def test_a_stream_closed_after_its_request_ended_still_ends_it(model, prompts, tiny_ckpt, codec, monkeypatch):
+    """The caller closes a request's codec stream after the engine made the request's last frame but before its
+    audio was decoded (its client went away while its final waited for a held call): the request ends at once,
+    its last items without audio, instead of waiting for a decode that never comes."""
+    from s2tts.ar.sampling import SamplingParams
+    from s2tts.engine import service as service_module
+    from s2tts.engine.codec_plan import CodecPlan
+
+    real = service_module.plan_codec
+    monkeypatch.setattr(service_module, "plan_codec", lambda views, **kw: CodecPlan() if hold else real(views, **kw))
+    hold = True  # nothing is decoded: the final waits
+    svc = _service(model, tiny_ckpt, StreamDecoder(codec))
+    r = _Responder()
+    try:
+        rec = svc.submit("a", r, prompts.build("Ended, then dropped."), SamplingParams(seed=2, max_new_tokens=6,
+                         ignore_end=True), 2, 2, codec_stream=CodecStream("S", True, True))
+        deadline = time.monotonic() + 60
+        while rec.state.counts.ended_at is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rec.state.counts.ended_at is not None and not r.done.is_set()
+        svc.close_codec("S")
+        _wait([r], timeout=30)
+    finally:
+        svc.shutdown()
+    assert r.finals == 1 and r.sent[-1][2] == "length"

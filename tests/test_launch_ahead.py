@@ -212,6 +212,35 @@ def test_faults_at_a_launch_with_a_step_in_flight(model, prompts):
     assert codes.shape[1] == 3 and reason == "length"
 
 
+def test_a_failed_launch_is_reported_once(model, prompts):
+    """Two prompts that fail at their launches, one after the other, beside a running request: each fault is
+    `last_fault` of the one call that met it (the call after it, which only finishes the step in flight, reports
+    none), so the service counts two failed steps, not four, and stays healthy where `step()` would (its limit
+    of failed steps in a row is 3)."""
+    pb, pc = prompts.build("The second."), prompts.build("The third.")
+    eng = Engine(model, RESIDUAL, EngineConfig(max_batch=4, max_seq_len=256, prefix_cache_mb=0,
+                                               max_prefill_tokens=max(len(pb), len(pc))))
+    eng.submit("a", prompts.build("Running a."), SamplingParams(seed=1, max_new_tokens=12, ignore_end=True))
+    eng.step_ahead(), eng.step_ahead()
+
+    def hook(phase, reqs):
+        if phase == "prefill" and any(r.id in "bc" for r in reqs):
+            raise RuntimeError(f"injected prefill fault of {[r.id for r in reqs]}")
+
+    eng.fault_hook = hook
+    for rid, p in (("b", pb), ("c", pc)):
+        eng.submit(rid, p, SamplingParams(seed=2, max_new_tokens=4, ignore_end=True))
+    faults, finals = [], {}
+    while eng.has_work():
+        for o in eng.step_ahead():
+            if o.finished:
+                finals[o.request_id] = o.finish_reason
+        faults.append(eng.last_fault)
+    reported = [f for f in faults if f is not None]
+    assert len(reported) == 2 and reported[0] is not reported[1], faults
+    assert finals == {"a": "length", "b": "error", "c": "error"}
+
+
 class _NumbersThroughIndex:
     """A dispatch mode that records every Python number written through a tensor index (`t[idx] = -1`: the number
     made a tensor by `aten.lift_fresh`, then the value of an `aten.index_put_`): on a GPU that value is copied from

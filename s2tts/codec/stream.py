@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import S2Error, from_exception, invalid
+from ..errors import S2Error, from_exception, internal, invalid
 from ..gpu import jit
 from ..gpu.cuda_graphs import capture as capture_graph, own_stream
 from ..gpu.device import resolve_device
@@ -152,9 +152,14 @@ class StreamDecoder:
         for b, ((key, sid, _, n), st) in enumerate(zip(group, streams)):
             st.fresh = False
             if not finite[b] and self.fallback is not None:  # fp16 overflowed: this chunk again in fp32, and the rest
-                audio_b, st.state = self._redo(sid, codes[b : b + 1], {k: v[b : b + 1] for k, v in old.items()})
+                redone = self._redo(sid, codes[b : b + 1], {k: v[b : b + 1] for k, v in old.items()})
                 self.pool.give(st.slot)
                 st.slot = None
+                if isinstance(redone, S2Error):
+                    out[key] = redone
+                    self._drop(sid)
+                    continue
+                audio_b, st.state = redone
                 out[key] = audio_b[: n * hop]
             else:
                 out[key] = audio[b, : n * hop]
@@ -167,16 +172,24 @@ class StreamDecoder:
             st = self.states[sid]
             st.fresh = False
             if not finite[b]:  # fp16 overflowed: this chunk again in fp32, and the rest of it
-                audio[b], new_states[b] = self._redo(sid, codes[b : b + 1], states[b].tensors)
+                redone = self._redo(sid, codes[b : b + 1], states[b].tensors)
+                if isinstance(redone, S2Error):
+                    out[key] = redone
+                    self._drop(sid)
+                    continue
+                audio[b], new_states[b] = redone
             out[key] = audio[b]
             st.state = new_states[b]
 
     def _redo(self, sid: str, codes, state: dict):
-        """The chunk again in fp32 from the stream's state before it (its tensors, widened here)."""
+        """The chunk again in fp32 from the stream's state before it (its tensors, widened here) -> (audio, state),
+        or the error that ends this stream alone when its audio is not finite in fp32 either."""
         wide = StreamState({k: t.float() if t.is_floating_point() else t for k, t in state.items()})
         a, st, ok = self._decode(self.fallback, codes, [wide], check=True)
         if not ok[0]:
-            raise FloatingPointError(f"codec stream {sid!r}: the chunk's audio is not finite, in fp32 too")
+            log.warning("dac_decoder: stream %s: a chunk of %d frames is not finite in fp32 either; the stream ends",
+                        sid, codes.shape[-1])
+            return internal(f"dac_decoder: codec stream {sid!r}: the chunk's audio is not finite, in fp32 too")
         self.in_fp32.add(sid)
         self.redone += 1
         log.warning("dac_decoder: stream %s: a chunk of %d frames overflowed in %s; decoded again in fp32 "

@@ -22,7 +22,8 @@ A step is all or nothing per group of requests: if the pass that holds prompt ro
 usable), the requests of those rows end with an error and the decode rows run again by themselves; if the decode
 rows fail, their requests end with an error and the requests being prefilled go back to the head of the queue
 (they have sent nothing; they start their prefill again). Either way the step returns every output and frees every
-slot it took; the exception is kept in `last_fault` (None after a clean step) for the caller to judge.
+slot it took; the exception is kept in `last_fault` (None after a clean call: each fault is reported by
+the call that met it, once) for the caller to judge.
 """
 
 from __future__ import annotations
@@ -191,7 +192,11 @@ class Engine:
         device is per thread; Triton kernels and graphs launch on it, so an engine on cuda:1 stepped from a thread
         left on cuda:0 would hand them pointers they cannot use). With a step in flight (`step_ahead`) it finishes
         that one."""
-        return self._on_device(lambda: self._finish() if self._inflight else self._launch() + self._finish())
+        def go():
+            self.last_fault = None
+            return self._finish() if self._inflight else self._launch() + self._finish()
+
+        return self._on_device(go)
 
     def step_ahead(self) -> list[Output]:
         """Launch the next step, then finish the one before it, and return without waiting for the new one -> the
@@ -203,8 +208,10 @@ class Engine:
         launch. After a failed step nothing more is launched until the steps in flight are finished."""
 
         def go():
+            held = self.last_fault is not None  # the last call's step failed: what is in flight finishes first
+            self.last_fault = None  # (a fault is this call's alone: the caller judges each once)
             outputs = [] if self._inflight else self._launch()
-            if self.last_fault is None and len(self._inflight) < 2 and self.has_work():
+            if not held and self.last_fault is None and len(self._inflight) < 2 and self.has_work():
                 outputs += self._launch()
             return outputs + self._finish()
 

@@ -193,7 +193,8 @@ class EngineService:
         another thread of this process (s2pro holding the engine): the engine thread sends each response itself
         (the sender thread then only polls for cancels and reports). `limit`: the most requests in flight (default
         `max_batch` + `max_queued_requests`). `on_tick(service)` is called from the sender thread every poll, `on_sent()` each time
-        it has sent everything queued (a transport that answers several requests' responses together sends them then).
+        it has sent a pass's responses (and after responses sent outside a pass: a transport that answers several
+        requests' responses together sends them then).
 
         `launch_ahead` (None: on a GPU): the engine keeps two steps in flight (`Engine.step_ahead`), except while
         the codec here decodes each chunk at once (light load) and a request in flight has yet to send audio (its
@@ -232,6 +233,7 @@ class EngineService:
         self._decoding: dict[int, Tracked] = {}  # requests with frames or items the codec has yet to see
         self._ahead = False  # this pass launches ahead
         self._launched_early: list[Output] = []  # what the launch behind a codec call gave at once
+        self._early_fault: BaseException | None = None  # ... and its fault, judged with the next pass's
         self._launch_error: Exception | None = None  # ... or raised: raised again by the next pass
         self._streams: tuple | None = None  # (the engine's CUDA stream, the codec's), or () to use the current one
         self._codec_worker = ThreadPoolExecutor(1, thread_name_prefix="s2tts-codec") \
@@ -272,39 +274,52 @@ class EngineService:
             pace = self.load.pace if self.frame_seconds else None
             chunker = Chunker(first_chunk_frames, chunk_frames, pace, lag=self.chunk_lag,
                               loaded=self.load.under_load if pace else None, **self.chunk_options)
-            with self._admit_lock:
-                cancelled = bool(client_id) and self.tombstones.take(client_id)
-                rec = None if cancelled else self.table.open(client_id, responder, label=label,
-                                                             state=RequestState(chunker, len(prompt)))
-            if rec is None:
-                log.info("%s: request %s was cancelled before it came: ended at once", self.name, client_id)
-                if codec_stream is not None and not codec_stream.start:  # it would have continued (and closed) it
-                    self.close_codec(codec_stream.sid)
-                stats = {"frames": 0, "queue_s": None, "prompt_tokens": len(prompt), "first_frame_s": None,
-                         "first_audio_s": None}
-                responder.send(self.make_response(np.zeros((0, self.C), np.int32), "cancelled", stats, None), True)
-                return None
-            if self.codec is not None:
-                st = rec.state
-                st.codec = CodecStream(self.caller_stream(codec_stream.sid), codec_stream.start, codec_stream.final) \
-                    if codec_stream else CodecStream(f"own/{rec.iid}")
-                st.counts = StreamView(rec.iid, closes=st.codec.final, open=not st.codec.start)
         except S2Error as e:
-            log.info("%s: request %s refused: %s", self.name, client_id, e.wire())
-            self.table.refuse(responder, e)
+            return self._refuse(responder, client_id, e)
+        rec = refused = failed = None
+        # the record, its codec stream and the engine's request under one lock: a cancel that finds the record
+        # finds the engine's request too (an abort the engine takes before the request would be lost)
+        with self._admit_lock:
+            cancelled = bool(client_id) and self.tombstones.take(client_id)
+            if not cancelled:
+                try:
+                    rec = self.table.open(client_id, responder, label=label, state=RequestState(chunker, len(prompt)))
+                except S2Error as e:
+                    refused = e
+            if rec is not None:
+                if self.codec is not None:
+                    st = rec.state
+                    codec = CodecStream(self.caller_stream(codec_stream.sid), codec_stream.start, codec_stream.final) \
+                        if codec_stream else CodecStream(f"own/{rec.iid}")
+                    st.counts = StreamView(rec.iid, closes=codec.final, open=not codec.start)
+                    st.codec = codec  # (last: a request with a codec stream has its counts, for the engine thread)
+                self._states[str(rec.iid)] = rec.state
+                try:
+                    self.engine.submit(str(rec.iid), prompt, params)
+                except Exception as e:  # noqa: BLE001 - e.g. a prompt longer than the KV cache
+                    failed = errors.from_exception(e, self.name)
+                    self._states.pop(str(rec.iid), None)
+        if refused is not None:
+            return self._refuse(responder, client_id, refused)
+        if cancelled:
+            log.info("%s: request %s was cancelled before it came: ended at once", self.name, client_id)
+            if codec_stream is not None and not codec_stream.start:  # it would have continued (and closed) it
+                self.close_codec(codec_stream.sid)
+            stats = {"frames": 0, "queue_s": None, "prompt_tokens": len(prompt), "first_frame_s": None,
+                     "first_audio_s": None}
+            responder.send(self.make_response(np.zeros((0, self.C), np.int32), "cancelled", stats, None), True)
             return None
-        self._states[str(rec.iid)] = rec.state
-        try:
-            self.engine.submit(str(rec.iid), prompt, params)
-        except Exception as e:  # noqa: BLE001 - e.g. a prompt longer than the KV cache
-            err = errors.from_exception(e, self.name)
-            log.info("%s: request %s refused: %s", self.name, rec.tag, err.wire())
-            self._states.pop(str(rec.iid), None)
-            rec.fail(err)
+        if failed is not None:
+            log.info("%s: request %s refused: %s", self.name, rec.tag, failed.wire())
+            rec.fail(failed)
             return None
         log.info("%s: request %s admitted: %d prompt tokens, max_new_tokens=%d", self.name, rec.tag, len(prompt),
                  params.max_new_tokens)
         return rec
+
+    def _refuse(self, responder: Responder, client_id: str, err: S2Error) -> None:
+        log.info("%s: request %s refused: %s", self.name, client_id, err.wire())
+        self.table.refuse(responder, err)
 
     def cancel(self, client_id: str) -> bool:
         """Cancel the request with the caller's id `client_id`: True if it is in flight here. A cancel for an id
@@ -395,21 +410,31 @@ class EngineService:
     def _take_requests(self) -> None:
         """Close the codec streams other threads asked closed. A request still decoding into one its caller closed
         (the caller dropped it, e.g. its client went away) is cancelled and nothing more of it is decoded: it ends
-        `cancelled`, not with a decode error for a stream that is gone."""
+        `cancelled`, not with a decode error for a stream that is gone; one the engine had ended already (its last
+        items waiting for their audio) ends now, those items without it."""
         if self.codec is None:
             return
         with self._codec_lock:
             sids, self._codec_closing = self._codec_closing, []
         if not sids:
             return
-        closing = set(sids)
+        closing, ended = set(sids), []
         for rec in self.table.live():
             st = rec.state
             if st.codec is not None and st.codec.sid in closing and not st.codec_dropped:
                 st.counts.open, st.codec_dropped = False, True
-                self._cancel(rec.iid, "its codec stream was closed")
+                if not st.counts.ended:
+                    self._cancel(rec.iid, "its codec stream was closed")
+                    continue
+                for item in st.drop_waiting():
+                    item.audio = np.zeros(0, np.float32)
+                    ended.append(item)
+                st.drop_frames()
+                self._decoding.pop(rec.iid, None)
         for sid in sids:
             self.codec.close(sid)
+        if ended:
+            self._hand_out(ended)
 
     def _ready(self) -> bool:
         """Whether a step should run now: waits a while for work; on an unhealthy device drops what arrived; raises
@@ -439,7 +464,7 @@ class EngineService:
             outputs, self._launched_early = self._launched_early + outputs, []
         live, waiting = self.engine.slots()
         live += sum(o.finish_reason in (FINISH_END, FINISH_LENGTH) for o in outputs)
-        fault = self.engine.last_fault
+        fault, self._early_fault = self.engine.last_fault or self._early_fault, None
         self._note_preemptions()
         self._judge(fault)
         return _Step(outputs, decoding, fault, live, waiting, t0, cpu0, time.monotonic(),
@@ -614,6 +639,7 @@ class EngineService:
         if self._ahead and self.codec_overlap and self._launch_error is None:
             try:
                 self._launched_early += self.engine.launch_next()
+                self._early_fault = self.engine.last_fault or self._early_fault
             except Exception as e:  # noqa: BLE001 - the engine's, not the codec call's: raised by the next pass
                 self._launch_error = e
 
@@ -695,7 +721,7 @@ class EngineService:
             items = ()
         for item in items:
             self._deliver(item, put_at)
-        if items and self.on_sent is not None and self.outbox.empty():
+        if items and self.on_sent is not None:
             self.on_sent()
         now = time.monotonic()
         if now - self._last_poll >= self.config.cancel_poll_s:
@@ -734,7 +760,14 @@ class EngineService:
             self._fail_all(reason)
         else:  # the engine's state is the engine thread's: it drops everything at its next pass (`_ready`)
             self.engine.wake()
-        self.table.end_all(reason, self.on_unhealthy)
+        self.table.end_all(reason, self._tell_unhealthy)
+
+    def _tell_unhealthy(self, reason: str) -> None:
+        """Once every request in flight has its error: those go out (`on_sent`), then the host learns of the fault."""
+        if self.on_sent is not None:
+            self.on_sent()
+        if self.on_unhealthy is not None:
+            self.on_unhealthy(reason)
 
     def _fail_all(self, reason: str) -> None:
         """Every request the engine holds ends there (their records end through the table) and their states go."""
