@@ -239,6 +239,35 @@ def test_data_url_decoding():
             decode_data_url(bad)
 
 
+def test_a_long_reference_is_decoded_only_up_to_the_limit():
+    """A few kilobytes can hold minutes of silence: a reference clip is decoded only until it passes the longest
+    allowed (then refused as too long), never whole, through libsndfile (FLAC) and through FFmpeg (AAC) alike."""
+    import av
+
+    from s2tts.gateway.audio_io import decode_audio
+
+    sr, seconds = 8000, 120
+    flac = io.BytesIO()
+    sf.write(flac, np.zeros(sr * seconds, np.float32), sr, format="FLAC")
+    aac = io.BytesIO()
+    with av.open(aac, "w", format="adts") as c:
+        s = c.add_stream("aac", rate=sr)
+        s.layout = "mono"
+        for i in range(seconds * sr // 1024):
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+            frame.sample_rate, frame.pts = sr, i * 1024
+            for packet in s.encode(frame):
+                c.mux(packet)
+        for packet in s.encode(None):
+            c.mux(packet)
+    for raw in (flac.getvalue(), aac.getvalue()):
+        assert len(raw) < 100_000
+        whole, r = decode_audio(raw, "ref_audio")
+        assert r == sr and len(whole) >= (seconds - 1) * sr
+        x, r = decode_audio(raw, "ref_audio", max_seconds=10)
+        assert r == sr and 10 * sr < len(x) <= 10 * sr + 1  # just over the limit: refused as too long
+
+
 def test_voice_store_same_name_at_once(store_spec):
     """Eight writers (eight gateways: one store each) register one name at the same moment: exactly one wins, the
     rest get 409; then each registers a name of its own, and every store sees all of them."""
@@ -524,3 +553,88 @@ def test_ref_audio_hosts_entries_and_the_address_check():
     for bad in ("ftp://x/", "example.com/path", "host:notaport", "http://user:pw@x/"):
         with pytest.raises(ValueError):
             parse_rule(bad)
+
+
+class _LiveSocket:
+    """A live WebSocket's far side: the client's frames in order, then it waits; what the server sent."""
+
+    def __init__(self, frames):
+        self.frames, self.sent, self.closed, self.headers = list(frames), [], False, {}
+
+    async def receive(self):
+        import anyio
+
+        if not self.frames:
+            await anyio.sleep_forever()
+        return self.frames.pop(0)
+
+    async def send_bytes(self, data):
+        import ormsgpack
+
+        self.sent.append(ormsgpack.unpackb(data))
+
+    async def close(self, code=1000, reason=""):
+        self.closed = True
+
+
+def _live_run(frames, s2pro_ends_alone: bool):
+    """A live connection over `frames` against an s2pro whose session answers one final chunk: once the client's
+    stop reached it, or (`s2pro_ends_alone`, its idle timeout) at once. -> the events the server sent."""
+    import types
+
+    import anyio
+    import ormsgpack
+
+    from s2tts.gateway.live import LiveConnection
+
+    class Stream:
+        def __init__(self, main, stop):
+            self.main, self.stop, self.done = main, stop, False
+
+        async def next(self):
+            if not self.main or self.done:
+                return None
+            if not s2pro_ends_alone:
+                await self.stop.wait()
+            self.done = True
+            return types.SimpleNamespace(sample_rate=SR, audio=np.zeros(2048, np.float32), segment=None, final=True)
+
+        def cancel(self):
+            pass
+
+    async def main():
+        stop = anyio.Event()
+
+        def open_stream(req):
+            if req.text_event == "end":
+                stop.set()
+            return Stream(req.text_event == "open", stop)
+
+        async def prepare(request, model, sid):
+            f = types.SimpleNamespace(text="", speed=1.0, format="pcm", gain=0.0, bit_rate=128, sample_rate=None)
+            return f, types.SimpleNamespace(text_event="open")
+
+        limiter = types.SimpleNamespace(try_acquire=lambda: True, release=lambda: None, limit=8)
+        state = types.SimpleNamespace(limiter=limiter, metrics=types.SimpleNamespace(overload_refusals=0))
+        ws = _LiveSocket(e[1] if isinstance(e, tuple) else {"type": "websocket.receive", "bytes": ormsgpack.packb(e)}
+                         for e in frames)  # (("raw", a frame as it came) or an event)
+        await LiveConnection(ws, GatewayConfig(live_idle_timeout_s=0.2), state, types.SimpleNamespace(open_stream=open_stream), prepare,
+                             False).run()
+        return ws.sent
+
+    return anyio.run(main)
+
+
+def test_a_live_session_s2pro_ends_before_the_clients_stop_finishes_with_an_error():
+    """Fish's `finish stop` answers the client's stop: a session that s2pro ended first (no text for its
+    session_idle_timeout_s) finishes with an error that says so, so that a client whose later text would be lost
+    learns it; one that the client stopped finishes with stop. An event in a text frame is refused by name."""
+    start = {"event": "start", "request": {"text": ""}}
+    events = [start, {"event": "text", "text": "Hello there. "}, {"event": "stop"}]
+    stopped = _live_run(events, s2pro_ends_alone=False)
+    assert stopped[-1] == {"event": "finish", "reason": "stop"} and stopped[0]["event"] == "audio"
+    idle = _live_run(events[:2], s2pro_ends_alone=True)
+    assert idle[-1]["event"] == "finish" and idle[-1]["reason"] == "error", idle
+    assert "session_idle_timeout_s" in idle[-1]["message"]
+    text = _live_run([("raw", {"type": "websocket.receive", "text": '{"event": "start"}'})], s2pro_ends_alone=False)
+    assert text[-1]["reason"] == "error" and "binary frame of msgpack" in text[-1]["message"], text

@@ -370,15 +370,21 @@ class GatewayState:
                            param=param, code="payload_too_large")
 
 
+def _longest_reference(cfg: GatewayConfig, limits: dict) -> float:
+    """The longest reference clip in force (`_check_reference_length`'s limit): decoding a clip stops past it."""
+    return cfg.limits(limits)["max_reference_seconds"]
+
+
 def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: str, limits: dict) -> None:
     """A reference clip's length against the limits in force: s2pro's (`limits`, as served), each made stricter by
-    this gateway's own setting where one is set (`GatewayConfig.limits`)."""
+    this gateway's own setting where one is set (`GatewayConfig.limits`). (A clip decoded up to the longest
+    allowed, `decode_audio(max_seconds=)`, is just over it when it is longer.)"""
     limits = cfg.limits(limits)
     dur = len(x) / sr
     limit = limits["max_reference_seconds"]
     if dur > limit:
-        raise bad_request(f"the reference audio is {dur:.1f} s long; the limit is {limit:g} s: "
-                          "trim it (5-15 s of clean speech is best)", param, code="reference_too_long")
+        raise bad_request(f"the reference audio is too long; the limit is {limit:g} s: trim it (5-15 s of clean "
+                          "speech is best)", param, code="reference_too_long")
     if dur < limits["min_reference_seconds"]:
         raise bad_request(f"the reference audio is {dur:.2f} s long; send at least {limits['min_reference_seconds']:g} s",
                           param, code="reference_too_short")
@@ -573,7 +579,11 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
 
     async def _inline_clip(data: bytes, what: str, param: str, limits: dict):
         state.check_upload_size(data, what)
-        x, sr = await anyio.to_thread.run_sync(decode_audio, data, param)
+        return await _decoded_clip(data, param, limits)
+
+    async def _decoded_clip(data: bytes, param: str, limits: dict):
+        """A reference clip's audio, decoded (no further than the longest allowed) and its length checked."""
+        x, sr = await anyio.to_thread.run_sync(decode_audio, data, param, _longest_reference(cfg, limits))
         _check_reference_length(x, sr, cfg, param, limits)
         return x, sr
 
@@ -633,8 +643,7 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         state.check_upload_size(data, param)
         limits = await backend.served_limits(cfg.limits_ttl_s)
         _check_transcript(ref_text, text_param, limits)
-        x, sr = await anyio.to_thread.run_sync(decode_audio, data, param)
-        _check_reference_length(x, sr, cfg, param, limits)
+        x, sr = await _decoded_clip(data, param, limits)
         return sr, len(x), await backend.encode_reference(x, sr)
 
     async def _register(name: str, ref_text: str, data: bytes, mime: str, param: str, text_param: str = "ref_text",
@@ -794,7 +803,6 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
         return Response(status_code=200)
 
     # ---- fish-speech's own server API (s2tts/gateway/fish_server.py) --------------------------------------------
-    add_fish_server_routes(app, state, _register, _served_limits,
-                           lambda x, sr, param, limits: _check_reference_length(x, sr, cfg, param, limits))
+    add_fish_server_routes(app, state, _register, _served_limits, _decoded_clip)
 
     return app

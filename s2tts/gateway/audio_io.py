@@ -38,15 +38,20 @@ def decode_data_url(value: str, param: str = "ref_audio") -> bytes:
     return raw
 
 
-def decode_audio(data: bytes, param: str) -> tuple[np.ndarray, int]:
-    """Audio file bytes (wav, flac, ogg, mp3, aac, m4a, webm, ...) -> (float32 mono, sample rate)."""
+def decode_audio(data: bytes, param: str, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
+    """Audio file bytes (wav, flac, ogg, mp3, aac, m4a, webm, ...) -> (float32 mono, sample rate). With
+    `max_seconds`, decoding stops once the audio is longer than that (what it returns is then just over it): a
+    small file can hold hours of silence, which decoded whole would take gigabytes."""
     import soundfile as sf  # noqa: PLC0415
 
     try:
-        x, sr = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        with sf.SoundFile(io.BytesIO(data)) as f:
+            sr = f.samplerate
+            cap = f.frames if max_seconds is None or f.frames <= 0 else min(f.frames, int(max_seconds * sr) + 1)
+            x = f.read(frames=cap if cap > 0 else -1, dtype="float32", always_2d=True)
         x = x.mean(axis=1)
     except Exception:  # noqa: BLE001 - libsndfile does not know the format: try FFmpeg
-        x, sr = _decode_with_av(data, param)
+        x, sr = _decode_with_av(data, param, max_seconds)
     if x.size == 0:
         raise bad_request(f"{param} holds no audio samples", param)
     if not np.all(np.isfinite(x)):
@@ -54,7 +59,7 @@ def decode_audio(data: bytes, param: str) -> tuple[np.ndarray, int]:
     return np.ascontiguousarray(x, np.float32), int(sr)
 
 
-def _decode_with_av(data: bytes, param: str) -> tuple[np.ndarray, int]:
+def _decode_with_av(data: bytes, param: str, max_seconds: float | None) -> tuple[np.ndarray, int]:
     try:
         import av  # noqa: PLC0415
 
@@ -62,14 +67,20 @@ def _decode_with_av(data: bytes, param: str) -> tuple[np.ndarray, int]:
             if not c.streams.audio:
                 raise ValueError("no audio stream")
             sr = c.streams.audio[0].rate
+            cap = None if max_seconds is None else int(max_seconds * sr) + 1
             res = av.AudioResampler(format="flt", layout="mono", rate=sr)
-            parts = []
+            parts, n = [], 0
             for frame in c.decode(audio=0):
                 for f in res.resample(frame):
                     parts.append(f.to_ndarray().reshape(-1))
-            for f in res.resample(None):
-                parts.append(f.to_ndarray().reshape(-1))
-        return (np.concatenate(parts) if parts else np.zeros(0, np.float32)), int(sr)
+                    n += parts[-1].size
+                if cap is not None and n >= cap:
+                    break
+            else:
+                for f in res.resample(None):
+                    parts.append(f.to_ndarray().reshape(-1))
+        x = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        return (x if cap is None else x[:cap]), int(sr)
     except Exception:  # noqa: BLE001
         raise APIError(415, f"{param} could not be decoded as audio: send wav, flac, mp3, ogg/opus, aac or m4a",
                        param=param, code="unsupported_media") from None

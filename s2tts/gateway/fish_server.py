@@ -35,7 +35,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import UploadFile
 
-from .audio_io import decode_audio
 from .error_bodies import APIError, bad_request
 from .fish import decode_body
 from .voices import validate_name
@@ -152,10 +151,10 @@ def _tokens(value, i: int) -> np.ndarray:
 
 
 def add_routes(app: FastAPI, state, register: Register, served_limits: Callable[[], Awaitable[dict]],
-               check_clip: Callable) -> None:
+               decoded_clip: Callable[[bytes, str, dict], Awaitable[tuple]]) -> None:
     """fish-speech's routes on `app`. `state`: the gateway's (cfg, backend, store); `register` stores a voice
-    (app.py, as every voice route does); `check_clip(x, sr, param, limits)` checks a reference clip's length;
-    `served_limits()` gives s2pro's limits in force."""
+    (app.py, as every voice route does); `await decoded_clip(data, param, limits)` decodes a reference clip's file
+    and checks its length -> (audio, sample rate); `served_limits()` gives s2pro's limits in force."""
     cfg, backend, store = state.cfg, state.backend, state.store
 
     async def health(request: Request):
@@ -229,8 +228,7 @@ def add_routes(app: FastAPI, state, register: Register, served_limits: Callable[
             param = f"audios[{i}]"
             data, _ = _file(value, param)
             state.check_upload_size(data, param)
-            x, sr = await anyio.to_thread.run_sync(decode_audio, data, param)
-            check_clip(x, sr, param, limits)
+            x, sr = await decoded_clip(data, param, limits)
             tokens.append((await backend.encode_reference(x, sr)).tolist())
         return Response(ormsgpack.packb({"tokens": tokens}), media_type="application/msgpack")
 

@@ -11,7 +11,9 @@ it speaks and where (`fish.alignment`, s2tts/gateway/alignment.py).
 
 A session: its `start` opens an s2pro request with `session_id` (text_event open) whose responses are the audio;
 each text / flush / stop event is a short s2pro request appending to it (answered at once). Both directions run at
-once; the first error of either ends both; a disconnect cancels the s2pro request.
+once; the first error of either ends both; a disconnect cancels the s2pro request. A session that s2pro ends
+before the client's stop (no text for its `session_idle_timeout_s`) finishes with an error that says so, not with
+`stop`: text the client sends later would not be spoken.
 """
 
 from __future__ import annotations
@@ -69,7 +71,12 @@ class LiveConnection:
             pass
 
     async def _receive(self) -> dict:
-        msg = await self.ws.receive_bytes()
+        message = await self.ws.receive()
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        msg = message.get("bytes")
+        if msg is None:
+            raise bad_request("an event in a text frame: send each event as a binary frame of msgpack", "event")
         if len(msg) > self.cfg.max_json_body_bytes:
             raise bad_request(f"an event of {len(msg)} bytes: at most {self.cfg.max_json_body_bytes}", "event")
         try:
@@ -122,8 +129,12 @@ class LiveConnection:
             held, t0 = True, time.monotonic()
             f, req = await self.prepare(start["request"], self.ws.headers.get("model"), sid)
             timeline = Timeline(f.text, None, f.speed)  # its rate: the first chunk's
-            stream = self.backend.open_stream(req)
-            await self._both(self._text_in(sid, timeline), self._audio_out(stream, f, timeline, t0))
+            stream, stopped = self.backend.open_stream(req), anyio.Event()
+            await self._both(self._text_in(sid, timeline, stopped), self._audio_out(stream, f, timeline, t0))
+            if not stopped.is_set():  # s2pro ended the session itself: it was idle (not the client's stop)
+                raise APIError(408, "the session ended after receiving no text for s2pro's session_idle_timeout_s: "
+                                    "send text or a flush more often, or start a new session; text sent after that "
+                                    "was not spoken", param="event", code="session_idle")
             await self._finish("stop")
             return True
         except WebSocketDisconnect:
@@ -160,14 +171,17 @@ class LiveConnection:
         if failed:
             raise failed[0]
 
-    async def _text_in(self, sid: str, timeline: Timeline) -> None:
-        """The client's events -> the session's text (each answered by s2pro at once); after stop an event is an
-        error, and a disconnect ends the session at once (the audio may still be coming)."""
+    async def _text_in(self, sid: str, timeline: Timeline, stopped: anyio.Event) -> None:
+        """The client's events -> the session's text (each answered by s2pro at once); `stopped` is set once the
+        client's stop came; after stop an event is an error, and a disconnect ends the session at once (the audio
+        may still be coming)."""
         while True:
             event = await self._receive()
             kind = event["event"]
             if kind not in ("text", "flush", "stop"):
                 raise bad_request(f"unknown event {kind!r}: send text, flush or stop", "event")
+            if kind == "stop":
+                stopped.set()
             text = event.get("text", "") if kind == "text" else ""
             if not isinstance(text, str):
                 raise bad_request("a text event's text must be a string", "text")
