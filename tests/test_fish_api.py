@@ -224,12 +224,16 @@ def test_the_sdk_updates_a_voice(gw, sdk, hum_wav):
 
 def test_the_older_sdk_session_reads_fish_errors(gw):
     """`fish_audio_sdk.Session` (the SDK's first generation) raises `HttpCodeErr(**body)` from an error body, or
-    reads `body["detail"]`: Fish's error shape gives it the status and the message."""
+    reads `body["detail"]`: Fish's error shape gives it the status and the message. Its default model (`backend`
+    speech-1.5) is one of Fish's names served as aliases (`--fish-models`): it speaks without naming s2-pro."""
     from fish_audio_sdk import HttpCodeErr, Session, TTSRequest
 
     s = Session(KEY, base_url=gw.url)
-    with pytest.raises(HttpCodeErr) as ei:  # its default model is one this server does not run
-        b"".join(s.tts(TTSRequest(text=TEXT)))
+    audio = b"".join(s.tts(TTSRequest(text=TEXT, format="wav", max_new_tokens=4)))
+    x, sr = sf.read(io.BytesIO(audio), dtype="float32")
+    assert sr == 44100 and 0 < x.size <= 4 * FRAME
+    with pytest.raises(HttpCodeErr) as ei:  # a model this server does not run
+        b"".join(s.tts(TTSRequest(text=TEXT), backend="not-a-model"))
     assert ei.value.status == 400
     with pytest.raises(HttpCodeErr) as ei:
         b"".join(s.tts(TTSRequest(text=TEXT, reference_id="nobody"), backend="s2-pro"))
@@ -253,7 +257,7 @@ def test_bad_requests_get_fish_errors(gw, case):
     elif case == "speed":
         body["prosody"] = {"speed": 3.0}
     elif case == "model":
-        kw["model"] = "speech-1.5"
+        kw["model"] = "not-a-model"
     elif case == "no_text":
         body["text"] = "  "
     elif case == "media_type":

@@ -167,7 +167,7 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
     """The fields of POST /v1/tts, checked (APIError naming the field to change). `model`: the `model` header.
     `live`: the request of a `/v1/tts/live` session, whose `text` may be empty (its text comes as events)."""
     limits = cfg.limits(limits or DEFAULT_LIMITS)
-    if model not in (None, "") and model not in cfg.model_names and model != "s2-pro":
+    if model not in (None, "") and model not in cfg.model_names and model not in cfg.fish_models and model != "s2-pro":
         raise bad_request(f"model {model!r} is not served here: this server runs S2 Pro (send the header "
                           f"model: s2-pro)", "model", code="model_not_found")
     unknown = sorted(set(body) - KNOWN)

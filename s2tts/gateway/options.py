@@ -19,6 +19,9 @@ class GatewayConfig:
     # OpenAI's model names, served as aliases of the model, so that an app written for OpenAI works by its base URL
     # alone; () = only the model's own names
     openai_models: tuple[str, ...] = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+    # Fish Audio's model names (its `model` header; s2.1-pro is its default, speech-1.5 the older SDK's), served as
+    # aliases on its routes (/v1/tts and the live WebSocket) likewise; () = only the model's own names
+    fish_models: tuple[str, ...] = ("s1", "s2.1-pro", "speech-1.5", "speech-1.6")
     # what OpenAI's built-in voice names (protocol.OPENAI_VOICES) speak with when no voice of that name is registered:
     # "default" (no reference voice), a registered voice's name, or None (they are unknown names: 404)
     openai_voice: str | None = "default"
