@@ -595,6 +595,30 @@ def test_grpc_input_edges(harness_factory):
     assert e.code == "not_found" and e.param == "stream_id"
 
 
+def test_a_request_its_engine_lost_lets_its_worker_go(harness_factory):
+    """slow_ar loses a request whose later chunks s2pro's worker reads from the relay (its stream gone, its
+    generation ended, nothing more sent): s2pro's supervisor ends it (`unavailable`, the engine no longer knows it),
+    and the worker waiting in its inbox is let go of then, not left waiting for good."""
+    h = harness_factory(stall_timeout_s=1)
+    req = h.request("s2pro", _tts_inputs(max_new_tokens=500, ignore_eos=np.array([True])), "lost")
+    relay, slow, deadline = h.models["s2pro"].downstream.relay, h.models["slow_ar"], time.time() + 30
+    while not any(b.reading for b in list(relay._inboxes.values())):
+        assert time.time() < deadline, "the request's worker never read its inbox"
+        time.sleep(0.005)
+    pulls = slow.streams
+    with pulls._lock:  # the stream is lost: whatever the engine still sends for it goes nowhere
+        (rid, stream), = pulls._streams.items()
+        del pulls._streams[rid]
+        with stream.group.lock:
+            del stream.group.streams[rid]
+    slow.service.cancel(rid)
+    err = _one_final(_wait(req, 30))
+    assert errors.parse(err.message()).code == "unavailable", err.message()
+    while relay._inboxes and time.time() < deadline + 30:
+        time.sleep(0.02)
+    assert not relay._inboxes and h.models["s2pro"].service.status()["workers_given_up"] == 0
+
+
 class _Reader:
     """A one-shot reader as Triton's response sender of a request-response request."""
 

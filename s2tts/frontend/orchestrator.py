@@ -94,6 +94,10 @@ class Downstream(Protocol):
     def failed(self, model: str) -> None:
         """`model` failed: whatever this process waits on from it ends with `unavailable`. Optional."""
 
+    def abandon(self, engine: str, rid: str) -> None:
+        """The request `rid` was ended from outside its worker: a worker still waiting for its chunks from `engine`
+        (which may have lost the request) stops waiting. Optional."""
+
 
 class Cancelled(Exception):
     pass
@@ -650,6 +654,8 @@ class TTSService:
         """What a request ended from outside its worker holds downstream: its generation (cancelled) and, unless its
         worker is inside a codec call now, its codec stream."""
         self._end_generation(w)
+        getattr(self.down, "abandon", lambda engine, rid: None)(w.engine, w.rid)  # (an engine that lost it sends
+        # nothing more: its worker would wait for good)
         if w.phase != "decoding":  # its worker may never come back (a dead slow_ar): release the codec stream here
             self._close_decoder(w)
 

@@ -86,6 +86,13 @@ class PullRelay:
         with self._lock:
             self._inboxes.pop(key, None)
 
+    def abandon(self, key: int, err: S2Error) -> None:
+        """The request of `key` was ended elsewhere: its reader gets `err` (if it still waits), nothing more."""
+        with self._lock:
+            inbox = self._inboxes.pop(key, None)
+        if inbox is not None:
+            inbox.items.put(err)
+
     def failed(self, engine: str, err: S2Error) -> None:
         """`engine` died: every request reading from it gets `err`; later readers get a thread of their own."""
         with self._lock:

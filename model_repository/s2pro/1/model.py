@@ -68,6 +68,7 @@ class BLSDownstream:
         self.times = times
         self.timeout_us = int(timeout_s * 1e6)
         self.relay = PullRelay(self._next_group) if pull_groups else None
+        self._relay_keys: dict[str, int] = {}  # rid -> its relay key, while its chunks come through the relay
 
     def encode(self, audio, sample_rate, tag):
         req = pb_utils.InferenceRequest(
@@ -109,6 +110,7 @@ class BLSDownstream:
         key, inbox = self.relay.open(engine) if self.relay is not None else (None, None)
         if key is not None:
             inputs += [tio.string_tensor("pull_group", self.relay.group), tio.tensor("pull_key", np.array([key], np.int64))]
+            self._relay_keys[rid] = key
         try:
             with self.times.timed("slow_ar_first_chunk"):
                 resp = self._slow_ar(engine, label or rid, inputs)
@@ -140,6 +142,8 @@ class BLSDownstream:
                 if item[2]:
                     return
         finally:
+            if inbox is not None:
+                self._relay_keys.pop(rid, None)
             if key is not None:
                 self.relay.close(key)
 
@@ -161,6 +165,11 @@ class BLSDownstream:
             items.append((key, (codes[at_f:at_f + frames], a, reason, stats)))
             at_f, at_a = at_f + frames, at_a + samples
         return items
+
+    def abandon(self, engine, rid):
+        key = self._relay_keys.pop(rid, None)
+        if key is not None:
+            self.relay.abandon(key, errors.unavailable(f"{engine} no longer serves this request; retry"))
 
     def failed(self, model):
         if self.relay is not None:
