@@ -50,9 +50,11 @@ def test_an_ended_request_decodes_all_it_has_and_closes_its_stream_unless_a_late
     p = plan([view(1, undecoded=5, need=3, ended=True), view(2, undecoded=2, need=2, ended=True, closes=False)])
     assert p.takes == (Take(1, 5, opens=False, closes=True), Take(2, 2, opens=False, closes=False))
     assert [s.final for s in p.calls[0]] == [True, False]
-    # nothing left to decode and its stream open: one empty slice closes it; a stream never opened needs nothing
-    p = plan([view(1, ended=True), view(2, ended=True, open=False)])
-    assert p.takes == (Take(1, 0, opens=False, closes=True),) and p.calls == ((Slice(1, 0, 0, False, True),),)
+    # nothing left to decode and its stream open: one empty slice closes it; a stream never opened needs nothing,
+    # unless a later request continues it: one empty slice opens it
+    p = plan([view(1, ended=True), view(2, ended=True, open=False), view(3, ended=True, open=False, closes=False)])
+    assert p.takes == (Take(1, 0, opens=False, closes=True), Take(3, 0, opens=True, closes=False))
+    assert p.calls == ((Slice(1, 0, 0, False, True), Slice(3, 0, 0, True, False)),)
 
 
 def test_between_held_calls_only_requests_that_ended_final_steps_ago_are_decoded():

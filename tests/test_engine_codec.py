@@ -621,3 +621,37 @@ def test_a_stream_closed_after_its_request_ended_still_ends_it(model, prompts, t
     finally:
         svc.shutdown()
     assert r.finals == 1 and r.sent[-1][2] == "length"
+
+
+def test_a_segment_of_no_frames_opens_the_stream_the_next_continues(model, prompts, tiny_ckpt, codec):
+    """A request that opens a codec stream for a later one (start, not final) and ends at its first token, with no
+    frames: its stream is opened all the same, so the request that continues it (not start) is served, not refused
+    for a stream that was never started."""
+    from s2tts.ar.sampling import SamplingParams
+
+    svc = _service(model, tiny_ckpt, StreamDecoder(codec))
+    sch, first = svc.engine.scheduler, []
+    real = sch.complete
+
+    def complete(plan, result):  # the first request samples its end token at once
+        ended = result.ended.copy()
+        for i, r in enumerate(plan.sampled):
+            first.append(r.id) if not first else None
+            if r.id == first[0]:
+                ended[i] = True
+        return real(plan, type(result)(result.frames, ended))
+
+    sch.complete = complete
+    a, b = _Responder(), _Responder()
+    try:
+        svc.submit("seg1", a, prompts.build("One."), SamplingParams(seed=1, max_new_tokens=10), 2, 2,
+                   codec_stream=CodecStream("S", True, False))
+        _wait([a])
+        svc.submit("seg2", b, prompts.build("Two."), SamplingParams(seed=2, max_new_tokens=6, ignore_end=True), 2, 2,
+                   codec_stream=CodecStream("S", False, True))
+        _wait([b])
+    finally:
+        svc.shutdown()
+    assert a.finals == 1 and sum(s[1].shape[0] for s in a.sent) == 0 and a.sent[-1][2] == "end"
+    assert b.finals == 1 and b.sent[-1][0] == "ok" and b.sent[-1][2] == "length"
+    assert sum(s[3].size for s in b.sent) == 6 * 2048

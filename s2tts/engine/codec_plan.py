@@ -14,7 +14,7 @@ When to decode:
   before (their clients' next requests wait for them); and at once when a stream that has sent fewer than K frames
   of audio has a chunk complete (its client could run dry before the next held call).
 A request's last frames are always decoded whole once its final item is routed; a stream it leaves open (a later
-request continues it) is not closed.
+request continues it) is not closed, and is opened (empty) by one that made no frames.
 """
 
 from __future__ import annotations
@@ -108,7 +108,9 @@ def _take(s: StreamView, K: int) -> Take | None:
         if s.released < K:
             n = max(n, s.need)
     closes = s.ended and s.closes
-    if n <= 0 and not (closes and s.open):  # nothing to decode, and no open stream to close
+    # nothing to decode, and no open stream to close; but a stream a later request continues is opened even empty
+    # (a request that made no frames), so that the later request finds it
+    if n <= 0 and not (closes and s.open) and not (s.ended and not s.open and not s.closes):
         return None
     return Take(s.key, max(0, n), not s.open, closes)
 
