@@ -229,9 +229,9 @@ def test_the_older_sdk_session_reads_fish_errors(gw):
     from fish_audio_sdk import HttpCodeErr, Session, TTSRequest
 
     s = Session(KEY, base_url=gw.url)
-    audio = b"".join(s.tts(TTSRequest(text=TEXT, format="wav", max_new_tokens=4)))
-    x, sr = sf.read(io.BytesIO(audio), dtype="float32")
-    assert sr == 44100 and 0 < x.size <= 4 * FRAME
+    # its default model header, as it sends it (its request has no length field to keep this one short)
+    r = _tts(gw, {"text": TEXT, "format": "pcm", "max_new_tokens": 4}, model="speech-1.5")
+    assert r.status_code == 200 and 0 < len(r.content) <= 4 * FRAME * 2, r.text
     with pytest.raises(HttpCodeErr) as ei:  # a model this server does not run
         b"".join(s.tts(TTSRequest(text=TEXT), backend="not-a-model"))
     assert ei.value.status == 400
