@@ -631,7 +631,8 @@ def test_compare_sweep_serves_a_tree_and_prints_its_sweep(tiny_ckpt, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "TREES": "final", "DEVICE": "cpu", "CKPT": str(tiny_ckpt),
            "PYTHON": sys.executable, "USE_CARRIED": "0", "SWEEP": "1:1:1", "REQUESTS": "2",
-           "LOADGEN_ARGS": "--frames 4 --warmup 0 --slo-ttfa-p99-ms 1000000 --timeout 120",
+           # (each request's 4 frames in one chunk: no stream can run dry on a slow machine, so the level is the peak)
+           "LOADGEN_ARGS": "--frames 4 --first-chunk-frames 4 --warmup 0 --slo-ttfa-p99-ms 1000000 --timeout 120",
            "FINAL_SETTINGS": "--set max_batch=2", "GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()),
            "METRICS_PORT": str(free_port())}
     p = _run(["bash", "perf/compare_sweep.sh"], timeout=400, env=env)
@@ -657,7 +658,9 @@ def test_scale_sweep_sweeps_each_layout_and_tables_their_peaks(tiny_ckpt, tmp_pa
     env = {**os.environ, "OUT": str(out), "CKPT": str(tiny_ckpt), "PYTHON": sys.executable, "USE_CARRIED": "0",
            "LAYOUTS": "one=cpu@1:1:1 gpus=cuda:0,cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,cuda:7,cuda:8@1 "
                       "split=cpu/cpu@1:1:1",
-           "REQUESTS": "2", "LOADGEN_ARGS": "--frames 4 --warmup 0 --slo-ttfa-p99-ms 1000000 --timeout 120",
+           # (each request's 4 frames in one chunk: no stream can run dry on a slow machine, so each level is a peak)
+           "REQUESTS": "2",
+           "LOADGEN_ARGS": "--frames 4 --first-chunk-frames 4 --warmup 0 --slo-ttfa-p99-ms 1000000 --timeout 120",
            "SETTINGS": "--set max_batch=2", "GRPC_PORT": str(free_port()), "HTTP_PORT": str(free_port()),
            "METRICS_PORT": str(free_port())}
     p = _run(["bash", "perf/scale_sweep.sh"], timeout=400, env=env)
