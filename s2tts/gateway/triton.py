@@ -112,9 +112,9 @@ class SpeechStream:
         except asyncio.TimeoutError:
             self._finished = True
             self._call.cancel()
-            raise APIError(504, f"s2pro sent nothing for {self.idle_s:g} s (its own deadline for a text segment had "
-                                "passed); the request was cancelled", code="upstream_timeout",
-                           type="server_error") from None
+            raise APIError(504, f"s2pro sent nothing for {self.idle_s:g} s (the gateway's --triton-timeout): the "
+                                "request was cancelled; retry, or raise --triton-timeout where requests may be silent "
+                                "longer", code="upstream_timeout", type="server_error") from None
         except StopAsyncIteration:
             self._finished = True
             raise APIError(502, "the inference server closed the stream before the final response",
