@@ -209,6 +209,30 @@ def test_response_format(client, long_take, reference_audio, fmt):
         assert 0.5 < np.sqrt(np.mean(x ** 2)) / np.sqrt(np.mean(ref ** 2)) < 2.0
 
 
+def test_sample_rate_for_players_that_assume_openais(client, long_take, reference_audio):
+    """`sample_rate` (an extension, through the SDK's extra_body): pcm at OpenAI's 24 kHz for a player that assumes it,
+    and wav at 16 kHz, resampled as the audio streams: the model's audio (the same seed) taken to that rate whole;
+    a rate the format cannot be written at is refused by name."""
+    import openai
+
+    from s2tts.gateway.encoders import Resampler
+
+    seed = long_take[0]
+    ref, _ = reference_audio
+    for fmt, rate in (("pcm", 24000), ("wav", 16000)):
+        res = client.audio.speech.create(model=MODEL, voice="default", input=TEXT, response_format=fmt,
+                                         extra_body={"seed": seed, "max_new_tokens": FRAMES, "sample_rate": rate})
+        assert res.response.headers["x-s2-sample-rate"] == str(rate)
+        x, got, _ = decode(res.content, fmt) if fmt == "wav" else (np.frombuffer(res.content, "<i2") / 32768, rate, 1)
+        r = Resampler(SR, rate)
+        whole = np.concatenate([r.push(ref.astype(np.float32)), r.flush()])
+        assert got == rate and len(x) == len(whole) and np.abs(whole - x).max() <= 1.5 / 32768, fmt
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.audio.speech.create(model=MODEL, voice="default", input=TEXT, response_format="opus",
+                                   extra_body={"sample_rate": 24000})
+    assert "sample_rate" in str(ei.value) and "48000" in str(ei.value)
+
+
 def test_speed_time_stretch(client, long_take, reference_audio):
     seed = long_take[0]
     ref, _ = reference_audio

@@ -28,6 +28,12 @@ import numpy as np
 from .tempo import TimeStretch
 
 FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+OUT_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)  # the rates a request may ask for (resampled as it streams)
+
+
+def out_rates(fmt: str) -> tuple[int, ...]:
+    """The rates format `fmt` is written at on request (`sample_rate`): Opus at 48 kHz alone."""
+    return (48000,) if fmt == "opus" else OUT_RATES
 
 MEDIA_TYPES = {
     "mp3": "audio/mpeg",

@@ -53,7 +53,7 @@ from fastapi.responses import JSONResponse
 from ..settings import REQUEST_FIELDS
 from .error_bodies import APIError, bad_request
 from .options import GatewayConfig
-from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, MAX_VOICES, _field, load_json
+from .protocol import DEFAULT_LIMITS, DEFAULT_VOICES, MAX_VOICES, _field, _sample_rate, load_json
 
 FISH_PATHS = ("/v1/tts", "/model", "/v1/vqgan/", "/v1/health")  # the routes that answer errors in Fish's shape
 FISH_FORMATS = ("wav", "pcm", "mp3", "opus")
@@ -64,8 +64,6 @@ KNOWN = {"text", "format", "sample_rate", "mp3_bitrate", "opus_bitrate", "refere
          "streaming", "use_memory_cache", *FISH_NUMBERS, *ADVISORY}
 MP3_BITRATES = (64, 128, 192)
 OPUS_BITRATES = (-1000, 24, 32, 48, 64, 24000, 32000, 48000, 64000)  # kbps (the SDK) or bps (LiveKit's plugin)
-PCM_RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
-RATES = {"wav": PCM_RATES, "pcm": PCM_RATES, "mp3": PCM_RATES, "opus": (48000,)}  # what sample_rate may ask for
 
 
 class FishError(APIError):
@@ -183,10 +181,7 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
         raise bad_request(f"text has {len(text)} characters; the limit is {limits['max_text_chars']}: split it into "
                           "several requests", "text", code="input_too_long")
     fmt = _choice(body, "format", FISH_FORMATS) or "mp3"
-    rate = body.get("sample_rate")
-    if rate is not None and (isinstance(rate, bool) or rate not in RATES[fmt]):
-        raise bad_request(f"sample_rate={rate!r}: {fmt} is written at {', '.join(map(str, RATES[fmt]))} Hz here; "
-                          "leave sample_rate out for the model's own", "sample_rate")
+    rate = _sample_rate(body, fmt)
     mp3 = _choice(body, "mp3_bitrate", MP3_BITRATES)
     opus = _choice(body, "opus_bitrate", OPUS_BITRATES)
     bit_rate = (mp3 * 1000 if fmt == "mp3" and mp3 else None) or \
@@ -221,7 +216,7 @@ def parse_fish_tts(body: dict, model: str | None, cfg: GatewayConfig, limits: di
             values[name] = v
     return FishTTS(text=text, format=fmt, bit_rate=bit_rate, speed=1.0 if speed is None else speed,
                    gain=1.0 if volume is None else 10 ** (volume / 20), references=refs, reference_id=ids,
-                   sample_rate=None if rate is None else int(rate), fields=values, stream=streaming is not False)
+                   sample_rate=rate, fields=values, stream=streaming is not False)
 
 
 # ---- voices (/model) ------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from ..errors import S2Error
 from ..settings import HTTP_NUMBERS, REQUEST_FIELDS, SCHEMA, check_field
-from .encoders import FORMATS
+from .encoders import FORMATS, out_rates
 from .error_bodies import APIError, bad_request
 from .options import GatewayConfig
 
@@ -32,6 +32,8 @@ _FIELDS = {
     "stream",
     # an extension: timestamps=true (with stream_format "sse") adds a speech.audio.segment event per text segment
     "timestamps",
+    # an extension (as vllm-omni's): sample_rate, the rate to write (OpenAI's is 24 kHz; the model's 44.1 kHz)
+    "sample_rate",
     # S2 Pro extensions: the reference clip, and the numeric request fields of the schema
     "ref_audio", "ref_text", *HTTP_NUMBERS,
 }
@@ -213,6 +215,7 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
 
     speed = _num(body, "speed", 0.25, 4.0)
     speed = 1.0 if speed is None else speed
+    rate = _sample_rate(body, fmt)
 
     # As OpenAI's endpoint: audio streams as it is made unless asked otherwise (stream_format "audio", the
     # default, or "sse"); `stream: false` (an extension) asks for the whole file in one response, with its length
@@ -264,4 +267,13 @@ def parse_speech(body, cfg: GatewayConfig, limits: dict | None = None) -> Speech
     values = {name: _field(body, name, limits) for name in HTTP_NUMBERS}
     return SpeechParams(input=text, model=model, voice=voice, response_format=fmt, speed=speed,
                         stream_format=stream_format, ref_audio=ref_audio, ref_text=ref_text, timestamps=timestamps,
-                        fields={k: v for k, v in values.items() if v is not None})
+                        sample_rate=rate, fields={k: v for k, v in values.items() if v is not None})
+
+
+def _sample_rate(body: dict, fmt: str) -> int | None:
+    """A request's `sample_rate` for format `fmt`, checked (None: the format's own rate)."""
+    rate = body.get("sample_rate")
+    if rate is not None and (isinstance(rate, bool) or rate not in out_rates(fmt)):
+        raise bad_request(f"sample_rate={rate!r}: {fmt} is written at {', '.join(map(str, out_rates(fmt)))} Hz here; "
+                          "leave sample_rate out for the model's own", "sample_rate")
+    return None if rate is None else int(rate)
