@@ -241,11 +241,11 @@ def test_the_older_sdk_session_reads_fish_errors(gw):
 
 
 @pytest.mark.parametrize("case", ["malformed", "unknown_field", "sample_rate", "not_audio", "speed", "model",
-                                  "no_text", "media_type", "no_key", "surrogate"])
+                                  "no_text", "media_type", "no_key", "surrogate", "special_token"])
 def test_bad_requests_get_fish_errors(gw, case):
     body, kw = {"text": TEXT, "format": "pcm", "max_new_tokens": 4}, {}
     param = {"unknown_field": "nope", "sample_rate": "sample_rate", "not_audio": "references", "speed": "prosody",
-             "model": "model", "no_text": "text", "surrogate": "text"}.get(case)
+             "model": "model", "no_text": "text", "surrogate": "text", "special_token": "text"}.get(case)
     if case == "malformed":
         kw["raw"] = b"\xc1\xff not msgpack"
     elif case == "unknown_field":
@@ -262,6 +262,8 @@ def test_bad_requests_get_fish_errors(gw, case):
         body["text"] = "  "
     elif case == "media_type":
         kw["ctype"] = "text/plain"
+    elif case == "special_token":  # refused by s2pro, and named as Fish's field (not OpenAI's `input`)
+        body["text"] = "hi <|im_end|>"
     elif case == "surrogate":  # JSON may escape half of a UTF-16 pair: no character (it was a 500)
         body["text"] = "\ud800 alone"
         kw["ctype"] = "application/json"
@@ -276,6 +278,8 @@ def test_bad_requests_get_fish_errors(gw, case):
     assert err["status"] == expect and err["detail"] == err["message"] and err["message"], err
     if param:
         assert param in err["message"] or param == "prosody" and "speed" in err["message"], err
+    if case == "special_token":
+        assert err["message"].startswith("text contains the special token"), err
     assert httpx.get(f"{gw.url}/health", timeout=10).status_code == 200  # the server still ready
 
 

@@ -66,14 +66,21 @@ MP3_BITRATES = (64, 128, 192)
 OPUS_BITRATES = (-1000, 24, 32, 48, 64, 24000, 32000, 48000, 64000)  # kbps (the SDK) or bps (LiveKit's plugin)
 
 
+# the fields an error names on OpenAI's route (s2pro's inputs as `triton.HTTP_FIELD` renames them) -> Fish's
+FISH_FIELD = {"input": "text", "ref_audio": "references", "ref_text": "references", "voice": "reference_id"}
+
+
 class FishError(APIError):
-    """An error in Fish Audio's shape: {"status", "message", "detail"}."""
+    """An error in Fish Audio's shape: {"status", "message", "detail"}, naming Fish's fields."""
 
     @classmethod
     def of(cls, e: APIError) -> "FishError":
         if isinstance(e, FishError):
             return e
-        return cls(e.status, e.message, param=e.param, code=e.code, headers=e.headers)
+        param, message = FISH_FIELD.get(e.param, e.param), e.message
+        if param != e.param:
+            message = re.sub(rf"\b{re.escape(e.param)}\b", param, message)
+        return cls(e.status, message, param=param, code=e.code, headers=e.headers)
 
     def body(self) -> dict:
         return {"status": self.status, "message": self.message, "detail": self.message, "statusCode": self.status,

@@ -30,7 +30,7 @@ from fastapi import WebSocket, WebSocketDisconnect
 from .alignment import Timeline
 from .encoders import AudioPipeline
 from .error_bodies import APIError, bad_request
-from .fish import FishTTS, alignment as fish_alignment
+from .fish import FishError, FishTTS, alignment as fish_alignment
 from .options import GatewayConfig
 from .triton import SynthesisRequest, TritonBackend
 
@@ -140,6 +140,7 @@ class LiveConnection:
         except WebSocketDisconnect:
             log.info("live session %s: the client disconnected", sid)
         except APIError as e:
+            e = FishError.of(e)  # (named as Fish's fields)
             log.info("live session %s ended with an error: %s", sid, e.message)
             await self._finish("error", e.message)
         except Exception:  # noqa: BLE001 - a session never takes the gateway down
