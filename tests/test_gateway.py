@@ -649,7 +649,8 @@ BAD_REQUESTS = [
     (dict(max_new_tokens=0), "max_new_tokens", "out of range"),
     (dict(max_new_tokens=100000), "max_new_tokens", "[1, 3000]"),  # the served limit (conftest), read from s2pro
     (dict(seed=-1), "seed", "seed=-1 is out of range"),
-    (dict(sample_rate=16000), "sample_rate", "Unrecognized request argument"),
+    (dict(sample_rate=12345), "sample_rate", "is written at 8000, 16000"),
+    (dict(unknown_field=1), "unknown_field", "Unrecognized request argument"),
     (dict(instructions="speak softly"), "instructions", "inline tags"),
     (dict(ref_audio="data:audio/wav;base64,UklGRg=="), "ref_text", "ref_text is required"),
     (dict(ref_audio="https://example.com/a.wav", ref_text="hi"), "ref_audio", "data URL"),

@@ -33,6 +33,7 @@ log = logging.getLogger("s2tts")
 
 RETRY_S = (0.05, 1.0)  # after a failed fetch, before the next (while requests still read): doubled each time up to
 # the second
+ABANDONED_S = 60.0  # an abandoned request's inbox is read for its engine's last item this long at most
 
 
 def _another_waits(err: S2Error) -> bool:
@@ -48,6 +49,7 @@ class Inbox:
         self.engine = engine
         self.items: queue.SimpleQueue = queue.SimpleQueue()
         self.reading = False  # its first chunk came: it waits on this inbox now
+        self.abandoned_at: float | None = None  # ended elsewhere (`PullRelay.abandon`): kept for its last item
 
     def get(self) -> Any:
         self.reading = True
@@ -87,11 +89,15 @@ class PullRelay:
             self._inboxes.pop(key, None)
 
     def abandon(self, key: int, err: S2Error) -> None:
-        """The request of `key` was ended elsewhere: its reader gets `err` (if it still waits), nothing more."""
+        """The request of `key` was ended elsewhere: its reader gets `err` (if it still waits). Its inbox is still
+        read for the engine's last item (a cancel's, which lets the engine's process drop the stream), for
+        `ABANDONED_S` at most (an engine that lost the request sends none)."""
         with self._lock:
-            inbox = self._inboxes.pop(key, None)
-        if inbox is not None:
-            inbox.items.put(err)
+            inbox = self._inboxes.get(key)
+            if inbox is None or inbox.abandoned_at is not None:
+                return
+            inbox.abandoned_at = time.monotonic()
+        inbox.items.put(err)
 
     def failed(self, engine: str, err: S2Error) -> None:
         """`engine` died: every request reading from it gets `err`; later readers get a thread of their own."""
@@ -159,3 +165,7 @@ class PullRelay:
                     b.items.put(item)
                     if isinstance(item, S2Error) or item[2]:  # its last
                         del self._inboxes[key]
+                now = time.monotonic()
+                for key in [k for k, b in self._inboxes.items()
+                            if b.abandoned_at is not None and now - b.abandoned_at > ABANDONED_S]:
+                    del self._inboxes[key]
