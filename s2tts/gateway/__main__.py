@@ -88,7 +88,8 @@ def main(argv=None) -> None:
             encoder_model=args.encoder_model, max_input_chars=args.max_input_chars,
             max_new_tokens_limit=args.max_new_tokens_limit, max_upload_bytes=int(args.max_upload_mb * 2**20),
             max_reference_seconds=args.max_reference_seconds, triton_timeout_s=args.triton_timeout,
-            live_idle_timeout_s=args.live_idle_timeout, openai_models=args.openai_models, fish_models=args.fish_models, openai_voice=args.openai_voice,
+            live_idle_timeout_s=args.live_idle_timeout, openai_models=args.openai_models, fish_models=args.fish_models,
+            openai_voice=args.openai_voice,
             decoder_model=args.decoder_model, max_decode_frames=args.max_decode_frames,
             ref_audio_hosts=args.ref_audio_hosts, ref_audio_dir=args.ref_audio_dir, ref_audio_timeout_s=args.ref_audio_timeout)
         app = create_app(cfg)

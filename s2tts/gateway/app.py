@@ -370,11 +370,6 @@ class GatewayState:
                            param=param, code="payload_too_large")
 
 
-def _longest_reference(cfg: GatewayConfig, limits: dict) -> float:
-    """The longest reference clip in force (`_check_reference_length`'s limit): decoding a clip stops past it."""
-    return cfg.limits(limits)["max_reference_seconds"]
-
-
 def _check_reference_length(x: np.ndarray, sr: int, cfg: GatewayConfig, param: str, limits: dict) -> None:
     """A reference clip's length against the limits in force: s2pro's (`limits`, as served), each made stricter by
     this gateway's own setting where one is set (`GatewayConfig.limits`). (A clip decoded up to the longest
@@ -583,7 +578,8 @@ def create_app(cfg: GatewayConfig, backend: TritonBackend | None = None, store: 
 
     async def _decoded_clip(data: bytes, param: str, limits: dict):
         """A reference clip's audio, decoded (no further than the longest allowed) and its length checked."""
-        x, sr = await anyio.to_thread.run_sync(decode_audio, data, param, _longest_reference(cfg, limits))
+        longest = cfg.limits(limits)["max_reference_seconds"]  # (`_check_reference_length`'s limit)
+        x, sr = await anyio.to_thread.run_sync(decode_audio, data, param, longest)
         _check_reference_length(x, sr, cfg, param, limits)
         return x, sr
 
