@@ -225,9 +225,11 @@ def level(streams: int, seconds: float, frames: int, values: dict, step_s: float
             submit()
         time.sleep(min(1.0, seconds / 4))  # the first wave's prompts and first chunks
         p0, e0, t0, c0 = svc.loop.passes, ended[0], time.perf_counter(), time.process_time()
+        w0 = len(svc.loop.first_waits)
         k0 = (codec.calls, codec.streams, codec.frames, codec.computed)
         time.sleep(seconds)
         p1, e1, t1, c1 = svc.loop.passes, ended[0], time.perf_counter(), time.process_time()
+        waits = svc.loop.first_waits[w0:]
         calls, in_calls, frames, computed = (b - a for a, b in zip(k0, (codec.calls, codec.streams, codec.frames,
                                                                         codec.computed)))
     finally:
@@ -239,7 +241,10 @@ def level(streams: int, seconds: float, frames: int, values: dict, step_s: float
             "frames_per_s": round(passes * streams / (t1 - t0)), "requests_ended": e1 - e0,
             "codec_calls_per_pass": round(calls / max(1, passes), 3),
             "streams_per_codec_call": round(in_calls / max(1, calls), 1),
-            "codec_padding_share": round(1 - frames / computed, 3) if computed else None}
+            "codec_padding_share": round(1 - frames / computed, 3) if computed else None,
+            # passes from a request's first chunk (its frames made) to its audio handed out (`codec_first_steps`)
+            "first_wait_passes_mean": round(float(np.mean(waits)), 2) if waits else None,
+            "first_wait_passes_max": max(waits, default=None)}
 
 
 def main(argv=None) -> int:

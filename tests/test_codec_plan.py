@@ -4,20 +4,21 @@ decodes of which stream, in which calls, light and under load."""
 from s2tts.engine.codec_plan import Slice, StreamView, Take, plan_codec
 
 
-def view(key, undecoded=0, need=0, released=0, ended=False, closes=True, open=True, ended_at=None):
+def view(key, undecoded=0, need=0, released=0, ended=False, closes=True, open=True, ended_at=None, first_at=None):
     """A stream whose waiting chunks need `need` frames decoded (no audio held); `ended`: its final item routed (at
-    pass `ended_at`, 0 by default)."""
+    pass `ended_at`, 0 by default); `first_at`: the pass its first chunk was routed."""
     return StreamView(key, undecoded, waiting=need, audio=0, released=released, closes=closes, open=open,
-                      ended_at=(ended_at if ended_at is not None else 0) if ended else None)
+                      ended_at=(ended_at if ended_at is not None else 0) if ended else None, first_at=first_at)
 
 
 def whole(n, final):
     return [n]
 
 
-def plan(streams, passes=1, batch_steps=1, under_load=False, engine_idle=False, final_steps=0, slices=whole):
+def plan(streams, passes=1, batch_steps=1, under_load=False, engine_idle=False, final_steps=0, first_steps=0,
+         slices=whole):
     return plan_codec(streams, passes=passes, batch_steps=batch_steps, under_load=under_load, engine_idle=engine_idle,
-                      final_steps=final_steps, slices=slices)
+                      final_steps=final_steps, first_steps=first_steps, slices=slices)
 
 
 def test_light_load_decodes_what_the_waiting_chunks_need_all_streams_in_one_call():
@@ -65,6 +66,25 @@ def test_between_held_calls_only_requests_that_ended_final_steps_ago_are_decoded
     assert [t.key for t in p.takes] == [1] and p.takes[0].frames == 5
     assert [t.key for t in plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=0).takes] == [1, 2]
     assert not plan(streams, passes=10, batch_steps=8, under_load=True, final_steps=8).takes  # they wait for the held call
+
+
+def test_between_held_calls_a_first_chunk_due_is_decoded_with_the_finished_requests():
+    """A stream that has sent no audio, its first chunk complete since pass 9: decoded `first_steps` passes later (0:
+    at once) in the call of the requests that ended, with whole slices of K where it has them; never before its
+    chunk is complete, and with `first_steps` >= K only in the held call."""
+    streams = [view(1, undecoded=8, need=8, first_at=9, open=False),
+               view(2, undecoded=5, need=5, released=8, ended=True, ended_at=10),
+               view(3, undecoded=6, need=0, first_at=None, open=False),  # its first chunk not made yet
+               view(4, undecoded=7, need=7, released=8, first_at=2)]  # past its first chunk: the held call's
+    p = plan(streams, passes=10, batch_steps=8, under_load=True, first_steps=0)
+    assert p.takes == (Take(1, 8, opens=True, closes=False), Take(2, 5, opens=False, closes=True))
+    assert p.calls == ((Slice(1, 0, 8, start=True, final=False), Slice(2, 0, 5, start=False, final=True)),)
+    assert [t.key for t in plan(streams, passes=10, batch_steps=8, under_load=True, first_steps=2).takes] == [2]
+    assert [t.key for t in plan(streams, passes=11, batch_steps=8, under_load=True, first_steps=2).takes] == [1, 2]
+    assert [t.key for t in plan(streams, passes=15, batch_steps=8, under_load=True, first_steps=8).takes] == [2]
+    # alone, it is a call of its own; with both waits at K or more, nothing goes between held calls
+    assert [t.key for t in plan(streams[:1], passes=10, batch_steps=8, under_load=True).takes] == [1]
+    assert not plan(streams, passes=10, batch_steps=8, under_load=True, first_steps=8, final_steps=8).takes
 
 
 def test_a_take_the_codec_cannot_decode_in_one_length_goes_in_several_calls_in_order():

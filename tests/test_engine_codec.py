@@ -328,6 +328,34 @@ def test_a_finished_request_waits_at_most_codec_final_steps_for_its_last_audio(m
         assert any(all(final for *_, final in call) for call in calls), calls
 
 
+def test_a_first_chunk_waits_at_most_codec_first_steps_for_its_audio(model, prompts, tiny_ckpt, codec):
+    """Under load with held calls (codec_batch_steps=8), a stream's first chunk (3 frames: complete off the held
+    cadence) waits for the next held call with `codec_first_steps=8`; with 2 it waits at most 2 passes, with 0 none
+    (a call between the held ones). Each request's audio is still one seamless decode of its codes."""
+
+    def run(first_steps):
+        decoder = StreamDecoder(codec, pool_size=8)
+        svc = _service(model, tiny_ckpt, decoder, max_batch=8, codec_batch_steps=8, load_chunk_frames=0,
+                       codec_first_steps=first_steps, frame_seconds=codec_frame_seconds(tiny_ckpt))
+        svc.load.pace = lambda: 0.45
+        lengths = [19, 26, 33, 37]
+        rs = _serve_all(svc, prompts, lengths, 90, "First early", first_chunk_frames=3, chunk_frames=4)
+        for r, n in zip(rs, lengths):
+            assert all(kind == "ok" for kind, *_ in r.sent) and r.finals == 1 and r.sent[0][1].shape[0] == 3
+            codes = np.concatenate([c for _, c, _, _ in r.sent]).astype(np.int64)
+            assert codes.shape[0] == n
+            np.testing.assert_allclose(np.concatenate([a for *_, a in r.sent]), _whole(codec, codes), atol=1e-5,
+                                       rtol=0)
+        assert len(svc.loop.first_waits) == len(lengths) and svc.loop.loaded > 0 and decoder.states == {}
+        return svc.loop.first_waits
+
+    held = run(8)
+    assert max(held) > 2, held  # the held cadence is 8 passes: a chunk complete off it waited
+    for early in (2, 0):
+        waits = run(early)
+        assert max(waits) <= early, (early, waits, held)
+
+
 def test_a_short_first_chunk_is_followed_at_once_when_load_comes(model, prompts, tiny_ckpt, codec):
     """A stream whose first chunk (2 frames) was decoded before the load came: under load (held calls of 4-frame
     slices) its next chunk is still decoded as soon as it is complete, not when a whole slice is (its client holds

@@ -11,8 +11,9 @@ When to decode:
 - under load with `batch_steps` = K > 1: every K passes (or when the engine runs out of work), whole slices of K
   frames of every stream, so that one call of one length decodes all streams (a call's cost on a GPU is mostly per
   length, not per frame); between those passes, only the last frames of requests that ended `final_steps` passes
-  before (their clients' next requests wait for them); and at once when a stream that has sent fewer than K frames
-  of audio has a chunk complete (its client could run dry before the next held call).
+  before (their clients' next requests wait for them) and the first chunks complete `first_steps` passes before
+  (their clients wait for their first audio); and at once when a stream that has sent fewer than K frames of audio
+  has a chunk complete (its client could run dry before the next held call).
 A request's last frames are always decoded whole once its final item is routed; a stream it leaves open (a later
 request continues it) is not closed, and is opened (empty) by one that made no frames.
 """
@@ -36,6 +37,7 @@ class StreamView:
     closes: bool = True  # its codec stream closes with it (no later request continues it)
     open: bool = False  # the codec holds state for its stream (opened, or continued from an earlier request)
     ended_at: int | None = None  # the pass that routed its final item (the engine made its last frame)
+    first_at: int | None = None  # the pass that routed its first chunk (complete: its frames made)
 
     @property
     def need(self) -> int:
@@ -73,19 +75,22 @@ class CodecPlan(NamedTuple):
 
 
 def plan_codec(streams: list[StreamView], *, passes: int, batch_steps: int, under_load: bool, engine_idle: bool,
-               final_steps: int, slices: Callable[[int, bool], list[int]]) -> CodecPlan:
+               final_steps: int, first_steps: int, slices: Callable[[int, bool], list[int]]) -> CodecPlan:
     """The decoding of this pass (`passes`: the count of passes so far, this one included) -> `CodecPlan`.
     `slices(n, final)`: the codec's lengths for n frames of a stream (`StreamDecoder.slices`)."""
     K = max(1, batch_steps)
     held = K > 1 and under_load
     if not held or passes % K == 0 or engine_idle or _short_of_audio(streams, K):
         takes = [t for s in streams if (t := _take(s, K if held else 0))]
-    elif final_steps < K:  # between held calls: the requests that ended final_steps passes ago, alone
-        takes = [t for s in streams if s.ended_at is not None and passes - s.ended_at >= final_steps
-                 and (t := _take(s, K))]
-    else:
-        takes = []
+    else:  # between held calls: the requests that ended final_steps passes ago and the first chunks due, alone
+        takes = [t for s in streams if (_due(s.ended_at, passes, final_steps, K) or (
+                 not s.released and s.need > 0 and _due(s.first_at, passes, first_steps, K))) and (t := _take(s, K))]
     return CodecPlan(tuple(takes), _calls(takes, slices), held)
+
+
+def _due(at: int | None, passes: int, steps: int, K: int) -> bool:
+    """Whether what came at pass `at` has waited its `steps` for a held call (`steps` >= K: it always waits)."""
+    return at is not None and steps < K and passes - at >= steps
 
 
 def _short_of_audio(streams: list[StreamView], K: int) -> bool:

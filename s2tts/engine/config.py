@@ -40,6 +40,7 @@ class EngineConfig:
     launch_ahead: bool | None = _setting("launch_ahead")
     codec_batch_steps: int = _setting("codec_batch_steps")
     codec_final_steps: int = _setting("codec_final_steps")
+    codec_first_steps: int = _setting("codec_first_steps")
     codec_concurrent: bool | None = _setting("codec_concurrent")
     # tuning a benchmark or a test may change; no setting (None: decided from the device)
     decode_kernel: bool | None = None  # Triton attention over the paged cache (on a GPU)

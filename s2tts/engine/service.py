@@ -211,6 +211,7 @@ class EngineService:
         self.launch_ahead = on_gpu if c.launch_ahead is None else c.launch_ahead
         self.codec_concurrent = on_gpu if c.codec_concurrent is None else c.codec_concurrent
         self.codec_batch_steps, self.codec_final_steps = max(1, c.codec_batch_steps), c.codec_final_steps
+        self.codec_first_steps = c.codec_first_steps
         # switches a benchmark may turn off (perf/bench_loop.py): with steps launched ahead, the next one also
         # launched during a held codec call, behind it on the device (`_launch_behind_codec`); and at a light load
         # with the codec here, steps launched ahead too once every request in flight has sent audio
@@ -538,6 +539,7 @@ class EngineService:
         plan = plan_codec(views, passes=self.loop.passes, batch_steps=self.codec_batch_steps,
                           under_load=self.under_load(),
                           engine_idle=not self.engine.has_work(), final_steps=self.codec_final_steps,
+                          first_steps=self.codec_first_steps,
                           slices=self.codec.slices)
         if plan.takes:
             self._run_codec(plan)
@@ -574,6 +576,8 @@ class EngineService:
         self._decoding[rec.iid] = rec
         if item.kind == "final":
             st.counts.ended_at = self.loop.passes
+        elif st.counts.first_at is None:
+            st.counts.first_at = self.loop.passes
         return []
 
     def _run_codec(self, plan: CodecPlan) -> None:
@@ -665,6 +669,8 @@ class EngineService:
                 continue
             if st.first_audio_s is None:
                 st.first_audio_s = now - st.arrived
+                if st.counts is not None and st.counts.first_at is not None and len(self.loop.first_waits) < 100_000:
+                    self.loop.first_waits.append(self.loop.passes - st.counts.first_at)
             if item.kind == "final" and st.last_frame_at is not None and len(self.loop.tails) < 100_000:
                 self.loop.tails.append(now - st.last_frame_at)
                 if st.counts is not None and st.counts.ended_at is not None:

@@ -82,6 +82,7 @@ class LoopStats:
     firsts_early: int = 0
     tails: list = field(default_factory=list)  # seconds from a request's last frame to its final response handed out
     final_waits: list = field(default_factory=list)  # codec passes from a request's final item to its hand-out
+    first_waits: list = field(default_factory=list)  # codec passes from a request's first chunk to its hand-out
     since: float = 0.0
     every_s: float = 10.0
     last: LoopWindow | None = None
@@ -135,7 +136,7 @@ class LoopStats:
         self.loaded = self.live = self.waiting = self.firsts = self.firsts_early = 0
         self.step_s = self.rest_s = self.codec_wait_s = self.firsts_s = self.off_cpu_s = 0.0
         self.launch_s = self.wait_s = self.firsts_launch_s = self.firsts_wait_s = 0.0
-        self.tails, self.final_waits = [], []
+        self.tails, self.final_waits, self.first_waits = [], [], []
         self.since = now
 
 
