@@ -75,13 +75,19 @@ def test_between_held_calls_a_first_chunk_due_is_decoded_with_the_finished_reque
     streams = [view(1, undecoded=8, need=8, first_at=9, open=False),
                view(2, undecoded=5, need=5, released=8, ended=True, ended_at=10),
                view(3, undecoded=6, need=0, first_at=None, open=False),  # its first chunk not made yet
-               view(4, undecoded=7, need=7, released=8, first_at=2)]  # past its first chunk: the held call's
+               view(4, undecoded=8, need=8, released=16, first_at=2)]  # past its second chunk: the held call's
     p = plan(streams, passes=10, batch_steps=8, under_load=True, first_steps=0)
     assert p.takes == (Take(1, 8, opens=True, closes=False), Take(2, 5, opens=False, closes=True))
     assert p.calls == ((Slice(1, 0, 8, start=True, final=False), Slice(2, 0, 5, start=False, final=True)),)
     assert [t.key for t in plan(streams, passes=10, batch_steps=8, under_load=True, first_steps=2).takes] == [2]
     assert [t.key for t in plan(streams, passes=11, batch_steps=8, under_load=True, first_steps=2).takes] == [1, 2]
     assert [t.key for t in plan(streams, passes=15, batch_steps=8, under_load=True, first_steps=8).takes] == [2]
+    # its second chunk too, once complete: its client holds one chunk's audio, which a held call up to 2 K - 1
+    # passes away could outlast; from its third on, the held calls'
+    second = [view(5, undecoded=9, need=8, released=8, first_at=2), view(6, undecoded=9, need=8, released=16,
+                                                                          first_at=2)]
+    assert plan(second, passes=10, batch_steps=8, under_load=True).takes == (Take(5, 8, opens=False, closes=False),)
+    assert not plan(second, passes=10, batch_steps=8, under_load=True, first_steps=8).takes
     # alone, it is a call of its own; with both waits at K or more, nothing goes between held calls
     assert [t.key for t in plan(streams[:1], passes=10, batch_steps=8, under_load=True).takes] == [1]
     assert not plan(streams, passes=10, batch_steps=8, under_load=True, first_steps=8, final_steps=8).takes

@@ -6,6 +6,8 @@ requests; streams close on every way a request can end; a codec failure ends onl
 import threading
 import time
 
+from collections import defaultdict
+
 import numpy as np
 import pytest
 
@@ -354,6 +356,39 @@ def test_a_first_chunk_waits_at_most_codec_first_steps_for_its_audio(model, prom
     for early in (2, 0):
         waits = run(early)
         assert max(waits) <= early, (early, waits, held)
+
+
+def test_a_first_chunk_decoded_between_held_calls_is_followed_by_its_second_once_complete(model, prompts, tiny_ckpt,
+                                                                                           codec):
+    """With `codec_first_steps=0` under load (held calls of 8-frame slices, 8-frame first chunks), each stream's
+    first chunk is decoded the pass it is complete, and its second in the pass that completes it: 8 passes later,
+    not at the next held call (up to 15 passes after the first, longer than the first chunk's audio lasts at a
+    pace near 0.5). Later slices follow the held cadence. The audio is one seamless decode."""
+    decoder = StreamDecoder(codec, pool_size=8)
+    svc = _service(model, tiny_ckpt, decoder, max_batch=8, codec_batch_steps=8, codec_first_steps=0,
+                   max_prefill_tokens=16, frame_seconds=codec_frame_seconds(tiny_ckpt))  # prompts a few passes apart
+    svc.load.pace = lambda: 0.45
+    at, inner = defaultdict(list), decoder.decode_many
+
+    def decode_many(jobs, now, **kw):  # the pass each stream's slices were decoded in
+        for _, sid, codes, _, _ in jobs:
+            if codes.shape[0]:
+                at[sid].append((svc.loop.passes, codes.shape[0]))
+        return inner(jobs, now, **kw)
+
+    decoder.decode_many = decode_many
+    lengths = [30, 34, 38, 42]
+    rs = _serve_all(svc, prompts, lengths, 110, "Second soon", first_chunk_frames=8, chunk_frames=8)
+    assert len(at) == 4 and svc.loop.loaded > 0
+    for sid, slices in at.items():
+        (p1, n1), (p2, n2), (p3, _) = slices[:3]
+        assert n1 == n2 == 8 and p2 - p1 == 8, slices  # one frame a pass: complete 8 passes after the first
+        assert p3 % 8 == 0, slices  # the third: a held call's
+    for r, n in zip(rs, lengths):
+        assert all(kind == "ok" for kind, *_ in r.sent) and r.sent[0][1].shape[0] == 8
+        codes = np.concatenate([c for _, c, _, _ in r.sent]).astype(np.int64)
+        assert codes.shape[0] == n
+        np.testing.assert_allclose(np.concatenate([a for *_, a in r.sent]), _whole(codec, codes), atol=1e-5, rtol=0)
 
 
 def test_a_short_first_chunk_is_followed_at_once_when_load_comes(model, prompts, tiny_ckpt, codec):

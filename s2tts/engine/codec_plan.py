@@ -12,7 +12,7 @@ When to decode:
   frames of every stream, so that one call of one length decodes all streams (a call's cost on a GPU is mostly per
   length, not per frame); between those passes, only the last frames of requests that ended `final_steps` passes
   before (their clients' next requests wait for them) and the first chunks complete `first_steps` passes before
-  (their clients wait for their first audio); and at once when a stream that has sent fewer than K frames of audio
+  (their clients wait for their first audio), each followed by its second once complete; and at once when a stream that has sent fewer than K frames of audio
   has a chunk complete (its client could run dry before the next held call).
 A request's last frames are always decoded whole once its final item is routed; a stream it leaves open (a later
 request continues it) is not closed, and is opened (empty) by one that made no frames.
@@ -83,14 +83,21 @@ def plan_codec(streams: list[StreamView], *, passes: int, batch_steps: int, unde
     if not held or passes % K == 0 or engine_idle or _short_of_audio(streams, K):
         takes = [t for s in streams if (t := _take(s, K if held else 0))]
     else:  # between held calls: the requests that ended final_steps passes ago and the first chunks due, alone
-        takes = [t for s in streams if (_due(s.ended_at, passes, final_steps, K) or (
-                 not s.released and s.need > 0 and _due(s.first_at, passes, first_steps, K))) and (t := _take(s, K))]
+        takes = [t for s in streams if (_due(s.ended_at, passes, final_steps, K) or _early(s, passes, first_steps, K))
+                 and (t := _take(s, K))]
     return CodecPlan(tuple(takes), _calls(takes, slices), held)
 
 
 def _due(at: int | None, passes: int, steps: int, K: int) -> bool:
     """Whether what came at pass `at` has waited its `steps` for a held call (`steps` >= K: it always waits)."""
     return at is not None and steps < K and passes - at >= steps
+
+
+def _early(s: StreamView, passes: int, first_steps: int, K: int) -> bool:
+    """Whether a stream's chunk goes between held calls: its first, complete `first_steps` passes ago; and while
+    it has sent no more than K frames, its next one once complete (the first one's audio, decoded off the held
+    cadence, could run out before a held call up to 2 K - 1 passes away decodes the next)."""
+    return s.need > 0 and s.released <= K and _due(s.first_at, passes, first_steps, K)
 
 
 def _short_of_audio(streams: list[StreamView], K: int) -> bool:
