@@ -191,11 +191,11 @@ SETTINGS: tuple[Setting, ...] = (
             "audio, and its slot for that request); 0: in the step its request ends; `codec_batch_steps` or more: "
             "always the held call (fewer, larger codec calls, slots left idle meanwhile)", min=0, max=64),
     Setting("codec_first_steps", int, 8, ("slow_ar", "s2pro"), "with codec_in_engine, while calls are held "
-            "(`codec_batch_steps`): a stream's first chunk waits at most this many engine steps for the next held call, "
-            "then goes in a call between them (with the finished requests' last frames, if any), and its second chunk "
-            "once complete; 0: in the step it is complete: first audio sooner under load, at the cost of more, "
-            "smaller codec calls and less throughput; "
-            "`codec_batch_steps` or more (the default): always the held call", min=0, max=64),
+            "(`codec_batch_steps`): a stream's first chunk waits at most this many engine steps for the next held "
+            "call, then goes in a call between them (with the finished requests' last frames, if any), and its "
+            "second chunk once complete; 0: in the step it is complete: first audio sooner under load, at the cost "
+            "of more, smaller codec calls and less throughput; `codec_batch_steps` or more (the default): always "
+            "the held call", min=0, max=64),
     Setting("cuda_graphs", bool, None, ("slow_ar", "s2pro"), "CUDA graphs for the decode step; on by default on a GPU",
             auto=True),
     Setting("launch_ahead", bool, None, ("slow_ar", "s2pro"), "the engine keeps two steps in flight: it launches the "

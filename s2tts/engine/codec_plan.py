@@ -12,8 +12,9 @@ When to decode:
   frames of every stream, so that one call of one length decodes all streams (a call's cost on a GPU is mostly per
   length, not per frame); between those passes, only the last frames of requests that ended `final_steps` passes
   before (their clients' next requests wait for them) and the first chunks complete `first_steps` passes before
-  (their clients wait for their first audio), each followed by its second once complete; and at once when a stream that has sent fewer than K frames of audio
-  has a chunk complete (its client could run dry before the next held call).
+  (their clients wait for their first audio), each followed by its second once complete; and at once when a stream
+  that has sent fewer than K frames of audio has a chunk complete (its client could run dry before the next held
+  call).
 A request's last frames are always decoded whole once its final item is routed; a stream it leaves open (a later
 request continues it) is not closed, and is opened (empty) by one that made no frames.
 """
